@@ -1,0 +1,46 @@
+// The planner's model of a sequential network: a chain of stages with their
+// measured (or estimated) times and sizes. Torch-free: the runtime fills a
+// Chain from profiling; parameters and parameter gradients are not modeled.
+// The memory rules built on it are in docs/planner.md and schedule.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat::plan {
+
+/** One stage i of the chain: reads a_i, writes a_{i+1}. */
+struct Stage {
+  std::string name;
+  /** Time of one forward of the stage, ms (with or without saving). */
+  double forward_ms = 0;
+  /** Time of its backward, ms. */
+  double backward_ms = 0;
+  /** |a_{i+1}|: bytes of the stage's output (the next stage's input). */
+  int64_t output_bytes = 0;
+  /** |s_i|: bytes the stage keeps for backward when run with grad, INCLUDING
+   *  its output a_{i+1} and EXCLUDING its input a_i; >= output_bytes. */
+  int64_t saved_bytes = 0;
+  /** Extra bytes live only while the stage's forward runs. */
+  int64_t forward_tmp_bytes = 0;
+  /** Extra bytes live only while the stage's backward runs. */
+  int64_t backward_tmp_bytes = 0;
+};
+
+/** A chain of L >= 1 stages fed by a_0 (the chain input, owned by the caller). */
+struct Chain {
+  /** |a_0|: bytes of the chain input; always live, and the size of the gradient at boundary 0. */
+  int64_t input_bytes = 0;
+  std::vector<Stage> stages;
+
+  /** Number of stages L. */
+  int size() const { return static_cast<int>(stages.size()); }
+  /** |a_j| for j in [0, L]: input_bytes for j = 0, else stages[j-1].output_bytes. */
+  int64_t value_bytes(int j) const { return j == 0 ? input_bytes : stages[j - 1].output_bytes; }
+  /** Throws Error for an empty chain, a negative or non-finite size or time, or
+   *  saved_bytes < output_bytes; the message names the stage and the field. */
+  void validate() const;
+};
+
+}  // namespace remat::plan

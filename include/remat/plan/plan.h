@@ -1,0 +1,8 @@
+// Umbrella header of remat::plan, the torch-free checkpoint planner.
+#pragma once
+
+#include "remat/plan/chain.h"
+#include "remat/plan/error.h"
+#include "remat/plan/json.h"
+#include "remat/plan/schedule.h"
+#include "remat/plan/solve.h"

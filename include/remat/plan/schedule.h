@@ -1,0 +1,73 @@
+// Schedules (the op sequence a runtime executes one by one) and the exact
+// simulator that replays them against a Chain. Leaves out: what a runtime
+// does with tensors; here only liveness, bytes and time are tracked.
+//
+// NOTE [Op semantics] (the contract with the runtime; docs/planner.md has more)
+// State: live boundary values a_0..a_L, live saved sets s_0..s_{L-1}, one live
+// gradient. a_0 is live throughout. s_i covers a_{i+1}: while s_i is live,
+// a_{i+1} is live and counted inside saved_bytes, not again.
+//  - kForward(i):     needs a_i live and a_{i+1} not live; makes a_{i+1} live.
+//  - kForwardSave(i): same needs; makes a_{i+1} and s_i live.
+//  - kBackward(i):    needs i == next stage to backward (L-1 down to 0), s_i and
+//                     a_i live; makes grad_i live; frees s_i, a_{i+1}, grad_{i+1}.
+//  - kDrop(j):        1 <= j <= L; needs a_j live, s_{j-1} not live (a_j is part
+//                     of it) and s_j not live (backward(j) needs its input); frees a_j.
+// Also: no forward of a stage whose backward already ran; the forward phase
+// (ops before the first backward) ends with kForwardSave(L-1), immediately
+// followed by kBackward(L-1); the loss gradient grad_L (|a_L| bytes) is live
+// from the first backward on. At the end exactly a_0 and grad_0 are live.
+// Bytes during an op = bytes before it + what it allocates (|a_{i+1}| for a
+// forward, saved_bytes for a forward_save, |a_i| for grad_i in a backward) +
+// the op's temporaries. Peak = max over ops (and the initial |a_0|).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "remat/plan/chain.h"
+
+namespace remat::plan {
+
+enum class OpKind {
+  kForward,      ///< forward without saving; the output may be kept as a checkpoint
+  kForwardSave,  ///< forward saving everything the stage's backward needs
+  kBackward,     ///< backward of the stage
+  kDrop,         ///< free boundary value a_j (a checkpoint); stage = j
+};
+
+struct Op {
+  OpKind kind;
+  /** Stage index i for forwards and backward; boundary index j for kDrop. */
+  int stage;
+  friend bool operator==(const Op&, const Op&) = default;
+};
+
+/** "forward", "forward_save", "backward", "drop" (the JSON names). */
+const char* op_kind_name(OpKind kind);
+/** "forward_save(3)". */
+std::string to_string(const Op& op);
+
+struct Schedule {
+  std::vector<Op> ops;
+  friend bool operator==(const Schedule&, const Schedule&) = default;
+};
+
+struct Prediction {
+  /** Maximum bytes live at any moment, including a_0. */
+  int64_t peak_bytes = 0;
+  /** Sum of forward_ms over forward ops (both kinds) and backward_ms over backwards. */
+  double time_ms = 0;
+  /** Forward executions of all stages, both kinds. */
+  int64_t forward_executions = 0;
+  /** Forward executions per stage (size L). */
+  std::vector<int> forwards_per_stage;
+  /** Bytes live during each op (same length as the schedule's ops). */
+  std::vector<int64_t> op_bytes;
+};
+
+/** Replays the schedule exactly; throws Error naming op index, op and stage for
+ *  an invalid schedule (see NOTE [Op semantics]). Validates the chain. */
+Prediction simulate(const Chain& chain, const Schedule& schedule);
+
+}  // namespace remat::plan

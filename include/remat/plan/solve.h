@@ -1,0 +1,111 @@
+// Checkpointing algorithms: each returns a valid Schedule for a Chain plus the
+// simulator's prediction for it. Leaves out offload and op-level selective
+// recompute (the runtime's business); the memory model is the one in schedule.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "remat/plan/chain.h"
+#include "remat/plan/schedule.h"
+
+namespace remat::plan {
+
+struct Plan {
+  /** "store-all", "uniform:4", "sqrt", "greedy", "revolve:3", "optimal". */
+  std::string algorithm;
+  Schedule schedule;
+  /** simulate(chain, schedule). */
+  Prediction prediction;
+};
+
+/** Every stage forward_save'd once, then every backward: minimal time, maximal memory. */
+Plan store_all(const Chain& chain);
+
+/** torch.utils.checkpoint.checkpoint_sequential: k segments of L/k stages
+ *  (integer division; the last one takes the rest); all but the last segment
+ *  run without saving and keep only their input, the last one runs plain.
+ *  Requires 1 <= k; k > L is clamped to L. */
+Plan uniform(const Chain& chain, int segments);
+
+/** uniform(chain, round(sqrt(L))). */
+Plan sqrt_schedule(const Chain& chain);
+
+/** Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", greedy
+ *  segmentation: walking the chain, a stage's output becomes a segment boundary
+ *  once the saved bytes since the last boundary exceed a threshold. Searches the
+ *  threshold for the fastest schedule whose peak fits budget_bytes; throws
+ *  Error (naming greedy's smallest peak and the smallest feasible one) if none fits. */
+Plan greedy(const Chain& chain, int64_t budget_bytes);
+
+/** Griewank & Walther, ACM TOMS Algorithm 799 (Revolve): the binomial schedule
+ *  for `slots` checkpoint slots, a_0 occupying one. Uses step counts only, so it
+ *  is optimal for homogeneous chains and merely valid for others. slots >= 1. */
+Plan revolve(const Chain& chain, int slots);
+
+/** Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
+ *  heterogeneous chains" (rotor): minimal-time schedule, multi-level included,
+ *  by a dynamic program over memory discretized into memory_slots units
+ *  (sizes rounded up, so the simulated peak is always <= budget_bytes).
+ *  Throws Error naming the smallest feasible peak if no schedule fits. */
+Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots = 500);
+
+/** Smallest peak over all valid schedules (exact, no discretization). */
+int64_t min_feasible_peak_bytes(const Chain& chain);
+
+/** A schedule reaching min_feasible_peak_bytes (fastest among those the exact
+ *  min-peak recursion considers). */
+Plan min_memory(const Chain& chain);
+
+enum class Algorithm { kStoreAll, kUniform, kSqrt, kGreedy, kRevolve, kOptimal };
+
+/** What solve() runs; the algorithm is required, the rest has defaults. */
+struct SolveOptions {
+  explicit SolveOptions(Algorithm algorithm) : algorithm(algorithm) {}
+  Algorithm algorithm;
+  /** Memory budget in bytes for greedy and optimal (required by them). */
+  int64_t budget_bytes = -1;
+  /** Segments for uniform (default 4); slots for revolve (default 4). */
+  int param = 0;
+  /** Discretization of optimal's DP (default 500). */
+  int memory_slots = 500;
+
+  SolveOptions& with_budget_bytes(int64_t v) { budget_bytes = v; return *this; }
+  SolveOptions& with_param(int v) { param = v; return *this; }
+  SolveOptions& with_memory_slots(int v) { memory_slots = v; return *this; }
+};
+
+/** Parses "optimal", "greedy", "sqrt", "store-all", "uniform:K", "revolve:S"
+ *  (budget left unset). Throws Error naming the text. */
+SolveOptions parse_algorithm(std::string_view spec);
+
+/** Dispatches to the algorithm; throws Error if a needed budget is missing. */
+Plan solve(const Chain& chain, const SolveOptions& options);
+/** solve(chain, parse_algorithm(spec).with_budget_bytes(budget_bytes)). */
+Plan solve(const Chain& chain, std::string_view spec, int64_t budget_bytes = -1);
+
+struct ParetoPoint {
+  int64_t budget_bytes;
+  Plan plan;
+};
+
+/** The time/peak frontier of optimal(): budgets from min_feasible_peak_bytes to
+ *  the store-all peak (`points` of them, evenly spaced); only points not
+ *  dominated (lower peak or lower time than every other) are returned, by
+ *  increasing peak. */
+std::vector<ParetoPoint> pareto(const Chain& chain, int points = 24, int memory_slots = 500);
+
+/** Revolve's model as a Chain: `steps` unit stages (forward 1 ms, backward
+ *  0 ms) in which a boundary value costs 1 byte and a saved set `slots + 1`
+ *  bytes, plus the budget (2 * slots + 4 bytes) under which the feasible
+ *  schedules are exactly those keeping at most `slots` checkpoints (a_0
+ *  included) besides the state being advanced. See docs/planner.md. */
+struct HomogeneousProblem {
+  Chain chain;
+  int64_t budget_bytes;
+};
+HomogeneousProblem homogeneous_problem(int steps, int slots);
+
+}  // namespace remat::plan

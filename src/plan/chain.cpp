@@ -1,0 +1,109 @@
+// Chain validation and byte formatting/parsing. Leaves out JSON (json.cpp).
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "remat/plan/chain.h"
+#include "remat/plan/error.h"
+
+namespace remat::plan {
+namespace {
+
+std::string stage_label(const Chain& chain, int i) {
+  return "stage " + std::to_string(i) + " (\"" + chain.stages[i].name + "\")";
+}
+
+void check_size(const Chain& chain, int i, const char* field, int64_t v) {
+  if (v < 0)
+    throw Error("[remat::plan] chain: " + stage_label(chain, i) + ": " + field + " is negative (" +
+                std::to_string(v) + "); sizes are bytes >= 0.");
+}
+
+void check_time(const Chain& chain, int i, const char* field, double v) {
+  if (!std::isfinite(v) || v < 0) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    throw Error("[remat::plan] chain: " + stage_label(chain, i) + ": " + field + " is " + buf +
+                "; times are finite ms >= 0.");
+  }
+}
+
+}  // namespace
+
+void Chain::validate() const {
+  if (stages.empty()) throw Error("[remat::plan] chain: no stages; a chain needs at least one stage.");
+  if (input_bytes < 0)
+    throw Error("[remat::plan] chain: input_bytes is negative (" + std::to_string(input_bytes) +
+                "); sizes are bytes >= 0.");
+  for (int i = 0; i < size(); ++i) {
+    const Stage& s = stages[i];
+    check_time(*this, i, "forward_ms", s.forward_ms);
+    check_time(*this, i, "backward_ms", s.backward_ms);
+    check_size(*this, i, "output_bytes", s.output_bytes);
+    check_size(*this, i, "saved_bytes", s.saved_bytes);
+    check_size(*this, i, "forward_tmp_bytes", s.forward_tmp_bytes);
+    check_size(*this, i, "backward_tmp_bytes", s.backward_tmp_bytes);
+    if (s.saved_bytes < s.output_bytes)
+      throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": saved_bytes (" +
+                  std::to_string(s.saved_bytes) + ") < output_bytes (" + std::to_string(s.output_bytes) +
+                  "); the saved set includes the stage's output.");
+  }
+}
+
+std::string format_bytes(int64_t bytes) {
+  static const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  if (bytes > -1024 && bytes < 1024) return std::to_string(bytes) + " B";
+  double v = static_cast<double>(bytes);
+  int u = -1;
+  while ((v >= 1024 || v <= -1024) && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+int64_t parse_bytes(std::string_view text) {
+  auto fail = [&]() -> int64_t {
+    throw Error("[remat::plan] bytes: cannot parse \"" + std::string(text) +
+                "\"; expected a size like 536870912, 512MiB, 2GiB or 1.5GB.");
+  };
+  std::string s(text);
+  size_t pos = 0;
+  while (pos < s.size() && std::isspace(static_cast<unsigned char>(s[pos]))) ++pos;
+  size_t num_begin = pos;
+  while (pos < s.size() && (std::isdigit(static_cast<unsigned char>(s[pos])) || s[pos] == '.')) ++pos;
+  if (pos == num_begin) return fail();
+  std::string num = s.substr(num_begin, pos - num_begin);
+  if (num.find('.') != num.rfind('.') || num == ".") return fail();
+  while (pos < s.size() && std::isspace(static_cast<unsigned char>(s[pos]))) ++pos;
+  std::string unit;
+  for (; pos < s.size(); ++pos) {
+    if (std::isspace(static_cast<unsigned char>(s[pos]))) break;
+    unit += static_cast<char>(std::tolower(static_cast<unsigned char>(s[pos])));
+  }
+  while (pos < s.size() && std::isspace(static_cast<unsigned char>(s[pos]))) ++pos;
+  if (pos != s.size()) return fail();
+  double mult = 1;
+  if (unit.empty() || unit == "b") mult = 1;
+  else if (unit == "k" || unit == "kib") mult = 1024.0;
+  else if (unit == "m" || unit == "mib") mult = 1024.0 * 1024;
+  else if (unit == "g" || unit == "gib") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "t" || unit == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "kb") mult = 1e3;
+  else if (unit == "mb") mult = 1e6;
+  else if (unit == "gb") mult = 1e9;
+  else if (unit == "tb") mult = 1e12;
+  else return fail();
+  if (num.find('.') == std::string::npos && mult == 1) {
+    if (num.size() > 18) return fail();
+    return std::stoll(num);
+  }
+  double v = std::stod(num) * mult;
+  if (!(v < 9.2e18)) return fail();
+  return static_cast<int64_t>(std::floor(v));
+}
+
+}  // namespace remat::plan

@@ -1,0 +1,128 @@
+// The exact simulator: replays a Schedule against a Chain under the rules of
+// NOTE [Op semantics] (schedule.h). Leaves out everything but liveness, bytes
+// and time.
+#include <string>
+#include <vector>
+
+#include "remat/plan/error.h"
+#include "remat/plan/schedule.h"
+
+namespace remat::plan {
+
+const char* op_kind_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::kForward: return "forward";
+    case OpKind::kForwardSave: return "forward_save";
+    case OpKind::kBackward: return "backward";
+    case OpKind::kDrop: return "drop";
+  }
+  return "?";
+}
+
+std::string to_string(const Op& op) {
+  return std::string(op_kind_name(op.kind)) + "(" + std::to_string(op.stage) + ")";
+}
+
+Prediction simulate(const Chain& chain, const Schedule& schedule) {
+  chain.validate();
+  const int L = chain.size();
+  std::vector<char> live_a(L + 1, 0), live_s(L, 0);
+  live_a[0] = 1;
+  Prediction p;
+  p.forwards_per_stage.assign(L, 0);
+  p.op_bytes.reserve(schedule.ops.size());
+  int64_t cur = chain.input_bytes;
+  p.peak_bytes = cur;
+  int next_backward = L - 1;  // stages above it have had their backward
+  bool backward_started = false;
+  auto A = [&](int j) { return chain.value_bytes(j); };
+
+  for (size_t k = 0; k < schedule.ops.size(); ++k) {
+    const Op op = schedule.ops[k];
+    auto fail = [&](const std::string& why) {
+      std::string where = "[remat::plan] invalid schedule at op " + std::to_string(k) + ", " + to_string(op);
+      if (op.kind != OpKind::kDrop && op.stage >= 0 && op.stage < L)
+        where += " (stage \"" + chain.stages[op.stage].name + "\")";
+      throw Error(where + ": " + why);
+    };
+    const int i = op.stage;
+    if (!backward_started && live_s[L - 1] && op.kind != OpKind::kBackward)
+      fail("forward_save(" + std::to_string(L - 1) +
+           ") ends the forward phase; the next op must be backward(" + std::to_string(L - 1) + ").");
+    int64_t during = cur;
+    switch (op.kind) {
+      case OpKind::kForward:
+      case OpKind::kForwardSave: {
+        if (i < 0 || i >= L) fail("no such stage; stages are 0.." + std::to_string(L - 1) + ".");
+        if (i > next_backward) fail("stage " + std::to_string(i) + "'s backward already ran.");
+        if (!live_a[i])
+          fail("its input a_" + std::to_string(i) + " is not live (dropped or never computed).");
+        if (live_a[i + 1])
+          fail("its output a_" + std::to_string(i + 1) + " is already live; drop it first.");
+        const Stage& st = chain.stages[i];
+        const int64_t add = op.kind == OpKind::kForward ? st.output_bytes : st.saved_bytes;
+        during = cur + add + st.forward_tmp_bytes;
+        cur += add;
+        live_a[i + 1] = 1;
+        if (op.kind == OpKind::kForwardSave) live_s[i] = 1;
+        p.time_ms += st.forward_ms;
+        ++p.forward_executions;
+        ++p.forwards_per_stage[i];
+        break;
+      }
+      case OpKind::kBackward: {
+        if (i < 0 || i >= L) fail("no such stage; stages are 0.." + std::to_string(L - 1) + ".");
+        if (next_backward < 0) fail("every stage already had its backward.");
+        if (i != next_backward)
+          fail("backward out of order; backwards run from stage " + std::to_string(L - 1) +
+               " down to 0 and the next one is backward(" + std::to_string(next_backward) + ").");
+        if (!live_s[i])
+          fail("no saved set for stage " + std::to_string(i) + "; run forward_save(" + std::to_string(i) +
+               ") before its backward.");
+        if (!live_a[i]) fail("its input a_" + std::to_string(i) + " is not live (dropped or never computed).");
+        if (!backward_started) {
+          backward_started = true;
+          cur += A(L);  // the loss gradient
+        }
+        const Stage& st = chain.stages[i];
+        during = cur + A(i) + st.backward_tmp_bytes;
+        cur += A(i) - st.saved_bytes - A(i + 1);
+        live_s[i] = 0;
+        live_a[i + 1] = 0;
+        p.time_ms += st.backward_ms;
+        --next_backward;
+        break;
+      }
+      case OpKind::kDrop: {
+        if (i < 1 || i > L)
+          fail(i == 0 ? "a_0 is the chain input, owned by the caller; it cannot be dropped."
+                      : "no such value; droppable values are a_1..a_" + std::to_string(L) + ".");
+        if (!live_a[i]) fail("a_" + std::to_string(i) + " is not live.");
+        if (live_s[i - 1])
+          fail("a_" + std::to_string(i) + " is part of stage " + std::to_string(i - 1) +
+               "'s saved set; backward(" + std::to_string(i - 1) + ") frees it.");
+        if (i < L && live_s[i])
+          fail("a_" + std::to_string(i) + " is the input of stage " + std::to_string(i) +
+               ", whose saved set is live; backward(" + std::to_string(i) + ") needs it.");
+        live_a[i] = 0;
+        cur -= A(i);
+        break;
+      }
+      default:
+        fail("unknown op kind.");
+    }
+    p.op_bytes.push_back(during);
+    if (during > p.peak_bytes) p.peak_bytes = during;
+  }
+  if (next_backward >= 0)
+    throw Error("[remat::plan] invalid schedule: stage " + std::to_string(next_backward) + " (\"" +
+                chain.stages[next_backward].name + "\") was left without backward" +
+                (backward_started ? "." : "; the schedule has no backward at all."));
+  for (int j = 1; j <= L; ++j)
+    if (live_a[j])
+      throw Error("[remat::plan] invalid schedule: a_" + std::to_string(j) +
+                  " is still live at the end; drop it after its last use.");
+  return p;
+}
+
+}  // namespace remat::plan
