@@ -1,0 +1,46 @@
+// Google Benchmark of the planner's DP: optimal() for heterogeneous chains of
+// L stages at 500 memory slots, budget halfway between the smallest feasible
+// peak and the store-all peak. Leaves out the heuristics (microseconds).
+#include <benchmark/benchmark.h>
+
+#include <random>
+
+#include "remat/plan/plan.h"
+
+namespace rp = remat::plan;
+
+static rp::Chain bench_chain(int L) {
+  std::mt19937 rng(42);
+  std::uniform_int_distribution<int64_t> mib(1, 64);
+  std::uniform_real_distribution<double> ms(0.1, 5.0);
+  rp::Chain c;
+  c.input_bytes = mib(rng) << 20;
+  for (int i = 0; i < L; ++i) {
+    const int64_t out = mib(rng) << 20;
+    c.stages.push_back({"layer" + std::to_string(i), ms(rng), 2 * ms(rng), out, out + (mib(rng) << 20),
+                        (mib(rng) << 20) / 4, (mib(rng) << 20) / 4});
+  }
+  return c;
+}
+
+static void BM_Optimal(benchmark::State& state) {
+  const int L = static_cast<int>(state.range(0));
+  const int slots = static_cast<int>(state.range(1));
+  const rp::Chain c = bench_chain(L);
+  const int64_t lo = rp::min_feasible_peak_bytes(c), hi = rp::store_all(c).prediction.peak_bytes;
+  const int64_t budget = lo + (hi - lo) / 2;
+  for (auto _ : state) benchmark::DoNotOptimize(rp::optimal(c, budget, slots));
+  state.counters["stages"] = L;
+  state.counters["slots"] = slots;
+}
+BENCHMARK(BM_Optimal)->Args({32, 500})->Args({64, 500})->Args({128, 500})->Args({128, 1000})
+    ->Unit(benchmark::kMillisecond);
+
+static void BM_Simulate(benchmark::State& state) {
+  const rp::Chain c = bench_chain(128);
+  const rp::Plan p = rp::revolve(c, 8);
+  for (auto _ : state) benchmark::DoNotOptimize(rp::simulate(c, p.schedule));
+}
+BENCHMARK(BM_Simulate)->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_MAIN();

@@ -1,0 +1,248 @@
+// Tests of the algorithms: optimal() against an exhaustive search over all
+// schedules (exact bytes, tests/plan/exhaustive.h), feasibility and
+// monotonicity in the budget, optimal vs the heuristics, Revolve's counts in
+// the homogeneous model, and the infeasible-budget error. Leaves out the
+// simulator's own checks (simulate_test.cpp).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "exhaustive.h"
+#include "remat/plan/plan.h"
+
+namespace rp = remat::plan;
+
+namespace {
+
+/** Heterogeneous random chain; sizes are multiples of unit_bytes in [1, max_units]. */
+rp::Chain random_chain(std::mt19937& rng, int L, int64_t unit_bytes, int max_units, bool tmps) {
+  std::uniform_int_distribution<int> units(1, max_units), extra(0, max_units), tmp(0, max_units / 2);
+  std::uniform_real_distribution<double> ms(0.1, 5.0);
+  rp::Chain c;
+  c.input_bytes = units(rng) * unit_bytes;
+  for (int i = 0; i < L; ++i) {
+    rp::Stage s;
+    s.name = "s" + std::to_string(i);
+    s.forward_ms = std::round(ms(rng) * 100) / 100;
+    s.backward_ms = std::round(2 * ms(rng) * 100) / 100;
+    s.output_bytes = units(rng) * unit_bytes;
+    s.saved_bytes = s.output_bytes + extra(rng) * unit_bytes;
+    if (tmps) {
+      s.forward_tmp_bytes = tmp(rng) * unit_bytes;
+      s.backward_tmp_bytes = tmp(rng) * unit_bytes;
+    }
+    c.stages.push_back(s);
+  }
+  return c;
+}
+
+std::string error_of(auto&& fn) {
+  try {
+    fn();
+  } catch (const rp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+int64_t beta(int64_t c, int64_t r) {  // (c+r)! / (c! r!)
+  if (r < 0) return 0;
+  int64_t v = 1;
+  for (int64_t k = 1; k <= r; ++k) v = v * (c + k) / k;
+  return v;
+}
+
+int64_t revolve_t(int64_t l, int64_t c) {  // Griewank & Walther's minimal recomputations
+  if (l == 1) return 0;
+  int64_t r = 1;
+  while (!(beta(c, r - 1) < l && l <= beta(c, r))) ++r;
+  return r * l - beta(c + 1, r - 1);
+}
+
+}  // namespace
+
+// Exact comparison: sizes are small integers, so the DP's unit is the sizes'
+// gcd and its discretization is exact; the exhaustive searches use exact bytes.
+// Against the persistent class (checkpoints kept until their backward,
+// sweep intermediates dropped at once; see exhaustive.h) optimal must be equal.
+// Against all schedules it must never be better (its schedules are valid) and
+// may be worse: dropping a checkpoint early and recomputing it from an earlier
+// one is outside the DP's recursion.
+TEST(Optimal, EqualsExhaustiveSearchOnSmallChains) {
+  std::mt19937 rng(20240601);
+  int compared = 0, below_store_all = 0, beaten = 0;
+  double worst = 0;
+  for (int trial = 0; trial < 150; ++trial) {
+    const int L = 1 + trial % 7;
+    const rp::Chain c = random_chain(rng, L, 1, 12, trial % 3 != 0);
+    const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
+    const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
+    const int64_t min_peak = persistent.min_peak_bytes();
+    ASSERT_EQ(rp::min_feasible_peak_bytes(c), min_peak) << "trial " << trial;
+    ASSERT_EQ(all.min_peak_bytes(), min_peak) << "trial " << trial;
+    EXPECT_EQ(rp::min_memory(c).prediction.peak_bytes, min_peak) << "trial " << trial;
+    const int64_t all_peak = rp::store_all(c).prediction.peak_bytes;
+    EXPECT_TRUE(std::isinf(all.min_time_ms(min_peak - 1)));
+    EXPECT_NE(error_of([&] { rp::optimal(c, min_peak - 1); }).find("no schedule fits"), std::string::npos);
+    for (int k = 0; k <= 6; ++k) {
+      const int64_t budget = min_peak + (all_peak - min_peak) * k / 6 + (k == 1 ? 1 : 0);
+      const rp::Plan p = rp::optimal(c, budget);
+      ASSERT_NEAR(p.prediction.time_ms, persistent.min_time_ms(budget), 1e-9)
+          << "trial " << trial << " L " << L << " budget " << budget;
+      const double any = all.min_time_ms(budget);
+      ASSERT_GE(p.prediction.time_ms, any - 1e-9);
+      if (p.prediction.time_ms > any + 1e-9) {
+        ++beaten;
+        worst = std::max(worst, p.prediction.time_ms / any - 1);
+      }
+      EXPECT_LE(p.prediction.peak_bytes, budget);
+      ++compared;
+      below_store_all += budget < all_peak;
+    }
+  }
+  std::printf("optimal == exhaustive (persistent) on %d (chain, budget) pairs, %d below the store-all peak; "
+              "all schedules beat it in %d (by <= %.1f%%)\n",
+              compared, below_store_all, beaten, 100 * worst);
+}
+
+TEST(Optimal, FeasibleAndMonotoneInBudget) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 12; ++trial) {
+    // Exact unit (MiB multiples) and arbitrary byte sizes (rounded discretization).
+    const bool exact = trial % 2 == 0;
+    rp::Chain c = random_chain(rng, 8 + 3 * trial, exact ? (1 << 20) : 1, exact ? 16 : 1 << 30, true);
+    const int64_t lo = rp::min_feasible_peak_bytes(c), hi = rp::store_all(c).prediction.peak_bytes;
+    double last_ms = std::numeric_limits<double>::infinity();
+    for (int k = 0; k <= 20; ++k) {
+      const int64_t budget = lo + (hi - lo) * k / 20;
+      const rp::Plan p = rp::optimal(c, budget);
+      EXPECT_LE(p.prediction.peak_bytes, budget) << "trial " << trial << " k " << k;
+      if (exact) {
+        EXPECT_LE(p.prediction.time_ms, last_ms + 1e-9) << "trial " << trial << " k " << k;
+      }
+      last_ms = p.prediction.time_ms;
+    }
+  }
+}
+
+TEST(Optimal, NeverSlowerThanHeuristicsAtTheirPeak) {
+  std::mt19937 rng(99);
+  int compared = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    const rp::Chain c = random_chain(rng, 6 + 4 * trial, 1 << 20, 20, trial % 2 == 1);
+    std::vector<rp::Plan> heuristics{rp::store_all(c), rp::sqrt_schedule(c)};
+    for (int k = 2; k <= 5; ++k) heuristics.push_back(rp::uniform(c, k));
+    for (int s = 1; s <= 4; ++s) heuristics.push_back(rp::revolve(c, s));
+    const int64_t hi = rp::store_all(c).prediction.peak_bytes, lo = rp::min_feasible_peak_bytes(c);
+    for (int k = 1; k <= 3; ++k) {
+      try {
+        heuristics.push_back(rp::greedy(c, lo + (hi - lo) * k / 4));
+      } catch (const rp::Error&) {
+      }
+    }
+    for (const rp::Plan& h : heuristics) {
+      const rp::Plan o = rp::optimal(c, h.prediction.peak_bytes);
+      EXPECT_LE(o.prediction.time_ms, h.prediction.time_ms + 1e-9) << h.algorithm << " trial " << trial;
+      EXPECT_LE(o.prediction.peak_bytes, h.prediction.peak_bytes);
+      ++compared;
+    }
+  }
+  std::printf("optimal <= heuristic time at the heuristic's peak in %d cases\n", compared);
+}
+
+TEST(Heuristics, SchedulesMatchTheirDefinitions) {
+  rp::Chain c;
+  c.input_bytes = 8;
+  for (int i = 0; i < 10; ++i) c.stages.push_back({"l" + std::to_string(i), 1, 2, 8, 16, 0, 0});
+  const rp::Plan all = rp::store_all(c);
+  EXPECT_EQ(all.prediction.forward_executions, 10);
+  EXPECT_DOUBLE_EQ(all.prediction.time_ms, 30);
+  // checkpoint_sequential(10 stages, 4 segments): segments of 2, the last of 4 runs plain.
+  const rp::Plan u = rp::uniform(c, 4);
+  EXPECT_EQ(u.prediction.forwards_per_stage, (std::vector<int>{2, 2, 2, 2, 2, 2, 1, 1, 1, 1}));
+  EXPECT_EQ(rp::sqrt_schedule(c).prediction.forwards_per_stage,
+            (std::vector<int>{2, 2, 2, 2, 2, 2, 1, 1, 1, 1}));  // round(sqrt(10)) = 3 segments of 3, last 4
+  EXPECT_EQ(rp::sqrt_schedule(c).algorithm, "sqrt");
+  EXPECT_EQ(rp::uniform(c, 1).prediction.forward_executions, 10);
+  EXPECT_EQ(rp::uniform(c, 50).prediction.forward_executions, 19);
+  EXPECT_LT(u.prediction.peak_bytes, all.prediction.peak_bytes);
+  // Greedy fits the budget it is given and is no faster than store-all.
+  const rp::Plan g = rp::greedy(c, u.prediction.peak_bytes);
+  EXPECT_LE(g.prediction.peak_bytes, u.prediction.peak_bytes);
+  EXPECT_LE(g.prediction.time_ms, u.prediction.time_ms);
+  EXPECT_EQ(error_of([&] { rp::greedy(c, 50); }),
+            "[remat::plan] greedy: no segmentation fits in 50 B; greedy's smallest peak is 88 B and the smallest "
+            "feasible peak is " + rp::format_bytes(rp::min_feasible_peak_bytes(c)) +
+                ". Raise memory_budget_bytes or use the optimal algorithm.");
+  EXPECT_EQ(error_of([&] { rp::uniform(c, 0); }), "[remat::plan] uniform: segments is 0; it must be >= 1.");
+  EXPECT_EQ(error_of([&] { rp::revolve(c, 0); }),
+            "[remat::plan] revolve: slots is 0; it must be >= 1 (a_0 occupies one).");
+}
+
+TEST(Optimal, BudgetTooSmallNamesTheSmallestFeasiblePeak) {
+  rp::Chain c;
+  c.input_bytes = int64_t{1} << 28;
+  for (int i = 0; i < 6; ++i) c.stages.push_back({"b" + std::to_string(i), 1, 2, int64_t{1} << 28, int64_t{3} << 28, 0, 0});
+  const int64_t min_peak = rp::min_feasible_peak_bytes(c);
+  EXPECT_EQ(min_peak, int64_t{7} << 28);  // a_0 + a_1 + s_1 + grad_2 + grad_1, or the like: 1.75 GiB
+  EXPECT_EQ(error_of([&] { rp::optimal(c, int64_t{3} << 29); }),
+            "[remat::plan] no schedule fits in 1.50 GiB; the smallest feasible peak is 1.75 GiB. Raise "
+            "memory_budget_bytes or allow offload.");
+  EXPECT_EQ(rp::optimal(c, min_peak).prediction.peak_bytes, min_peak);
+  EXPECT_EQ(error_of([&] { rp::optimal(c, min_peak - 1); }),
+            "[remat::plan] no schedule fits in 1.75 GiB (1879048191 bytes); the smallest feasible peak is 1.75 GiB "
+            "(1879048192 bytes). Raise memory_budget_bytes or allow offload.");
+}
+
+TEST(Optimal, DiscretizationFallsBackToAFeasibleSchedule) {
+  // Coarse discretization (2 slots) rejects what exact bytes allow; the budget
+  // is still met because optimal() falls back to the exact min-peak schedule.
+  std::mt19937 rng(3);
+  const rp::Chain c = random_chain(rng, 12, 1, 1000003, true);
+  const int64_t min_peak = rp::min_feasible_peak_bytes(c);
+  const rp::Plan p = rp::optimal(c, min_peak, 2);
+  EXPECT_EQ(p.prediction.peak_bytes, min_peak);
+}
+
+TEST(Homogeneous, RevolveAndOptimalMatchGriewankWalther) {
+  int checked = 0;
+  for (int C = 1; C <= 8; ++C) {
+    for (int L = 1; L <= 100; ++L) {
+      const int64_t want = L + revolve_t(L, C);
+      const rp::HomogeneousProblem h = rp::homogeneous_problem(L, C);
+      ASSERT_EQ(rp::revolve(h.chain, C).prediction.forward_executions, want) << "L " << L << " C " << C;
+      const rp::Plan o = rp::optimal(h.chain, h.budget_bytes);
+      ASSERT_EQ(o.prediction.forward_executions, want) << "L " << L << " C " << C;
+      ASSERT_LE(rp::revolve(h.chain, C).prediction.peak_bytes, h.budget_bytes) << "L " << L << " C " << C;
+      ++checked;
+    }
+  }
+  std::printf("revolve and optimal give L + t(L, C) forwards for %d (L, C) pairs\n", checked);
+}
+
+TEST(Solve, DispatchesByName) {
+  rp::Chain c;
+  c.input_bytes = 4;
+  for (int i = 0; i < 9; ++i) c.stages.push_back({"x" + std::to_string(i), 1, 1, 4, 12, 0, 0});
+  EXPECT_EQ(rp::solve(c, "store-all").algorithm, "store-all");
+  EXPECT_EQ(rp::solve(c, "uniform:3").algorithm, "uniform:3");
+  EXPECT_EQ(rp::solve(c, "revolve:2").algorithm, "revolve:2");
+  EXPECT_EQ(rp::solve(c, "sqrt").algorithm, "sqrt");
+  EXPECT_EQ(rp::solve(c, "optimal", 80).algorithm, "optimal");
+  EXPECT_EQ(rp::solve(c, "greedy", 200).algorithm, "greedy");
+  EXPECT_EQ(error_of([&] { rp::solve(c, "optimal"); }),
+            "[remat::plan] optimal: needs a memory budget; set budget_bytes.");
+  EXPECT_EQ(error_of([&] { rp::solve(c, "magic"); }),
+            "[remat::plan] algorithm: unknown \"magic\"; expected optimal, greedy, sqrt, store-all, uniform:K or "
+            "revolve:S.");
+  EXPECT_EQ(error_of([&] { rp::solve(c, "uniform:x"); }),
+            "[remat::plan] algorithm: \"uniform:x\" needs a positive integer after ':'.");
+  const auto front = rp::pareto(c, 12);
+  ASSERT_GE(front.size(), 2u);
+  for (size_t k = 1; k < front.size(); ++k) {
+    EXPECT_GT(front[k].plan.prediction.peak_bytes, front[k - 1].plan.prediction.peak_bytes);
+    EXPECT_LT(front[k].plan.prediction.time_ms, front[k - 1].plan.prediction.time_ms);
+  }
+}
