@@ -1,6 +1,6 @@
 // Google Benchmark of the planner's DP: optimal() for heterogeneous chains of
-// L stages at 500 memory slots, budget halfway between the smallest feasible
-// peak and the store-all peak. Leaves out the heuristics (microseconds).
+// L stages at 500 memory slots, budgets between the smallest feasible peak and
+// the store-all peak. Leaves out the heuristics (microseconds).
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -28,12 +28,15 @@ static void BM_Optimal(benchmark::State& state) {
   const int slots = static_cast<int>(state.range(1));
   const rp::Chain c = bench_chain(L);
   const int64_t lo = rp::min_feasible_peak_bytes(c), hi = rp::store_all(c).prediction.peak_bytes;
-  const int64_t budget = lo + (hi - lo) / 2;
+  const int64_t budget = lo + (hi - lo) * state.range(2) / 100;
   for (auto _ : state) benchmark::DoNotOptimize(rp::optimal(c, budget, slots));
   state.counters["stages"] = L;
   state.counters["slots"] = slots;
+  state.counters["budget_pct"] = static_cast<double>(state.range(2));
 }
-BENCHMARK(BM_Optimal)->Args({32, 500})->Args({64, 500})->Args({128, 500})->Args({128, 1000})
+// Budget: min feasible peak + pct% of the way to the store-all peak.
+BENCHMARK(BM_Optimal)->Args({32, 500, 50})->Args({64, 500, 50})->Args({128, 500, 50})->Args({128, 500, 10})
+    ->Args({128, 500, 2})->Args({128, 1000, 10})->Args({256, 500, 10})
     ->Unit(benchmark::kMillisecond);
 
 static void BM_Simulate(benchmark::State& state) {

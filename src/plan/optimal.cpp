@@ -27,7 +27,10 @@
 namespace remat::plan {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
+/** The DP's time type: float halves the table's memory traffic (the DP is
+ *  bandwidth-bound) at a relative precision of ~6e-8 on times. */
+using Cost = float;
+constexpr Cost kInf = std::numeric_limits<Cost>::infinity();
 
 struct Dp {
   int L = 0;
@@ -36,9 +39,11 @@ struct Dp {
   std::vector<int32_t> sv;  // saved_bytes in slots
   std::vector<int32_t> ft, bt;
   std::vector<double> f, b;
-  std::vector<double> cost;       // (row, m) -> minimal time, kInf if infeasible
-  std::vector<int16_t> choice;    // -1: option A (or the base case), else s'
+  std::vector<Cost> cost;         // (row, m) -> minimal time, kInf if infeasible
   std::vector<int32_t> need;      // row -> smallest feasible m (M + 1 if none)
+  std::vector<int32_t> sat;       // row -> m from which store-all (option A all the way) fits
+  // No argmin table: emit() re-evaluates the options of the few cells it visits,
+  // which keeps the inner loop a plain vectorizable min.
 
   size_t row(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
   int dst(int t) const { return t == L - 1 ? 0 : a[t + 1]; }
@@ -47,46 +52,46 @@ struct Dp {
     const size_t width = static_cast<size_t>(M) + 1;
     const size_t rows = static_cast<size_t>(L) * (L + 1) / 2;
     cost.assign(rows * width, kInf);
-    choice.assign(rows * width, -1);
     need.assign(rows, M + 1);
+    sat.assign(rows, 0);
     for (int d = 0; d < L; ++d) {
       for (int s = 0; s + d < L; ++s) {
         const int t = s + d;
         const size_t r = row(s, t);
-        double* out = &cost[r * width];
-        int16_t* ch = &choice[r * width];
+        Cost* out = &cost[r * width];
         const int D = dst(t);
         // Option A (and the base case s == t).
         {
           int lo = std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]);
-          const double fb = f[s] + b[s];
+          sat[r] = d == 0 ? lo : std::max(lo, sv[s] + sat[row(s + 1, t)]);
+          const Cost fb = static_cast<Cost>(f[s] + b[s]);
           if (d == 0) {
             for (int m = lo; m <= M; ++m) out[m] = fb;
           } else {
             const size_t rc = row(s + 1, t);
             lo = std::max(lo, need[rc] + sv[s]);
-            const double* child = &cost[rc * width] - sv[s];
+            const Cost* child = &cost[rc * width] - sv[s];
             for (int m = lo; m <= M; ++m) out[m] = fb + child[m];
           }
         }
-        // Option B(s2): checkpoint a_{s2}.
+        // Option B(s2): checkpoint a_{s2}. From m = sat on, option A already
+        // gives the least possible time (each stage forward and backward once).
+        const int hi = std::min(M, sat[r] - 1);
         int sweep_peak = 0;
         double sweep_ms = 0;
         for (int s2 = s + 1; s2 <= t; ++s2) {
           const int k = s2 - 1;
           sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
           sweep_ms += f[k];
-          if (sweep_peak > M) break;
+          if (sweep_peak > hi) break;
           const size_t rr = row(s2, t), rl = row(s, s2 - 1);
           const int lo = std::max({sweep_peak, need[rr] + a[s2], need[rl]});
-          const double* right = &cost[rr * width] - a[s2];
-          const double* left = &cost[rl * width];
-          const int16_t tag = static_cast<int16_t>(s2);
-          for (int m = lo; m <= M; ++m) {
-            const double c = sweep_ms + right[m] + left[m];
-            const bool better = c < out[m];
-            out[m] = better ? c : out[m];
-            ch[m] = better ? tag : ch[m];
+          const Cost* right = &cost[rr * width] - a[s2];
+          const Cost* left = &cost[rl * width];
+          const Cost sweep = static_cast<Cost>(sweep_ms);
+          for (int m = lo; m <= hi; ++m) {
+            const Cost c = sweep + right[m] + left[m];
+            out[m] = c < out[m] ? c : out[m];
           }
         }
         int first = 0;
@@ -96,10 +101,33 @@ struct Dp {
     }
   }
 
+  /** The option run() kept for (s, t, m): -1 for A (or the base), else s'.
+   *  Same arithmetic in the same order as run(), so the match is exact. */
+  int choice(int s, int t, int m) const {
+    const size_t width = static_cast<size_t>(M) + 1;
+    const Cost target = cost[row(s, t) * width + m];
+    const int D = dst(t);
+    if (s == t) return -1;
+    if (m >= std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]) && m - sv[s] >= 0 &&
+        static_cast<Cost>(f[s] + b[s]) + cost[row(s + 1, t) * width + (m - sv[s])] == target)
+      return -1;
+    int sweep_peak = 0;
+    double sweep_ms = 0;
+    for (int s2 = s + 1; s2 <= t; ++s2) {
+      const int k = s2 - 1;
+      sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
+      sweep_ms += f[k];
+      if (sweep_peak > m) break;
+      if (m - a[s2] < 0) continue;
+      const Cost c = static_cast<Cost>(sweep_ms) + cost[row(s2, t) * width + (m - a[s2])] + cost[row(s, s2 - 1) * width + m];
+      if (c == target) return s2;
+    }
+    throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
+  }
+
   void emit(std::vector<Op>& ops, int s, int t, int m) const {
     while (true) {
-      const size_t r = row(s, t);
-      const int c = choice[r * (static_cast<size_t>(M) + 1) + m];
+      const int c = choice(s, t, m);
       if (c < 0) {
         ops.push_back({OpKind::kForwardSave, s});
         if (s < t) emit(ops, s + 1, t, m - sv[s]);
@@ -248,7 +276,7 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots) {
   Dp dp;
   dp.L = L;
   dp.M = static_cast<int>(span / unit);
-  const size_t table_bytes = static_cast<size_t>(L) * (L + 1) / 2 * (dp.M + 1) * (sizeof(double) + 2);
+  const size_t table_bytes = static_cast<size_t>(L) * (L + 1) / 2 * (dp.M + 1) * sizeof(Cost);
   if (table_bytes > (size_t{4} << 30))
     throw Error("[remat::plan] optimal: the DP table for " + std::to_string(L) + " stages and " +
                 std::to_string(dp.M) + " memory slots needs " + format_bytes(static_cast<int64_t>(table_bytes)) +
