@@ -1,0 +1,201 @@
+// remat::checkpoint: non-reentrant activation checkpointing for any callable
+// (see DESIGN.md, "Non-reentrant checkpoint"), and checkpoint_sequential
+// with torch.utils.checkpoint.checkpoint_sequential's segment semantics.
+//
+// The region's forward runs once with grad enabled under saved-tensor hooks
+// that keep a handle instead of each saved tensor; parameters and the
+// region's own inputs are referenced, never copied. The first unpack in
+// backward re-runs fn (RNG, autocast state and module buffers as in the
+// first run) and stops once every still-needed tensor exists.
+// Leaves out: the reentrant variant (DESIGN.md says why).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <remat/error.h>
+#include <remat/hooks.h>
+
+namespace torch::nn {
+class Sequential;
+}  // namespace torch::nn
+
+namespace remat {
+
+/** What recomputation compares against the first run. */
+enum class DeterminismCheck {
+  kNone,      ///< nothing
+  kMetadata,  ///< shape, dtype and device of every recomputed tensor
+  kValues,    ///< metadata and bitwise values (hash taken at forward; slow)
+};
+
+struct CheckpointOptions {
+  /** Replay the CPU RNG state (and that of CUDA devices holding inputs) in
+   *  recompute, so dropout masks match the first run. Default true. */
+  TORCH_ARG(bool, preserve_rng_state) = true;
+  /** Default kMetadata. */
+  TORCH_ARG(DeterminismCheck, determinism_check) = DeterminismCheck::kMetadata;
+  /** Stop recomputing as soon as every needed tensor exists. Default true. */
+  TORCH_ARG(bool, early_stop) = true;
+};
+
+/** Process-wide counters, for tests and telemetry. */
+struct CheckpointStats {
+  int64_t regions = 0;         ///< checkpointed forward calls
+  int64_t recomputations = 0;  ///< re-runs of a region's function
+  int64_t early_stops = 0;     ///< re-runs cut short by early stop
+};
+CheckpointStats checkpoint_stats();
+void reset_checkpoint_stats();
+
+/** True on a thread that is re-running a checkpointed function (e.g. to
+ *  skip side effects such as logging or counters). */
+bool is_recomputing();
+
+namespace detail {
+
+struct Frame;
+using RecomputeFn = std::function<void(const std::vector<at::Tensor>&)>;
+
+/** What a checkpoint knows of a module fn: its parameters (version-checked
+ *  before each recompute) and buffers (restored after it, so BatchNorm
+ *  statistics are updated once per step as in a plain run). */
+struct ModuleState {
+  std::vector<at::Tensor> parameters;
+  std::vector<at::Tensor> buffers;
+};
+
+/** True when a checkpoint would save anything (grad mode on, not inference
+ *  mode); otherwise checkpoint() just calls fn. */
+bool should_checkpoint();
+
+/** One checkpointed forward: saves the inputs (through any outer hooks, so
+ *  nested checkpoints free their inputs too), captures RNG/autocast state and
+ *  pushes the checkpoint hooks until destroyed. */
+class Region {
+ public:
+  Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs,
+         RecomputeFn recompute, ModuleState state);
+  ~Region();
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+
+ private:
+  std::shared_ptr<Frame> frame_;
+  std::unique_ptr<ScopedHooks> scope_;
+};
+
+template <class T>
+void collect(std::vector<at::Tensor>& out, const T& v) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    out.push_back(v);
+  } else if constexpr (std::is_same_v<T, std::vector<at::Tensor>>) {
+    out.insert(out.end(), v.begin(), v.end());
+  }
+}
+
+template <class T>
+void blank(T& v) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    v = at::Tensor();
+  } else if constexpr (std::is_same_v<T, std::vector<at::Tensor>>) {
+    for (auto& t : v) t = at::Tensor();
+  }
+}
+
+template <class T>
+void fill(T& v, const std::vector<at::Tensor>& in, size_t& k) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    v = in[k++];
+  } else if constexpr (std::is_same_v<T, std::vector<at::Tensor>>) {
+    for (auto& t : v) t = in[k++];
+  }
+}
+
+/** Calls a module holder's (or module pointer's) forward(), or a callable. */
+template <class F, class... A>
+decltype(auto) call(F& f, A&&... a) {
+  if constexpr (requires { f->forward(std::forward<A>(a)...); }) {
+    return f->forward(std::forward<A>(a)...);
+  } else {
+    return std::invoke(f, std::forward<A>(a)...);
+  }
+}
+
+/** A module holder's parameters and buffers; nothing for plain callables. */
+template <class F>
+ModuleState module_state_of(F& f) {
+  if constexpr (requires { f->buffers(); f->parameters(); }) {
+    return {f->parameters(), f->buffers()};
+  } else {
+    return {};
+  }
+}
+
+/** checkpoint() with the module state given explicitly. */
+template <class Fn, class... Args>
+auto checkpoint_impl(const CheckpointOptions& options, ModuleState state, Fn&& fn,
+                     Args&&... args) {
+  static_assert(std::is_copy_constructible_v<std::decay_t<Fn>>,
+                "remat::checkpoint keeps a copy of fn for the recompute: fn must be copyable");
+  if (!should_checkpoint()) return call(fn, std::forward<Args>(args)...);
+  std::vector<at::Tensor> inputs;
+  (collect(inputs, args), ...);
+  using Stored = std::tuple<std::decay_t<Fn>, std::decay_t<Args>...>;
+  auto stored = std::make_shared<Stored>(fn, args...);
+  // The stored copy holds no tensors between runs: inputs live in the frame.
+  std::apply([](auto&, auto&... a) { (blank(a), ...); }, *stored);
+  RecomputeFn recompute = [stored](const std::vector<at::Tensor>& in) {
+    std::apply(
+        [&](auto& f, auto&... a) {
+          size_t k = 0;
+          (fill(a, in, k), ...);
+          struct Reblank {
+            Stored* s;
+            ~Reblank() { std::apply([](auto&, auto&... b) { (blank(b), ...); }, *s); }
+          } reblank{stored.get()};
+          call(f, a...);
+        },
+        *stored);
+  };
+  Region region(options, inputs, std::move(recompute), std::move(state));
+  return call(fn, std::forward<Args>(args)...);
+}
+
+}  // namespace detail
+
+/** Checkpoints fn(args...): see the file comment. Tensors among args (also
+ *  inside std::vector<at::Tensor>) are the region's inputs; other args are
+ *  copied and passed again to the recompute. fn must be copyable; a module
+ *  holder is called through forward() and its buffers are restored after
+ *  each recompute. Returns what fn returns (Tensor, tuple, vector...). */
+template <class Fn, class... Args>
+auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args) {
+  return detail::checkpoint_impl(options, detail::module_state_of(fn), std::forward<Fn>(fn),
+                                 std::forward<Args>(args)...);
+}
+
+/** checkpoint() with default CheckpointOptions. */
+template <class Fn, class... Args>
+  requires(!std::is_same_v<std::decay_t<Fn>, CheckpointOptions>)
+auto checkpoint(Fn&& fn, Args&&... args) {
+  return checkpoint(CheckpointOptions(), std::forward<Fn>(fn), std::forward<Args>(args)...);
+}
+
+/** PyTorch's checkpoint_sequential: splits seq into `segments` segments of
+ *  size(seq)/segments modules, checkpoints all but the last, which runs
+ *  plain. segments must be in [1, size(seq)]. Each module takes and returns
+ *  one Tensor. */
+at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segments,
+                                 const at::Tensor& x,
+                                 const CheckpointOptions& options = CheckpointOptions());
+
+}  // namespace remat

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what remat needs on a fresh Debian 12 machine; idempotent and fast
+# when everything is present. Debian packages via apt-get (as root), LibTorch
+# via pip (torch==2.13.0, CPU wheel) into a venv outside the repository.
+set -euo pipefail
+VENV="${REMAT_VENV:-$HOME/.cache/remat/venv}"
+TORCH_VERSION="${REMAT_TORCH_VERSION:-2.13.0}"
+
+pkgs=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev
+      libbenchmark-dev nlohmann-json3-dev libcli11-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] apt-get install ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
+  echo "[setup] creating $VENV with torch==$TORCH_VERSION"
+  mkdir -p "$(dirname "$VENV")"
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -c "import torch" || { echo "[setup] torch install failed" >&2; exit 1; }
+fi
+# matplotlib draws the demo's chart; optional: the demo skips the chart without it.
+"$VENV/bin/python" -c "import matplotlib" 2>/dev/null || \
+  "$VENV/bin/pip" install -q --disable-pip-version-check matplotlib 2>&1 | grep -v "^WARNING: Location" || true

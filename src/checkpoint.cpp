@@ -1,0 +1,462 @@
+// The non-reentrant checkpoint runtime: a Frame per checkpointed call, the
+// hooks that save handles in forward and refill them by recomputation.
+// NOTE [checkpoint frames]: each saved tensor gets a Slot, in save order.
+// kRef slots (parameters and views of them) and kInput slots (the region's
+// own inputs) hold no extra memory; kRecompute slots are empty after forward
+// and are filled, all at once and in the same order, by re-running fn under a
+// RecomputeHook. unpack moves the value out, so each recomputed tensor lives
+// only until autograd has used it; a slot whose node is released is dropped.
+#include <remat/checkpoint.h>
+
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <sstream>
+
+namespace remat {
+namespace {
+
+std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0};
+thread_local int t_recompute_depth = 0;
+
+/** Thrown by the recompute hook once every needed tensor exists. Not a
+ *  std::exception, so nothing on the way up wraps or reports it. */
+struct StopRecompute {};
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << sizes;
+  return os.str();
+}
+
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+  c10::Device device = c10::kCPU;
+  uint64_t hash = 0;  // FNV-1a of the bytes, kValues only
+};
+
+uint64_t hash_values(const at::Tensor& t) {
+  at::Tensor c = t.detach().contiguous();
+  if (!c.device().is_cpu()) c = c.cpu();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  const size_t n = c.numel() * c.element_size();
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+TensorMeta meta_of(const at::Tensor& t, bool with_hash) {
+  return {t.sizes().vec(), t.scalar_type(), t.device(), with_hash ? hash_values(t) : 0};
+}
+
+bool is_parameter_like(const at::Tensor& t) {
+  if (t.requires_grad() && t.is_leaf()) return true;
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    return base.requires_grad() && base.is_leaf();
+  }
+  return false;
+}
+
+/** CPU and CUDA autocast state of this thread. */
+struct AutocastState {
+  bool cpu_enabled, cuda_enabled, cache_enabled;
+  at::ScalarType cpu_dtype, cuda_dtype;
+  static AutocastState capture() {
+    return {at::autocast::is_autocast_enabled(at::kCPU), at::autocast::is_autocast_enabled(at::kCUDA),
+            at::autocast::is_autocast_cache_enabled(), at::autocast::get_autocast_dtype(at::kCPU),
+            at::autocast::get_autocast_dtype(at::kCUDA)};
+  }
+  void apply() const {
+    at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
+    at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
+    at::autocast::set_autocast_cache_enabled(cache_enabled);
+    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+  }
+};
+
+}  // namespace
+
+namespace detail {
+
+enum class SlotKind { kRef, kInput, kRecompute };
+
+struct Slot {
+  SlotKind kind = SlotKind::kRecompute;
+  size_t input_index = 0;  // kInput
+  at::Tensor ref;          // kRef
+  uint32_t ref_version = 0;
+  TensorMeta meta;         // kRecompute
+  at::Tensor value;        // kRecompute: filled by recompute, moved out by unpack
+  bool alive = true;       // false once the node that saved it is released
+};
+
+struct SavedInput {
+  bool defined = false;
+  at::Tensor tensor;  // when no outer hooks were active
+  uint32_t version = 0;
+  std::optional<torch::autograd::SavedVariable> saved;  // through outer hooks
+};
+
+struct Frame : std::enable_shared_from_this<Frame> {
+  CheckpointOptions options;
+  RecomputeFn recompute_fn;
+  std::vector<SavedInput> inputs;
+  std::vector<const c10::TensorImpl*> input_impls;  // forward only, for kInput
+  std::vector<std::pair<at::Generator, at::Tensor>> rng;  // generator, its state
+  AutocastState autocast{};
+  std::vector<at::Tensor> buffers;
+  std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
+  std::vector<Slot> slots;
+  // During a recompute: next slot to fill, and how many are still needed.
+  size_t cursor = 0;
+  size_t needed = 0;
+  std::recursive_mutex mu;
+
+  at::Tensor input(size_t k) {
+    SavedInput& in = inputs[k];
+    if (!in.defined) return {};
+    if (in.saved) return in.saved->unpack();
+    if (in.tensor._version() != in.version) {
+      throw Error("[remat::checkpoint] input " + std::to_string(k) +
+                  " of a checkpointed function was modified in place after the forward "
+                  "(version " + std::to_string(in.version) + " -> " +
+                  std::to_string(in.tensor._version()) +
+                  "); recomputing from it would give wrong gradients. Modify a clone "
+                  "instead, or keep the input unchanged until backward has run.");
+    }
+    return in.tensor;
+  }
+
+  void pack(size_t index, const at::Tensor& t) {
+    Slot s;
+    if (is_parameter_like(t)) {
+      s.kind = SlotKind::kRef;
+      s.ref = t;
+      s.ref_version = t._version();
+    } else {
+      s.kind = SlotKind::kRecompute;
+      for (size_t k = 0; k < input_impls.size(); ++k) {
+        if (input_impls[k] == t.unsafeGetTensorImpl()) {
+          s.kind = SlotKind::kInput;
+          s.input_index = k;
+          break;
+        }
+      }
+      if (s.kind == SlotKind::kRecompute) {
+        s.meta = meta_of(t, options.determinism_check() == DeterminismCheck::kValues);
+      }
+    }
+    if (index != slots.size()) throw Error("[remat::checkpoint] internal: slots out of order");
+    slots.push_back(std::move(s));
+  }
+
+  at::Tensor unpack(size_t i) {
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    Slot& s = slots[i];
+    switch (s.kind) {
+      case SlotKind::kRef:
+        if (s.ref._version() != s.ref_version) {
+          throw Error("[remat::checkpoint] a parameter saved for backward inside a checkpoint "
+                      "was modified in place before backward (version " +
+                      std::to_string(s.ref_version) + " -> " + std::to_string(s.ref._version()) +
+                      "); run optimizer.step() after backward, not between forward and backward.");
+        }
+        return s.ref;
+      case SlotKind::kInput: {
+        if (!inputs[s.input_index].saved) return input(s.input_index);
+        // Nested: unpacking from the outer frame consumes its copy, so fetch
+        // all inputs once and hand them out slot by slot.
+        if (!s.value.defined()) materialize_inputs();
+        at::Tensor t = std::move(s.value);
+        s.value = at::Tensor();
+        return t;
+      }
+      case SlotKind::kRecompute: {
+        if (!s.value.defined()) recompute();
+        at::Tensor t = std::move(s.value);
+        s.value = at::Tensor();
+        return t;
+      }
+    }
+    return {};
+  }
+
+  /** Every input, unpacked once; also fills the empty kInput slots of
+   *  inputs that came through outer hooks (see unpack). */
+  std::vector<at::Tensor> materialize_inputs() {
+    std::vector<at::Tensor> in;
+    in.reserve(inputs.size());
+    for (size_t k = 0; k < inputs.size(); ++k) in.push_back(input(k));
+    for (auto& s : slots) {
+      if (s.kind == SlotKind::kInput && s.alive && !s.value.defined() && inputs[s.input_index].saved) {
+        s.value = in[s.input_index];
+      }
+    }
+    return in;
+  }
+
+  void check_parameters() const {
+    for (size_t k = 0; k < parameters.size(); ++k) {
+      const auto now = parameters[k].first._version();
+      if (now != parameters[k].second) {
+        throw Error("[remat::checkpoint] parameter " + std::to_string(k) +
+                    " of the checkpointed module was modified in place after the forward (version " +
+                    std::to_string(parameters[k].second) + " -> " + std::to_string(now) +
+                    "); recomputing with it would give wrong gradients. Run optimizer.step() after "
+                    "backward, not between forward and backward.");
+      }
+    }
+  }
+
+  void release(size_t i) {
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (i >= slots.size()) return;
+    slots[i].alive = false;
+    slots[i].value = at::Tensor();
+    slots[i].ref = at::Tensor();
+  }
+
+  /** Called by the recompute hook for each tensor the re-run saves. */
+  void refill(const at::Tensor& t) {
+    const size_t k = cursor++;
+    if (k >= slots.size()) {
+      throw Error("[remat::checkpoint] the recomputation saved more tensors than the forward (" +
+                  std::to_string(slots.size()) +
+                  "); the checkpointed function must run the same ops each time (no "
+                  "data-dependent control flow or state that changes between calls).");
+    }
+    Slot& s = slots[k];
+    if (s.kind != SlotKind::kRecompute || !s.alive || s.value.defined()) return;
+    check(k, s.meta, t);
+    s.value = t.detach();
+    if (--needed == 0 && options.early_stop()) throw StopRecompute{};
+  }
+
+  void check(size_t k, const TensorMeta& m, const at::Tensor& t) const {
+    const auto mode = options.determinism_check();
+    if (mode == DeterminismCheck::kNone) return;
+    std::string what;
+    if (t.sizes() != at::IntArrayRef(m.sizes)) {
+      what = "shape " + shape_str(m.sizes) + " in forward vs " + shape_str(t.sizes()) + " in recompute";
+    } else if (t.scalar_type() != m.dtype) {
+      what = std::string("dtype ") + c10::toString(m.dtype) + " in forward vs " +
+             c10::toString(t.scalar_type()) + " in recompute";
+    } else if (t.device() != m.device) {
+      what = "device " + m.device.str() + " in forward vs " + t.device().str() + " in recompute";
+    } else if (mode == DeterminismCheck::kValues && hash_values(t) != m.hash) {
+      what = "values differ bitwise (shape " + shape_str(m.sizes) + ")";
+    }
+    if (what.empty()) return;
+    throw Error("[remat::checkpoint] saved tensor #" + std::to_string(k) +
+                " differs between the forward and the recomputation: " + what +
+                ". The checkpointed function must be deterministic (keep "
+                "preserve_rng_state(true) for dropout); set determinism_check(kNone) to skip "
+                "this check.");
+  }
+
+  void recompute();
+};
+
+namespace {
+
+/** Saves handles during the first forward. */
+class ForwardHook final : public SavedHook {
+ public:
+  explicit ForwardHook(std::shared_ptr<Frame> f) : frame_(std::move(f)) {}
+  ~ForwardHook() override {
+    if (packed_) frame_->release(index_);
+  }
+  void call_pack_hook(const at::Tensor& t) override {
+    std::lock_guard<std::recursive_mutex> lock(frame_->mu);
+    index_ = frame_->slots.size();
+    frame_->pack(index_, t);
+    packed_ = true;
+  }
+  at::Tensor call_unpack_hook() override { return frame_->unpack(index_); }
+
+ private:
+  std::shared_ptr<Frame> frame_;
+  size_t index_ = 0;
+  bool packed_ = false;
+};
+
+class ForwardFactory final : public HookFactory {
+ public:
+  explicit ForwardFactory(std::shared_ptr<Frame> f) : frame_(std::move(f)) {}
+  std::unique_ptr<SavedHook> make_hook() override { return std::make_unique<ForwardHook>(frame_); }
+
+ private:
+  std::shared_ptr<Frame> frame_;
+};
+
+/** Sits on the re-run's (discarded) graph; hands each saved tensor to the
+ *  frame. The frame outlives it: packs happen only inside recompute(). */
+class RecomputeHook final : public SavedHook {
+ public:
+  explicit RecomputeHook(Frame* f) : frame_(f) {}
+  void call_pack_hook(const at::Tensor& t) override { frame_->refill(t); }
+  at::Tensor call_unpack_hook() override {
+    throw Error("[remat::checkpoint] internal: backward reached the graph of a recomputation");
+  }
+
+ private:
+  Frame* frame_;
+};
+
+class RecomputeFactory final : public HookFactory {
+ public:
+  explicit RecomputeFactory(Frame* f) : frame_(f) {}
+  std::unique_ptr<SavedHook> make_hook() override { return std::make_unique<RecomputeHook>(frame_); }
+
+ private:
+  Frame* frame_;
+};
+
+/** Puts this thread in the first run's state for a re-run, and back after:
+ *  grad mode on, RNG states forked, autocast as captured, buffers restored. */
+class ReplayGuard {
+ public:
+  explicit ReplayGuard(Frame& f) : f_(f), grad_(true), autocast_(AutocastState::capture()) {
+    ++t_recompute_depth;
+    for (auto& [gen, state] : f_.rng) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng_now_.push_back(gen.get_state());
+      gen.set_state(state);
+    }
+    f_.autocast.apply();
+    for (const auto& b : f_.buffers) buffers_now_.push_back(b.detach().clone());
+  }
+  ~ReplayGuard() {
+    {
+      at::NoGradGuard no_grad;
+      // variable_data(): restore values without bumping the buffers' version.
+      for (size_t i = 0; i < buffers_now_.size(); ++i) f_.buffers[i].variable_data().copy_(buffers_now_[i]);
+    }
+    autocast_.apply();
+    for (size_t i = 0; i < rng_now_.size(); ++i) {
+      auto& gen = f_.rng[i].first;
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng_now_[i]);
+    }
+    --t_recompute_depth;
+  }
+
+ private:
+  Frame& f_;
+  c10::AutoGradMode grad_;
+  AutocastState autocast_;
+  std::vector<at::Tensor> rng_now_;
+  std::vector<at::Tensor> buffers_now_;
+};
+
+}  // namespace
+
+void Frame::recompute() {
+  check_parameters();
+  std::vector<at::Tensor> in = materialize_inputs();
+  needed = 0;
+  for (const auto& s : slots) needed += s.kind == SlotKind::kRecompute && s.alive && !s.value.defined();
+  cursor = 0;
+  bool stopped = false;
+  {
+    ReplayGuard replay(*this);
+    ScopedHooks hooks(std::make_shared<RecomputeFactory>(this));
+    try {
+      recompute_fn(in);
+    } catch (const StopRecompute&) {
+      stopped = true;
+    }
+  }
+  g_recomputations.fetch_add(1, std::memory_order_relaxed);
+  if (stopped) {
+    g_early_stops.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  if (cursor != slots.size() || needed != 0) {
+    throw Error("[remat::checkpoint] the recomputation saved " + std::to_string(cursor) +
+                " tensors but the forward saved " + std::to_string(slots.size()) +
+                "; the checkpointed function must run the same ops each time (no "
+                "data-dependent control flow or state that changes between calls).");
+  }
+}
+
+bool should_checkpoint() { return at::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(); }
+
+Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs,
+               RecomputeFn recompute, ModuleState state)
+    : frame_(std::make_shared<Frame>()) {
+  ensure_engine_installed();
+  Frame& f = *frame_;
+  f.options = options;
+  f.recompute_fn = std::move(recompute);
+  f.buffers = std::move(state.buffers);
+  for (auto& p : state.parameters) f.parameters.emplace_back(p, p._version());
+  // Inputs go through the hooks active now (an outer checkpoint's, say), so
+  // that a nested region does not pin its inputs in memory.
+  const bool outer = current_hooks() != nullptr;
+  f.inputs.resize(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const at::Tensor& t = inputs[k];
+    SavedInput& in = f.inputs[k];
+    in.defined = t.defined();
+    if (!in.defined) continue;
+    if (outer) {
+      in.saved.emplace(t, /*is_output=*/false);
+    } else {
+      in.tensor = t;
+      in.version = t._version();
+    }
+  }
+  // Aligned with input indices, undefined inputs included.
+  for (const auto& t : inputs) f.input_impls.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
+  if (options.preserve_rng_state()) {
+    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+    for (const auto& t : inputs) {
+      if (t.defined() && !t.device().is_cpu() &&
+          std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+        devices.push_back(t.device());
+      }
+    }
+    for (const auto& d : devices) {
+      at::Generator gen = at::globalContext().defaultGenerator(d);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      f.rng.emplace_back(gen, gen.get_state());
+    }
+  }
+  f.autocast = AutocastState::capture();
+  g_regions.fetch_add(1, std::memory_order_relaxed);
+  scope_ = std::make_unique<ScopedHooks>(std::make_shared<ForwardFactory>(frame_));
+}
+
+Region::~Region() {
+  scope_.reset();
+  std::lock_guard<std::recursive_mutex> lock(frame_->mu);
+  frame_->input_impls.clear();
+}
+
+}  // namespace detail
+
+CheckpointStats checkpoint_stats() {
+  return {g_regions.load(), g_recomputations.load(), g_early_stops.load()};
+}
+
+void reset_checkpoint_stats() {
+  g_regions = 0;
+  g_recomputations = 0;
+  g_early_stops = 0;
+}
+
+bool is_recomputing() { return t_recompute_depth > 0; }
+
+}  // namespace remat

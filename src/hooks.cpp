@@ -1,0 +1,117 @@
+// The thread-local hook stack and the autograd engine that serves it.
+// NOTE [saved-tensor hooks in C++] (DESIGN.md): SavedVariable asks the
+// default engine for hooks each time autograd saves a tensor; the base engine
+// answers nullptr. We install a subclass whose answer is the top of this
+// thread's stack. The empty-stack path is one thread-local load.
+#include <remat/hooks.h>
+
+#include <mutex>
+#include <typeinfo>
+#include <vector>
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <remat/error.h>
+
+namespace remat {
+namespace {
+
+thread_local std::vector<std::shared_ptr<HookFactory>> t_stack;
+// Hooks below this depth are suspended by DisableHooks.
+thread_local size_t t_disabled_below = 0;
+
+struct RematEngine final : torch::autograd::Engine {
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks()
+      override {
+    if (t_stack.size() <= t_disabled_below) return nullptr;
+    return t_stack.back()->make_hook();
+  }
+  // Device worker threads must stop before the base destructor runs.
+  ~RematEngine() override { stop(); }
+};
+
+RematEngine& remat_engine() {
+  static RematEngine engine;
+  return engine;
+}
+
+torch::autograd::Engine& remat_engine_stub() { return remat_engine(); }
+
+std::once_flag g_install_once;
+
+}  // namespace
+
+void ensure_engine_installed() {
+  std::call_once(g_install_once, [] {
+    auto& current = torch::autograd::Engine::get_default_engine();
+    if (typeid(current) != typeid(torch::autograd::Engine)) {
+      throw Error(std::string("[remat::hooks] another autograd engine (") + typeid(current).name() +
+                  ") is already the default, e.g. Python's from libtorch_python; remat's "
+                  "saved-tensor hooks cannot work beside it. Use remat from a C++ process "
+                  "without the Python bindings loaded.");
+    }
+    torch::autograd::set_default_engine_stub(&remat_engine_stub);
+  });
+  // Cheap re-check: someone may have installed an engine after us.
+  if (&torch::autograd::Engine::get_default_engine() != &remat_engine()) {
+    throw Error(
+        "[remat::hooks] remat's autograd engine was replaced by another one (e.g. Python's); "
+        "saved-tensor hooks would be ignored and checkpoints would keep everything. Use remat "
+        "from a C++ process without the Python bindings loaded.");
+  }
+}
+
+ScopedHooks::ScopedHooks(std::shared_ptr<HookFactory> factory) {
+  ensure_engine_installed();
+  t_stack.push_back(std::move(factory));
+}
+
+ScopedHooks::~ScopedHooks() { t_stack.pop_back(); }
+
+HookFactory* current_hooks() {
+  return t_stack.size() <= t_disabled_below ? nullptr : t_stack.back().get();
+}
+
+DisableHooks::DisableHooks() : saved_depth_(t_disabled_below) { t_disabled_below = t_stack.size(); }
+DisableHooks::~DisableHooks() { t_disabled_below = saved_depth_; }
+
+namespace detail {
+namespace {
+
+struct Functions {
+  std::function<std::any(const at::Tensor&)> pack;
+  std::function<at::Tensor(const std::any&)> unpack;
+};
+
+class FunctionHook final : public SavedHook {
+ public:
+  explicit FunctionHook(std::shared_ptr<Functions> fns) : fns_(std::move(fns)) {}
+  void call_pack_hook(const at::Tensor& tensor) override { packed_ = fns_->pack(tensor); }
+  at::Tensor call_unpack_hook() override { return fns_->unpack(packed_); }
+
+ private:
+  std::shared_ptr<Functions> fns_;  // outlives the guard that pushed it
+  std::any packed_;
+};
+
+class FunctionHookFactory final : public HookFactory {
+ public:
+  explicit FunctionHookFactory(std::shared_ptr<Functions> fns) : fns_(std::move(fns)) {}
+  std::unique_ptr<SavedHook> make_hook() override { return std::make_unique<FunctionHook>(fns_); }
+
+ private:
+  std::shared_ptr<Functions> fns_;
+};
+
+}  // namespace
+
+std::shared_ptr<HookFactory> make_function_hooks(
+    std::function<std::any(const at::Tensor&)> pack,
+    std::function<at::Tensor(const std::any&)> unpack) {
+  return std::make_shared<FunctionHookFactory>(
+      std::make_shared<Functions>(Functions{std::move(pack), std::move(unpack)}));
+}
+
+}  // namespace detail
+
+}  // namespace remat

@@ -1,0 +1,448 @@
+// remat::checkpoint and checkpoint_sequential: gradients against plain runs
+// (bitwise on CPU), recompute counts, RNG/autocast replay, nesting, autograd
+// entry points, threads, and every user-facing error by its message.
+#include "common.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <atomic>
+#include <thread>
+
+using namespace remat_test;
+namespace F = torch::nn::functional;
+
+namespace {
+
+TEST(Checkpoint, MlpPerLayerBitwise) {
+  auto seq = make_mlp(6, 32);
+  auto x = torch::randn({8, 32}, torch::requires_grad());
+  auto plain = step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+  auto ckpt = step_grads(*seq, x, [&](torch::Tensor h) {
+    for (auto& m : *seq) {
+      h = remat::checkpoint([m](torch::Tensor in) mutable { return m.forward(in); }, h);
+    }
+    return h;
+  });
+  expect_bitwise_equal(plain, ckpt);
+}
+
+TEST(Checkpoint, ResidualCnnWithBatchNormBitwiseAndStatsOnce) {
+  torch::manual_seed(1);
+  ResBlock a(8), b(8);
+  torch::nn::Sequential net(a, b);
+  auto x = torch::randn({4, 8, 10, 10}, torch::requires_grad());
+  auto buffers_before = net->buffers();
+  std::vector<torch::Tensor> start;
+  for (auto& t : buffers_before) start.push_back(t.clone());
+
+  auto plain = step_grads(*net, x, [&](torch::Tensor h) { return net->forward(h); });
+  std::vector<torch::Tensor> after_plain;
+  for (auto& t : net->buffers()) after_plain.push_back(t.clone());
+  // Reset statistics, then the same step checkpointed per block.
+  {
+    torch::NoGradGuard g;
+    auto bufs = net->buffers();
+    for (size_t i = 0; i < bufs.size(); ++i) bufs[i].copy_(start[i]);
+  }
+  auto ckpt = step_grads(*net, x, [&](torch::Tensor h) { return remat::checkpoint(b, remat::checkpoint(a, h)); });
+  expect_bitwise_equal(plain, ckpt);
+  auto bufs = net->buffers();
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    EXPECT_TRUE(torch::equal(bufs[i], after_plain[i])) << "buffer " << i << " updated a different number of times";
+  }
+}
+
+TEST(Checkpoint, GptBlockBitwiseWithDropout) {
+  torch::manual_seed(2);
+  GptBlock b1(32, 4, 0.1), b2(32, 4, 0.1);
+  torch::nn::Sequential net(b1, b2);
+  auto x = torch::randn({2, 16, 32}, torch::requires_grad());
+  torch::manual_seed(7);
+  auto plain = step_grads(*net, x, [&](torch::Tensor h) { return net->forward(h); });
+  torch::manual_seed(7);
+  auto ckpt = step_grads(*net, x, [&](torch::Tensor h) { return remat::checkpoint(b2, remat::checkpoint(b1, h)); });
+  expect_bitwise_equal(plain, ckpt);
+}
+
+TEST(Checkpoint, DropoutWithoutRngPreservationDiffers) {
+  torch::manual_seed(3);
+  torch::nn::Linear lin(64, 64);
+  auto x = torch::randn({16, 64}, torch::requires_grad());
+  auto fn = [lin](torch::Tensor in) mutable { return F::dropout(lin(in), F::DropoutFuncOptions().p(0.5).training(true)).tanh(); };
+  torch::manual_seed(11);
+  auto plain = step_grads(*lin, x, fn);
+  torch::manual_seed(11);
+  auto kept = step_grads(*lin, x, [&](torch::Tensor in) { return remat::checkpoint(fn, in); });
+  expect_bitwise_equal(plain, kept);
+  torch::manual_seed(11);
+  auto lost = step_grads(*lin, x, [&](torch::Tensor in) {
+    return remat::checkpoint(remat::CheckpointOptions().preserve_rng_state(false), fn, in);
+  });
+  EXPECT_FALSE(torch::equal(plain[0], lost[0])) << "a fresh dropout mask in recompute must change the weight gradient";
+}
+
+TEST(Checkpoint, RunsTwicePerBackwardOnceIfUnreached) {
+  int runs = 0;
+  auto w = torch::randn({16, 16}, torch::requires_grad());
+  auto fn = [&runs, w](torch::Tensor in) {
+    ++runs;
+    return torch::matmul(in, w).exp().sin();
+  };
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto y = remat::checkpoint(fn, x);
+  EXPECT_EQ(runs, 1);
+  y.sum().backward();
+  EXPECT_EQ(runs, 2);
+
+  // Backward that never reaches the region: only the forward run.
+  runs = 0;
+  auto z = torch::randn({4, 16}, torch::requires_grad());
+  auto y2 = remat::checkpoint(fn, x.detach());
+  (y2.detach() * z).sum().backward();
+  EXPECT_EQ(runs, 1);
+  // And a region whose saved tensors are all parameters or inputs needs no re-run.
+  runs = 0;
+  auto y3 = remat::checkpoint([&runs, w](torch::Tensor in) { ++runs; return torch::matmul(in, w); }, x);
+  y3.sum().backward();
+  EXPECT_EQ(runs, 1);
+}
+
+TEST(Checkpoint, EarlyStopSkipsTheTail) {
+  for (bool early : {true, false}) {
+    int heads = 0, tails = 0;
+    auto fn = [&](torch::Tensor in) {
+      ++heads;
+      auto a = in.exp();  // saves its result: the only tensor backward needs
+      ++tails;
+      return a + 1;  // saves nothing
+    };
+    auto x = torch::randn({8}, torch::requires_grad());
+    auto y = remat::checkpoint(remat::CheckpointOptions().early_stop(early), fn, x);
+    y.sum().backward();
+    EXPECT_EQ(heads, 2);
+    EXPECT_EQ(tails, early ? 1 : 2) << "early_stop=" << early;
+  }
+}
+
+TEST(Checkpoint, NestedRegionsBitwiseAndCounts) {
+  torch::manual_seed(4);
+  auto seq = make_mlp(4, 24);
+  auto x = torch::randn({5, 24}, torch::requires_grad());
+  auto plain = step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+  int outer_runs = 0, inner_runs = 0;
+  auto inner = [&inner_runs, seq](torch::Tensor h) mutable {
+    ++inner_runs;
+    for (int i = 2; i < 6; ++i) h = (seq->begin() + i)->forward<torch::Tensor>(h);
+    return h;
+  };
+  auto outer = [&outer_runs, &inner, seq](torch::Tensor h) mutable {
+    ++outer_runs;
+    h = (seq->begin() + 0)->forward<torch::Tensor>(h);
+    h = (seq->begin() + 1)->forward<torch::Tensor>(h);
+    h = remat::checkpoint(inner, h);
+    for (int i = 6; i < 8; ++i) h = (seq->begin() + i)->forward<torch::Tensor>(h);
+    return h;
+  };
+  auto ckpt = step_grads(*seq, x, [&](torch::Tensor h) { return remat::checkpoint(outer, h); });
+  expect_bitwise_equal(plain, ckpt);
+  EXPECT_EQ(outer_runs, 2);
+  // Forward, inside the outer recompute, and its own recompute.
+  EXPECT_EQ(inner_runs, 3);
+}
+
+TEST(Checkpoint, AutogradGradAndBackwardInputs) {
+  torch::manual_seed(5);
+  torch::nn::Linear lin(12, 12);
+  auto x = torch::randn({3, 12}, torch::requires_grad());
+  auto fn = [lin](torch::Tensor in) mutable { return lin(in).tanh().square(); };
+  auto gp = torch::autograd::grad({fn(x).sum()}, std::vector<torch::Tensor>{x, lin->weight});
+  auto gc = torch::autograd::grad({remat::checkpoint(fn, x).sum()}, std::vector<torch::Tensor>{x, lin->weight});
+  expect_bitwise_equal(gp, gc);
+  EXPECT_FALSE(lin->weight.grad().defined()) << "autograd::grad must not accumulate";
+  // backward(inputs=...): only x gets a gradient.
+  remat::checkpoint(fn, x).sum().backward({}, false, false, {x});
+  EXPECT_TRUE(torch::equal(x.grad(), gp[0]));
+  EXPECT_FALSE(lin->weight.grad().defined());
+}
+
+TEST(Checkpoint, NonTensorArgumentsAndTensorLists) {
+  auto x = torch::randn({6}, torch::requires_grad());
+  auto y = torch::randn({6}, torch::requires_grad());
+  int runs = 0;
+  auto fn = [&runs](const torch::Tensor& a, double scale, int64_t power, const std::string& op,
+                    std::vector<torch::Tensor> more) {
+    ++runs;
+    auto h = (a * scale).pow(power);
+    if (op == "sin") h = h.sin();
+    return h * more[0].exp();
+  };
+  auto plain = torch::autograd::grad({fn(x, 1.5, 3, "sin", {y}).sum()}, std::vector<torch::Tensor>{x, y});
+  runs = 0;
+  auto out = remat::checkpoint(fn, x, 1.5, int64_t{3}, std::string("sin"), std::vector<torch::Tensor>{y});
+  auto ckpt = torch::autograd::grad({out.sum()}, std::vector<torch::Tensor>{x, y});
+  expect_bitwise_equal(plain, ckpt);
+  EXPECT_EQ(runs, 2);
+}
+
+TEST(Checkpoint, FrozenInputsStillGiveParameterGradients) {
+  torch::manual_seed(6);
+  auto seq = make_mlp(3, 16);
+  auto x = torch::randn({4, 16});  // no requires_grad
+  auto plain = step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+  auto ckpt = step_grads(*seq, x, [&](torch::Tensor h) { return remat::checkpoint(seq, h); });
+  for (size_t i = 0; i + 1 < plain.size(); ++i) ASSERT_TRUE(ckpt[i].defined()) << "parameter " << i;
+  expect_bitwise_equal(plain, ckpt);
+}
+
+TEST(Checkpoint, ReturnTypesAndUndefinedTensors) {
+  auto x = torch::randn({4}, torch::requires_grad());
+  auto tup = remat::checkpoint([](torch::Tensor a, torch::Tensor maybe) {
+    EXPECT_FALSE(maybe.defined());
+    return std::make_tuple(a.exp(), a.detach() * 2);  // second output needs no grad
+  }, x, torch::Tensor());
+  static_assert(std::is_same_v<decltype(tup), std::tuple<torch::Tensor, torch::Tensor>>);
+  EXPECT_FALSE(std::get<1>(tup).requires_grad());
+  auto vec = remat::checkpoint([](torch::Tensor a) { return std::vector<torch::Tensor>{a.sin(), a.cos()}; }, x);
+  static_assert(std::is_same_v<decltype(vec), std::vector<torch::Tensor>>);
+  (std::get<0>(tup).sum() + vec[0].sum() + vec[1].sum()).backward();
+  auto expect = x.detach().exp() + x.detach().cos() - x.detach().sin();
+  EXPECT_TRUE(torch::allclose(x.grad(), expect));
+}
+
+TEST(Checkpoint, RetainGraphTwiceRecomputesAgain) {
+  torch::manual_seed(8);
+  torch::nn::Linear lin(10, 10);
+  int runs = 0;
+  auto fn = [&runs, lin](torch::Tensor in) mutable { ++runs; return lin(in).sigmoid(); };
+  auto x = torch::randn({3, 10}, torch::requires_grad());
+  auto loss = remat::checkpoint(fn, x).square().sum();
+  loss.backward({}, /*retain_graph=*/true);
+  auto g1 = x.grad().clone();
+  x.mutable_grad() = torch::Tensor();
+  loss.backward();
+  EXPECT_TRUE(torch::equal(g1, x.grad()));
+  EXPECT_EQ(runs, 3);
+}
+
+TEST(Checkpoint, NoGradModeJustCalls) {
+  int runs = 0;
+  torch::NoGradGuard g;
+  auto y = remat::checkpoint([&runs](torch::Tensor a) { ++runs; return a * 2; }, torch::ones({2}));
+  EXPECT_EQ(runs, 1);
+  EXPECT_TRUE(torch::equal(y, torch::full({2}, 2.0)));
+}
+
+TEST(Checkpoint, TwoThreadsTrainTheirOwnModels) {
+  auto train = [](uint64_t seed, bool ckpt, std::vector<torch::Tensor>* out) {
+    auto seq = make_mlp(4, 32, seed);
+    torch::optim::SGD opt(seq->parameters(), 0.1);
+    auto gen = torch::make_generator<torch::CPUGeneratorImpl>(seed);
+    for (int s = 0; s < 5; ++s) {
+      auto x = torch::randn({8, 32}, gen);
+      opt.zero_grad();
+      auto y = ckpt ? remat::checkpoint_sequential(seq, 2, x) : seq->forward(x);
+      y.square().mean().backward();
+      opt.step();
+    }
+    for (auto& p : seq->parameters()) out->push_back(p.detach().clone());
+  };
+  std::vector<torch::Tensor> a, b, ra, rb;
+  std::thread t1(train, 1, true, &a), t2(train, 2, true, &b);
+  t1.join();
+  t2.join();
+  train(1, false, &ra);
+  train(2, false, &rb);
+  expect_bitwise_equal(a, ra);
+  expect_bitwise_equal(b, rb);
+}
+
+TEST(Checkpoint, AutocastStateReplayed) {
+  torch::manual_seed(9);
+  torch::nn::Linear lin(16, 16);
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto fn = [lin](torch::Tensor in) mutable { return lin(in).relu(); };
+  auto run = [&](bool ckpt) {
+    zero_grads(*lin, x);
+    torch::Tensor y;
+    {
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      y = ckpt ? remat::checkpoint(fn, x) : fn(x);
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    }
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    y.to(torch::kFloat).square().sum().backward();  // outside autocast
+    return grads_of(*lin, x);
+  };
+  auto plain = run(false);
+  auto ckpt = run(true);
+  expect_bitwise_equal(plain, ckpt);
+}
+
+TEST(CheckpointSequential, MatchesPlainForEverySegmentCount) {
+  auto seq = make_mlp(4, 16);  // 8 modules
+  auto x = torch::randn({3, 16}, torch::requires_grad());
+  auto plain = step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+  for (int64_t k = 1; k <= 8; ++k) {
+    remat::reset_checkpoint_stats();
+    auto ckpt = step_grads(*seq, x, [&](torch::Tensor h) { return remat::checkpoint_sequential(seq, k, h); });
+    expect_bitwise_equal(plain, ckpt);
+    // All segments but the last are checkpointed; each is re-run once if it
+    // holds a Tanh (a lone Linear saves only its input and weight).
+    const int64_t size = 8 / k;
+    int64_t with_tanh = 0;
+    for (int64_t s = 0; s < k - 1; ++s) with_tanh += size > 1 || s % 2 == 1;
+    EXPECT_EQ(remat::checkpoint_stats().regions, k - 1) << "k=" << k;
+    EXPECT_EQ(remat::checkpoint_stats().recomputations, with_tanh) << "k=" << k;
+  }
+}
+
+// ---- errors a user can hit, pinned by message ----
+
+TEST(CheckpointErrors, BadSegments) {
+  auto seq = make_mlp(2, 4);  // 4 modules
+  auto x = torch::randn({1, 4});
+  for (int64_t bad : {0, 5, -1}) {
+    try {
+      remat::checkpoint_sequential(seq, bad, x);
+      FAIL() << "segments=" << bad << " accepted";
+    } catch (const remat::Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "[remat::checkpoint_sequential] segments must be in [1, 4] (the number of modules), got " +
+                    std::to_string(bad) + ". Pass a value in that range; 1 runs the whole Sequential without checkpoints.");
+    }
+  }
+}
+
+TEST(CheckpointErrors, ShapeChangesInRecompute) {
+  int calls = 0;
+  auto fn = [&calls](torch::Tensor a) {
+    ++calls;
+    auto h = calls == 1 ? a.exp() : torch::cat({a, a}).exp();
+    return h.sum();
+  };
+  auto x = torch::randn({3}, torch::requires_grad());
+  auto y = remat::checkpoint(fn, x);
+  try {
+    y.backward();
+    FAIL() << "no determinism error";
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::checkpoint] saved tensor #0 differs between the forward and the recomputation: "
+              "shape [3] in forward vs [6] in recompute. The checkpointed function must be deterministic "
+              "(keep preserve_rng_state(true) for dropout); set determinism_check(kNone) to skip this check.");
+  }
+}
+
+TEST(CheckpointErrors, ValuesCheckCatchesNondeterminism) {
+  auto fn = [](torch::Tensor a) { return (a * torch::rand({4})).exp(); };
+  auto x = torch::randn({4}, torch::requires_grad());
+  auto opts = remat::CheckpointOptions().preserve_rng_state(false).determinism_check(remat::DeterminismCheck::kValues);
+  auto y = remat::checkpoint(opts, fn, x);
+  try {
+    y.sum().backward();
+    FAIL() << "no determinism error";
+  } catch (const remat::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("differs between the forward and the recomputation: values differ bitwise (shape [4])"),
+              std::string::npos) << e.what();
+  }
+  // The default metadata check cannot see it; with the RNG replayed it is deterministic.
+  auto y2 = remat::checkpoint(remat::CheckpointOptions().determinism_check(remat::DeterminismCheck::kValues), fn, x);
+  EXPECT_NO_THROW(y2.sum().backward());
+}
+
+TEST(CheckpointErrors, FewerSavesInRecompute) {
+  int calls = 0;
+  auto fn = [&calls](torch::Tensor a) {
+    ++calls;
+    auto h = a.exp();
+    if (calls == 1) h = h.exp();
+    return h;
+  };
+  auto x = torch::randn({3}, torch::requires_grad());
+  auto y = remat::checkpoint(remat::CheckpointOptions().determinism_check(remat::DeterminismCheck::kNone), fn, x);
+  try {
+    y.sum().backward();
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::checkpoint] the recomputation saved 1 tensors but the forward saved 2; the checkpointed "
+              "function must run the same ops each time (no data-dependent control flow or state that changes "
+              "between calls).");
+  }
+}
+
+TEST(CheckpointErrors, BackwardThroughFreedGraph) {
+  auto x = torch::randn({3}, torch::requires_grad());
+  auto y = remat::checkpoint([](torch::Tensor a) { return a.exp().sin(); }, x).sum();
+  y.backward();
+  try {
+    y.backward();
+    FAIL();
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Trying to backward through the graph a second time"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CheckpointErrors, InputModifiedInPlace) {
+  auto w = torch::randn({3}, torch::requires_grad());
+  auto x = torch::randn({3});
+  auto y = remat::checkpoint([w](torch::Tensor a) { return (a * w).exp(); }, x).sum();
+  x.add_(1);
+  try {
+    y.backward();
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::checkpoint] input 0 of a checkpointed function was modified in place after the forward "
+              "(version 0 -> 1); recomputing from it would give wrong gradients. Modify a clone instead, or keep "
+              "the input unchanged until backward has run.");
+  }
+}
+
+TEST(CheckpointErrors, ParameterModifiedBeforeBackward) {
+  // w is saved (a requires grad): the saved reference is version-checked.
+  auto w = torch::randn({3}, torch::requires_grad());
+  auto a = torch::randn({3}, torch::requires_grad());
+  auto y = remat::checkpoint([w](torch::Tensor in) { return (in * w).exp(); }, a).sum();
+  {
+    torch::NoGradGuard g;
+    w.add_(1);
+  }
+  try {
+    y.backward();
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::checkpoint] a parameter saved for backward inside a checkpoint was modified in place "
+              "before backward (version 0 -> 1); run optimizer.step() after backward, not between forward and "
+              "backward.");
+  }
+}
+
+TEST(CheckpointErrors, ModuleParameterModifiedBeforeBackward) {
+  // The weight is never saved (the input needs no grad), but the recompute
+  // would read it: a module fn's parameters are version-checked too.
+  torch::nn::Linear lin(3, 3);
+  auto x = torch::randn({2, 3});
+  auto y = remat::checkpoint(lin, x).exp().sum();
+  auto z = remat::checkpoint(torch::nn::Sequential(lin, torch::nn::Tanh()), x).sum();
+  {
+    torch::NoGradGuard g;
+    lin->bias.add_(1);
+  }
+  EXPECT_NO_THROW(y.backward()) << "nothing to recompute in a lone Linear";
+  try {
+    z.backward();
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::checkpoint] parameter 1 of the checkpointed module was modified in place after the "
+              "forward (version 1 -> 2); recomputing with it would give wrong gradients. Run optimizer.step() "
+              "after backward, not between forward and backward.");
+  }
+}
+
+}  // namespace
