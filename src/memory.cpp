@@ -5,7 +5,11 @@
 // their original deleter and are never counted.
 #include <remat/memory.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdio>
+#include <chrono>
+#include <fstream>
 #include <mutex>
 #include <unordered_map>
 
@@ -32,6 +36,12 @@ struct State {
   int64_t count = 0;
   std::array<int64_t, kMaxProbes> probe_peak{};
   std::array<bool, kMaxProbes> probe_used{};
+  // Timeline recording (at most one Timeline at a time).
+  bool recording = false;
+  std::chrono::steady_clock::time_point t0;
+  std::vector<Sample> samples;
+  size_t max_samples = 0;
+  int64_t dropped = 0;
 };
 
 State& state() {
@@ -39,7 +49,18 @@ State& state() {
   return *s;
 }
 
+void record(State& s) {
+  if (!s.recording) return;
+  if (s.samples.size() >= s.max_samples) {
+    ++s.dropped;
+    return;
+  }
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s.t0).count();
+  s.samples.push_back({us, s.current});
+}
+
 void raise_peaks(State& s) {
+  record(s);
   if (s.current > s.peak) s.peak = s.current;
   for (int i = 0; i < kMaxProbes; ++i) {
     if (s.probe_used[i] && s.current > s.probe_peak[i]) s.probe_peak[i] = s.current;
@@ -60,6 +81,7 @@ void counting_delete(void* ptr) {
     auto it = s.live.find(ptr);
     if (it == s.live.end()) return;  // cannot happen: we only hand out tracked ptrs
     s.current -= static_cast<int64_t>(it->second.bytes);
+    record(s);
     deleter = it->second.deleter;
     s.live.erase(it);
   }
@@ -72,6 +94,7 @@ void wrapped_delete(void* ctx) {
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mu);
     s.current -= static_cast<int64_t>(w->bytes);
+    record(s);
   }
   delete w;  // frees through the inner DataPtr
 }
@@ -195,6 +218,77 @@ int64_t Probe::delta_bytes() const {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   return s.current - baseline_bytes_;
+}
+
+Timeline::Timeline(size_t max_samples) {
+  enable_tracking();
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.recording) {
+    throw Error("[remat::memory] a Timeline is already recording; stop or destroy it before starting another.");
+  }
+  s.recording = true;
+  s.t0 = std::chrono::steady_clock::now();
+  s.samples.clear();
+  s.samples.reserve(std::min<size_t>(max_samples, 1 << 16));
+  s.samples.push_back({0.0, s.current});
+  s.max_samples = max_samples;
+  s.dropped = 0;
+}
+
+Timeline::~Timeline() { stop(); }
+
+void Timeline::stop() {
+  if (stopped_) return;
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.recording = false;
+  stopped_ = true;
+}
+
+double Timeline::now_us() const {
+  State& s = state();
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s.t0).count();
+}
+
+void Timeline::add_span(std::string name, double begin_us, double end_us) {
+  spans_.push_back({std::move(name), begin_us, end_us});
+}
+
+std::vector<Sample> Timeline::samples() const {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.samples;
+}
+
+int64_t Timeline::dropped_samples() const {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.dropped;
+}
+
+void Timeline::write_chrome_trace(const std::string& path, const std::string& process_name) const {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw Error("[remat::memory] cannot write the trace to '" + path + "'; check the directory exists.");
+    out << "{\"traceEvents\":[\n";
+    out << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":1,\"args\":{\"name\":\"" << process_name << "\"}}";
+    for (const auto& sm : samples()) {
+      out << ",\n{\"name\":\"cpu memory\",\"ph\":\"C\",\"pid\":1,\"ts\":" << sm.time_us
+          << ",\"args\":{\"bytes\":" << sm.bytes << "}}";
+    }
+    for (const auto& sp : spans_) {
+      out << ",\n{\"name\":\"" << sp.name << "\",\"ph\":\"X\",\"pid\":1,\"tid\":1,\"ts\":" << sp.begin_us
+          << ",\"dur\":" << (sp.end_us - sp.begin_us) << "}";
+    }
+    out << "\n],\"displayTimeUnit\":\"ms\"}\n";
+    if (!out) throw Error("[remat::memory] writing the trace to '" + path + "' failed (disk full?).");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw Error("[remat::memory] cannot move the trace into place at '" + path + "'.");
+  }
 }
 
 }  // namespace remat::memory

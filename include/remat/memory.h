@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace remat::memory {
 
@@ -41,6 +43,46 @@ class Probe {
  private:
   int slot_;
   int64_t baseline_bytes_;
+};
+
+/** One point of a memory timeline: microseconds since the Timeline started
+ *  and tracked CPU bytes right after an allocation or free. */
+struct Sample {
+  double time_us;
+  int64_t bytes;
+};
+
+/** A named interval on a timeline (e.g. "forward", "backward"). */
+struct Span {
+  std::string name;
+  double begin_us, end_us;
+};
+
+/** Records a Sample at every tracked allocation and free while it lives
+ *  (at most max_samples; later ones are counted as dropped). One Timeline
+ *  at a time per process. Enables tracking if needed. */
+class Timeline {
+ public:
+  explicit Timeline(size_t max_samples = 1'000'000);
+  ~Timeline();
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+  /** Microseconds since this timeline started. */
+  double now_us() const;
+  /** Marks [begin_us, end_us] with a name (shown as a slice in Perfetto). */
+  void add_span(std::string name, double begin_us, double end_us);
+  /** Stops recording (idempotent); samples() stays readable. */
+  void stop();
+  std::vector<Sample> samples() const;
+  const std::vector<Span>& spans() const { return spans_; }
+  int64_t dropped_samples() const;
+  /** Writes Chrome trace event JSON: a "bytes" counter track plus the spans;
+   *  opens in Perfetto (ui.perfetto.dev) or chrome://tracing. */
+  void write_chrome_trace(const std::string& path, const std::string& process_name = "remat") const;
+
+ private:
+  std::vector<Span> spans_;
+  bool stopped_ = false;
 };
 
 }  // namespace remat::memory
