@@ -1,0 +1,108 @@
+// A small decoder-only GPT for remat's trainer, tests and demo: token and
+// position embeddings, N pre-LayerNorm blocks (causal multi-head
+// self-attention `attn`, GELU MLP `mlp`), dropout, final LayerNorm and an
+// output head tied to the token embedding. The blocks are a
+// torch::nn::Sequential so any checkpoint strategy can wrap them:
+//   logits = head(blocks->forward(embed(idx)))
+// Leaves out: KV cache and generation, weight-decay groups, fused or
+// flash attention (plain matmul + softmax keeps every activation visible).
+#pragma once
+
+#include <cstdint>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+namespace remat::models {
+
+struct GptConfig {
+  /** Number of token ids (character-level: distinct bytes of the text). */
+  int64_t vocab = 256;
+  /** Longest sequence (rows of the position embedding), tokens. */
+  int64_t seq_len = 128;
+  /** Width of the residual stream, channels. */
+  int64_t d_model = 128;
+  /** Attention heads; must divide d_model. */
+  int64_t heads = 4;
+  /** Transformer blocks. */
+  int64_t layers = 8;
+  /** Dropout probability on embeddings, attention weights and residual branches. */
+  double dropout = 0.0;
+};
+
+/** Causal multi-head self-attention: (B, T, C) -> (B, T, C). */
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  torch::nn::Dropout attn_drop{nullptr}, resid_drop{nullptr};
+
+ private:
+  int64_t heads_;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+/** GELU MLP with 4x expansion: (B, T, C) -> (B, T, C). */
+class MlpImpl : public torch::nn::Module {
+ public:
+  MlpImpl(int64_t d_model, double dropout);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear fc{nullptr}, proj{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+/** Pre-LayerNorm block: x = x + attn(ln1(x)); x = x + mlp(ln2(x)). */
+class GptBlockImpl : public torch::nn::Module {
+ public:
+  GptBlockImpl(int64_t d_model, int64_t heads, double dropout);
+  torch::Tensor forward(const torch::Tensor& x);
+  /** Selective checkpointing: when on, the attention branch attn(ln1(x))
+   *  runs under remat::checkpoint (its (B, H, T, T) scores are recomputed
+   *  in backward); the MLP branch is kept. Default off. */
+  void set_checkpoint_attention(bool on) { checkpoint_attention_ = on; }
+  bool checkpoint_attention() const { return checkpoint_attention_; }
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  Mlp mlp{nullptr};
+
+ private:
+  bool checkpoint_attention_ = false;
+};
+TORCH_MODULE(GptBlock);
+
+class GptImpl : public torch::nn::Module {
+ public:
+  /** Validates the config (throws remat::Error) and initialises GPT-2 style
+   *  (normal(0, 0.02), residual projections scaled by 1/sqrt(2 layers)). */
+  explicit GptImpl(const GptConfig& config);
+  /** idx (B, T) int64 with T <= seq_len -> (B, T, C). */
+  torch::Tensor embed(const torch::Tensor& idx);
+  /** h (B, T, C) -> logits (B, T, vocab), through the tied token embedding. */
+  torch::Tensor head(const torch::Tensor& h);
+  /** head(blocks->forward(embed(idx))): (B, T) -> (B, T, vocab). */
+  torch::Tensor forward(const torch::Tensor& idx);
+  /** The output projection: the token embedding's weight (vocab, C), shared. */
+  const torch::Tensor& head_weight() const { return wte->weight; }
+  /** Turns selective (attention-only) checkpointing on or off in every block. */
+  void set_checkpoint_attention(bool on);
+  const GptConfig& config() const { return config_; }
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  /** layers GptBlock modules, each (B, T, C) -> (B, T, C). */
+  torch::nn::Sequential blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  GptConfig config_;
+};
+TORCH_MODULE(Gpt);
+
+}  // namespace remat::models

@@ -1,0 +1,92 @@
+// A ResNet for remat's trainer and tests: basic (two 3x3) and bottleneck
+// (1x1, 3x3, 1x1 with 4x expansion) blocks with BatchNorm, the stage counts
+// of ResNet-10/18/34/50/101/152, a CIFAR-style 3x3 stem (no max-pool, for
+// small images on CPU) and a configurable base width. The blocks of all four
+// stages form one torch::nn::Sequential so any checkpoint strategy can wrap
+// them: logits = head(blocks->forward(embed(x))).
+// Leaves out: the ImageNet 7x7 stem, pretrained weights, zero-init of the
+// last BatchNorm in each block.
+#pragma once
+
+#include <cstdint>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+namespace remat::models {
+
+struct ResNetConfig {
+  /** 10, 18, 34 (basic blocks) or 50, 101, 152 (bottleneck blocks). */
+  int64_t depth = 18;
+  /** Channels of the stem and the first stage; stages use 1x, 2x, 4x, 8x. */
+  int64_t width = 16;
+  /** Output classes. */
+  int64_t classes = 10;
+  /** Input channels. */
+  int64_t in_channels = 3;
+};
+
+/** conv (no bias) -> BatchNorm -> ReLU: (B, Cin, H, W) -> (B, Cout, H/stride, W/stride). */
+class ConvBnReluImpl : public torch::nn::Module {
+ public:
+  ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+};
+TORCH_MODULE(ConvBnRelu);
+
+/** A residual block (basic or bottleneck). `first` is its leading
+ *  conv-bn-relu: selective checkpointing recomputes only that part. */
+class ResBlockImpl : public torch::nn::Module {
+ public:
+  /** Basic: first = 3x3(in, mid, stride), 3x3(mid, mid); out = mid.
+   *  Bottleneck: first = 1x1(in, mid), 3x3(mid, mid, stride), 1x1(mid, 4 mid); out = 4 mid.
+   *  A 1x1 conv + BatchNorm shortcut where stride or channels change. */
+  ResBlockImpl(int64_t in, int64_t mid, int64_t stride, bool bottleneck);
+  torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, out, H/stride, W/stride)
+  /** Selective checkpointing: `first` runs under remat::checkpoint (its
+   *  BatchNorm statistics are still updated once per step). Default off. */
+  void set_checkpoint_first(bool on) { checkpoint_first_ = on; }
+  int64_t out_channels() const { return out_; }
+  ConvBnRelu first{nullptr};
+  torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};          // conv3 only in bottlenecks
+  torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};         // bn3 only in bottlenecks
+  torch::nn::Conv2d down_conv{nullptr};                      // shortcut, where needed
+  torch::nn::BatchNorm2d down_bn{nullptr};
+
+ private:
+  bool bottleneck_;
+  bool checkpoint_first_ = false;
+  int64_t out_;
+};
+TORCH_MODULE(ResBlock);
+
+class ResNetImpl : public torch::nn::Module {
+ public:
+  /** Validates the config (throws remat::Error naming the valid depths). */
+  explicit ResNetImpl(const ResNetConfig& config);
+  /** x (B, in_channels, H, W) -> (B, width, H, W). */
+  torch::Tensor embed(const torch::Tensor& x);
+  /** h (B, C, h, w) -> logits (B, classes): global average pool + linear. */
+  torch::Tensor head(const torch::Tensor& h);
+  torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, classes)
+  /** Turns selective (first conv-bn-relu) checkpointing on or off in every block. */
+  void set_checkpoint_first(bool on);
+  const ResNetConfig& config() const { return config_; }
+
+  ConvBnRelu stem{nullptr};
+  /** All residual blocks of the four stages, in order. */
+  torch::nn::Sequential blocks{nullptr};
+  torch::nn::Linear fc{nullptr};
+
+ private:
+  ResNetConfig config_;
+};
+TORCH_MODULE(ResNet);
+
+}  // namespace remat::models

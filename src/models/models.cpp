@@ -1,0 +1,216 @@
+// GPT and ResNet of remat::models (see include/remat/models/gpt.h and
+// resnet.h for what they are and what they leave out).
+#include <remat/models/gpt.h>
+#include <remat/models/resnet.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include <remat/checkpoint.h>
+#include <remat/error.h>
+
+namespace remat::models {
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+void check_positive(const char* what, int64_t v, const char* remedy) {
+  if (v <= 0) {
+    throw Error(std::string("[remat::models] ") + what + " must be positive, got " + str(v) + ". " + remedy);
+  }
+}
+
+}  // namespace
+
+// --- GPT ---------------------------------------------------------------------
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout)
+    : qkv(register_module("qkv", torch::nn::Linear(d_model, 3 * d_model))),
+      proj(register_module("proj", torch::nn::Linear(d_model, d_model))),
+      attn_drop(register_module("attn_drop", torch::nn::Dropout(dropout))),
+      resid_drop(register_module("resid_drop", torch::nn::Dropout(dropout))),
+      heads_(heads) {}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {  // (B, T, C)
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads_;
+  auto qkv_bthd = qkv(x).view({B, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});  // (3, B, H, T, hd)
+  auto q = qkv_bthd[0], k = qkv_bthd[1], v = qkv_bthd[2];                       // (B, H, T, hd)
+  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));  // (B, H, T, T)
+  auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);                       // (T, T)
+  att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
+  att = attn_drop(torch::softmax(att, -1));                                  // (B, H, T, T)
+  auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});         // (B, T, C)
+  return resid_drop(proj(y));                                                // (B, T, C)
+}
+
+MlpImpl::MlpImpl(int64_t d_model, double dropout)
+    : fc(register_module("fc", torch::nn::Linear(d_model, 4 * d_model))),
+      proj(register_module("proj", torch::nn::Linear(4 * d_model, d_model))),
+      drop(register_module("drop", torch::nn::Dropout(dropout))) {}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {  // (B, T, C)
+  return drop(proj(torch::gelu(fc(x))));                  // (B, T, 4C) inside, (B, T, C) out
+}
+
+GptBlockImpl::GptBlockImpl(int64_t d_model, int64_t heads, double dropout)
+    : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
+      ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
+      attn(register_module("attn", CausalSelfAttention(d_model, heads, dropout))),
+      mlp(register_module("mlp", Mlp(d_model, dropout))) {}
+
+torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {  // (B, T, C)
+  torch::Tensor a;
+  if (checkpoint_attention_) {
+    // No buffers in ln1/attn, so a lambda is enough (parameters are kept by reference).
+    a = remat::checkpoint([ln1 = ln1, attn = attn](const torch::Tensor& h) mutable { return attn(ln1(h)); }, x);
+  } else {
+    a = attn(ln1(x));  // (B, T, C)
+  }
+  auto h = x + a;             // (B, T, C)
+  return h + mlp(ln2(h));     // (B, T, C)
+}
+
+GptImpl::GptImpl(const GptConfig& c) : config_(c) {
+  const char* fix = "Fix the GPT config (e.g. --layers, --d-model, --heads, --seq-len).";
+  check_positive("vocab", c.vocab, fix);
+  check_positive("seq_len", c.seq_len, fix);
+  check_positive("d_model", c.d_model, fix);
+  check_positive("heads", c.heads, fix);
+  check_positive("layers", c.layers, fix);
+  if (c.d_model % c.heads != 0) {
+    throw Error("[remat::models] d_model " + str(c.d_model) + " is not divisible by heads " + str(c.heads) +
+                ". Pick a head count that divides d_model.");
+  }
+  if (c.dropout < 0.0 || c.dropout >= 1.0) {
+    throw Error("[remat::models] dropout must be in [0, 1), got " + std::to_string(c.dropout) + ".");
+  }
+  wte = register_module("wte", torch::nn::Embedding(c.vocab, c.d_model));
+  wpe = register_module("wpe", torch::nn::Embedding(c.seq_len, c.d_model));
+  drop = register_module("drop", torch::nn::Dropout(c.dropout));
+  blocks = register_module("blocks", torch::nn::Sequential());
+  for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c.d_model, c.heads, c.dropout));
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+
+  // GPT-2 initialisation.
+  torch::NoGradGuard no_grad;
+  const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(c.layers));
+  for (auto& item : named_modules()) {
+    if (auto* lin = item.value()->as<torch::nn::Linear>()) {
+      const bool residual = item.key().size() >= 5 && item.key().compare(item.key().size() - 5, 5, ".proj") == 0;
+      lin->weight.normal_(0.0, residual ? resid_std : 0.02);
+      lin->bias.zero_();
+    } else if (auto* emb = item.value()->as<torch::nn::Embedding>()) {
+      emb->weight.normal_(0.0, 0.02);
+    }
+  }
+}
+
+torch::Tensor GptImpl::embed(const torch::Tensor& idx) {  // (B, T)
+  const int64_t T = idx.size(1);
+  if (T > config_.seq_len) {
+    throw Error("[remat::models] GPT input has " + str(T) + " tokens, more than seq_len " + str(config_.seq_len) +
+                ". Crop the input or build the model with a larger seq_len.");
+  }
+  auto pos = torch::arange(T, idx.options().dtype(torch::kLong));  // (T)
+  return drop(wte(idx) + wpe(pos));                                // (B, T, C)
+}
+
+torch::Tensor GptImpl::head(const torch::Tensor& h) {  // (B, T, C)
+  return torch::linear(ln_f(h), wte->weight);          // (B, T, vocab)
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& idx) { return head(blocks->forward(embed(idx))); }
+
+void GptImpl::set_checkpoint_attention(bool on) {
+  for (auto& m : blocks->children()) std::dynamic_pointer_cast<GptBlockImpl>(m)->set_checkpoint_attention(on);
+}
+
+// --- ResNet ------------------------------------------------------------------
+
+ConvBnReluImpl::ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride)
+    : conv(register_module(
+          "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false)))),
+      bn(register_module("bn", torch::nn::BatchNorm2d(out))) {}
+
+torch::Tensor ConvBnReluImpl::forward(const torch::Tensor& x) { return torch::relu(bn(conv(x))); }
+
+ResBlockImpl::ResBlockImpl(int64_t in, int64_t mid, int64_t stride, bool bottleneck) : bottleneck_(bottleneck) {
+  auto conv = [](int64_t i, int64_t o, int64_t k, int64_t s) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(i, o, k).stride(s).padding(k / 2).bias(false));
+  };
+  if (bottleneck) {
+    out_ = 4 * mid;
+    first = register_module("first", ConvBnRelu(in, mid, 1, 1));
+    conv2 = register_module("conv2", conv(mid, mid, 3, stride));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(mid));
+    conv3 = register_module("conv3", conv(mid, out_, 1, 1));
+    bn3 = register_module("bn3", torch::nn::BatchNorm2d(out_));
+  } else {
+    out_ = mid;
+    first = register_module("first", ConvBnRelu(in, mid, 3, stride));
+    conv2 = register_module("conv2", conv(mid, mid, 3, 1));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(mid));
+  }
+  if (stride != 1 || in != out_) {
+    down_conv = register_module("down_conv", conv(in, out_, 1, stride));
+    down_bn = register_module("down_bn", torch::nn::BatchNorm2d(out_));
+  }
+}
+
+torch::Tensor ResBlockImpl::forward(const torch::Tensor& x) {     // (B, in, H, W)
+  auto h = checkpoint_first_ ? remat::checkpoint(first, x) : first(x);  // (B, mid, ., .)
+  h = bn2(conv2(h));
+  if (bottleneck_) h = bn3(conv3(torch::relu(h)));                 // (B, out, H/s, W/s)
+  auto skip = down_conv ? down_bn(down_conv(x)) : x;               // (B, out, H/s, W/s)
+  return torch::relu(h + skip);
+}
+
+ResNetImpl::ResNetImpl(const ResNetConfig& c) : config_(c) {
+  std::vector<int64_t> counts;
+  bool bottleneck = c.depth >= 50;
+  switch (c.depth) {
+    case 10: counts = {1, 1, 1, 1}; break;
+    case 18: counts = {2, 2, 2, 2}; break;
+    case 34: counts = {3, 4, 6, 3}; break;
+    case 50: counts = {3, 4, 6, 3}; break;
+    case 101: counts = {3, 4, 23, 3}; break;
+    case 152: counts = {3, 8, 36, 3}; break;
+    default:
+      throw Error("[remat::models] ResNet depth " + str(c.depth) +
+                  " is not supported. Use 10, 18 or 34 (basic blocks) or 50, 101 or 152 (bottleneck blocks).");
+  }
+  const char* fix = "Fix the ResNet config (--d-model is the base width).";
+  check_positive("width", c.width, fix);
+  check_positive("classes", c.classes, fix);
+  check_positive("in_channels", c.in_channels, fix);
+  stem = register_module("stem", ConvBnRelu(c.in_channels, c.width, 3, 1));
+  blocks = register_module("blocks", torch::nn::Sequential());
+  int64_t in = c.width;
+  for (int64_t stage = 0; stage < 4; ++stage) {
+    const int64_t mid = c.width << stage;
+    for (int64_t i = 0; i < counts[stage]; ++i) {
+      ResBlock block(in, mid, (stage > 0 && i == 0) ? 2 : 1, bottleneck);
+      in = block->out_channels();
+      blocks->push_back(block);
+    }
+  }
+  fc = register_module("fc", torch::nn::Linear(in, c.classes));
+}
+
+torch::Tensor ResNetImpl::embed(const torch::Tensor& x) { return stem(x); }  // (B, width, H, W)
+
+torch::Tensor ResNetImpl::head(const torch::Tensor& h) {                    // (B, C, h, w)
+  return fc(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));               // (B, classes)
+}
+
+torch::Tensor ResNetImpl::forward(const torch::Tensor& x) { return head(blocks->forward(embed(x))); }
+
+void ResNetImpl::set_checkpoint_first(bool on) {
+  for (auto& m : blocks->children()) std::dynamic_pointer_cast<ResBlockImpl>(m)->set_checkpoint_first(on);
+}
+
+}  // namespace remat::models

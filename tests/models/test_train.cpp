@@ -1,0 +1,321 @@
+// remat::models and the trainer: GPT/ResNet shapes and the tied head; every
+// checkpoint strategy against the plain run (bitwise-equal losses and
+// parameters for the same seed, BatchNorm statistics); bf16 autocast; save
+// then resume against an uninterrupted run; remat-train's error exits.
+// Leaves out: speed and memory numbers (the demo and bench measure them).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <remat/error.h>
+#include <remat/models/gpt.h>
+#include <remat/models/resnet.h>
+#include <remat/models/trainer.h>
+
+namespace rm = remat::models;
+using rm::Strategy;
+
+namespace {
+
+std::vector<Strategy> strategies() {
+  std::vector<Strategy> s = {Strategy::kNone, Strategy::kBlock, Strategy::kSqrt, Strategy::kSelective};
+  if (rm::auto_strategy_available()) s.push_back(Strategy::kAuto);
+  return s;
+}
+
+rm::TrainConfig tiny_gpt() {
+  rm::TrainConfig c;
+  c.model = "gpt";
+  c.layers = 4;
+  c.d_model = 32;
+  c.heads = 4;
+  c.seq_len = 32;
+  c.batch = 4;
+  c.steps = 3;
+  c.dropout = 0.1;
+  c.grad_accum = 2;
+  c.clip_norm = 1.0;
+  c.seed = 42;
+  c.memory_budget_bytes = 64ll << 20;
+  return c;
+}
+
+rm::TrainConfig tiny_resnet() {
+  rm::TrainConfig c;
+  c.model = "resnet";
+  c.layers = 10;
+  c.d_model = 8;
+  c.image_size = 16;
+  c.batch = 8;
+  c.steps = 2;
+  c.seed = 7;
+  c.memory_budget_bytes = 64ll << 20;
+  return c;
+}
+
+std::vector<double> losses_of(const std::vector<rm::StepStats>& stats) {
+  std::vector<double> l;
+  for (const auto& s : stats) l.push_back(s.loss);
+  return l;
+}
+
+std::vector<torch::Tensor> state_of(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  for (const auto& b : m.buffers()) out.push_back(b.detach().clone());
+  return out;
+}
+
+void expect_same_state(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << what << ": tensor " << i << " differs";
+  }
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+/** Runs remat-train with args; returns (exit code, stdout + stderr). */
+std::pair<int, std::string> run_cli(const std::string& args) {
+  const auto out = (std::filesystem::temp_directory_path() / "remat_train_cli.txt").string();
+  const std::string cmd = std::string(REMAT_TRAIN_EXE) + " " + args + " >" + out + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out)};
+}
+
+TEST(Models, GptShapesAndTiedHead) {
+  torch::manual_seed(0);
+  rm::GptConfig c;
+  c.vocab = 50;
+  c.seq_len = 16;
+  c.d_model = 32;
+  c.heads = 4;
+  c.layers = 3;
+  rm::Gpt gpt(c);
+  auto idx = torch::randint(50, {2, 12}, torch::kLong);
+  auto h = gpt->embed(idx);
+  EXPECT_EQ(h.sizes(), (std::vector<int64_t>{2, 12, 32}));
+  EXPECT_EQ(gpt->blocks->size(), 3u);
+  auto logits = gpt->forward(idx);
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 12, 50}));
+  // Tied: the head multiplies by the token embedding itself, and no separate
+  // (vocab, C) output matrix exists among the parameters.
+  EXPECT_TRUE(gpt->head_weight().is_same(gpt->wte->weight));
+  int64_t vocab_by_c = 0;
+  for (auto& p : gpt->parameters()) vocab_by_c += p.sizes() == torch::IntArrayRef{50, 32};
+  EXPECT_EQ(vocab_by_c, 1);
+  logits.sum().backward();
+  EXPECT_TRUE(gpt->wte->weight.grad().defined());
+  EXPECT_GT(gpt->wte->weight.grad().abs().sum().item<double>(), 0.0);
+  // Causal: changing the last token leaves earlier logits alone.
+  gpt->eval();
+  torch::NoGradGuard no_grad;
+  auto idx2 = idx.clone();
+  idx2.index_put_({torch::indexing::Slice(), -1}, (idx2.index({torch::indexing::Slice(), -1}) + 1) % 50);
+  auto a = gpt->forward(idx).slice(1, 0, 11), b = gpt->forward(idx2).slice(1, 0, 11);
+  EXPECT_TRUE(torch::allclose(a, b));
+  try {
+    gpt->forward(torch::zeros({1, 17}, torch::kLong));
+    FAIL() << "expected remat::Error";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(), "[remat::models] GPT input has 17 tokens, more than seq_len 16. Crop the input or build the model with a larger seq_len.");
+  }
+}
+
+TEST(Models, ResNetShapesAndDepths) {
+  torch::manual_seed(0);
+  for (int64_t depth : {10, 18, 50}) {
+    rm::ResNetConfig c;
+    c.depth = depth;
+    c.width = 4;
+    rm::ResNet net(c);
+    auto y = net->forward(torch::randn({2, 3, 16, 16}));
+    EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 10})) << "depth " << depth;
+    EXPECT_EQ(static_cast<int64_t>(net->blocks->size()), depth == 10 ? 4 : depth == 18 ? 8 : 16);
+  }
+  rm::ResNetConfig bad;
+  bad.depth = 20;
+  EXPECT_THROW(rm::ResNet{bad}, remat::Error);
+}
+
+TEST(Train, GptStrategiesGiveBitwiseEqualLosses) {
+  std::vector<double> reference;
+  std::vector<torch::Tensor> reference_state;
+  for (auto s : strategies()) {
+    auto c = tiny_gpt();
+    c.checkpoint = s;
+    rm::Trainer t(c);
+    auto losses = losses_of(t.run());
+    auto state = state_of(*t.module());
+    if (s == Strategy::kNone) {
+      reference = losses;
+      reference_state = state;
+      continue;
+    }
+    EXPECT_EQ(losses, reference) << "strategy " << rm::to_string(s);
+    expect_same_state(state, reference_state, std::string("parameters after ") + std::string(rm::to_string(s)));
+  }
+  EXPECT_LT(reference.back(), reference.front()) << "the loss should fall";
+}
+
+TEST(Train, ResNetStrategiesGiveBitwiseEqualLosses) {
+  std::vector<double> reference;
+  std::vector<torch::Tensor> reference_state;
+  for (auto s : strategies()) {
+    auto c = tiny_resnet();
+    c.checkpoint = s;
+    rm::Trainer t(c);
+    auto losses = losses_of(t.run());
+    auto state = state_of(*t.module());  // parameters, then BatchNorm buffers
+    if (s == Strategy::kNone) {
+      reference = losses;
+      reference_state = state;
+      continue;
+    }
+    EXPECT_EQ(losses, reference) << "strategy " << rm::to_string(s);
+    expect_same_state(state, reference_state, std::string("parameters and buffers after ") + std::string(rm::to_string(s)));
+  }
+}
+
+TEST(Train, ResNetBatchNormStatsAfterBlockCheckpointEqualPlain) {
+  std::vector<std::vector<torch::Tensor>> stats;
+  for (auto s : {Strategy::kNone, Strategy::kBlock}) {
+    auto c = tiny_resnet();
+    c.checkpoint = s;
+    rm::Trainer t(c);
+    t.step();
+    std::vector<torch::Tensor> bn;
+    for (auto& item : t.module()->named_buffers()) {
+      if (item.key().find("running_") != std::string::npos || item.key().find("num_batches") != std::string::npos) {
+        bn.push_back(item.value().clone());
+      }
+    }
+    ASSERT_FALSE(bn.empty());
+    stats.push_back(bn);
+  }
+  expect_same_state(stats[1], stats[0], "BatchNorm running statistics");
+  // num_batches_tracked is 1 (not 2): the recompute did not count a second batch.
+  EXPECT_EQ(stats[1].back().item<int64_t>(), 1);
+}
+
+TEST(Train, Bf16AutocastBlockEqualsPlain) {
+  std::vector<double> plain;
+  for (auto s : {Strategy::kNone, Strategy::kBlock, Strategy::kSelective}) {
+    auto c = tiny_gpt();
+    c.bf16 = true;
+    c.steps = 2;
+    c.checkpoint = s;
+    rm::Trainer t(c);
+    auto losses = losses_of(t.run());
+    for (double l : losses) EXPECT_TRUE(std::isfinite(l));
+    if (s == Strategy::kNone) {
+      plain = losses;
+    } else {
+      EXPECT_EQ(losses, plain) << "bf16 " << rm::to_string(s);
+    }
+  }
+}
+
+TEST(Train, SaveThenResumeEqualsUninterruptedRun) {
+  const auto dir = std::filesystem::temp_directory_path() / "remat_resume_test";
+  std::filesystem::create_directories(dir);
+  for (auto base : {tiny_gpt(), tiny_resnet()}) {
+    base.steps = 6;
+    base.checkpoint = Strategy::kBlock;
+    rm::Trainer whole(base);
+    auto all = losses_of(whole.run());
+
+    const auto path = (dir / (base.model + ".pt")).string();
+    auto first = base;
+    first.steps = 3;
+    first.save_path = path;
+    rm::Trainer a(first);
+    auto head = losses_of(a.run());
+    ASSERT_TRUE(std::filesystem::exists(path));
+    for (auto& e : std::filesystem::directory_iterator(dir)) {
+      EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << "left behind: " << e.path();
+    }
+
+    auto second = base;
+    second.resume_path = path;
+    second.checkpoint = Strategy::kSqrt;  // a different strategy continues the same curve
+    rm::Trainer b(second);
+    EXPECT_EQ(b.steps_done(), 3);
+    auto tail = losses_of(b.run());
+    head.insert(head.end(), tail.begin(), tail.end());
+    EXPECT_EQ(head, all) << base.model;
+    expect_same_state(state_of(*b.module()), state_of(*whole.module()), base.model + " final state");
+  }
+  // A checkpoint of another model is refused with both descriptions.
+  auto other = tiny_gpt();
+  other.layers = 2;
+  other.resume_path = (dir / "gpt.pt").string();
+  try {
+    rm::Trainer t(other);
+    FAIL() << "expected remat::Error";
+  } catch (const remat::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is for 'gpt layers=4 d_model=32"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Resume with the same model flags and data."), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Cli, RunsAndPrintsProgress) {
+  auto [code, out] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 2 --checkpoint sqrt --threads 1");
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("checkpoint sqrt"), std::string::npos) << out;
+  EXPECT_NE(out.find("step 2/2  loss "), std::string::npos) << out;
+  EXPECT_NE(out.find(" tok/s  "), std::string::npos) << out;
+}
+
+TEST(Cli, BadFlagExits2) {
+  auto [code, out] = run_cli("--checkpoint everything");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out, "remat-train: error: --checkpoint: everything not in {none,block,sqrt,selective,auto} "
+                 "(run remat-train --help for the flags)\n");
+  auto [code2, out2] = run_cli("--no-such-flag");
+  EXPECT_EQ(code2, 2);
+  EXPECT_NE(out2.find("remat-train: error: The following argument was not expected: --no-such-flag"), std::string::npos) << out2;
+}
+
+TEST(Cli, MissingDataFileExits2) {
+  auto [code, out] = run_cli("--data /nonexistent/text.txt");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out, "remat-train: error: [remat::train] cannot read --data file '/nonexistent/text.txt': "
+                 "No such file or directory. Pass an existing text file with --data.\n");
+}
+
+TEST(Cli, BadBudgetAndTooSmallBudgetExit2) {
+  auto [code, out] = run_cli("--checkpoint auto --memory-budget lots");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("remat-train: error: [remat::plan]"), std::string::npos) << out;
+  EXPECT_NE(out.find("lots"), std::string::npos) << out;
+  if (!rm::auto_strategy_available()) {
+    auto [c2, o2] = run_cli("--checkpoint auto --memory-budget 1KiB");
+    EXPECT_EQ(c2, 2);
+    EXPECT_NE(o2.find("--checkpoint auto needs remat::CheckpointedSequential"), std::string::npos) << o2;
+    GTEST_SKIP() << "remat::CheckpointedSequential is not in this build";
+  }
+  auto [c3, o3] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 1 --checkpoint auto --memory-budget 1KiB");
+  EXPECT_EQ(c3, 2) << o3;
+  EXPECT_NE(o3.find("remat-train: error: [remat::"), std::string::npos) << o3;
+  EXPECT_EQ(std::count(o3.begin(), o3.end(), '\n'), 1) << "one line: " << o3;
+}
+
+}  // namespace
