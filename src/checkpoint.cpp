@@ -26,6 +26,24 @@ namespace {
 
 std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0};
 thread_local int t_recompute_depth = 0;
+// The last RNG state captured per device on this thread. Consecutive regions
+// without random ops see the same state and share one copy (~5 KiB for the
+// CPU generator) instead of keeping one each.
+thread_local std::vector<std::pair<c10::Device, at::Tensor>> t_last_rng;
+
+at::Tensor dedup_rng_state(c10::Device d, at::Tensor state) {
+  for (auto& [dev, last] : t_last_rng) {
+    if (dev != d) continue;
+    if (last.numel() == state.numel() && last.scalar_type() == state.scalar_type() &&
+        std::memcmp(last.data_ptr(), state.data_ptr(), state.numel() * state.element_size()) == 0) {
+      return last;
+    }
+    last = state;
+    return state;
+  }
+  t_last_rng.emplace_back(d, state);
+  return state;
+}
 
 /** Thrown by the recompute hook once every needed tensor exists. Not a
  *  std::exception, so nothing on the way up wraps or reports it. */
@@ -430,8 +448,12 @@ Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& 
     }
     for (const auto& d : devices) {
       at::Generator gen = at::globalContext().defaultGenerator(d);
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      f.rng.emplace_back(gen, gen.get_state());
+      at::Tensor state;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        state = gen.get_state();
+      }
+      f.rng.emplace_back(gen, dedup_rng_state(d, std::move(state)));
     }
   }
   f.autocast = AutocastState::capture();

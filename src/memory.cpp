@@ -105,8 +105,9 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr dp = inner_->allocate(n);
+    if (n == 0 || dp.get() == nullptr) return dp;  // nothing to count
     State& s = state();
-    if (dp.get() != nullptr && dp.get() == dp.get_context() && dp.get_deleter() != nullptr) {
+    if (dp.get() == dp.get_context() && dp.get_deleter() != nullptr) {
       // Common case (DefaultCPUAllocator): context == data, plain deleter.
       void* data = dp.get();
       c10::DeleterFnPtr d = dp.get_deleter();

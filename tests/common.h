@@ -15,6 +15,10 @@
 
 namespace remat_test {
 
+// One intra-op thread: OpenMP workers spin badly on 2 shared cores, and the
+// bitwise comparisons want one fixed reduction order anyway.
+inline const bool kOneThread = (torch::set_num_threads(1), true);
+
 /** Causal multi-head self-attention + GELU MLP, pre-LayerNorm, dropout. */
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(int64_t d_model, int64_t heads, double dropout = 0.0)
@@ -67,13 +71,17 @@ struct ResBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(ResBlock);
 
-/** n layers of Linear(width, width) + Tanh as a Sequential. */
-inline torch::nn::Sequential make_mlp(int64_t n, int64_t width, uint64_t seed = 0) {
+/** n layers of Linear(width, width) + Tanh (or GELU) as a Sequential. */
+inline torch::nn::Sequential make_mlp(int64_t n, int64_t width, uint64_t seed = 0, bool gelu = false) {
   torch::manual_seed(seed);
   torch::nn::Sequential seq;
   for (int64_t i = 0; i < n; ++i) {
     seq->push_back(torch::nn::Linear(width, width));
-    seq->push_back(torch::nn::Tanh());
+    if (gelu) {
+      seq->push_back(torch::nn::GELU());
+    } else {
+      seq->push_back(torch::nn::Tanh());
+    }
   }
   return seq;
 }
