@@ -48,6 +48,7 @@ rm::TrainConfig tiny_gpt() {
   c.clip_norm = 1.0;
   c.seed = 42;
   c.memory_budget_bytes = 64ll << 20;
+  c.threads = 1;  // robust on a loaded machine (OpenMP spin-waits with 2 threads on 2 busy cores)
   return c;
 }
 
@@ -61,6 +62,7 @@ rm::TrainConfig tiny_resnet() {
   c.steps = 2;
   c.seed = 7;
   c.memory_budget_bytes = 64ll << 20;
+  c.threads = 1;  // robust on a loaded machine (OpenMP spin-waits with 2 threads on 2 busy cores)
   return c;
 }
 
