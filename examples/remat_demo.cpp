@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   base.heads = 4;
   base.seq_len = 128;
   base.batch = 8;
-  base.steps = 12;
+  base.steps = 16;
   base.dropout = 0.1;
   base.lr = 1e-3;
   base.seed = 1337;

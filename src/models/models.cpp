@@ -98,7 +98,7 @@ GptImpl::GptImpl(const GptConfig& c) : config_(c) {
   // GPT-2 initialisation.
   torch::NoGradGuard no_grad;
   const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(c.layers));
-  for (auto& item : named_modules()) {
+  for (auto& item : named_modules("", /*include_self=*/false)) {
     if (auto* lin = item.value()->as<torch::nn::Linear>()) {
       const bool residual = item.key().size() >= 5 && item.key().compare(item.key().size() - 5, 5, ".proj") == 0;
       lin->weight.normal_(0.0, residual ? resid_std : 0.02);

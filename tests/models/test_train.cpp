@@ -278,7 +278,7 @@ TEST(Train, SaveThenResumeEqualsUninterruptedRun) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(Cli, RunsAndPrintsProgress) {
+TEST(TrainCli, RunsAndPrintsProgress) {
   auto [code, out] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 2 --checkpoint sqrt --threads 1");
   EXPECT_EQ(code, 0) << out;
   EXPECT_NE(out.find("checkpoint sqrt"), std::string::npos) << out;
@@ -286,7 +286,7 @@ TEST(Cli, RunsAndPrintsProgress) {
   EXPECT_NE(out.find(" tok/s  "), std::string::npos) << out;
 }
 
-TEST(Cli, BadFlagExits2) {
+TEST(TrainCli, BadFlagExits2) {
   auto [code, out] = run_cli("--checkpoint everything");
   EXPECT_EQ(code, 2);
   EXPECT_EQ(out, "remat-train: error: --checkpoint: everything not in {none,block,sqrt,selective,auto} "
@@ -296,14 +296,14 @@ TEST(Cli, BadFlagExits2) {
   EXPECT_NE(out2.find("remat-train: error: The following argument was not expected: --no-such-flag"), std::string::npos) << out2;
 }
 
-TEST(Cli, MissingDataFileExits2) {
+TEST(TrainCli, MissingDataFileExits2) {
   auto [code, out] = run_cli("--data /nonexistent/text.txt");
   EXPECT_EQ(code, 2);
   EXPECT_EQ(out, "remat-train: error: [remat::train] cannot read --data file '/nonexistent/text.txt': "
                  "No such file or directory. Pass an existing text file with --data.\n");
 }
 
-TEST(Cli, BadBudgetAndTooSmallBudgetExit2) {
+TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {
   auto [code, out] = run_cli("--checkpoint auto --memory-budget lots");
   EXPECT_EQ(code, 2);
   EXPECT_NE(out.find("remat-train: error: [remat::plan]"), std::string::npos) << out;
