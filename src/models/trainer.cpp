@@ -29,11 +29,13 @@
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
 
-#if __has_include(<remat/sequential.h>)
-#include <remat/sequential.h>
-#define REMAT_MODELS_HAVE_AUTO 1
-#else
+// Strategy::kAuto needs remat::CheckpointedSequential; src/models/CMakeLists.txt
+// sets REMAT_MODELS_HAVE_AUTO=1 when the remat target compiles sequential.cpp.
+#ifndef REMAT_MODELS_HAVE_AUTO
 #define REMAT_MODELS_HAVE_AUTO 0
+#endif
+#if REMAT_MODELS_HAVE_AUTO
+#include <remat/sequential.h>
 #endif
 
 namespace remat::models {
