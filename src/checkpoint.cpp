@@ -8,6 +8,8 @@
 // only until autograd has used it; a slot whose node is released is dropped.
 #include <remat/checkpoint.h>
 
+#include "replay.h"
+
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
@@ -25,25 +27,6 @@ namespace remat {
 namespace {
 
 std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0};
-thread_local int t_recompute_depth = 0;
-// The last RNG state captured per device on this thread. Consecutive regions
-// without random ops see the same state and share one copy (~5 KiB for the
-// CPU generator) instead of keeping one each.
-thread_local std::vector<std::pair<c10::Device, at::Tensor>> t_last_rng;
-
-at::Tensor dedup_rng_state(c10::Device d, at::Tensor state) {
-  for (auto& [dev, last] : t_last_rng) {
-    if (dev != d) continue;
-    if (last.numel() == state.numel() && last.scalar_type() == state.scalar_type() &&
-        std::memcmp(last.data_ptr(), state.data_ptr(), state.numel() * state.element_size()) == 0) {
-      return last;
-    }
-    last = state;
-    return state;
-  }
-  t_last_rng.emplace_back(d, state);
-  return state;
-}
 
 /** Thrown by the recompute hook once every needed tensor exists. Not a
  *  std::exception, so nothing on the way up wraps or reports it. */
@@ -76,32 +59,7 @@ TensorMeta meta_of(const at::Tensor& t, bool with_hash) {
   return {t.sizes().vec(), t.scalar_type(), t.device(), with_hash ? hash_values(t) : 0};
 }
 
-bool is_parameter_like(const at::Tensor& t) {
-  if (t.requires_grad() && t.is_leaf()) return true;
-  if (t.is_view()) {
-    const at::TensorBase& base = t._base();
-    return base.requires_grad() && base.is_leaf();
-  }
-  return false;
-}
 
-/** CPU and CUDA autocast state of this thread. */
-struct AutocastState {
-  bool cpu_enabled, cuda_enabled, cache_enabled;
-  at::ScalarType cpu_dtype, cuda_dtype;
-  static AutocastState capture() {
-    return {at::autocast::is_autocast_enabled(at::kCPU), at::autocast::is_autocast_enabled(at::kCUDA),
-            at::autocast::is_autocast_cache_enabled(), at::autocast::get_autocast_dtype(at::kCPU),
-            at::autocast::get_autocast_dtype(at::kCUDA)};
-  }
-  void apply() const {
-    at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
-    at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
-    at::autocast::set_autocast_cache_enabled(cache_enabled);
-    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
-    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
-  }
-};
 
 }  // namespace
 
@@ -131,9 +89,7 @@ struct Frame : std::enable_shared_from_this<Frame> {
   RecomputeFn recompute_fn;
   std::vector<SavedInput> inputs;
   std::vector<const c10::TensorImpl*> input_impls;  // forward only, for kInput
-  std::vector<std::pair<at::Generator, at::Tensor>> rng;  // generator, its state
-  AutocastState autocast{};
-  std::vector<at::Tensor> buffers;
+  ReplayState replay;  // RNG, autocast, buffers of the first run
   std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
   std::vector<Slot> slots;
   // During a recompute: next slot to fill, and how many are still needed.
@@ -341,42 +297,6 @@ class RecomputeFactory final : public HookFactory {
   Frame* frame_;
 };
 
-/** Puts this thread in the first run's state for a re-run, and back after:
- *  grad mode on, RNG states forked, autocast as captured, buffers restored. */
-class ReplayGuard {
- public:
-  explicit ReplayGuard(Frame& f) : f_(f), grad_(true), autocast_(AutocastState::capture()) {
-    ++t_recompute_depth;
-    for (auto& [gen, state] : f_.rng) {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      rng_now_.push_back(gen.get_state());
-      gen.set_state(state);
-    }
-    f_.autocast.apply();
-    for (const auto& b : f_.buffers) buffers_now_.push_back(b.detach().clone());
-  }
-  ~ReplayGuard() {
-    {
-      at::NoGradGuard no_grad;
-      // variable_data(): restore values without bumping the buffers' version.
-      for (size_t i = 0; i < buffers_now_.size(); ++i) f_.buffers[i].variable_data().copy_(buffers_now_[i]);
-    }
-    autocast_.apply();
-    for (size_t i = 0; i < rng_now_.size(); ++i) {
-      auto& gen = f_.rng[i].first;
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng_now_[i]);
-    }
-    --t_recompute_depth;
-  }
-
- private:
-  Frame& f_;
-  c10::AutoGradMode grad_;
-  AutocastState autocast_;
-  std::vector<at::Tensor> rng_now_;
-  std::vector<at::Tensor> buffers_now_;
-};
 
 }  // namespace
 
@@ -388,7 +308,7 @@ void Frame::recompute() {
   cursor = 0;
   bool stopped = false;
   {
-    ReplayGuard replay(*this);
+    ReplayGuard guard(replay, /*enable_grad=*/true);
     ScopedHooks hooks(std::make_shared<RecomputeFactory>(this));
     try {
       recompute_fn(in);
@@ -418,7 +338,6 @@ Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& 
   Frame& f = *frame_;
   f.options = options;
   f.recompute_fn = std::move(recompute);
-  f.buffers = std::move(state.buffers);
   for (auto& p : state.parameters) f.parameters.emplace_back(p, p._version());
   // Inputs go through the hooks active now (an outer checkpoint's, say), so
   // that a nested region does not pin its inputs in memory.
@@ -438,25 +357,11 @@ Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& 
   }
   // Aligned with input indices, undefined inputs included.
   for (const auto& t : inputs) f.input_impls.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
-  if (options.preserve_rng_state()) {
-    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
-    for (const auto& t : inputs) {
-      if (t.defined() && !t.device().is_cpu() &&
-          std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
-        devices.push_back(t.device());
-      }
-    }
-    for (const auto& d : devices) {
-      at::Generator gen = at::globalContext().defaultGenerator(d);
-      at::Tensor state;
-      {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        state = gen.get_state();
-      }
-      f.rng.emplace_back(gen, dedup_rng_state(d, std::move(state)));
-    }
+  std::vector<c10::Device> devices;
+  for (const auto& t : inputs) {
+    if (t.defined()) devices.push_back(t.device());
   }
-  f.autocast = AutocastState::capture();
+  f.replay = ReplayState::capture(options.preserve_rng_state(), devices, std::move(state.buffers));
   g_regions.fetch_add(1, std::memory_order_relaxed);
   scope_ = std::make_unique<ScopedHooks>(std::make_shared<ForwardFactory>(frame_));
 }
@@ -479,6 +384,5 @@ void reset_checkpoint_stats() {
   g_early_stops = 0;
 }
 
-bool is_recomputing() { return t_recompute_depth > 0; }
 
 }  // namespace remat

@@ -1,5 +1,6 @@
-// remat::plan errors and byte formatting/parsing. Torch-free; the runtime
-// defines its own remat::Error, this one stays inside remat::plan.
+// remat::plan errors and byte formatting/parsing. Torch-free. The planner
+// throws the same remat::Error as the runtime (remat/error.h is torch-free),
+// so a user catches one type whichever layer refused.
 #pragma once
 
 #include <cstdint>
@@ -7,14 +8,13 @@
 #include <string>
 #include <string_view>
 
+#include "remat/error.h"
+
 namespace remat::plan {
 
 /** Thrown for invalid chains, invalid schedules and infeasible budgets.
  *  Messages start with "[remat::plan]", name the values involved and the remedy. */
-class Error : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+using Error = remat::Error;
 
 /** "512 B", "1.50 KiB", "3.25 MiB", "1.93 GiB" (binary units, two decimals). */
 std::string format_bytes(int64_t bytes);

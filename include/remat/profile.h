@@ -1,0 +1,40 @@
+// The profiler: measures a chain of modules on a sample batch and produces
+// the planner's Chain (per stage: forward/backward time, output, saved and
+// temporary bytes). Leaves out: CUDA timing (CPU wall clock only).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <remat/plan/chain.h>
+
+namespace torch::nn {
+class Sequential;
+}  // namespace torch::nn
+
+namespace remat {
+
+struct ProfileOptions {
+  /** Timed runs per stage; times are their median. Default 3. */
+  TORCH_ARG(int, repeats) = 3;
+  /** Untimed runs first (allocator and kernel warm-up). Default 1. */
+  TORCH_ARG(int, warmup) = 1;
+};
+
+/** Profiles seq on x (one stage per module). Runs forward and backward per
+ *  stage, then restores everything it touched: parameter gradients, module
+ *  buffers (BatchNorm statistics) and the RNG state, so a step after it is
+ *  the same as without it. Byte counts come from the saved-tensor hooks
+ *  (saved_bytes: distinct storages saved for backward, parameters and the
+ *  stage's input excluded, its output included) and remat::memory
+ *  (temporaries: peak above what the op leaves behind). */
+plan::Chain profile(const torch::nn::Sequential& seq, const at::Tensor& x,
+                    const ProfileOptions& options = ProfileOptions());
+
+/** The chain as the JSON that `remat-plan` reads. */
+std::string chain_to_json(const plan::Chain& chain);
+
+}  // namespace remat

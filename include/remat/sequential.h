@@ -1,0 +1,107 @@
+// remat::CheckpointedSequential: runs any planner schedule on a
+// torch::nn::Sequential. The user gives a memory budget (or an algorithm,
+// a segment count, or an explicit schedule); forward runs the schedule's
+// forward part, the ordinary loss.backward() runs the rest, including
+// checkpoints created during recomputation (multi-level schedules).
+// In auto mode (a budget), the first batch of each input shape is profiled,
+// the plan solved and cached. Leaves out: autograd::grad / backward(inputs=)
+// for the parameters (the chain accumulates parameter gradients into .grad
+// directly, like a reentrant checkpoint; the input's gradient flows as usual).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <remat/plan/solve.h>
+#include <remat/profile.h>
+
+namespace remat {
+
+struct SequentialOptions {
+  /** Peak activation bytes allowed (the planner's peak: chain input, kept
+   *  values, saved sets, gradients, temporaries); > 0 selects auto mode with
+   *  `algorithm` (default optimal). Default -1: no budget. */
+  TORCH_ARG(int64_t, memory_budget_bytes) = -1;
+  /** "optimal", "greedy", "sqrt", "store-all", "uniform:K", "revolve:S".
+   *  Default "optimal" with a budget, else "sqrt". */
+  TORCH_ARG(std::string, algorithm) = "";
+  /** > 0: checkpoint_sequential's k segments (uniform:k). Default 0. */
+  TORCH_ARG(int, segments) = 0;
+  /** An explicit schedule (validated against each profiled chain). */
+  TORCH_ARG(std::optional<plan::Schedule>, schedule) = std::nullopt;
+  /** Discretization of the optimal DP. Default 500. */
+  TORCH_ARG(int, memory_slots) = 500;
+  /** Replay each stage's RNG state when it is recomputed. Default true. */
+  TORCH_ARG(bool, preserve_rng_state) = true;
+  /** Measure the peak of each step with remat::memory (enables tracking).
+   *  Default true. */
+  TORCH_ARG(bool, measure_memory) = true;
+  TORCH_ARG(ProfileOptions, profile) = ProfileOptions();
+};
+
+/** What one step did, for explain() and tests. */
+struct StepReport {
+  /** Peak bytes above the pre-forward baseline plus the input's bytes, i.e.
+   *  comparable to the prediction; -1 when not measured. */
+  int64_t measured_peak_bytes = -1;
+  /** Forward executions per stage in the step (the schedule's count). */
+  std::vector<int> forwards_per_stage;
+};
+
+namespace detail {
+struct Execution;
+}  // namespace detail
+
+class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSequentialImpl> {
+ public:
+  CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options = SequentialOptions());
+
+  void reset() override;
+  /** Runs the schedule's forward part; backward runs the rest. */
+  at::Tensor forward(const at::Tensor& x);
+
+  /** The plan for the last input shape (profiling and solving if needed
+   *  when given x). Throws if no forward has run and no x is given. */
+  const plan::Plan& plan() const;
+  const plan::Plan& plan(const at::Tensor& x);
+  /** The profiled chain for the last input shape. */
+  const plan::Chain& chain() const;
+  /** Per stage: name, forward runs, kept after forward, output and saved
+   *  bytes; then the predicted peak and, after a step, the measured one. */
+  std::string explain() const;
+  /** The last completed step (after its backward). */
+  const StepReport& last_step() const { return last_step_; }
+  /** How many times a chain was profiled (once per input shape). */
+  int profiles() const { return profiles_; }
+
+  const SequentialOptions& options() const { return options_; }
+  torch::nn::Sequential& sequential() { return seq_; }
+
+ private:
+  friend struct detail::Execution;
+  struct Entry {
+    plan::Chain chain;
+    plan::Plan plan;
+  };
+  const Entry& entry_for(const at::Tensor& x);
+
+  torch::nn::Sequential seq_;
+  SequentialOptions options_;
+  std::map<std::vector<int64_t>, Entry> plans_;  // key: dtype, device, sizes
+  const Entry* last_ = nullptr;
+  StepReport last_step_;
+  int profiles_ = 0;
+};
+
+TORCH_MODULE(CheckpointedSequential);
+
+}  // namespace remat

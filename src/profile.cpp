@@ -1,0 +1,140 @@
+// The profiler (see profile.h): one forward and backward per stage on its
+// own, timed, with saved tensors counted through remat's hooks and
+// temporaries through remat::memory; everything it changes is put back.
+#include <remat/profile.h>
+
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <unordered_set>
+
+#include <ATen/Context.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <remat/error.h>
+#include <remat/hooks.h>
+#include <remat/memory.h>
+#include <remat/plan/json.h>
+
+#include "replay.h"
+
+namespace remat {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+int64_t storage_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.storage().nbytes()); }
+
+/** Puts back parameter gradients, buffers and the CPU RNG state. */
+class Restore {
+ public:
+  explicit Restore(torch::nn::Sequential& seq) : params_(seq->parameters()), buffers_(seq->buffers()) {
+    for (auto& p : params_) grads_.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    for (auto& b : buffers_) buffer_values_.push_back(b.detach().clone());
+    auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng_ = gen.get_state();
+  }
+  ~Restore() {
+    at::NoGradGuard g;
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grads_[i];
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(buffer_values_[i]);
+    auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng_);
+  }
+
+ private:
+  std::vector<at::Tensor> params_, grads_, buffers_, buffer_values_;
+  at::Tensor rng_;
+};
+
+}  // namespace
+
+plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, const ProfileOptions& options) {
+  torch::nn::Sequential seq = seq_in;
+  if (seq->size() == 0) throw Error("[remat::profile] the Sequential is empty; add modules before profiling.");
+  if (options.repeats() < 1 || options.warmup() < 0) {
+    throw Error("[remat::profile] repeats must be >= 1 and warmup >= 0, got repeats=" +
+                std::to_string(options.repeats()) + ", warmup=" + std::to_string(options.warmup()) + ".");
+  }
+  memory::enable_tracking();
+  Restore restore(seq);
+  c10::AutoGradMode grad_on(true);
+
+  plan::Chain chain;
+  chain.input_bytes = storage_bytes(x);
+  at::Tensor h = x.detach();
+  for (size_t i = 0; i < seq->size(); ++i) {
+    auto& module = *(seq->begin() + static_cast<std::ptrdiff_t>(i));
+    plan::Stage stage;
+    stage.name = std::to_string(i) + ":" + module.ptr()->name();
+    std::vector<double> forward_ms, backward_ms;
+    at::Tensor out;
+    for (int r = 0; r < options.warmup() + options.repeats(); ++r) {
+      at::Tensor in = h.detach();
+      if (in.is_floating_point() || in.is_complex()) in.requires_grad_(true);
+      // Distinct storages saved for backward, minus parameters and the input.
+      std::unordered_set<const c10::StorageImpl*> seen{in.storage().unsafeGetStorageImpl()};
+      int64_t saved_bytes = 0;
+      int64_t tmp_bytes = 0;
+      auto t0 = Clock::now();
+      {
+        SavedTensorsHooks count(
+            [&](const at::Tensor& t) {
+              if (!detail::is_parameter_like(t) && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
+                saved_bytes += storage_bytes(t);
+              }
+              return t;
+            },
+            [](const at::Tensor& t) { return t; });
+        memory::Probe probe;
+        t0 = Clock::now();
+        out = module.forward<at::Tensor>(in);
+        tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
+      }
+      const double f_ms = ms_since(t0);
+      if (seen.insert(out.storage().unsafeGetStorageImpl()).second) saved_bytes += storage_bytes(out);
+      double b_ms = 0;
+      int64_t b_tmp = 0;
+      if (out.requires_grad()) {
+        at::Tensor g = at::ones_like(out);
+        memory::Probe probe;
+        auto t1 = Clock::now();
+        torch::autograd::backward({out}, {g});
+        b_ms = ms_since(t1);
+        const int64_t grad_in = in.grad().defined() ? storage_bytes(in.grad()) : 0;
+        b_tmp = std::max<int64_t>(0, probe.peak_bytes() - grad_in);
+      }
+      if (r >= options.warmup()) {
+        forward_ms.push_back(f_ms);
+        backward_ms.push_back(b_ms);
+      }
+      stage.output_bytes = storage_bytes(out);
+      stage.saved_bytes = saved_bytes;
+      stage.forward_tmp_bytes = tmp_bytes;
+      stage.backward_tmp_bytes = b_tmp;
+    }
+    stage.forward_ms = median(forward_ms);
+    stage.backward_ms = median(backward_ms);
+    chain.stages.push_back(stage);
+    h = out.detach();
+  }
+  chain.validate();
+  return chain;
+}
+
+std::string chain_to_json(const plan::Chain& chain) { return plan::chain_to_json(chain); }
+
+}  // namespace remat

@@ -1,0 +1,115 @@
+// Replay of a first run's RNG, autocast and buffer state (see replay.h).
+#include "replay.h"
+
+#include <cstring>
+#include <mutex>
+
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+
+#include <remat/checkpoint.h>
+
+namespace remat {
+namespace {
+
+thread_local int t_recompute_depth = 0;
+// The last RNG state captured per device on this thread. Consecutive
+// captures without random ops in between see the same state and share one
+// copy (~5 KiB for the CPU generator) instead of keeping one each.
+thread_local std::vector<std::pair<c10::Device, at::Tensor>> t_last_rng;
+
+at::Tensor dedup_rng_state(c10::Device d, at::Tensor state) {
+  for (auto& [dev, last] : t_last_rng) {
+    if (dev != d) continue;
+    if (last.numel() == state.numel() && last.scalar_type() == state.scalar_type() &&
+        std::memcmp(last.data_ptr(), state.data_ptr(), state.numel() * state.element_size()) == 0) {
+      return last;
+    }
+    last = state;
+    return state;
+  }
+  t_last_rng.emplace_back(d, state);
+  return state;
+}
+
+}  // namespace
+
+bool is_recomputing() { return t_recompute_depth > 0; }
+
+namespace detail {
+
+bool is_parameter_like(const at::Tensor& t) {
+  if (t.requires_grad() && t.is_leaf()) return true;
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    return base.requires_grad() && base.is_leaf();
+  }
+  return false;
+}
+
+AutocastState AutocastState::capture() {
+  return {at::autocast::is_autocast_enabled(at::kCPU), at::autocast::is_autocast_enabled(at::kCUDA),
+          at::autocast::is_autocast_cache_enabled(), at::autocast::get_autocast_dtype(at::kCPU),
+          at::autocast::get_autocast_dtype(at::kCUDA)};
+}
+
+void AutocastState::apply() const {
+  at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
+  at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
+  at::autocast::set_autocast_cache_enabled(cache_enabled);
+  at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+  at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+}
+
+ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Device>& devices,
+                                 std::vector<at::Tensor> buffers) {
+  ReplayState r;
+  r.autocast = AutocastState::capture();
+  r.buffers = std::move(buffers);
+  if (!preserve_rng) return r;
+  std::vector<c10::Device> gens{c10::Device(c10::kCPU)};
+  for (const auto& d : devices) {
+    if (!d.is_cpu() && std::find(gens.begin(), gens.end(), d) == gens.end()) gens.push_back(d);
+  }
+  for (const auto& d : gens) {
+    at::Generator gen = at::globalContext().defaultGenerator(d);
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    r.rng.emplace_back(gen, dedup_rng_state(d, std::move(state)));
+  }
+  return r;
+}
+
+ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
+    : state_(state), grad_(enable_grad || at::GradMode::is_enabled()), autocast_now_(AutocastState::capture()) {
+  ++t_recompute_depth;
+  for (auto [gen, s] : state_.rng) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng_now_.push_back(gen.get_state());
+    gen.set_state(s);
+  }
+  state_.autocast.apply();
+  for (const auto& b : state_.buffers) buffers_now_.push_back(b.detach().clone());
+}
+
+ReplayGuard::~ReplayGuard() {
+  {
+    at::NoGradGuard no_grad;
+    // variable_data(): new version counter, so saved buffers stay valid.
+    for (size_t i = 0; i < buffers_now_.size(); ++i) state_.buffers[i].variable_data().copy_(buffers_now_[i]);
+  }
+  autocast_now_.apply();
+  for (size_t i = 0; i < rng_now_.size(); ++i) {
+    at::Generator gen = state_.rng[i].first;
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng_now_[i]);
+  }
+  --t_recompute_depth;
+}
+
+}  // namespace detail
+}  // namespace remat

@@ -1,0 +1,58 @@
+// Internal: the state a recomputation must replay to match the first run
+// (RNG streams, autocast, module buffers), shared by remat::checkpoint and
+// CheckpointedSequential, and the test for tensors that need no recompute.
+#pragma once
+
+#include <vector>
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/GradMode.h>
+
+namespace remat::detail {
+
+/** Leaf tensors that require grad (parameters) and views of them: alive
+ *  anyway, so saved by reference. */
+bool is_parameter_like(const at::Tensor& t);
+
+/** CPU and CUDA autocast state of this thread. */
+struct AutocastState {
+  bool cpu_enabled = false, cuda_enabled = false, cache_enabled = true;
+  at::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
+  static AutocastState capture();
+  void apply() const;
+};
+
+/** What a first run looked like: RNG states of its devices (shared with
+ *  the previous capture on this thread when unchanged), autocast state, and
+ *  the buffers to put back after a re-run. */
+struct ReplayState {
+  std::vector<std::pair<at::Generator, at::Tensor>> rng;  // generator, state
+  AutocastState autocast;
+  std::vector<at::Tensor> buffers;
+  /** Captures the CPU generator and those of the devices in `devices`. */
+  static ReplayState capture(bool preserve_rng, const std::vector<c10::Device>& devices,
+                             std::vector<at::Tensor> buffers);
+};
+
+/** For its lifetime: RNG and autocast as captured (and grad mode on when
+ *  asked: checkpoint re-runs must save), marks the thread as recomputing;
+ *  then restores all and puts the buffers back (without bumping their
+ *  version counters). */
+class ReplayGuard {
+ public:
+  ReplayGuard(const ReplayState& state, bool enable_grad);
+  ~ReplayGuard();
+  ReplayGuard(const ReplayGuard&) = delete;
+  ReplayGuard& operator=(const ReplayGuard&) = delete;
+
+ private:
+  const ReplayState& state_;
+  c10::AutoGradMode grad_;  // the current mode unless enable_grad
+  AutocastState autocast_now_;
+  std::vector<at::Tensor> rng_now_;
+  std::vector<at::Tensor> buffers_now_;
+};
+
+}  // namespace remat::detail

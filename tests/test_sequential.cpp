@@ -1,0 +1,300 @@
+// remat::CheckpointedSequential and the profiler: every planner algorithm
+// run for real against the plain Sequential (bitwise gradients, dropout
+// inside), recompute counts against the schedule, measured peak against the
+// budget and the prediction, BatchNorm statistics, plan caching, errors.
+#include "common.h"
+
+#include <remat/plan/plan.h>
+#include <remat/sequential.h>
+
+using namespace remat_test;
+
+namespace {
+
+/** An MLP with uneven widths (and dropout when p > 0). */
+torch::nn::Sequential uneven_mlp(double p = 0.0, uint64_t seed = 0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential s;
+  const int64_t w[] = {64, 256, 96, 512, 64, 384, 128, 256, 64};
+  for (int i = 0; i + 1 < 9; ++i) {
+    s->push_back(torch::nn::Linear(w[i], w[i + 1]));
+    s->push_back(torch::nn::GELU());
+    if (p > 0 && i % 3 == 1) s->push_back(torch::nn::Dropout(p));
+  }
+  return s;
+}
+
+torch::nn::Sequential cnn(uint64_t seed = 0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential s;
+  for (int i = 0; i < 6; ++i) s->push_back(ResBlock(8));
+  return s;
+}
+
+torch::nn::Sequential gpt_stack(uint64_t seed = 0, double p = 0.0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential s;
+  for (int i = 0; i < 6; ++i) s->push_back(GptBlock(64, 4, p));
+  return s;
+}
+
+std::vector<torch::Tensor> plain_grads(torch::nn::Sequential& seq, torch::Tensor x, uint64_t rng_seed) {
+  torch::manual_seed(rng_seed);
+  return step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+}
+
+TEST(CheckpointedSequential, EveryAlgorithmBitwiseWithDropout) {
+  auto seq = uneven_mlp(0.2);
+  auto x = torch::randn({32, 64}, torch::requires_grad());
+  auto plain = plain_grads(seq, x, 5);
+  auto chain = remat::profile(seq, x);
+  const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
+  const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
+  std::vector<remat::SequentialOptions> all = {
+      remat::SequentialOptions().algorithm("store-all"),
+      remat::SequentialOptions().algorithm("sqrt"),
+      remat::SequentialOptions().segments(4),
+      remat::SequentialOptions().algorithm("revolve:2"),
+      remat::SequentialOptions().algorithm("revolve:4"),
+      remat::SequentialOptions().algorithm("greedy").memory_budget_bytes((top + low) / 2),
+      remat::SequentialOptions().memory_budget_bytes(top),
+      remat::SequentialOptions().memory_budget_bytes((top + low) / 2),
+      remat::SequentialOptions().memory_budget_bytes(low + (top - low) / 10),
+      remat::SequentialOptions().memory_budget_bytes(low),
+  };
+  bool saw_multilevel = false;
+  for (auto& opts : all) {
+    remat::CheckpointedSequential net(seq, opts);
+    torch::manual_seed(5);
+    auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
+    const auto& plan = net->plan();
+    SCOPED_TRACE(plan.algorithm + " budget " + std::to_string(opts.memory_budget_bytes()));
+    expect_bitwise_equal(plain, got);
+    EXPECT_EQ(net->last_step().forwards_per_stage, plan.prediction.forwards_per_stage);
+    for (int f : plan.prediction.forwards_per_stage) saw_multilevel |= f >= 3;
+  }
+  EXPECT_TRUE(saw_multilevel) << "a tight optimal plan should recompute some stage more than twice";
+}
+
+TEST(CheckpointedSequential, MultiLevelScheduleCreatesCheckpointsDuringRecompute) {
+  // 24 Tanh layers at the smallest feasible budget: optimal must re-run
+  // stages several times, keeping values made during recomputation.
+  auto seq = make_mlp(12, 32);
+  auto x = torch::randn({16, 32}, torch::requires_grad());
+  auto plain = plain_grads(seq, x, 0);
+  auto chain = remat::profile(seq, x);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(
+                                             remat::plan::min_feasible_peak_bytes(chain) * 11 / 10));
+  auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
+  expect_bitwise_equal(plain, got);
+  const auto& ops = net->plan().schedule.ops;
+  bool in_backward = false, kept_in_recompute = false;
+  for (size_t k = 0; k + 1 < ops.size(); ++k) {
+    in_backward |= ops[k].kind == remat::plan::OpKind::kBackward;
+    // A forward in the backward phase whose output is not consumed-and-dropped
+    // by the next op but survives it: a checkpoint made while recomputing.
+    if (in_backward && ops[k].kind == remat::plan::OpKind::kForward &&
+        !(ops[k + 1].kind == remat::plan::OpKind::kDrop && ops[k + 1].stage == ops[k].stage)) {
+      kept_in_recompute = true;
+    }
+  }
+  EXPECT_TRUE(kept_in_recompute);
+  int most = 0;
+  for (int f : net->last_step().forwards_per_stage) most = std::max(most, f);
+  EXPECT_GE(most, 3);
+}
+
+TEST(CheckpointedSequential, BatchNormStatisticsMoveOncePerStep) {
+  auto seq = cnn(3);
+  auto x = torch::randn({4, 8, 12, 12}, torch::requires_grad());
+  std::vector<torch::Tensor> start;
+  for (auto& b : seq->buffers()) start.push_back(b.clone());
+  auto plain = plain_grads(seq, x, 0);
+  std::vector<torch::Tensor> after_plain;
+  for (auto& b : seq->buffers()) after_plain.push_back(b.clone());
+  auto reset = [&] {
+    torch::NoGradGuard g;
+    auto bufs = seq->buffers();
+    for (size_t i = 0; i < bufs.size(); ++i) bufs[i].copy_(start[i]);
+  };
+  for (const char* algo : {"sqrt", "revolve:2", "store-all"}) {
+    reset();
+    remat::CheckpointedSequential net(seq, remat::SequentialOptions().algorithm(algo));
+    net->plan(x);  // profiling must leave the statistics alone
+    auto bufs = seq->buffers();
+    for (size_t i = 0; i < bufs.size(); ++i) ASSERT_TRUE(torch::equal(bufs[i], start[i])) << algo;
+    auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
+    expect_bitwise_equal(plain, got);
+    bufs = seq->buffers();
+    for (size_t i = 0; i < bufs.size(); ++i) {
+      EXPECT_TRUE(torch::equal(bufs[i], after_plain[i])) << algo << ": buffer " << i;
+    }
+  }
+}
+
+struct MemoryCase {
+  const char* name;
+  std::function<torch::nn::Sequential()> make;
+  std::vector<int64_t> input;
+};
+
+TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
+  std::vector<MemoryCase> cases = {
+      {"uneven MLP", [] { return uneven_mlp(); }, {512, 64}},
+      {"CNN", [] { return cnn(); }, {16, 8, 24, 24}},
+      {"GPT blocks", [] { return gpt_stack(); }, {8, 64, 64}},
+  };
+  for (auto& c : cases) {
+    auto seq = c.make();
+    auto x = torch::randn(c.input, torch::requires_grad());
+    // Parameter gradients exist before the measured steps (not modeled).
+    seq->forward(x).sum().backward();
+    auto chain = remat::profile(seq, x);
+    const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
+    const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
+    for (double f : {1.0, 0.5, 0.25}) {
+      const int64_t budget = std::max<int64_t>(low, static_cast<int64_t>(f * top));
+      remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget));
+      for (auto& p : seq->parameters()) p.mutable_grad().zero_();
+      x.mutable_grad() = torch::Tensor();
+      // The output is not held during backward (the planner's model: a_L
+      // is freed by the last stage's backward; a caller keeping y adds |y|).
+      auto loss = net->forward(x).sum();
+      loss.backward();
+      const int64_t predicted = net->plan().prediction.peak_bytes;
+      const int64_t measured = net->last_step().measured_peak_bytes;
+      std::printf("  %-10s budget %5.2f of store-all: predicted %s, measured %s (%.1f%%)\n", c.name, f,
+                  remat::format_bytes(predicted).c_str(), remat::format_bytes(measured).c_str(),
+                  100.0 * measured / predicted);
+      EXPECT_LE(predicted, budget) << c.name;
+      EXPECT_LE(measured, budget) << c.name << " at " << f;
+      EXPECT_NEAR(static_cast<double>(measured), static_cast<double>(predicted), 0.10 * predicted)
+          << c.name << " at " << f << "\n" << net->explain();
+    }
+  }
+}
+
+TEST(CheckpointedSequential, GptStackBitwiseAtTightBudget) {
+  auto seq = gpt_stack(1, 0.1);
+  auto x = torch::randn({2, 32, 64}, torch::requires_grad());
+  auto plain = plain_grads(seq, x, 9);
+  auto chain = remat::profile(seq, x);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(
+                                             remat::plan::min_feasible_peak_bytes(chain)));
+  torch::manual_seed(9);
+  auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
+  expect_bitwise_equal(plain, got);
+}
+
+TEST(CheckpointedSequential, PlansCachedPerShape) {
+  auto seq = make_mlp(4, 16);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().algorithm("sqrt"));
+  auto a = torch::randn({8, 16}, torch::requires_grad());
+  auto b = torch::randn({4, 16}, torch::requires_grad());
+  net->forward(a).sum().backward();
+  net->forward(a).sum().backward();
+  EXPECT_EQ(net->profiles(), 1);
+  net->forward(b).sum().backward();
+  EXPECT_EQ(net->profiles(), 2);
+  EXPECT_EQ(net->chain().input_bytes, 4 * 16 * 4);
+  net->forward(a).sum().backward();
+  EXPECT_EQ(net->profiles(), 2);
+  const std::string text = net->explain();
+  EXPECT_NE(text.find("plan: sqrt"), std::string::npos) << text;
+  EXPECT_NE(text.find("measured peak (last step)"), std::string::npos) << text;
+  EXPECT_NE(text.find("0:torch::nn::Linear"), std::string::npos) << text;
+}
+
+TEST(CheckpointedSequential, FrozenInputAndNoGrad) {
+  auto seq = make_mlp(3, 8);
+  auto x = torch::randn({2, 8});
+  auto plain = step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().algorithm("revolve:2"));
+  auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
+  expect_bitwise_equal(plain, got);
+  torch::NoGradGuard g;
+  EXPECT_TRUE(torch::equal(net->forward(x), seq->forward(x)));
+}
+
+TEST(CheckpointedSequential, ProfileExportsRematPlanJson) {
+  auto seq = make_mlp(2, 8);
+  auto chain = remat::profile(seq, torch::randn({4, 8}));
+  ASSERT_EQ(chain.stages.size(), 4u);
+  EXPECT_EQ(chain.input_bytes, 4 * 8 * 4);
+  EXPECT_EQ(chain.stages[0].output_bytes, 4 * 8 * 4);
+  // Linear saves its input (excluded) and weight (a parameter): only the output.
+  EXPECT_EQ(chain.stages[0].saved_bytes, 4 * 8 * 4);
+  auto json = remat::chain_to_json(chain);
+  auto back = remat::plan::chain_from_json(json);
+  EXPECT_EQ(back.stages.size(), 4u);
+  EXPECT_EQ(back.stages[1].saved_bytes, chain.stages[1].saved_bytes);
+}
+
+// ---- errors ----
+
+TEST(CheckpointedSequentialErrors, BudgetBelowMinimum) {
+  auto seq = make_mlp(4, 16);
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(1024));
+  try {
+    net->forward(x);
+    FAIL();
+  } catch (const remat::Error& e) {
+    const std::string min = remat::format_bytes(remat::plan::min_feasible_peak_bytes(remat::profile(seq, x)));
+    EXPECT_EQ(std::string(e.what()), "[remat::plan] no schedule fits in 1.00 KiB; the smallest feasible peak is " +
+                                         min + ". Raise memory_budget_bytes or allow offload.");
+  }
+}
+
+TEST(CheckpointedSequentialErrors, BackwardTwiceAndBadOptions) {
+  auto seq = make_mlp(2, 4);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().algorithm("sqrt"));
+  auto y = net->forward(torch::randn({2, 4}, torch::requires_grad())).sum();
+  y.backward({}, /*retain_graph=*/true);
+  try {
+    y.backward();
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::CheckpointedSequential] backward through the chain a second time; planned execution frees "
+              "its state as it goes, so retain_graph is not supported. Run forward again for another backward.");
+  }
+  try {
+    remat::CheckpointedSequential bad(seq, remat::SequentialOptions().segments(9));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::CheckpointedSequential] segments must be in [1, 4] (the number of modules), or 0 for none, "
+              "got 9.");
+  }
+  try {
+    remat::CheckpointedSequential bad(seq, remat::SequentialOptions().algorithm("fastest"));
+    bad->forward(torch::randn({2, 4}, torch::requires_grad()));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fastest"), std::string::npos) << e.what();
+  }
+  try {
+    remat::CheckpointedSequential none(seq);
+    none->plan();
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::CheckpointedSequential] no plan yet: run forward once, or call plan(x) with a sample.");
+  }
+}
+
+TEST(CheckpointedSequentialErrors, ExplicitScheduleThatDoesNotFit) {
+  auto seq = make_mlp(2, 4);  // 4 stages
+  remat::plan::Schedule s;
+  s.ops = {{remat::plan::OpKind::kForwardSave, 0}, {remat::plan::OpKind::kBackward, 0}};
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().schedule(s));
+  try {
+    net->forward(torch::randn({2, 4}, torch::requires_grad()));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("[remat::plan]", 0), 0u) << e.what();
+  }
+}
+
+}  // namespace
