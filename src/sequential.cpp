@@ -255,7 +255,12 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
   exec->preserve_rng = options_.preserve_rng_state();
   exec->input_requires_grad = x.requires_grad();
   exec->input_bytes = last_->chain.input_bytes;
-  if (options_.measure_memory()) exec->probe = std::make_unique<memory::Probe>();
+  if (options_.measure_memory()) {
+    // Capture the RNG state once before measuring: stages that draw no random
+    // numbers then share this copy instead of allocating inside the window.
+    detail::ReplayState::capture(exec->preserve_rng, {x.device()}, {});
+    exec->probe = std::make_unique<memory::Probe>();
+  }
   exec->a[0] = x.detach();
 
   at::Tensor y = exec->run_forward().detach();  // shares a_L's storage
