@@ -452,7 +452,8 @@ std::string Trainer::summary() const {
   os << "; checkpoint " << to_string(c.checkpoint);
   if (c.checkpoint == Strategy::kAuto) os << " (budget " << format_bytes(c.memory_budget_bytes) << ")";
   if (c.bf16) os << "; bf16 autocast";
-  os << "; " << torch::get_num_threads() << " threads";
+  const int threads = torch::get_num_threads();
+  os << "; " << threads << (threads == 1 ? " thread" : " threads");
   if (m.steps_done > 0) os << "; resumed at step " << m.steps_done;
   return os.str();
 }
