@@ -24,6 +24,7 @@ demo: build
 
 bench: build
 	@$(BUILD)/bench/remat_bench
+	@$(BUILD)/bench/plan/remat_plan_bench --benchmark_min_time=0.2s 2>/dev/null || $(BUILD)/bench/plan/remat_plan_bench
 
 clean:
 	rm -rf $(BUILD)
