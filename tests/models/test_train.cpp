@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -95,10 +96,15 @@ std::string slurp(const std::string& path) {
 
 /** Runs remat-train with args; returns (exit code, stdout + stderr). */
 std::pair<int, std::string> run_cli(const std::string& args) {
-  const auto out = (std::filesystem::temp_directory_path() / "remat_train_cli.txt").string();
+  static int calls = 0;  // unique per process and call: ctest -j runs tests in parallel
+  const auto out = (std::filesystem::temp_directory_path() /
+                    ("remat_train_cli_" + std::to_string(::getpid()) + "_" + std::to_string(++calls) + ".txt"))
+                       .string();
   const std::string cmd = std::string(REMAT_TRAIN_EXE) + " " + args + " >" + out + " 2>&1";
   const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out)};
+  auto text = slurp(out);
+  std::filesystem::remove(out);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
 }
 
 TEST(Models, GptShapesAndTiedHead) {
@@ -235,7 +241,7 @@ TEST(Train, Bf16AutocastBlockEqualsPlain) {
 }
 
 TEST(Train, SaveThenResumeEqualsUninterruptedRun) {
-  const auto dir = std::filesystem::temp_directory_path() / "remat_resume_test";
+  const auto dir = std::filesystem::temp_directory_path() / ("remat_resume_test_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   for (auto base : {tiny_gpt(), tiny_resnet()}) {
     base.steps = 6;
