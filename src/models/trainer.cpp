@@ -29,14 +29,7 @@
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
 
-// Strategy::kAuto needs remat::CheckpointedSequential; src/models/CMakeLists.txt
-// sets REMAT_MODELS_HAVE_AUTO=1 when the remat target compiles sequential.cpp.
-#ifndef REMAT_MODELS_HAVE_AUTO
-#define REMAT_MODELS_HAVE_AUTO 0
-#endif
-#if REMAT_MODELS_HAVE_AUTO
 #include <remat/sequential.h>
-#endif
 
 namespace remat::models {
 
@@ -120,8 +113,6 @@ Strategy parse_strategy(std::string_view name) {
               "'. Use one of none, block, sqrt, selective, auto.");
 }
 
-bool auto_strategy_available() { return REMAT_MODELS_HAVE_AUTO != 0; }
-
 std::string format_step(const StepStats& s, int64_t total_steps, std::string_view unit) {
   const int width = static_cast<int>(std::to_string(total_steps).size());
   std::ostringstream os;
@@ -149,9 +140,7 @@ struct Trainer::Impl {
   torch::Tensor teacher;     // (classes, 3 * 16) fixed labelling map (ResNet)
   int64_t steps_done = 0;
   int64_t params = 0;
-#if REMAT_MODELS_HAVE_AUTO
   remat::CheckpointedSequential auto_net{nullptr};
-#endif
 
   void load_text() {
     std::ifstream in(cfg.data_path, std::ios::binary);
@@ -208,13 +197,9 @@ struct Trainer::Impl {
         return remat::checkpoint_sequential(blocks, segments, h);
       }
       case Strategy::kAuto:
-#if REMAT_MODELS_HAVE_AUTO
         return auto_net->forward(h);
-#else
-        break;
-#endif
     }
-    throw Error("[remat::train] --checkpoint auto needs remat::CheckpointedSequential, which this build lacks.");
+    throw Error("[remat::train] internal: unknown strategy");
   }
 
   /** Mean cross-entropy of one micro-batch. */
@@ -261,10 +246,6 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) + ".");
   }
   if (c.checkpoint == Strategy::kAuto) {
-    if (!auto_strategy_available()) {
-      throw Error("[remat::train] --checkpoint auto needs remat::CheckpointedSequential (include/remat/sequential.h), "
-                  "which this build lacks. Use none, block, sqrt or selective.");
-    }
     if (c.memory_budget_bytes <= 0) {
       throw Error("[remat::train] --checkpoint auto needs a positive --memory-budget (e.g. 512MiB), got " +
                   str(c.memory_budget_bytes) + ".");
@@ -306,11 +287,9 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
   for (auto& p : m.module->parameters()) m.params += p.numel();
   m.optimizer = std::make_unique<torch::optim::AdamW>(
       m.module->parameters(), torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
-#if REMAT_MODELS_HAVE_AUTO
   if (c.checkpoint == Strategy::kAuto) {
     m.auto_net = remat::CheckpointedSequential(m.blocks, remat::SequentialOptions().memory_budget_bytes(c.memory_budget_bytes));
   }
-#endif
   if (c.bf16) {
     try {
       Bf16Autocast autocast(true);

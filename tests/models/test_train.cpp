@@ -30,9 +30,7 @@ using rm::Strategy;
 namespace {
 
 std::vector<Strategy> strategies() {
-  std::vector<Strategy> s = {Strategy::kNone, Strategy::kBlock, Strategy::kSqrt, Strategy::kSelective};
-  if (rm::auto_strategy_available()) s.push_back(Strategy::kAuto);
-  return s;
+  return {Strategy::kNone, Strategy::kBlock, Strategy::kSqrt, Strategy::kSelective, Strategy::kAuto};
 }
 
 rm::TrainConfig tiny_gpt() {
@@ -314,12 +312,6 @@ TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {
   EXPECT_EQ(code, 2);
   EXPECT_NE(out.find("remat-train: error: [remat::plan]"), std::string::npos) << out;
   EXPECT_NE(out.find("lots"), std::string::npos) << out;
-  if (!rm::auto_strategy_available()) {
-    auto [c2, o2] = run_cli("--checkpoint auto --memory-budget 1KiB");
-    EXPECT_EQ(c2, 2);
-    EXPECT_NE(o2.find("--checkpoint auto needs remat::CheckpointedSequential"), std::string::npos) << o2;
-    GTEST_SKIP() << "remat::CheckpointedSequential is not in this build";
-  }
   auto [c3, o3] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 1 --checkpoint auto --memory-budget 1KiB");
   EXPECT_EQ(c3, 2) << o3;
   const auto at = o3.find("remat-train: error: [remat::plan] no schedule fits in 1.00 KiB;");

@@ -68,8 +68,6 @@ int main(int argc, char** argv) {
     trainer.run(&std::cout);
   } catch (const remat::Error& e) {
     return fail(e.what());
-  } catch (const remat::plan::Error& e) {
-    return fail(e.what());
   } catch (const c10::Error& e) {
     return fail(std::string("[torch] ") + e.what_without_backtrace());
   } catch (const std::exception& e) {

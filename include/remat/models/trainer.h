@@ -37,8 +37,6 @@ enum class Strategy {
 std::string_view to_string(Strategy s);
 /** Inverse of to_string; throws remat::Error naming the valid values. */
 Strategy parse_strategy(std::string_view name);
-/** True when this build has remat::CheckpointedSequential (Strategy::kAuto). */
-bool auto_strategy_available();
 
 struct TrainConfig {
   /** "gpt" or "resnet". */
