@@ -1,0 +1,291 @@
+// remat_compare: the C++ (remat) half of the side-by-side comparison with
+// Python PyTorch (bench/py/run_all.py drives it; docs/BENCHMARKS.md).
+// Builds one model's block chain (shapes as in bench/py/models.py), runs the
+// given strategies interleaved (A B C A B C ...) after warm-up, and prints one
+// JSON object: per strategy the peak activation bytes (from the LD_PRELOAD
+// counter bench/preload when loaded, else remat::memory) and every step's
+// milliseconds; plain also gets forward and backward times.
+// Strategies: plain, block, seq:K, sqrt, opt:F (budget F x plain peak), select.
+// Leaves out: the loss head and optimizer (the chain ends in .sum()).
+#include <dlfcn.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <remat/models/gpt.h>
+#include <remat/models/resnet.h>
+#include <remat/plan/solve.h>
+#include <remat/remat.h>
+#include <remat/sequential.h>
+
+namespace {
+
+using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
+
+// --- memory: the preload library's counters, or remat::memory -----------------
+struct Meter {
+  int64_t (*current)() = nullptr;
+  int64_t (*peak)() = nullptr;
+  void (*reset)() = nullptr;
+  std::string name = "remat::memory";
+  Meter() {
+    current = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_current_bytes"));
+    peak = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_peak_bytes"));
+    reset = reinterpret_cast<void (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_reset_peak"));
+    if (current && peak && reset) {
+      name = "preload";
+    } else {
+      current = &remat::memory::current_bytes;
+      peak = &remat::memory::peak_bytes;
+      reset = &remat::memory::reset_peak;
+    }
+  }
+};
+
+// --- models (shapes shared with bench/py/models.py) -----------------------------
+class MlpBlockImpl : public torch::nn::Module {
+ public:
+  explicit MlpBlockImpl(int64_t width) : lin(register_module("lin", torch::nn::Linear(width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::gelu(lin(x)); }  // (B, width)
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(MlpBlock);
+
+struct Model {
+  torch::nn::Sequential seq;
+  torch::Tensor x;
+  std::vector<Fn> ckpt;                 // per block: remat::checkpoint(block, h)
+  std::function<void(bool)> selective;  // remat's block-level selective switch, if any
+};
+
+template <class Block>
+void add_blocks(Model& m, const std::vector<Block>& blocks) {
+  for (auto b : blocks) {
+    m.seq->push_back(b);
+    m.ckpt.push_back([b](const torch::Tensor& h) mutable { return remat::checkpoint(b, h); });
+  }
+}
+
+Model build(const std::string& name) {
+  torch::manual_seed(0);
+  Model m;
+  m.seq = torch::nn::Sequential();
+  if (name == "mlp") {  // MLP = dict(blocks=24, width=256, batch=128)
+    std::vector<MlpBlock> b;
+    for (int i = 0; i < 24; ++i) b.emplace_back(256);
+    add_blocks(m, b);
+    m.x = torch::randn({128, 256});
+  } else if (name == "gpt") {  // GPT = dict(blocks=16, d_model=128, heads=4, seq_len=128, batch=1)
+    std::vector<remat::models::GptBlock> b;
+    for (int i = 0; i < 16; ++i) b.emplace_back(128, 4, 0.0);
+    add_blocks(m, b);
+    m.selective = [b](bool on) { for (auto blk : b) blk->set_checkpoint_attention(on); };
+    m.x = torch::randn({1, 128, 128});
+  } else if (name == "resnet") {  // RESNET = dict(width=16, batch=4, image=32), depth 18
+    std::vector<remat::models::ResBlock> b;
+    int64_t in = 16;
+    for (int64_t stage = 0; stage < 4; ++stage) {
+      for (int i = 0; i < 2; ++i) {
+        const int64_t mid = int64_t{16} << stage;
+        b.emplace_back(in, mid, (stage > 0 && i == 0) ? 2 : 1, /*bottleneck=*/false);
+        in = mid;
+      }
+    }
+    add_blocks(m, b);
+    m.selective = [b](bool on) { for (auto blk : b) blk->set_checkpoint_first(on); };
+    m.x = torch::randn({4, 16, 32, 32});
+  } else {
+    std::fprintf(stderr, "unknown model %s: use mlp, gpt or resnet\n", name.c_str());
+    std::exit(2);
+  }
+  m.x.set_requires_grad(true);
+  m.seq->train();
+  return m;
+}
+
+// --- steps ---------------------------------------------------------------------
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+void zero_grads(Model& m) {
+  for (auto& p : m.seq->parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  m.x.mutable_grad() = torch::Tensor();
+}
+
+struct Times {
+  double fwd_ms, bwd_ms;
+};
+
+Times step(Model& m, const Fn& f) {
+  zero_grads(m);
+  auto t0 = Clock::now();
+  auto loss = f(m.x).sum();
+  const double fwd = ms_since(t0);
+  auto t1 = Clock::now();
+  loss.backward();
+  return {fwd, ms_since(t1)};
+}
+
+int64_t peak_of(Model& m, const Fn& f, Meter& meter) {
+  zero_grads(m);
+  meter.reset();
+  const int64_t base = meter.current();
+  f(m.x).sum().backward();
+  return meter.peak() - base + static_cast<int64_t>(m.x.nbytes());
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, sep);) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::string json_list(const std::vector<double>& v) {
+  std::string s = "[";
+  char buf[32];
+  for (size_t i = 0; i < v.size(); ++i) {
+    std::snprintf(buf, sizeof buf, "%s%.4f", i ? ", " : "", v[i]);
+    s += buf;
+  }
+  return s + "]";
+}
+
+std::string arg(int argc, char** argv, const std::string& key, const std::string& dflt) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (argv[i] == key) return argv[i + 1];
+  }
+  return dflt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = std::stoi(arg(argc, argv, "--threads", "1"));
+  torch::set_num_threads(threads);
+  const std::string model = arg(argc, argv, "--model", "gpt");
+  const int steps = std::stoi(arg(argc, argv, "--steps", "10"));
+  const int sweep_steps = std::stoi(arg(argc, argv, "--sweep-steps", "4"));
+  const int warmup = std::stoi(arg(argc, argv, "--warmup", "2"));
+  const auto strategies = split(arg(argc, argv, "--strategies", "plain,block"), ',');
+  const bool rss_mode = arg(argc, argv, "--rss", "0") == "1";
+
+  Meter meter;
+  // remat::memory's wrapper is installed in any case (profile() needs it), so
+  // every strategy pays for the same two counting layers.
+  remat::memory::enable_tracking();
+  Model m = build(model);
+  struct rusage ru0;
+  getrusage(RUSAGE_SELF, &ru0);
+
+  Fn plain = [&](const torch::Tensor& in) { return m.seq->forward(in); };
+  step(m, plain);  // allocates parameter gradients
+  const int64_t plain_peak = peak_of(m, plain, meter);
+
+  struct Run {
+    std::string name;
+    Fn fn;
+    bool sweep = false;
+    std::string note;
+    int64_t peak = -1, predicted = -1;
+    std::vector<double> ms, fwd_ms, bwd_ms;
+  };
+  std::vector<Run> runs;
+  std::vector<std::shared_ptr<remat::CheckpointedSequential>> nets;
+  for (const auto& s : strategies) {
+    Run r;
+    r.name = s;
+    if (s == "plain") {
+      r.fn = plain;
+    } else if (s == "block") {
+      r.fn = [&](const torch::Tensor& in) {
+        torch::Tensor h = in;
+        for (auto& c : m.ckpt) h = c(h);
+        return h;
+      };
+    } else if (s.rfind("seq:", 0) == 0) {
+      const int k = std::stoi(s.substr(4));
+      r.fn = [&, k](const torch::Tensor& in) { return remat::checkpoint_sequential(m.seq, k, in); };
+      r.sweep = true;
+    } else if (s == "select") {
+      if (!m.selective) continue;
+      r.fn = [&](const torch::Tensor& in) {
+        m.selective(true);
+        auto out = m.seq->forward(in);
+        m.selective(false);
+        return out;
+      };
+    } else if (s == "sqrt" || s.rfind("opt:", 0) == 0) {
+      auto opts = remat::SequentialOptions().measure_memory(false);
+      if (s == "sqrt") {
+        opts.algorithm("sqrt");
+      } else {
+        opts.memory_budget_bytes(static_cast<int64_t>(std::stod(s.substr(4)) * plain_peak));
+      }
+      try {
+        auto net = std::make_shared<remat::CheckpointedSequential>(m.seq, opts);
+        const auto& plan = (*net)->plan(m.x);
+        r.predicted = plan.prediction.peak_bytes;
+        nets.push_back(net);
+        r.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
+      } catch (const remat::Error& e) {
+        const int64_t min_peak = remat::plan::min_feasible_peak_bytes(remat::profile(m.seq, m.x));
+        r.note = "infeasible; smallest feasible peak " + std::to_string(min_peak) + " bytes = " +
+                 std::to_string(double(min_peak) / plain_peak) + " of plain";
+        runs.push_back(r);
+        continue;
+      }
+    } else {
+      std::fprintf(stderr, "unknown strategy %s\n", s.c_str());
+      return 2;
+    }
+    runs.push_back(r);
+  }
+
+  for (auto& r : runs) {
+    if (!r.fn) continue;
+    for (int i = 0; i < warmup; ++i) step(m, r.fn);
+    r.peak = peak_of(m, r.fn, meter);
+  }
+  for (int s = 0; s < steps; ++s) {
+    for (auto& r : runs) {
+      if (!r.fn || (r.sweep && s >= sweep_steps)) continue;
+      auto t = step(m, r.fn);
+      r.ms.push_back(t.fwd_ms + t.bwd_ms);
+      r.fwd_ms.push_back(t.fwd_ms);
+      r.bwd_ms.push_back(t.bwd_ms);
+    }
+  }
+  struct rusage ru1;
+  getrusage(RUSAGE_SELF, &ru1);
+
+  std::printf("{\"lang\": \"cpp\", \"model\": \"%s\", \"threads\": %d, \"meter\": \"%s\", \"plain_peak\": %lld,\n",
+              model.c_str(), torch::get_num_threads(), meter.name.c_str(), (long long)plain_peak);
+  std::printf(" \"blocks\": %zu, \"input_bytes\": %lld, \"param_bytes\": %lld, \"rss_delta_kib\": %ld, \"rss_mode\": %s,\n",
+              m.seq->size(), (long long)m.x.nbytes(),
+              [&] { int64_t b = 0; for (auto& p : m.seq->parameters()) b += p.nbytes(); return (long long)b; }(),
+              ru1.ru_maxrss - ru0.ru_maxrss, rss_mode ? "true" : "false");
+  std::printf(" \"runs\": [\n");
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& r = runs[i];
+    std::printf("  {\"name\": \"%s\", \"peak\": %lld, \"predicted\": %lld, \"note\": \"%s\", \"ms\": %s, \"fwd_ms\": %s, \"bwd_ms\": %s}%s\n",
+                r.name.c_str(), (long long)r.peak, (long long)r.predicted, r.note.c_str(), json_list(r.ms).c_str(),
+                json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(), i + 1 < runs.size() ? "," : "");
+  }
+  std::printf(" ]}\n");
+  return 0;
+}
