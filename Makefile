@@ -22,9 +22,11 @@ test: build
 demo: build
 	@$(BUILD)/examples/remat_demo
 
+# bench: remat (C++) against torch.utils.checkpoint (Python) on the same
+# LibTorch, ~10 minutes (docs/BENCHMARKS.md). The in-process C++ benchmarks
+# still run on their own: $(BUILD)/bench/remat_bench, $(BUILD)/bench/plan/remat_plan_bench.
 bench: build
-	@$(BUILD)/bench/remat_bench
-	@$(BUILD)/bench/plan/remat_plan_bench --benchmark_min_time=0.2s 2>/dev/null || $(BUILD)/bench/plan/remat_plan_bench
+	@$(VENV)/bin/python bench/py/run_all.py --build $(BUILD)
 
 clean:
 	rm -rf $(BUILD)

@@ -48,6 +48,15 @@ class Meter:
             sys.exit(f"worker.py: the preload counter does not see torch (installed={installed}, saw {seen} bytes)")
 
 
+def status_kib(key):
+    """A field of /proc/self/status in KiB ('VmRSS:', 'VmHWM:'), -1 if absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    return -1
+
+
 def per_block(seq, wrap):
     def run(x):
         h = x
@@ -96,7 +105,14 @@ def main():
     meter = Meter()
     seq, x = models.build(a.model)
     seq.train()
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # RSS cross-check: reset the high-water mark (VmHWM, what ru_maxrss reports)
+    # after set-up, so the growth is this run's own; baseline = RSS now.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    rss0 = status_kib("VmRSS:")
     params = list(seq.parameters())
 
     def step(fn):
@@ -121,8 +137,10 @@ def main():
         fn(x).sum().backward()
         return meter.peak() - base + x.nbytes
 
-    step(seq)
-    plain_peak = peak_of(seq)
+    plain_peak = 0
+    if a.rss != "1":  # --rss 1: only the given strategy runs, so ru_maxrss is its own
+        step(seq)
+        plain_peak = peak_of(seq)
     runs = []
     for name in a.strategies.split(","):
         r = dict(name=name, peak=-1, predicted=-1, note="", ms=[], fwd_ms=[], bwd_ms=[])
@@ -147,7 +165,7 @@ def main():
             r["ms"].append(f + b)
             r["fwd_ms"].append(f)
             r["bwd_ms"].append(b)
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss1 = max(status_kib("VmHWM:"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if rss0 < 0 else 0)
     for r in runs:
         del r["fn"], r["sweep"]
     print(json.dumps(dict(lang="py", model=a.model, threads=torch.get_num_threads(), meter="preload",

@@ -1,0 +1,189 @@
+"""Renders results.json (run_all.py) as markdown tables, the targets of issue 6
+(met or missed, with figures) and the frontier chart (matplotlib PNG).
+Leaves out: any measuring (run_all.py does that).
+"""
+import math
+
+NAMES_CPP = {"plain": "plain", "block": "remat::checkpoint per block", "select": "remat selective (block-level)",
+             "sqrt": "CheckpointedSequential sqrt"}
+NAMES_PY = {"plain": "plain", "nonreentrant": "checkpoint per block, non-reentrant",
+            "reentrant": "checkpoint per block, reentrant", "sac": "selective (SAC, save mm/addmm/bmm) per block"}
+
+
+def mib(b):
+    return f"{b / 1048576:.2f}" if b and b > 0 else "-"
+
+
+def name_of(lang, n):
+    if n.startswith("opt:"):
+        return f"CheckpointedSequential optimal, budget {n[4:]}"
+    if n.startswith("seq:"):
+        return f"checkpoint_sequential k={n[4:]}"
+    if n.startswith("compile:"):
+        return f"torch.compile, activation_memory_budget {n[8:]}"
+    return (NAMES_CPP if lang == "cpp" else NAMES_PY).get(n, n)
+
+
+def pareto(points):
+    """Points (peak_x, time_x, label) not dominated by another."""
+    pts = sorted(p for p in points if not math.isnan(p[0]) and not math.isnan(p[1]))
+    out, best_t = [], float("inf")
+    for p in pts:
+        if p[1] < best_t:
+            out.append(p)
+            best_t = p[1]
+    return out
+
+
+def main_table(model, d):
+    L = [f"| tool | strategy | peak MiB | peak / plain | step ms | time / plain | steps |",
+         "|---|---|---:|---:|---:|---:|---:|"]
+    for lang, tool in (("cpp", "remat"), ("py", "PyTorch")):
+        for r in d[lang]["runs"]:
+            if r["name"].startswith("seq:"):
+                continue
+            if r["peak"] < 0:
+                L.append(f"| {tool} | {name_of(lang, r['name'])} | {r['note']} | | | | |")
+                continue
+            L.append(f"| {tool} | {name_of(lang, r['name'])} | {mib(r['peak'])} | {r['peak_x']:.3f} | "
+                     f"{r['median_ms']:.1f} | {r['time_x']:.3f} | {len(r['ms'])} |")
+    return "\n".join(L)
+
+
+def sweep_table(d):
+    c = {r["name"]: r for r in d["cpp"]["runs"] if r["name"].startswith("seq:")}
+    p = {r["name"]: r for r in d["py"]["runs"] if r["name"].startswith("seq:")}
+    L = ["| k | remat peak / plain | remat time / plain | remat ms | PyTorch peak / plain | PyTorch time / plain | PyTorch ms |",
+         "|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in sorted(c, key=lambda s: int(s[4:])):
+        a, b = c[k], p[k]
+        L.append(f"| {k[4:]} | {a['peak_x']:.3f} | {a['time_x']:.3f} | {a['median_ms']:.1f} | {b['peak_x']:.3f} | "
+                 f"{b['time_x']:.3f} | {b['median_ms']:.1f} |")
+    return "\n".join(L)
+
+
+def targets(res):
+    out = []
+    M = res["models"]
+    # 1. per-block cost <= 1 + f/(f+b) + 3%.
+    for m, d in M.items():
+        c = d["cpp"]
+        f, b = c["f_ms"], c["b_ms"]
+        bound = 1 + f / (f + b) + 0.03
+        blk = next(r for r in c["runs"] if r["name"] == "block")
+        out.append(("per-block cost <= 1 + f/(f+b) + 3%", m, blk["time_x"] <= bound,
+                    f"{blk['time_x']:.3f}x vs bound {bound:.3f}x (f {f:.1f} ms, b {b:.1f} ms)"))
+    # 2. never slower than PyTorch on the same schedule (absolute medians, processes alternating).
+    for m, d in M.items():
+        c = {r["name"]: r for r in d["cpp"]["runs"]}
+        p = {r["name"]: r for r in d["py"]["runs"]}
+        pairs = [("plain", "plain"), ("block", "nonreentrant")] + [(k, k) for k in c if k.startswith("seq:")]
+        slower = [(a, c[a]["median_ms"] / p[b]["median_ms"]) for a, b in pairs if c[a]["median_ms"] > p[b]["median_ms"]]
+        rx = [(a, c[a]["time_x"] / p[b]["time_x"]) for a, b in pairs[1:]]
+        worst_rx = max(rx, key=lambda t: t[1])
+        out.append(("never slower than PyTorch on the same schedule (absolute ms)", m, not slower,
+                    (f"slower on {len(slower)}/{len(pairs)}: " + ", ".join(f"{a} {x:.2f}x" for a, x in slower[:6])
+                     if slower else f"faster or equal on all {len(pairs)}") +
+                    f"; worst ratio-to-own-plain remat/PyTorch {worst_rx[1]:.3f} ({worst_rx[0]})"))
+    # 3. per-call overhead <= half of PyTorch's.
+    o = res["overhead_us"]
+    oc = o["cpp"]["checkpoint"] - o["cpp"]["plain"]
+    for v in ("nonreentrant", "reentrant"):
+        op = o["py"][v] - o["py"]["plain"]
+        out.append((f"per-call overhead <= 1/2 of PyTorch ({v})", "Linear(16,16)", oc <= op / 2,
+                    f"remat {oc:.1f} us vs PyTorch {op:.1f} us (ratio {oc / op:.2f})"))
+    # 4. planner at 0.15 on GPT, <= 1.6x; dominates checkpoint_sequential.
+    g = {r["name"]: r for r in M["gpt"]["cpp"]["runs"]}
+    r15 = g["opt:0.15"]
+    if r15["peak"] > 0:
+        out.append(("planner: 0.15 of plain on GPT at <= 1.6x", "gpt", r15["peak_x"] <= 0.1505 and r15["time_x"] <= 1.6,
+                    f"peak {r15['peak_x']:.3f}, time {r15['time_x']:.3f}x"))
+    else:
+        out.append(("planner: 0.15 of plain on GPT at <= 1.6x", "gpt", False, r15["note"]))
+    for m, d in M.items():
+        c = d["cpp"]["runs"]
+        opts = [(r["peak_x"], r["time_x"]) for r in c if r["name"].startswith("opt:") and r["peak"] > 0]
+        for lang in ("cpp", "py"):
+            seqf = pareto([(r["peak_x"], r["time_x"], r["name"]) for r in d[lang]["runs"] if r["name"].startswith("seq:")])
+            miss = []
+            for pk, t, lab in seqf:
+                cand = [ot for op, ot in opts if op <= pk * 1.01]
+                if not cand or min(cand) > t * 1.02:
+                    miss.append(f"{lab} ({pk:.2f}, {t:.2f}x)" + (f" best plan {min(cand):.2f}x" if cand else " no plan at that peak"))
+            tool = "remat" if lang == "cpp" else "PyTorch"
+            out.append((f"planner dominates {tool}'s checkpoint_sequential frontier (2% time slack)", m, not miss,
+                        f"{len(seqf) - len(miss)}/{len(seqf)} frontier points dominated" + ("; not: " + "; ".join(miss) if miss else "")))
+    L = ["| target | model | met | figures |", "|---|---|---|---|"]
+    L += [f"| {t} | {m} | {'met' if ok else 'MISSED'} | {fig} |" for t, m, ok, fig in out]
+    return "\n".join(L)
+
+
+def chart(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    M = res["models"]
+    fig, axes = plt.subplots(1, len(M), figsize=(5.2 * len(M), 4.6))
+    for ax, (m, d) in zip(axes, M.items()):
+        for lang, color, tool in (("cpp", "tab:blue", "remat"), ("py", "tab:orange", "PyTorch")):
+            runs = [r for r in d[lang]["runs"] if r["peak"] > 0 and r["ms"]]
+            seq = [r for r in runs if r["name"].startswith("seq:")]
+            ax.scatter([r["time_x"] for r in seq], [r["peak_x"] for r in seq], s=14, color=color, alpha=0.35,
+                       label=f"{tool} checkpoint_sequential k")
+            other = [r for r in runs if not r["name"].startswith("seq:") and r["name"] != "plain"]
+            mk = "o" if lang == "cpp" else "s"
+            ax.scatter([r["time_x"] for r in other], [r["peak_x"] for r in other], s=40, color=color, marker=mk,
+                       edgecolor="black", linewidth=0.5, label=f"{tool} per block / planner / selective")
+            for r in other:
+                lab = {"block": "block", "select": "sel", "sqrt": "sqrt", "nonreentrant": "non-re", "reentrant": "re",
+                       "sac": "SAC"}.get(r["name"], r["name"].replace("opt:", "opt "))
+                ax.annotate(lab, (r["time_x"], r["peak_x"]), fontsize=7, xytext=(3, 3), textcoords="offset points",
+                            color=color)
+            front = pareto([(r["peak_x"], r["time_x"], r["name"]) for r in runs])
+            ax.step([t for _, t, _ in front], [p for p, _, _ in front], where="post", color=color, linewidth=1.2,
+                    label=f"{tool} frontier")
+        ax.scatter([1], [1], marker="*", s=120, color="black", label="plain")
+        ax.set_title({"mlp": "deep MLP (24 blocks)", "gpt": "GPT stack (16 blocks)", "resnet": "ResNet-18 blocks"}[m])
+        ax.set_xlabel("step time / plain (lower is better)")
+        ax.set_ylabel("peak activation memory / plain")
+        ax.set_ylim(0, 1.08)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle("Memory/time frontier: remat (C++) vs torch.utils.checkpoint (Python), same LibTorch 2.13, 1 thread",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def render(res, chart_path):
+    mc = res["machine"]
+    L = [f"Machine: {mc['nproc']} CPUs, {mc['cpu']}, torch {mc['torch']}, {mc['threads']} intra-op thread; "
+         f"wall {res.get('wall_s', 0):.0f} s.", ""]
+    for m, d in res["models"].items():
+        c = d["cpp"]
+        L += [f"### {m}", "",
+              f"{c['blocks']} blocks; plain peak remat {mib(c['plain_peak'])} MiB, PyTorch {mib(d['py']['plain_peak'])} MiB; "
+              f"plain forward f = {c['f_ms']:.1f} ms, backward b = {c['b_ms']:.1f} ms (C++), "
+              f"{d['py']['f_ms']:.1f} / {d['py']['b_ms']:.1f} ms (Python).", "",
+              main_table(m, d), "", "checkpoint_sequential, every k:", "", sweep_table(d), ""]
+    o = res["overhead_us"]
+    L += ["### per-call overhead (Linear(16,16) on (4,16), forward+backward, us per call)", "",
+          "| tool | plain | checkpoint | overhead |", "|---|---:|---:|---:|",
+          f"| remat (Google Benchmark) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint']:.1f} | {o['cpp']['checkpoint'] - o['cpp']['plain']:.1f} |",
+          f"| remat, preserve_rng_state(false) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint_no_rng']:.1f} | {o['cpp']['checkpoint_no_rng'] - o['cpp']['plain']:.1f} |",
+          f"| PyTorch non-reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['nonreentrant']:.1f} | {o['py']['nonreentrant'] - o['py']['plain']:.1f} |",
+          f"| PyTorch reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['reentrant']:.1f} | {o['py']['reentrant'] - o['py']['plain']:.1f} |", ""]
+    L += ["### RSS cross-check (GPT stack, one process per strategy)", "",
+          "| process | ru_maxrss growth MiB | preload peak + parameter grads MiB |", "|---|---:|---:|"]
+    for k, v in res["rss"].items():
+        L.append(f"| {k} | {v['rss_delta_kib'] / 1024:.1f} | {(v['peak'] + v['param_bytes']) / 1048576:.1f} |")
+    L.append("")
+    if "compile" in res:
+        L += ["### torch.compile (GPT stack, Python only, not interleaved)", "",
+              "| strategy | peak / plain | time / plain | note |", "|---|---:|---:|---|"]
+        for r in res["compile"]["runs"]:
+            L.append(f"| {name_of('py', r['name'])} | {r['peak_x']:.3f} | {r['time_x']:.3f} | {r['note']} |")
+        L.append("")
+    L += ["### targets", "", targets(res), ""]
+    chart(res, chart_path)
+    return "\n".join(L)
