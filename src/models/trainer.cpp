@@ -413,6 +413,11 @@ int64_t Trainer::steps_done() const { return impl_->steps_done; }
 std::shared_ptr<torch::nn::Module> Trainer::module() const { return impl_->module; }
 const TrainConfig& Trainer::config() const { return impl_->cfg; }
 
+std::vector<int> Trainer::auto_forwards_per_block() const {
+  if (!impl_->auto_net) return {};
+  return impl_->auto_net->last_step().forwards_per_stage;
+}
+
 std::string Trainer::summary() const {
   const auto& m = *impl_;
   const auto& c = m.cfg;

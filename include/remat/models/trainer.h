@@ -121,6 +121,10 @@ class Trainer {
   std::shared_ptr<torch::nn::Module> module() const;
   /** One line: model, size, data, strategy, threads. */
   std::string summary() const;
+  /** With --checkpoint auto after a step: forward executions per block in
+   *  the last step (the plan's count; > 1 where a block was recomputed).
+   *  Empty for the other strategies. */
+  std::vector<int> auto_forwards_per_block() const;
   const TrainConfig& config() const;
 
  private:
