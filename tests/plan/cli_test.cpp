@@ -2,6 +2,7 @@
 // exit codes 0/1/2, JSON key names, homogeneous mode. Leaves out the table
 // layout beyond a few anchors.
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include <array>
@@ -19,7 +20,8 @@ struct CliRun {
 };
 
 CliRun run(const std::string& args, const std::string& stdin_text = "") {
-  const std::string in = ::testing::TempDir() + "remat_plan_cli_stdin.json";
+  // Per process: ctest -j runs the Cli tests in parallel processes.
+  const std::string in = ::testing::TempDir() + "remat_plan_cli_stdin_" + std::to_string(::getpid()) + ".json";
   std::ofstream(in) << stdin_text;
   const std::string cmd = std::string(REMAT_PLAN_EXE) + " " + args + " < " + in + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
@@ -28,6 +30,7 @@ CliRun run(const std::string& args, const std::string& stdin_text = "") {
   size_t n;
   while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
   const int status = pclose(p);
+  std::remove(in.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
@@ -61,7 +64,7 @@ TEST(Cli, PlansFromStdinAsJson) {
 }
 
 TEST(Cli, FileTableAndAlgorithms) {
-  const std::string path = ::testing::TempDir() + "remat_plan_cli_chain.json";
+  const std::string path = ::testing::TempDir() + "remat_plan_cli_chain_" + std::to_string(::getpid()) + ".json";
   std::ofstream(path) << kChain;
   for (const char* alg : {"store-all", "sqrt", "uniform:2", "revolve:2"}) {
     const CliRun r = run(path + " --algorithm " + alg);
@@ -77,6 +80,7 @@ TEST(Cli, FileTableAndAlgorithms) {
   EXPECT_TRUE(j["frontier"][0].contains("peak_bytes"));
   EXPECT_TRUE(j["frontier"][0].contains("time_ms"));
   EXPECT_EQ(run(path + " --pareto").code, 0);
+  std::remove(path.c_str());
 }
 
 TEST(Cli, HomogeneousMode) {
