@@ -10,15 +10,11 @@
 
 #include "replay.h"
 
-#include <ATen/Context.h>
-#include <ATen/autocast_mode.h>
-#include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <atomic>
-#include <cstring>
 #include <mutex>
 #include <optional>
 #include <sstream>
