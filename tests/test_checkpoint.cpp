@@ -233,8 +233,9 @@ TEST(Checkpoint, NoGradModeJustCalls) {
 }
 
 TEST(Checkpoint, TwoThreadsTrainTheirOwnModels) {
-  auto train = [](uint64_t seed, bool ckpt, std::vector<torch::Tensor>* out) {
-    auto seq = make_mlp(4, 32, seed);
+  // Models are built here: make_mlp seeds the global generator, which two
+  // threads must not race on. Each thread draws data from its own generator.
+  auto train = [](torch::nn::Sequential seq, uint64_t seed, bool ckpt, std::vector<torch::Tensor>* out) {
     torch::optim::SGD opt(seq->parameters(), 0.1);
     auto gen = torch::make_generator<torch::CPUGeneratorImpl>(seed);
     for (int s = 0; s < 5; ++s) {
@@ -246,12 +247,13 @@ TEST(Checkpoint, TwoThreadsTrainTheirOwnModels) {
     }
     for (auto& p : seq->parameters()) out->push_back(p.detach().clone());
   };
+  auto m1 = make_mlp(4, 32, 1), m2 = make_mlp(4, 32, 2), r1 = make_mlp(4, 32, 1), r2 = make_mlp(4, 32, 2);
   std::vector<torch::Tensor> a, b, ra, rb;
-  std::thread t1(train, 1, true, &a), t2(train, 2, true, &b);
+  std::thread t1(train, m1, 1, true, &a), t2(train, m2, 2, true, &b);
   t1.join();
   t2.join();
-  train(1, false, &ra);
-  train(2, false, &rb);
+  train(r1, 1, false, &ra);
+  train(r2, 2, false, &rb);
   expect_bitwise_equal(a, ra);
   expect_bitwise_equal(b, rb);
 }
