@@ -108,7 +108,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
     return in.tensor;
   }
 
-  void pack(size_t index, const at::Tensor& t) {
+  /** Adds the slot for a tensor the forward saves; returns its index. */
+  size_t pack(const at::Tensor& t) {
     Slot s;
     if (is_parameter_like(t)) {
       s.kind = SlotKind::kRef;
@@ -127,8 +128,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
         s.meta = meta_of(t, options.determinism_check() == DeterminismCheck::kValues);
       }
     }
-    if (index != slots.size()) throw Error("[remat::checkpoint] internal: slots out of order");
     slots.push_back(std::move(s));
+    return slots.size() - 1;
   }
 
   at::Tensor unpack(size_t i) {
@@ -249,8 +250,7 @@ class ForwardHook final : public SavedHook {
   }
   void call_pack_hook(const at::Tensor& t) override {
     std::lock_guard<std::recursive_mutex> lock(frame_->mu);
-    index_ = frame_->slots.size();
-    frame_->pack(index_, t);
+    index_ = frame_->pack(t);
     packed_ = true;
   }
   at::Tensor call_unpack_hook() override { return frame_->unpack(index_); }

@@ -89,7 +89,7 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
       std::unordered_set<const c10::StorageImpl*> seen{in.storage().unsafeGetStorageImpl()};
       int64_t saved_bytes = 0;
       int64_t tmp_bytes = 0;
-      auto t0 = Clock::now();
+      Clock::time_point t0;
       {
         SavedTensorsHooks count(
             [&](const at::Tensor& t) {
