@@ -1,7 +1,8 @@
-// optimal(): the rotor dynamic program (Beaumont et al.) over discretized
-// memory, plus the exact min-peak recursion behind min_feasible_peak_bytes().
-// Leaves out the other algorithms (heuristics.cpp). See docs/planner.md,
-// "The DP", for the recurrence; the subproblem below is P(s, t, m).
+// optimal(): discretization and the choice between the two DPs (dp.h), the
+// persistent one (rotor, Beaumont et al.) defined here, plus the exact min-peak
+// recursion behind min_feasible_peak_bytes(). FullDp is in optimal_full.cpp;
+// the other algorithms in heuristics.cpp. See docs/planner.md, "The DP"; the
+// persistent subproblem is P(s, t, m).
 //
 // NOTE [Subproblem P(s, t, m)]
 // Stages s..t must be taken from "a_s live (held by the caller), grad_{t+1}
@@ -20,127 +21,127 @@
 #include <string>
 #include <vector>
 
+#include "dp.h"
 #include "internal.h"
 #include "remat/plan/error.h"
 #include "remat/plan/solve.h"
 
 namespace remat::plan {
+namespace internal {
+
+double PersistentDp::table_bytes(int L, int M) {
+  return static_cast<double>(L) * (L + 1) / 2 * (static_cast<double>(M) + 1) * sizeof(Cost);
+}
+
+PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
+  const int L = d_.L, M = d_.M;
+  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bt = d_.bt;
+  const auto &f = d_.f, &b = d_.b;
+  const size_t width = width_;
+  const size_t rows = static_cast<size_t>(L) * (L + 1) / 2;
+  cost_.assign(rows * width, kInf);
+  need_.assign(rows, M + 1);
+  sat_.assign(rows, 0);
+  for (int d = 0; d < L; ++d) {
+    for (int s = 0; s + d < L; ++s) {
+      const int t = s + d;
+      const size_t r = row(s, t);
+      Cost* out = &cost_[r * width];
+      const int D = d_.dst(t);
+      // Option A (and the base case s == t).
+      {
+        int lo = std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]);
+        sat_[r] = d == 0 ? lo : std::max(lo, sv[s] + sat_[row(s + 1, t)]);
+        const Cost fb = static_cast<Cost>(f[s] + b[s]);
+        if (d == 0) {
+          for (int m = lo; m <= M; ++m) out[m] = fb;
+        } else {
+          const size_t rc = row(s + 1, t);
+          lo = std::max(lo, need_[rc] + sv[s]);
+          const Cost* child = &cost_[rc * width] - sv[s];
+          for (int m = lo; m <= M; ++m) out[m] = fb + child[m];
+        }
+      }
+      // Option B(s2): checkpoint a_{s2}. From m = sat on, option A already
+      // gives the least possible time (each stage forward and backward once).
+      const int hi = std::min(M, sat_[r] - 1);
+      int sweep_peak = 0;
+      double sweep_ms = 0;
+      for (int s2 = s + 1; s2 <= t; ++s2) {
+        const int k = s2 - 1;
+        sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
+        sweep_ms += f[k];
+        if (sweep_peak > hi) break;
+        const size_t rr = row(s2, t), rl = row(s, s2 - 1);
+        const int lo = std::max({sweep_peak, need_[rr] + a[s2], need_[rl]});
+        const Cost* right = &cost_[rr * width] - a[s2];
+        const Cost* left = &cost_[rl * width];
+        const Cost sweep = static_cast<Cost>(sweep_ms);
+        for (int m = lo; m <= hi; ++m) {
+          const Cost c = sweep + right[m] + left[m];
+          out[m] = c < out[m] ? c : out[m];
+        }
+      }
+      int first = 0;
+      while (first <= M && out[first] == kInf) ++first;
+      need_[r] = first;
+    }
+  }
+}
+
+bool PersistentDp::feasible() const { return need_[row(0, d_.L - 1)] <= d_.M; }
+
+Schedule PersistentDp::schedule() const {
+  Schedule s;
+  emit(s.ops, 0, d_.L - 1, d_.M);
+  return s;
+}
+
+/** The option the fill kept for (s, t, m): -1 for A (or the base), else s'.
+ *  Same arithmetic in the same order as the fill, so the match is exact. */
+int PersistentDp::choice(int s, int t, int m) const {
+  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bt = d_.bt;
+  const auto &f = d_.f, &b = d_.b;
+  const size_t width = width_;
+  const Cost target = cost_[row(s, t) * width + m];
+  const int D = d_.dst(t);
+  if (s == t) return -1;
+  if (m >= std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]) && m - sv[s] >= 0 &&
+      static_cast<Cost>(f[s] + b[s]) + cost_[row(s + 1, t) * width + (m - sv[s])] == target)
+    return -1;
+  int sweep_peak = 0;
+  double sweep_ms = 0;
+  for (int s2 = s + 1; s2 <= t; ++s2) {
+    const int k = s2 - 1;
+    sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
+    sweep_ms += f[k];
+    if (sweep_peak > m) break;
+    if (m - a[s2] < 0) continue;
+    const Cost c = static_cast<Cost>(sweep_ms) + cost_[row(s2, t) * width + (m - a[s2])] + cost_[row(s, s2 - 1) * width + m];
+    if (c == target) return s2;
+  }
+  throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
+}
+
+void PersistentDp::emit(std::vector<Op>& ops, int s, int t, int m) const {
+  while (true) {
+    const int c = choice(s, t, m);
+    if (c < 0) {
+      ops.push_back({OpKind::kForwardSave, s});
+      if (s < t) emit(ops, s + 1, t, m - d_.sv[s]);
+      ops.push_back({OpKind::kBackward, s});
+      return;
+    }
+    emit_sweep(ops, s, c);
+    emit(ops, c, t, m - d_.a[c]);
+    ops.push_back({OpKind::kDrop, c});
+    t = c - 1;
+  }
+}
+
+}  // namespace internal
+
 namespace {
-
-/** The DP's time type: float halves the table's memory traffic (the DP is
- *  bandwidth-bound) at a relative precision of ~6e-8 on times. */
-using Cost = float;
-constexpr Cost kInf = std::numeric_limits<Cost>::infinity();
-
-struct Dp {
-  int L = 0;
-  int M = 0;  // slots available to P(0, L-1)
-  std::vector<int32_t> a;   // |a_j| (and |grad_j|) in slots, j in [0, L]
-  std::vector<int32_t> sv;  // saved_bytes in slots
-  std::vector<int32_t> ft, bt;
-  std::vector<double> f, b;
-  std::vector<Cost> cost;         // (row, m) -> minimal time, kInf if infeasible
-  std::vector<int32_t> need;      // row -> smallest feasible m (M + 1 if none)
-  std::vector<int32_t> sat;       // row -> m from which store-all (option A all the way) fits
-  // No argmin table: emit() re-evaluates the options of the few cells it visits,
-  // which keeps the inner loop a plain vectorizable min.
-
-  size_t row(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
-  int dst(int t) const { return t == L - 1 ? 0 : a[t + 1]; }
-
-  void run() {
-    const size_t width = static_cast<size_t>(M) + 1;
-    const size_t rows = static_cast<size_t>(L) * (L + 1) / 2;
-    cost.assign(rows * width, kInf);
-    need.assign(rows, M + 1);
-    sat.assign(rows, 0);
-    for (int d = 0; d < L; ++d) {
-      for (int s = 0; s + d < L; ++s) {
-        const int t = s + d;
-        const size_t r = row(s, t);
-        Cost* out = &cost[r * width];
-        const int D = dst(t);
-        // Option A (and the base case s == t).
-        {
-          int lo = std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]);
-          sat[r] = d == 0 ? lo : std::max(lo, sv[s] + sat[row(s + 1, t)]);
-          const Cost fb = static_cast<Cost>(f[s] + b[s]);
-          if (d == 0) {
-            for (int m = lo; m <= M; ++m) out[m] = fb;
-          } else {
-            const size_t rc = row(s + 1, t);
-            lo = std::max(lo, need[rc] + sv[s]);
-            const Cost* child = &cost[rc * width] - sv[s];
-            for (int m = lo; m <= M; ++m) out[m] = fb + child[m];
-          }
-        }
-        // Option B(s2): checkpoint a_{s2}. From m = sat on, option A already
-        // gives the least possible time (each stage forward and backward once).
-        const int hi = std::min(M, sat[r] - 1);
-        int sweep_peak = 0;
-        double sweep_ms = 0;
-        for (int s2 = s + 1; s2 <= t; ++s2) {
-          const int k = s2 - 1;
-          sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
-          sweep_ms += f[k];
-          if (sweep_peak > hi) break;
-          const size_t rr = row(s2, t), rl = row(s, s2 - 1);
-          const int lo = std::max({sweep_peak, need[rr] + a[s2], need[rl]});
-          const Cost* right = &cost[rr * width] - a[s2];
-          const Cost* left = &cost[rl * width];
-          const Cost sweep = static_cast<Cost>(sweep_ms);
-          for (int m = lo; m <= hi; ++m) {
-            const Cost c = sweep + right[m] + left[m];
-            out[m] = c < out[m] ? c : out[m];
-          }
-        }
-        int first = 0;
-        while (first <= M && out[first] == kInf) ++first;
-        need[r] = first;
-      }
-    }
-  }
-
-  /** The option run() kept for (s, t, m): -1 for A (or the base), else s'.
-   *  Same arithmetic in the same order as run(), so the match is exact. */
-  int choice(int s, int t, int m) const {
-    const size_t width = static_cast<size_t>(M) + 1;
-    const Cost target = cost[row(s, t) * width + m];
-    const int D = dst(t);
-    if (s == t) return -1;
-    if (m >= std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]) && m - sv[s] >= 0 &&
-        static_cast<Cost>(f[s] + b[s]) + cost[row(s + 1, t) * width + (m - sv[s])] == target)
-      return -1;
-    int sweep_peak = 0;
-    double sweep_ms = 0;
-    for (int s2 = s + 1; s2 <= t; ++s2) {
-      const int k = s2 - 1;
-      sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
-      sweep_ms += f[k];
-      if (sweep_peak > m) break;
-      if (m - a[s2] < 0) continue;
-      const Cost c = static_cast<Cost>(sweep_ms) + cost[row(s2, t) * width + (m - a[s2])] + cost[row(s, s2 - 1) * width + m];
-      if (c == target) return s2;
-    }
-    throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
-  }
-
-  void emit(std::vector<Op>& ops, int s, int t, int m) const {
-    while (true) {
-      const int c = choice(s, t, m);
-      if (c < 0) {
-        ops.push_back({OpKind::kForwardSave, s});
-        if (s < t) emit(ops, s + 1, t, m - sv[s]);
-        ops.push_back({OpKind::kBackward, s});
-        return;
-      }
-      internal::emit_sweep(ops, s, c);
-      emit(ops, c, t, m - a[c]);
-      ops.push_back({OpKind::kDrop, c});
-      t = c - 1;
-    }
-  }
-};
 
 int64_t gcd_sizes(const Chain& chain) {
   int64_t g = chain.input_bytes;
@@ -250,7 +251,7 @@ Plan min_memory(const Chain& chain) {
   return internal::make_plan(chain, "min-memory", std::move(s));
 }
 
-Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots) {
+Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, OptimalScope scope) {
   chain.validate();
   if (memory_slots < 1 || memory_slots > 1000000)
     throw Error("[remat::plan] optimal: memory_slots is " + std::to_string(memory_slots) +
@@ -273,38 +274,43 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots) {
   const int64_t span = budget_bytes - chain.input_bytes;
   const int64_t g = std::max<int64_t>(1, gcd_sizes(chain));
   const int64_t unit = g * std::max<int64_t>(1, (span / g + memory_slots - 1) / memory_slots);
-  Dp dp;
-  dp.L = L;
-  dp.M = static_cast<int>(span / unit);
-  const size_t table_bytes = static_cast<size_t>(L) * (L + 1) / 2 * (dp.M + 1) * sizeof(Cost);
-  if (table_bytes > (size_t{4} << 30))
-    throw Error("[remat::plan] optimal: the DP table for " + std::to_string(L) + " stages and " +
-                std::to_string(dp.M) + " memory slots needs " + format_bytes(static_cast<int64_t>(table_bytes)) +
-                "; lower memory_slots.");
+  internal::Slots d;
+  d.L = L;
+  d.M = static_cast<int>(span / unit);
+  if (scope == OptimalScope::kAuto)
+    scope = internal::FullDp::work(L, d.M) <= kOptimalAutoWork ? OptimalScope::kAll : OptimalScope::kPersistent;
+  const double table_bytes = scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, d.M)
+                                                         : internal::PersistentDp::table_bytes(L, d.M);
+  if (table_bytes > static_cast<double>(int64_t{4} << 30))
+    throw Error("[remat::plan] optimal: the DP tables for " + std::to_string(L) + " stages and " +
+                std::to_string(d.M) + " memory slots need " + format_bytes(static_cast<int64_t>(table_bytes)) +
+                "; lower memory_slots" + (scope == OptimalScope::kAll ? " or use OptimalScope::kPersistent." : "."));
   auto slots = [&](int64_t bytes) {
     const int64_t v = (bytes + unit - 1) / unit;
-    return static_cast<int32_t>(std::min<int64_t>(v, static_cast<int64_t>(dp.M) + 1));
+    return static_cast<int32_t>(std::min<int64_t>(v, static_cast<int64_t>(d.M) + 1));
   };
-  dp.a.resize(L + 1);
-  for (int j = 0; j <= L; ++j) dp.a[j] = slots(chain.value_bytes(j));
+  d.a.resize(L + 1);
+  for (int j = 0; j <= L; ++j) d.a[j] = slots(chain.value_bytes(j));
   for (const Stage& st : chain.stages) {
-    dp.sv.push_back(slots(st.saved_bytes));
-    dp.ft.push_back(slots(st.forward_tmp_bytes));
-    dp.bt.push_back(slots(st.backward_tmp_bytes));
-    dp.f.push_back(st.forward_ms);
-    dp.b.push_back(st.backward_ms);
+    d.sv.push_back(slots(st.saved_bytes));
+    d.ft.push_back(slots(st.forward_tmp_bytes));
+    d.bt.push_back(slots(st.backward_tmp_bytes));
+    d.f.push_back(st.forward_ms);
+    d.b.push_back(st.backward_ms);
   }
-  dp.run();
 
   Schedule fallback;
   mp.emit(fallback.ops, 0, L - 1);
   Plan best = internal::make_plan(chain, "optimal", std::move(fallback));
-  if (dp.need[dp.row(0, L - 1)] <= dp.M) {
-    Schedule s;
-    dp.emit(s.ops, 0, L - 1, dp.M);
-    Plan p = internal::make_plan(chain, "optimal", std::move(s));
+  auto consider = [&](const auto& dp) {
+    if (!dp.feasible()) return;
+    Plan p = internal::make_plan(chain, "optimal", dp.schedule());
     if (p.prediction.time_ms <= best.prediction.time_ms) best = std::move(p);
-  }
+  };
+  if (scope == OptimalScope::kAll)
+    consider(internal::FullDp(d));
+  else
+    consider(internal::PersistentDp(d));
   return best;
 }
 

@@ -45,16 +45,23 @@ Plan solve(const Chain& chain, const SolveOptions& o) {
     case Algorithm::kSqrt: return sqrt_schedule(chain);
     case Algorithm::kGreedy: need_budget("greedy"); return greedy(chain, o.budget_bytes);
     case Algorithm::kRevolve: return revolve(chain, o.param > 0 ? o.param : 4);
-    case Algorithm::kOptimal: need_budget("optimal"); return optimal(chain, o.budget_bytes, o.memory_slots);
+    case Algorithm::kOptimal: need_budget("optimal"); return optimal(chain, o.budget_bytes, o.memory_slots, o.scope);
   }
   throw Error("[remat::plan] solve: unknown algorithm.");
+}
+
+OptimalScope parse_optimal_scope(std::string_view text) {
+  if (text == "auto") return OptimalScope::kAuto;
+  if (text == "all") return OptimalScope::kAll;
+  if (text == "persistent") return OptimalScope::kPersistent;
+  throw Error("[remat::plan] scope: unknown \"" + std::string(text) + "\"; expected auto, all or persistent.");
 }
 
 Plan solve(const Chain& chain, std::string_view spec, int64_t budget_bytes) {
   return solve(chain, parse_algorithm(spec).with_budget_bytes(budget_bytes));
 }
 
-std::vector<ParetoPoint> pareto(const Chain& chain, int points, int memory_slots) {
+std::vector<ParetoPoint> pareto(const Chain& chain, int points, int memory_slots, OptimalScope scope) {
   chain.validate();
   if (points < 2) throw Error("[remat::plan] pareto: points is " + std::to_string(points) + "; it must be >= 2.");
   const int64_t lo = min_feasible_peak_bytes(chain);
@@ -62,7 +69,7 @@ std::vector<ParetoPoint> pareto(const Chain& chain, int points, int memory_slots
   std::vector<ParetoPoint> all;
   for (int k = 0; k < points; ++k) {
     const int64_t budget = lo + static_cast<int64_t>(static_cast<long double>(hi - lo) * k / (points - 1));
-    all.push_back({budget, optimal(chain, budget, memory_slots)});
+    all.push_back({budget, optimal(chain, budget, memory_slots, scope)});
     if (budget >= hi) break;
   }
   std::vector<ParetoPoint> front;

@@ -75,6 +75,7 @@ int main(int argc, char** argv) {
   std::string chain_path = "-";
   std::string algorithm = "optimal";
   std::string budget_text;
+  std::string scope_text = "auto";
   bool as_json = false, want_pareto = false;
   int points = 24, memory_slots = 500, steps = 0, slots = 0;
   app.add_option("chain", chain_path, "chain JSON file; '-' or absent reads stdin");
@@ -91,6 +92,10 @@ int main(int argc, char** argv) {
   app.add_option("--points", points, "budgets tried by --pareto (default 24)")->check(CLI::Range(2, 10000));
   app.add_option("--memory-slots", memory_slots, "discretization of optimal's DP (default 500)")
       ->check(CLI::Range(1, 1000000));
+  app.add_option("--scope", scope_text,
+                 "schedules optimal searches: all (exact over every schedule; O(L^4 M)), persistent "
+                 "(checkpoints kept until their backward, rotor's class; O(L^3 M)), or auto (all while it "
+                 "stays cheap, about L <= 66 at 500 slots; the default)");
   auto* steps_opt = app.add_option("--steps", steps, "homogeneous mode: number of unit steps L")
                         ->check(CLI::Range(1, 100000));
   auto* slots_opt = app.add_option("--slots", slots, "homogeneous mode: checkpoint slots C, a_0 included")
@@ -107,9 +112,11 @@ int main(int argc, char** argv) {
   }
 
   int64_t budget_bytes = -1;
+  rp::OptimalScope scope = rp::OptimalScope::kAuto;
   rp::Chain chain;
   try {
     if (!budget_text.empty()) budget_bytes = rp::parse_bytes(budget_text);
+    scope = rp::parse_optimal_scope(scope_text);
     if (steps > 0) {
       if (want_pareto) throw rp::Error("[remat::plan] remat-plan: --pareto does not apply to --steps/--slots.");
       rp::HomogeneousProblem h = rp::homogeneous_problem(steps, slots);
@@ -120,7 +127,7 @@ int main(int argc, char** argv) {
       if (o.algorithm == rp::Algorithm::kRevolve && algorithm != "revolve" && o.param != slots)
         throw rp::Error("[remat::plan] remat-plan: " + algorithm + " contradicts --slots " + std::to_string(slots) + ".");
       const bool is_revolve = o.algorithm == rp::Algorithm::kRevolve;
-      rp::Plan plan = is_revolve ? rp::revolve(chain, slots) : rp::optimal(chain, h.budget_bytes, memory_slots);
+      rp::Plan plan = is_revolve ? rp::revolve(chain, slots) : rp::optimal(chain, h.budget_bytes, memory_slots, scope);
       const int64_t fwd = plan.prediction.forward_executions;
       if (as_json) {
         json j = {{"steps", steps},
@@ -154,7 +161,7 @@ int main(int argc, char** argv) {
 
   try {
     if (want_pareto) {
-      const auto front = rp::pareto(chain, points, memory_slots);
+      const auto front = rp::pareto(chain, points, memory_slots, scope);
       if (as_json) {
         json arr = json::array();
         for (const auto& p : front)
@@ -173,7 +180,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     rp::SolveOptions options = rp::parse_algorithm(algorithm);
-    options.with_budget_bytes(budget_bytes).with_memory_slots(memory_slots);
+    options.with_budget_bytes(budget_bytes).with_memory_slots(memory_slots).with_scope(scope);
     if ((options.algorithm == rp::Algorithm::kOptimal || options.algorithm == rp::Algorithm::kGreedy) &&
         budget_bytes < 0) {
       std::fprintf(stderr, "[remat::plan] remat-plan: --algorithm %s needs --budget-bytes.\n", algorithm.c_str());

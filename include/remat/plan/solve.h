@@ -45,12 +45,30 @@ Plan greedy(const Chain& chain, int64_t budget_bytes);
  *  is optimal for homogeneous chains and merely valid for others. slots >= 1. */
 Plan revolve(const Chain& chain, int slots);
 
-/** Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
- *  heterogeneous chains" (rotor): minimal-time schedule, multi-level included,
- *  by a dynamic program over memory discretized into memory_slots units
- *  (sizes rounded up, so the simulated peak is always <= budget_bytes).
+/** Which schedules optimal() searches (docs/planner.md, "Which schedules"). */
+enum class OptimalScope {
+  /** kAll while its DP costs at most kOptimalAutoWork cell updates (about
+   *  L^4 M / 24; up to L = 66 at 500 slots, about 0.2 s here), else kPersistent. */
+  kAuto,
+  /** Every schedule of the op model. O(L^4 M) time, O(L^3 M) memory. */
+  kAll,
+  /** Rotor's class: a checkpoint is kept until its own backward.
+   *  O(L^3 M) time, O(L^2 M) memory. */
+  kPersistent,
+};
+inline constexpr double kOptimalAutoWork = 4e8;
+
+/** "auto", "all", "persistent" -> OptimalScope; throws Error naming the text. */
+OptimalScope parse_optimal_scope(std::string_view text);
+
+/** Minimal-time schedule under budget_bytes, multi-level included, by a dynamic
+ *  program over memory discretized into memory_slots units (sizes rounded up,
+ *  so the simulated peak is always <= budget_bytes): Beaumont, Eyraud-Dubois,
+ *  Herrmann, Joly, Shilova, "Optimal checkpointing for heterogeneous chains"
+ *  (rotor), extended to schedules that drop a checkpoint before its backward.
  *  Throws Error naming the smallest feasible peak if no schedule fits. */
-Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots = 500);
+Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots = 500,
+             OptimalScope scope = OptimalScope::kAuto);
 
 /** Smallest peak over all valid schedules (exact, no discretization). */
 int64_t min_feasible_peak_bytes(const Chain& chain);
@@ -71,10 +89,13 @@ struct SolveOptions {
   int param = 0;
   /** Discretization of optimal's DP (default 500). */
   int memory_slots = 500;
+  /** Which schedules optimal searches. */
+  OptimalScope scope = OptimalScope::kAuto;
 
   SolveOptions& with_budget_bytes(int64_t v) { budget_bytes = v; return *this; }
   SolveOptions& with_param(int v) { param = v; return *this; }
   SolveOptions& with_memory_slots(int v) { memory_slots = v; return *this; }
+  SolveOptions& with_scope(OptimalScope v) { scope = v; return *this; }
 };
 
 /** Parses "optimal", "greedy", "sqrt", "store-all", "uniform:K", "revolve:S"
@@ -95,7 +116,8 @@ struct ParetoPoint {
  *  the store-all peak (`points` of them, evenly spaced); only points not
  *  dominated (lower peak or lower time than every other) are returned, by
  *  increasing peak. */
-std::vector<ParetoPoint> pareto(const Chain& chain, int points = 24, int memory_slots = 500);
+std::vector<ParetoPoint> pareto(const Chain& chain, int points = 24, int memory_slots = 500,
+                                OptimalScope scope = OptimalScope::kAuto);
 
 /** Revolve's model as a Chain: `steps` unit stages (forward 1 ms, backward
  *  0 ms) in which a boundary value costs 1 byte and a saved set `slots + 1`

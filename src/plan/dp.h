@@ -1,0 +1,91 @@
+// The two dynamic programs behind optimal(), over a chain whose sizes are
+// discretized into memory slots; not installed. See docs/planner.md, "The DP".
+//  - PersistentDp: rotor's recursion (Beaumont et al.), exact over persistent
+//    schedules (a checkpoint is kept until its own backward). O(L^3 M).
+//  - FullDp: adds subproblems in which a checkpoint is dropped after its last
+//    use as a sweep source and its range is redone from an earlier one; exact
+//    over all schedules of the op model. O(L^4 M).
+// Both reconstruct by re-evaluating the options of the cells on the path with
+// the same arithmetic as the fill (no argmin table).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "remat/plan/schedule.h"
+
+namespace remat::plan::internal {
+
+/** The DPs' time type: float halves the tables' memory traffic (the DPs are
+ *  bandwidth-bound) at a relative precision of ~6e-8 on times. */
+using Cost = float;
+inline constexpr Cost kInf = std::numeric_limits<Cost>::infinity();
+
+/** A chain in slot units: sizes rounded up to the unit, capped at M + 1. */
+struct Slots {
+  int L = 0;
+  int M = 0;                 // slots available besides a_0
+  std::vector<int32_t> a;    // |a_j| (and |grad_j|), j in [0, L]
+  std::vector<int32_t> sv;   // saved_bytes
+  std::vector<int32_t> ft, bt;
+  std::vector<double> f, b;  // ms
+  /** |grad_{t+1}| while stages ..t wait for their backward; 0 for t = L-1
+   *  (the loss gradient appears at backward(L-1)). */
+  int dst(int t) const { return t == L - 1 ? 0 : a[t + 1]; }
+};
+
+class PersistentDp {
+ public:
+  explicit PersistentDp(const Slots& s);
+  /** Bytes of the cost table for L stages and M slots. */
+  static double table_bytes(int L, int M);
+  bool feasible() const;
+  Schedule schedule() const;
+
+ private:
+  size_t row(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
+  int choice(int s, int t, int m) const;
+  void emit(std::vector<Op>& ops, int s, int t, int m) const;
+
+  const Slots& d_;
+  size_t width_;
+  std::vector<Cost> cost_;
+  std::vector<int32_t> need_, sat_;
+};
+
+class FullDp {
+ public:
+  explicit FullDp(const Slots& s);
+  static double table_bytes(int L, int M);
+  /** Cell updates of the fill, about L^4 (M + 1) / 24 (an upper bound). */
+  static double work(int L, int M);
+  bool feasible() const;
+  Schedule schedule() const;
+
+ private:
+  /** F(c, j, k): P(c, j) seen from a caller counting a_c (k == c), else Q. */
+  struct Row {
+    const Cost* v;  // indexed by m
+    int need, sat;
+  };
+  size_t prow(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
+  size_t qrow(int c, int j, int k) const {
+    const size_t u = j - c - 1, v = k - c - 1;
+    return qoff_[c] + u * (u + 1) / 2 + v;
+  }
+  Row frow(int c, int j, int k) const;
+  void fill_p(int c, int j);
+  void fill_q(int c, int j, int k);
+  void emit_p(std::vector<Op>& ops, int c, int j, int m) const;
+  void emit_f(std::vector<Op>& ops, int c, int j, int k, int m) const;
+  void emit_q(std::vector<Op>& ops, int c, int j, int k, int m) const;
+
+  const Slots& d_;
+  size_t width_;
+  std::vector<size_t> qoff_;
+  std::vector<Cost> p_, q_;
+  std::vector<int32_t> p_need_, p_sat_, q_need_, q_sat_;
+};
+
+}  // namespace remat::plan::internal

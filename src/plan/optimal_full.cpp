@@ -1,0 +1,224 @@
+// FullDp: the dynamic program that is exact over all schedules of the op model
+// (at the DP's discretization). See docs/planner.md, "All schedules".
+//
+// NOTE [Canonical schedules]
+// Drop every value right after its last read (this never raises memory or
+// time). Then the live checkpoints form a stack: a phase (the ops up to the
+// next backward) sweeps from the largest live value at or below its stage,
+// pushing the values it keeps; a value is read only while it is the top, so it
+// is popped either right after the first forward of a sweep it starts, or
+// after its own backward. Two subproblems follow (m: memory units the
+// subproblem may use; grad_{j+1} live at the start, grad_k at the end):
+//  P(c, j, m): a_c held by the caller (not counted). Phases j..c.
+//    base (j == c) / A: forward_save(c), P(c+1, j, m - |s_c|), backward(c).
+//    B(k2), c < k2 <= j: forward(c), F(c+1, j, k2, m), P(c, k2-1, m).
+//  Q(c, j, k, m), c < k <= j: a_c counted here and popped here. Phases j..k.
+//    pop:     forward(c), drop(c), F(c+1, j, k, m).
+//    keep(k2), k < k2 <= j: forward(c), F(c+1, j, k2, m - |a_c|), Q(c, k2-1, k, m).
+//  F(c, j, k, m) = P(c, j, m - |a_c|) then drop(c) if k == c, else Q(c, j, k, m).
+// rotor's P (Beaumont et al.) is the special case where every Q pops at once
+// along a sweep and ends in a P (k == the sweep's end).
+#include <algorithm>
+#include <string>
+
+#include "dp.h"
+#include "remat/plan/error.h"
+
+namespace remat::plan::internal {
+
+double FullDp::table_bytes(int L, int M) {
+  const double l = L, rows = l * (l + 1) / 2 + (l - 2) * (l - 1) * l / 6;
+  return rows * (static_cast<double>(M) + 1) * sizeof(Cost);
+}
+
+double FullDp::work(int L, int M) {
+  const double l = L;
+  return l * l * l * l / 24 * (static_cast<double>(M) + 1);
+}
+
+FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
+  const int L = d_.L;
+  qoff_.assign(L + 1, 0);
+  for (int c = 0; c < L; ++c) {
+    // Layer c holds Q(c, j, k) for c < k <= j <= L-1; a_0 is never popped.
+    const size_t n = c == 0 ? 0 : static_cast<size_t>(L - 1 - c) * (L - c) / 2;
+    qoff_[c + 1] = qoff_[c] + n;
+  }
+  const size_t prows = static_cast<size_t>(L) * (L + 1) / 2, qrows = qoff_[L];
+  p_.assign(prows * width_, kInf);
+  q_.assign(qrows * width_, kInf);
+  p_need_.assign(prows, d_.M + 1);
+  p_sat_.assign(prows, 0);
+  q_need_.assign(qrows, d_.M + 1);
+  q_sat_.assign(qrows, 0);
+  for (int c = L - 1; c >= 0; --c)
+    for (int j = c; j < L; ++j) {
+      fill_p(c, j);
+      if (c > 0)
+        for (int k = c + 1; k <= j; ++k) fill_q(c, j, k);
+    }
+}
+
+FullDp::Row FullDp::frow(int c, int j, int k) const {
+  if (k == c) {
+    const size_t r = prow(c, j);
+    return {&p_[r * width_] - d_.a[c], p_need_[r] + d_.a[c], p_sat_[r] + d_.a[c]};
+  }
+  const size_t r = qrow(c, j, k);
+  return {&q_[r * width_], q_need_[r], q_sat_[r]};
+}
+
+namespace {
+int first_finite(const Cost* v, int M) {
+  int m = 0;
+  while (m <= M && v[m] == kInf) ++m;
+  return m;
+}
+}  // namespace
+
+void FullDp::fill_p(int c, int j) {
+  const auto& a = d_.a;
+  const int M = d_.M, D = d_.dst(j);
+  const size_t r = prow(c, j);
+  Cost* out = &p_[r * width_];
+  // base / A. From m = sat on, store-all of c..j fits: each stage runs forward
+  // and backward once, which no option can beat, so the others stop there.
+  int lo = std::max(D + d_.sv[c] + d_.ft[c], d_.sv[c] + a[c + 1] + a[c] + d_.bt[c]);
+  const Cost fb = static_cast<Cost>(d_.f[c] + d_.b[c]);
+  if (j == c) {
+    p_sat_[r] = lo;
+    for (int m = lo; m <= M; ++m) out[m] = fb;
+  } else {
+    const size_t rc = prow(c + 1, j);
+    p_sat_[r] = std::max(lo, d_.sv[c] + p_sat_[rc]);
+    lo = std::max(lo, p_need_[rc] + d_.sv[c]);
+    const Cost* child = &p_[rc * width_] - d_.sv[c];
+    for (int m = lo; m <= M; ++m) out[m] = fb + child[m];
+  }
+  const int hi = std::min(M, p_sat_[r] - 1);
+  const int fwd = a[c + 1] + d_.ft[c] + D;
+  const Cost fc = static_cast<Cost>(d_.f[c]);
+  for (int k2 = c + 1; k2 <= j; ++k2) {
+    const Row right = frow(c + 1, j, k2);
+    const size_t rl = prow(c, k2 - 1);
+    const Cost* left = &p_[rl * width_];
+    const Cost* rv = right.v;
+    for (int m = std::max({fwd, right.need, p_need_[rl]}); m <= hi; ++m) {
+      const Cost v = fc + rv[m] + left[m];
+      out[m] = v < out[m] ? v : out[m];
+    }
+  }
+  p_need_[r] = first_finite(out, M);
+}
+
+void FullDp::fill_q(int c, int j, int k) {
+  const auto& a = d_.a;
+  const int M = d_.M;
+  const size_t r = qrow(c, j, k);
+  Cost* out = &q_[r * width_];
+  const int fwd = a[c] + a[c + 1] + d_.ft[c] + d_.dst(j);
+  const Cost fc = static_cast<Cost>(d_.f[c]);
+  const Row pop = frow(c + 1, j, k);
+  // From m = sat on, popping at once and storing all of k..j fits: every stage
+  // of c..j forwarded once and k..j backwarded once, the least possible.
+  q_sat_[r] = std::max(fwd, pop.sat);
+  for (int m = std::max(fwd, pop.need); m <= M; ++m) out[m] = fc + pop.v[m];
+  const int hi = std::min(M, q_sat_[r] - 1);
+  for (int k2 = k + 1; k2 <= j; ++k2) {
+    const Row right = frow(c + 1, j, k2);
+    const size_t rl = qrow(c, k2 - 1, k);
+    const Cost* rv = right.v - a[c];
+    const Cost* left = &q_[rl * width_];
+    for (int m = std::max({fwd, right.need + a[c], q_need_[rl]}); m <= hi; ++m) {
+      const Cost v = fc + rv[m] + left[m];
+      out[m] = v < out[m] ? v : out[m];
+    }
+  }
+  q_need_[r] = first_finite(out, M);
+}
+
+bool FullDp::feasible() const { return p_need_[prow(0, d_.L - 1)] <= d_.M; }
+
+Schedule FullDp::schedule() const {
+  Schedule s;
+  emit_p(s.ops, 0, d_.L - 1, d_.M);
+  return s;
+}
+
+namespace {
+[[noreturn]] void no_option() {
+  throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
+}
+}  // namespace
+
+// The emitters re-evaluate each option with fill_p / fill_q's arithmetic in
+// the same order, so the option the fill kept matches exactly.
+void FullDp::emit_p(std::vector<Op>& ops, int c, int j, int m) const {
+  const auto& a = d_.a;
+  while (true) {
+    const Cost target = p_[prow(c, j) * width_ + m];
+    const int D = d_.dst(j);
+    const int lo = std::max(D + d_.sv[c] + d_.ft[c], d_.sv[c] + a[c + 1] + a[c] + d_.bt[c]);
+    const Cost fb = static_cast<Cost>(d_.f[c] + d_.b[c]);
+    if (j == c) {
+      if (m < lo || fb != target) no_option();
+      ops.push_back({OpKind::kForwardSave, c});
+      ops.push_back({OpKind::kBackward, c});
+      return;
+    }
+    const size_t rc = prow(c + 1, j);
+    if (m >= lo && m - d_.sv[c] >= p_need_[rc] && fb + p_[rc * width_ + (m - d_.sv[c])] == target) {
+      ops.push_back({OpKind::kForwardSave, c});
+      emit_p(ops, c + 1, j, m - d_.sv[c]);
+      ops.push_back({OpKind::kBackward, c});
+      return;
+    }
+    const int fwd = a[c + 1] + d_.ft[c] + D;
+    const Cost fc = static_cast<Cost>(d_.f[c]);
+    int pick = -1;
+    for (int k2 = c + 1; k2 <= j && pick < 0; ++k2) {
+      const Row right = frow(c + 1, j, k2);
+      const size_t rl = prow(c, k2 - 1);
+      if (m >= std::max({fwd, right.need, p_need_[rl]}) && fc + right.v[m] + p_[rl * width_ + m] == target)
+        pick = k2;
+    }
+    if (pick < 0) no_option();
+    ops.push_back({OpKind::kForward, c});
+    emit_f(ops, c + 1, j, pick, m);
+    j = pick - 1;  // a_c still held: P(c, pick - 1, m)
+  }
+}
+
+void FullDp::emit_f(std::vector<Op>& ops, int c, int j, int k, int m) const {
+  if (k > c) return emit_q(ops, c, j, k, m);
+  emit_p(ops, c, j, m - d_.a[c]);
+  ops.push_back({OpKind::kDrop, c});
+}
+
+void FullDp::emit_q(std::vector<Op>& ops, int c, int j, int k, int m) const {
+  const auto& a = d_.a;
+  while (true) {
+    const Cost target = q_[qrow(c, j, k) * width_ + m];
+    const int fwd = a[c] + a[c + 1] + d_.ft[c] + d_.dst(j);
+    const Cost fc = static_cast<Cost>(d_.f[c]);
+    const Row pop = frow(c + 1, j, k);
+    ops.push_back({OpKind::kForward, c});
+    if (m >= std::max(fwd, pop.need) && fc + pop.v[m] == target) {
+      ops.push_back({OpKind::kDrop, c});
+      return emit_f(ops, c + 1, j, k, m);
+    }
+    int pick = -1;
+    for (int k2 = k + 1; k2 <= j && pick < 0; ++k2) {
+      const Row right = frow(c + 1, j, k2);
+      const size_t rl = qrow(c, k2 - 1, k);
+      if (m >= std::max({fwd, right.need + a[c], q_need_[rl]}) &&
+          fc + right.v[m - a[c]] + q_[rl * width_ + m] == target)
+        pick = k2;
+    }
+    if (pick < 0) no_option();
+    emit_f(ops, c + 1, j, pick, m - a[c]);
+    j = pick - 1;  // a_c still live: Q(c, pick - 1, k, m)
+  }
+}
+
+}  // namespace remat::plan::internal
