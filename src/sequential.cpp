@@ -201,7 +201,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   } else {
     std::string algorithm = options_.algorithm();
     if (algorithm.empty()) algorithm = budget > 0 ? "optimal" : "sqrt";
-    auto solve = plan::parse_algorithm(algorithm).with_memory_slots(options_.memory_slots());
+    auto solve = plan::parse_algorithm(algorithm).with_memory_slots(options_.memory_slots()).with_scope(options_.scope());
     if (budget > 0) solve.with_budget_bytes(budget);
     e.plan = plan::solve(e.chain, solve);
     if (budget > 0 && e.plan.prediction.peak_bytes > budget) {

@@ -40,6 +40,8 @@ struct SequentialOptions {
   TORCH_ARG(std::optional<plan::Schedule>, schedule) = std::nullopt;
   /** Discretization of the optimal DP. Default 500. */
   TORCH_ARG(int, memory_slots) = 500;
+  /** Which schedules optimal searches (plan::OptimalScope). Default kAuto. */
+  TORCH_ARG(plan::OptimalScope, scope) = plan::OptimalScope::kAuto;
   /** Replay each stage's RNG state when it is recomputed. Default true. */
   TORCH_ARG(bool, preserve_rng_state) = true;
   /** Measure the peak of each step with remat::memory (enables tracking).

@@ -74,6 +74,19 @@ int first_finite(const Cost* v, int M) {
   while (m <= M && v[m] == kInf) ++m;
   return m;
 }
+
+/** First m in [lo, hi + 1) with out[m] <= bound; out is nonincreasing in m
+ *  (every option is, being a sum of nonincreasing rows). */
+int first_at_most(const Cost* out, int lo, int hi, Cost bound) {
+  while (lo <= hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (out[mid] <= bound)
+      hi = mid - 1;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
 }  // namespace
 
 void FullDp::fill_p(int c, int j) {
@@ -103,7 +116,12 @@ void FullDp::fill_p(int c, int j) {
     const size_t rl = prow(c, k2 - 1);
     const Cost* left = &p_[rl * width_];
     const Cost* rv = right.v;
-    for (int m = std::max({fwd, right.need, p_need_[rl]}); m <= hi; ++m) {
+    const int lo = std::max({fwd, right.need, p_need_[rl]});
+    if (lo > hi) continue;
+    // The option is nonincreasing in m, so its least value is at hi; it can
+    // only improve the m where out is still above that.
+    const int top = first_at_most(out, lo, hi, fc + rv[hi] + left[hi]) - 1;
+    for (int m = lo; m <= top; ++m) {
       const Cost v = fc + rv[m] + left[m];
       out[m] = v < out[m] ? v : out[m];
     }
@@ -129,7 +147,10 @@ void FullDp::fill_q(int c, int j, int k) {
     const size_t rl = qrow(c, k2 - 1, k);
     const Cost* rv = right.v - a[c];
     const Cost* left = &q_[rl * width_];
-    for (int m = std::max({fwd, right.need + a[c], q_need_[rl]}); m <= hi; ++m) {
+    const int lo = std::max({fwd, right.need + a[c], q_need_[rl]});
+    if (lo > hi) continue;
+    const int top = first_at_most(out, lo, hi, fc + rv[hi] + left[hi]) - 1;
+    for (int m = lo; m <= top; ++m) {
       const Cost v = fc + rv[m] + left[m];
       out[m] = v < out[m] ? v : out[m];
     }

@@ -116,3 +116,28 @@ TEST(Cli, BadInputExitsTwoAndNamesTheField) {
   for (const char* word : {"--algorithm", "--budget-bytes", "--json", "--pareto", "--steps", "--slots", "Exit codes"})
     EXPECT_NE(r.out.find(word), std::string::npos) << word;
 }
+
+// --scope: all schedules beat rotor's persistent class on this chain (the one
+// of docs/planner.md, "Which schedules"); a bad value is exit 2.
+TEST(Cli, ScopeChoosesTheSearchedSchedules) {
+  const char* chain = R"({"input_bytes": 11, "stages": [
+    {"name": "s0", "forward_ms": 0.98, "backward_ms": 8.90, "output_bytes": 2, "saved_bytes": 10},
+    {"name": "s1", "forward_ms": 4.42, "backward_ms": 8.85, "output_bytes": 1, "saved_bytes": 4},
+    {"name": "s2", "forward_ms": 0.27, "backward_ms": 1.81, "output_bytes": 10, "saved_bytes": 19},
+    {"name": "s3", "forward_ms": 2.55, "backward_ms": 5.82, "output_bytes": 6, "saved_bytes": 15},
+    {"name": "s4", "forward_ms": 4.55, "backward_ms": 5.80, "output_bytes": 10, "saved_bytes": 20},
+    {"name": "s5", "forward_ms": 0.30, "backward_ms": 2.21, "output_bytes": 7, "saved_bytes": 13},
+    {"name": "s6", "forward_ms": 2.18, "backward_ms": 3.57, "output_bytes": 6, "saved_bytes": 14}]})";
+  auto time_of = [&](const std::string& scope) {
+    const CliRun r = run("--budget-bytes 53 --json" + scope, chain);
+    EXPECT_EQ(r.code, 0) << r.out;
+    return nlohmann::json::parse(r.out)["prediction"]["time_ms"].get<double>();
+  };
+  EXPECT_NEAR(time_of(""), 78.32, 1e-9);
+  EXPECT_NEAR(time_of(" --scope all"), 78.32, 1e-9);
+  EXPECT_NEAR(time_of(" --scope persistent"), 91.94, 1e-9);
+  const CliRun bad = run("--budget-bytes 53 --scope some", chain);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.out.find("[remat::plan] scope: unknown \"some\"; expected auto, all or persistent."), std::string::npos)
+      << bad.out;
+}

@@ -7,12 +7,13 @@
 //
 // Two search spaces:
 //  - kAll: every valid schedule.
-//  - kPersistent: the class the DP optimizes over. A value a_j made by a
+//  - kPersistent: the class rotor's DP (OptimalScope::kPersistent) optimizes over. A value a_j made by a
 //    forward is either transient (dropped right after forward(j) consumed it,
 //    in a sweep forward(j-1), forward(j), drop(j)) or persistent (kept until
 //    backward(j) has run, or covered by s_{j-1} and freed by backward(j-1)).
 //    kAll can beat it: dropping a checkpoint early and recomputing it later
-//    from an earlier one saves memory at the price of forwards.
+//    from an earlier one saves memory at the price of forwards. FullDp
+//    (OptimalScope::kAll) covers that.
 #pragma once
 
 #include <cstdint>

@@ -298,3 +298,18 @@ TEST(Solve, DispatchesByName) {
     EXPECT_LT(front[k].plan.prediction.time_ms, front[k - 1].plan.prediction.time_ms);
   }
 }
+
+TEST(Optimal, AllSchedulesTableTooLargeNamesTheRemedy) {
+  rp::Chain c;
+  c.input_bytes = 1;
+  for (int i = 0; i < 300; ++i) c.stages.push_back({"x", 1, 1, 1, 2, 0, 0});
+  ASSERT_LT(500, rp::store_all(c).prediction.peak_bytes);
+  // 499 slots of 1 byte: (L (L+1) / 2 + L (L-1) (L-2) / 6) rows of 500 floats.
+  EXPECT_EQ(error_of([&] { rp::optimal(c, 500, 500, rp::OptimalScope::kAll); }),
+            "[remat::plan] optimal: the DP tables for 300 stages and 499 memory slots need " +
+                rp::format_bytes(static_cast<int64_t>((300.0 * 301 / 2 + 298.0 * 299 * 300 / 6) * 500 * 4)) +
+                "; lower memory_slots or use OptimalScope::kPersistent.");
+  EXPECT_EQ(error_of([&] { rp::parse_optimal_scope("everything"); }),
+            "[remat::plan] scope: unknown \"everything\"; expected auto, all or persistent.");
+  EXPECT_EQ(rp::parse_optimal_scope("persistent"), rp::OptimalScope::kPersistent);
+}
