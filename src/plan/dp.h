@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "remat/plan/schedule.h"
@@ -64,10 +65,13 @@ class FullDp {
   Schedule schedule() const;
 
  private:
-  /** F(c, j, k): P(c, j) seen from a caller counting a_c (k == c), else Q. */
+  /** F(c, j, k): P(c, j) seen from a caller counting a_c (k == c), else Q.
+   *  least: a lower bound of the row over every m, kept beside the rows so
+   *  that pruning an option does not touch the rows (cache misses dominate). */
   struct Row {
     const Cost* v;  // indexed by m
     int need, sat;
+    Cost least;
   };
   size_t prow(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
   size_t qrow(int c, int j, int k) const {
@@ -84,8 +88,14 @@ class FullDp {
   const Slots& d_;
   size_t width_;
   std::vector<size_t> qoff_;
-  std::vector<Cost> p_, q_;
+  std::vector<Cost> p_;
+  struct Release {
+    size_t mapped_bytes;  // 0: from new[]
+    void operator()(Cost* p) const;
+  };
+  std::unique_ptr<Cost, Release> q_{nullptr, Release{0}};  // rows filled (INF first) when computed
   std::vector<int32_t> p_need_, p_sat_, q_need_, q_sat_;
+  std::vector<Cost> p_least_, q_least_;  // value at m = M: the row's least
 };
 
 }  // namespace remat::plan::internal

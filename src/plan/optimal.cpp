@@ -277,8 +277,11 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, Optimal
   internal::Slots d;
   d.L = L;
   d.M = static_cast<int>(span / unit);
-  if (scope == OptimalScope::kAuto)
-    scope = internal::FullDp::work(L, d.M) <= kOptimalAutoWork ? OptimalScope::kAll : OptimalScope::kPersistent;
+  if (scope == OptimalScope::kAuto) {
+    const bool cheap = internal::FullDp::work(L, d.M) <= kOptimalAutoWork &&
+                       internal::FullDp::table_bytes(L, d.M) <= kOptimalAutoTableBytes;
+    scope = cheap ? OptimalScope::kAll : OptimalScope::kPersistent;
+  }
   const double table_bytes = scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, d.M)
                                                          : internal::PersistentDp::table_bytes(L, d.M);
   if (table_bytes > static_cast<double>(int64_t{4} << 30))

@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <string>
 
+#include <sys/mman.h>
+
 #include "dp.h"
 #include "remat/plan/error.h"
 
@@ -36,6 +38,33 @@ double FullDp::work(int L, int M) {
   return l * l * l * l / 24 * (static_cast<double>(M) + 1);
 }
 
+namespace {
+/** Tables from 32 MiB up (to ~1 GB) are anonymous maps asking for transparent
+ *  huge pages: their one pass otherwise page-faults every 4 KiB, a third of
+ *  the DP's time at L = 128. Smaller ones come from new[]. Not filled here:
+ *  fill_q writes each row, INF first. */
+constexpr size_t kMapFrom = size_t{32} << 20;
+
+Cost* map_table(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    throw Error("[remat::plan] optimal: cannot map " + format_bytes(static_cast<int64_t>(bytes)) +
+                " for the DP table; lower memory_slots or use OptimalScope::kPersistent.");
+#ifdef MADV_HUGEPAGE
+  madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return static_cast<Cost*>(p);
+}
+}  // namespace
+
+void FullDp::Release::operator()(Cost* p) const {
+  if (!p) return;
+  if (mapped_bytes > 0)
+    munmap(p, mapped_bytes);
+  else
+    delete[] p;
+}
+
 FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
   const int L = d_.L;
   qoff_.assign(L + 1, 0);
@@ -46,11 +75,17 @@ FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
   }
   const size_t prows = static_cast<size_t>(L) * (L + 1) / 2, qrows = qoff_[L];
   p_.assign(prows * width_, kInf);
-  q_.assign(qrows * width_, kInf);
+  const size_t q_bytes = std::max<size_t>(1, qrows * width_) * sizeof(Cost);
+  if (q_bytes >= kMapFrom)
+    q_ = std::unique_ptr<Cost, Release>(map_table(q_bytes), Release{q_bytes});
+  else
+    q_ = std::unique_ptr<Cost, Release>(new Cost[q_bytes / sizeof(Cost)], Release{0});
   p_need_.assign(prows, d_.M + 1);
   p_sat_.assign(prows, 0);
+  p_least_.assign(prows, kInf);
   q_need_.assign(qrows, d_.M + 1);
   q_sat_.assign(qrows, 0);
+  q_least_.assign(qrows, kInf);
   for (int c = L - 1; c >= 0; --c)
     for (int j = c; j < L; ++j) {
       fill_p(c, j);
@@ -62,10 +97,10 @@ FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
 FullDp::Row FullDp::frow(int c, int j, int k) const {
   if (k == c) {
     const size_t r = prow(c, j);
-    return {&p_[r * width_] - d_.a[c], p_need_[r] + d_.a[c], p_sat_[r] + d_.a[c]};
+    return {&p_[r * width_] - d_.a[c], p_need_[r] + d_.a[c], p_sat_[r] + d_.a[c], p_least_[r]};
   }
   const size_t r = qrow(c, j, k);
-  return {&q_[r * width_], q_need_[r], q_sat_[r]};
+  return {&q_.get()[r * width_], q_need_[r], q_sat_[r], q_least_[r]};
 }
 
 namespace {
@@ -73,6 +108,18 @@ int first_finite(const Cost* v, int M) {
   int m = 0;
   while (m <= M && v[m] == kInf) ++m;
   return m;
+}
+
+/** out[m] = min(out[m], c + x[m] + y[m]) for m in [lo, top]: the DP's inner
+ *  loop, also compiled for AVX2 where the CPU has it (picked at load time). */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top) {
+  for (int m = lo; m <= top; ++m) {
+    const Cost v = c + x[m] + y[m];
+    out[m] = v < out[m] ? v : out[m];
+  }
 }
 
 /** First m in [lo, hi + 1) with out[m] <= bound; out is nonincreasing in m
@@ -118,44 +165,46 @@ void FullDp::fill_p(int c, int j) {
     const Cost* rv = right.v;
     const int lo = std::max({fwd, right.need, p_need_[rl]});
     if (lo > hi) continue;
-    // The option is nonincreasing in m, so its least value is at hi; it can
-    // only improve the m where out is still above that.
-    const int top = first_at_most(out, lo, hi, fc + rv[hi] + left[hi]) - 1;
-    for (int m = lo; m <= top; ++m) {
-      const Cost v = fc + rv[m] + left[m];
-      out[m] = v < out[m] ? v : out[m];
-    }
+    // The option is >= fc + the rows' least values, so it can only improve
+    // the m where out (nonincreasing in m) is still above that. The least
+    // values sit beside the rows: pruning touches no row (misses dominate).
+    const int top = first_at_most(out, lo, hi, fc + right.least + p_least_[rl]) - 1;
+    min_sum(out, rv, left, fc, lo, top);
   }
   p_need_[r] = first_finite(out, M);
+  p_least_[r] = out[M];
 }
 
 void FullDp::fill_q(int c, int j, int k) {
   const auto& a = d_.a;
   const int M = d_.M;
   const size_t r = qrow(c, j, k);
-  Cost* out = &q_[r * width_];
+  Cost* out = &q_.get()[r * width_];
   const int fwd = a[c] + a[c + 1] + d_.ft[c] + d_.dst(j);
   const Cost fc = static_cast<Cost>(d_.f[c]);
   const Row pop = frow(c + 1, j, k);
   // From m = sat on, popping at once and storing all of k..j fits: every stage
   // of c..j forwarded once and k..j backwarded once, the least possible.
   q_sat_[r] = std::max(fwd, pop.sat);
-  for (int m = std::max(fwd, pop.need); m <= M; ++m) out[m] = fc + pop.v[m];
+  const int pop_lo = std::max(fwd, pop.need);
+  int need = std::min(pop_lo, M + 1);
+  std::fill(out, out + need, kInf);
+  for (int m = need; m <= M; ++m) out[m] = fc + pop.v[m];
   const int hi = std::min(M, q_sat_[r] - 1);
   for (int k2 = k + 1; k2 <= j; ++k2) {
     const Row right = frow(c + 1, j, k2);
     const size_t rl = qrow(c, k2 - 1, k);
-    const Cost* rv = right.v - a[c];
-    const Cost* left = &q_[rl * width_];
     const int lo = std::max({fwd, right.need + a[c], q_need_[rl]});
     if (lo > hi) continue;
-    const int top = first_at_most(out, lo, hi, fc + rv[hi] + left[hi]) - 1;
-    for (int m = lo; m <= top; ++m) {
-      const Cost v = fc + rv[m] + left[m];
-      out[m] = v < out[m] ? v : out[m];
-    }
+    const int top = first_at_most(out, lo, hi, fc + right.least + q_least_[rl]) - 1;
+    if (top < lo) continue;
+    const Cost* rv = right.v - a[c];
+    const Cost* left = &q_.get()[rl * width_];
+    min_sum(out, rv, left, fc, lo, top);
+    need = std::min(need, lo);  // rows are finite from their need on
   }
-  q_need_[r] = first_finite(out, M);
+  q_need_[r] = need;
+  q_least_[r] = out[M];
 }
 
 bool FullDp::feasible() const { return p_need_[prow(0, d_.L - 1)] <= d_.M; }
@@ -219,7 +268,7 @@ void FullDp::emit_f(std::vector<Op>& ops, int c, int j, int k, int m) const {
 void FullDp::emit_q(std::vector<Op>& ops, int c, int j, int k, int m) const {
   const auto& a = d_.a;
   while (true) {
-    const Cost target = q_[qrow(c, j, k) * width_ + m];
+    const Cost target = q_.get()[qrow(c, j, k) * width_ + m];
     const int fwd = a[c] + a[c + 1] + d_.ft[c] + d_.dst(j);
     const Cost fc = static_cast<Cost>(d_.f[c]);
     const Row pop = frow(c + 1, j, k);
@@ -233,7 +282,7 @@ void FullDp::emit_q(std::vector<Op>& ops, int c, int j, int k, int m) const {
       const Row right = frow(c + 1, j, k2);
       const size_t rl = qrow(c, k2 - 1, k);
       if (m >= std::max({fwd, right.need + a[c], q_need_[rl]}) &&
-          fc + right.v[m - a[c]] + q_[rl * width_ + m] == target)
+          fc + right.v[m - a[c]] + q_.get()[rl * width_ + m] == target)
         pick = k2;
     }
     if (pick < 0) no_option();

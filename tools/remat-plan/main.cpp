@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
   app.add_option("--scope", scope_text,
                  "schedules optimal searches: all (exact over every schedule; O(L^4 M)), persistent "
                  "(checkpoints kept until their backward, rotor's class; O(L^3 M)), or auto (all while it "
-                 "stays cheap, about L <= 66 at 500 slots; the default)");
+                 "stays cheap, about L <= 83 at 500 slots; the default)");
   auto* steps_opt = app.add_option("--steps", steps, "homogeneous mode: number of unit steps L")
                         ->check(CLI::Range(1, 100000));
   auto* slots_opt = app.add_option("--slots", slots, "homogeneous mode: checkpoint slots C, a_0 included")

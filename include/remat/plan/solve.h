@@ -47,8 +47,9 @@ Plan revolve(const Chain& chain, int slots);
 
 /** Which schedules optimal() searches (docs/planner.md, "Which schedules"). */
 enum class OptimalScope {
-  /** kAll while its DP costs at most kOptimalAutoWork cell updates (about
-   *  L^4 M / 24; up to L = 66 at 500 slots, about 0.2 s here), else kPersistent. */
+  /** kAll while its DP stays cheap (at most kOptimalAutoWork cell updates,
+   *  about L^4 M / 24, and kOptimalAutoTableBytes of table: up to L = 83 at
+   *  500 slots, at most about 0.3 s here), else kPersistent. */
   kAuto,
   /** Every schedule of the op model. O(L^4 M) time, O(L^3 M) memory. */
   kAll,
@@ -56,7 +57,8 @@ enum class OptimalScope {
    *  O(L^3 M) time, O(L^2 M) memory. */
   kPersistent,
 };
-inline constexpr double kOptimalAutoWork = 4e8;
+inline constexpr double kOptimalAutoWork = 1e9;
+inline constexpr double kOptimalAutoTableBytes = 256.0 * (1 << 20);
 
 /** "auto", "all", "persistent" -> OptimalScope; throws Error naming the text. */
 OptimalScope parse_optimal_scope(std::string_view text);
