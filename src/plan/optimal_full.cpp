@@ -3,11 +3,13 @@
 //
 // NOTE [Canonical schedules]
 // Drop every value right after its last read (this never raises memory or
-// time). Then the live checkpoints form a stack: a phase (the ops up to the
-// next backward) sweeps from the largest live value at or below its stage,
-// pushing the values it keeps; a value is read only while it is the top, so it
-// is popped either right after the first forward of a sweep it starts, or
-// after its own backward. Two subproblems follow (m: memory units the
+// time). A phase (the ops up to the next backward) sweeps from the largest
+// live value at or below its stage; if values are made only by the sweep of
+// the phase that first needs them, the live checkpoints form a stack, a value
+// is read only while it is the top, and it is popped either right after the
+// first forward of a sweep it starts, or after its own backward. (That premise
+// is argued, not proven; tests/plan compare against an exhaustive search over
+// every schedule.) Two subproblems follow (m: memory units the
 // subproblem may use; grad_{j+1} live at the start, grad_k at the end):
 //  P(c, j, m): a_c held by the caller (not counted). Phases j..c.
 //    base (j == c) / A: forward_save(c), P(c+1, j, m - |s_c|), backward(c).
