@@ -23,6 +23,10 @@ namespace remat::plan::internal {
 using Cost = float;
 inline constexpr Cost kInf = std::numeric_limits<Cost>::infinity();
 
+/** out[m] = min(out[m], c + x[m] + y[m]) for m in [lo, top]: both DPs' inner
+ *  loop (also compiled for AVX2, picked at load time; same IEEE sums). */
+void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top);
+
 /** A chain in slot units: sizes rounded up to the unit, capped at M + 1. */
 struct Slots {
   int L = 0;

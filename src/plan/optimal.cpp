@@ -76,11 +76,7 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
         const int lo = std::max({sweep_peak, need_[rr] + a[s2], need_[rl]});
         const Cost* right = &cost_[rr * width] - a[s2];
         const Cost* left = &cost_[rl * width];
-        const Cost sweep = static_cast<Cost>(sweep_ms);
-        for (int m = lo; m <= hi; ++m) {
-          const Cost c = sweep + right[m] + left[m];
-          out[m] = c < out[m] ? c : out[m];
-        }
+        min_sum(out, right, left, static_cast<Cost>(sweep_ms), lo, hi);
       }
       int first = 0;
       while (first <= M && out[first] == kInf) ++first;

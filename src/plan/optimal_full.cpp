@@ -30,6 +30,16 @@
 
 namespace remat::plan::internal {
 
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top) {
+  for (int m = lo; m <= top; ++m) {
+    const Cost v = c + x[m] + y[m];
+    out[m] = v < out[m] ? v : out[m];
+  }
+}
+
 double FullDp::table_bytes(int L, int M) {
   const double l = L, rows = l * (l + 1) / 2 + (l - 2) * (l - 1) * l / 6;
   return rows * (static_cast<double>(M) + 1) * sizeof(Cost);
@@ -110,18 +120,6 @@ int first_finite(const Cost* v, int M) {
   int m = 0;
   while (m <= M && v[m] == kInf) ++m;
   return m;
-}
-
-/** out[m] = min(out[m], c + x[m] + y[m]) for m in [lo, top]: the DP's inner
- *  loop, also compiled for AVX2 where the CPU has it (picked at load time). */
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top) {
-  for (int m = lo; m <= top; ++m) {
-    const Cost v = c + x[m] + y[m];
-    out[m] = v < out[m] ? v : out[m];
-  }
 }
 
 /** First m in [lo, hi + 1) with out[m] <= bound; out is nonincreasing in m
