@@ -125,6 +125,9 @@ int first_finite(const Cost* v, int M) {
 /** First m in [lo, hi + 1) with out[m] <= bound; out is nonincreasing in m
  *  (every option is, being a sum of nonincreasing rows). */
 int first_at_most(const Cost* out, int lo, int hi, Cost bound) {
+  // Most options are pruned outright or not at all: test the ends first.
+  if (lo > hi || out[lo] <= bound) return lo;
+  if (out[hi] > bound) return hi + 1;
   while (lo <= hi) {
     const int mid = lo + (hi - lo) / 2;
     if (out[mid] <= bound)
