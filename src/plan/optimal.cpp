@@ -231,6 +231,42 @@ std::string budget_error(int64_t budget_bytes, int64_t min_peak) {
 
 }  // namespace
 
+namespace {
+
+struct Discrete {
+  int64_t unit;  // bytes per memory slot
+  int M;         // slots available besides a_0
+};
+
+/** unit = g (exact) when the budget spans at most memory_slots of the sizes'
+ *  gcd g, else a multiple of g; sizes round up, so a schedule the DP accepts
+ *  has simulated peak <= budget. */
+Discrete discretize(const Chain& chain, int64_t budget_bytes, int memory_slots) {
+  const int64_t span = std::max<int64_t>(0, budget_bytes - chain.input_bytes);
+  const int64_t g = std::max<int64_t>(1, gcd_sizes(chain));
+  const int64_t unit = g * std::max<int64_t>(1, (span / g + memory_slots - 1) / memory_slots);
+  return {unit, static_cast<int>(span / unit)};
+}
+
+OptimalScope resolve_scope(int L, int M, OptimalScope scope) {
+  if (scope != OptimalScope::kAuto) return scope;
+  const bool cheap = internal::FullDp::work(L, M) <= kOptimalAutoWork &&
+                     internal::FullDp::table_bytes(L, M) <= kOptimalAutoTableBytes;
+  return cheap ? OptimalScope::kAll : OptimalScope::kPersistent;
+}
+
+}  // namespace
+
+OptimalScope optimal_scope(const Chain& chain, int64_t budget_bytes, int memory_slots, OptimalScope requested) {
+  chain.validate();
+  if (memory_slots < 1 || memory_slots > 1000000)
+    throw Error("[remat::plan] optimal: memory_slots is " + std::to_string(memory_slots) +
+                "; it must be in [1, 1000000].");
+  // Store-all is the least time of any schedule: optimal over all of them.
+  if (store_all(chain).prediction.peak_bytes <= budget_bytes) return OptimalScope::kAll;
+  return resolve_scope(chain.size(), discretize(chain, budget_bytes, memory_slots).M, requested);
+}
+
 int64_t min_feasible_peak_bytes(const Chain& chain) {
   chain.validate();
   MinPeak mp;
@@ -264,20 +300,12 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, Optimal
   const int64_t min_peak = mp.peak_bytes();
   if (budget_bytes < min_peak) throw Error(budget_error(budget_bytes, min_peak));
 
-  // Discretize: unit = g (exact) when the budget spans at most memory_slots of
-  // the sizes' gcd, else a multiple of g; sizes round up, so a schedule the DP
-  // accepts has simulated peak <= budget.
-  const int64_t span = budget_bytes - chain.input_bytes;
-  const int64_t g = std::max<int64_t>(1, gcd_sizes(chain));
-  const int64_t unit = g * std::max<int64_t>(1, (span / g + memory_slots - 1) / memory_slots);
+  const Discrete disc = discretize(chain, budget_bytes, memory_slots);
+  const int64_t unit = disc.unit;
   internal::Slots d;
   d.L = L;
-  d.M = static_cast<int>(span / unit);
-  if (scope == OptimalScope::kAuto) {
-    const bool cheap = internal::FullDp::work(L, d.M) <= kOptimalAutoWork &&
-                       internal::FullDp::table_bytes(L, d.M) <= kOptimalAutoTableBytes;
-    scope = cheap ? OptimalScope::kAll : OptimalScope::kPersistent;
-  }
+  d.M = disc.M;
+  scope = resolve_scope(L, d.M, scope);
   const double table_bytes = scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, d.M)
                                                          : internal::PersistentDp::table_bytes(L, d.M);
   if (table_bytes > static_cast<double>(int64_t{4} << 30))

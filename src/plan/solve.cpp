@@ -57,6 +57,15 @@ OptimalScope parse_optimal_scope(std::string_view text) {
   throw Error("[remat::plan] scope: unknown \"" + std::string(text) + "\"; expected auto, all or persistent.");
 }
 
+const char* optimal_scope_name(OptimalScope scope) {
+  switch (scope) {
+    case OptimalScope::kAuto: return "auto";
+    case OptimalScope::kAll: return "all";
+    case OptimalScope::kPersistent: return "persistent";
+  }
+  return "?";
+}
+
 Plan solve(const Chain& chain, std::string_view spec, int64_t budget_bytes) {
   return solve(chain, parse_algorithm(spec).with_budget_bytes(budget_bytes));
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -128,14 +129,21 @@ TEST(Cli, ScopeChoosesTheSearchedSchedules) {
     {"name": "s4", "forward_ms": 4.55, "backward_ms": 5.80, "output_bytes": 10, "saved_bytes": 20},
     {"name": "s5", "forward_ms": 0.30, "backward_ms": 2.21, "output_bytes": 7, "saved_bytes": 13},
     {"name": "s6", "forward_ms": 2.18, "backward_ms": 3.57, "output_bytes": 6, "saved_bytes": 14}]})";
-  auto time_of = [&](const std::string& scope) {
+  auto plan_of = [&](const std::string& scope) {
     const CliRun r = run("--budget-bytes 53 --json" + scope, chain);
     EXPECT_EQ(r.code, 0) << r.out;
-    return nlohmann::json::parse(r.out)["prediction"]["time_ms"].get<double>();
+    const auto j = nlohmann::json::parse(r.out);
+    return std::make_pair(j["prediction"]["time_ms"].get<double>(), j["scope"].get<std::string>());
   };
-  EXPECT_NEAR(time_of(""), 78.32, 1e-9);
-  EXPECT_NEAR(time_of(" --scope all"), 78.32, 1e-9);
-  EXPECT_NEAR(time_of(" --scope persistent"), 91.94, 1e-9);
+  for (const auto& [flag, ms, scope] : {std::tuple<std::string, double, std::string>{"", 78.32, "all"},
+                                        {" --scope all", 78.32, "all"},
+                                        {" --scope persistent", 91.94, "persistent"}}) {
+    const auto [got_ms, got_scope] = plan_of(flag);
+    EXPECT_NEAR(got_ms, ms, 1e-9) << flag;
+    EXPECT_EQ(got_scope, scope) << flag;
+  }
+  const CliRun table = run("--budget-bytes 53 --scope persistent", chain);
+  EXPECT_NE(table.out.find("scope      persistent schedules\n"), std::string::npos) << table.out;
   const CliRun bad = run("--budget-bytes 53 --scope some", chain);
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.out.find("[remat::plan] scope: unknown \"some\"; expected auto, all or persistent."), std::string::npos)

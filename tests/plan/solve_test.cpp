@@ -339,6 +339,18 @@ TEST(Solve, ScopeReachesOptimal) {
   EXPECT_NEAR(solve_ms(rp::OptimalScope::kAuto), 78.32, 1e-9);
   EXPECT_NEAR(solve_ms(rp::OptimalScope::kAll), 78.32, 1e-9);
   EXPECT_NEAR(solve_ms(rp::OptimalScope::kPersistent), 91.94, 1e-9);
+  EXPECT_EQ(rp::optimal_scope(c, 53), rp::OptimalScope::kAll);
+  EXPECT_EQ(rp::optimal_scope(c, 53, 500, rp::OptimalScope::kPersistent), rp::OptimalScope::kPersistent);
+  EXPECT_STREQ(rp::optimal_scope_name(rp::OptimalScope::kPersistent), "persistent");
+  // kAuto's switch: about L^4 M / 24 cell updates, at most 1e9 (L = 83 at 500 slots).
+  std::mt19937 rng(5);
+  const rp::Chain c83 = random_chain(rng, 83, 1, 1 << 30, false), c84 = random_chain(rng, 84, 1, 1 << 30, false);
+  auto mid = [](const rp::Chain& x) {
+    return (rp::min_feasible_peak_bytes(x) + rp::store_all(x).prediction.peak_bytes) / 2;
+  };
+  EXPECT_EQ(rp::optimal_scope(c83, mid(c83)), rp::OptimalScope::kAll);
+  EXPECT_EQ(rp::optimal_scope(c84, mid(c84)), rp::OptimalScope::kPersistent);
+  EXPECT_EQ(rp::optimal_scope(c84, rp::store_all(c84).prediction.peak_bytes), rp::OptimalScope::kAll);
   const auto front = rp::pareto(c, 40, 500, rp::OptimalScope::kPersistent);
   const auto front_all = rp::pareto(c, 40);
   // Over all schedules the frontier is nowhere worse, and better somewhere.

@@ -34,9 +34,10 @@ json prediction_json(const rp::Prediction& p) {
           {"forwards_per_stage", p.forwards_per_stage}};
 }
 
-void print_table(const rp::Chain& chain, const rp::Plan& plan, int64_t budget_bytes) {
+void print_table(const rp::Chain& chain, const rp::Plan& plan, int64_t budget_bytes, const char* scope) {
   const rp::Prediction& p = plan.prediction;
   std::printf("algorithm  %s\n", plan.algorithm.c_str());
+  if (scope) std::printf("scope      %s schedules\n", scope);
   if (budget_bytes >= 0)
     std::printf("budget     %s (%lld bytes)\n", rp::format_bytes(budget_bytes).c_str(),
                 static_cast<long long>(budget_bytes));
@@ -67,7 +68,8 @@ int main(int argc, char** argv) {
       "saved_bytes includes the stage's output and excludes its input (see docs/planner.md).\n\n"
       "Output: the prediction (peak_bytes, time_ms, forward_executions, forwards_per_stage)\n"
       "and the schedule (ops forward, forward_save, backward, drop with their stage) as a\n"
-      "table, or with --json as {\"algorithm\", \"budget_bytes\", \"prediction\", \"schedule\"}.\n\n"
+      "table, or with --json as {\"algorithm\", \"budget_bytes\", \"scope\" (optimal: all or persistent\n"
+      "schedules searched), \"prediction\", \"schedule\"}.\n\n"
       "Homogeneous mode: --steps L --slots C plans L unit steps in Revolve's model (C checkpoint\n"
       "slots, the chain input occupying one) and reports forward_executions, which includes\n"
       "the L forwards that precede each step's backward.\n\n"
@@ -187,12 +189,17 @@ int main(int argc, char** argv) {
       return kExitBadInput;
     }
     const rp::Plan plan = rp::solve(chain, options);
+    // Which schedules optimal searched: all, or rotor's persistent class.
+    const char* scope_name = options.algorithm == rp::Algorithm::kOptimal
+                                 ? rp::optimal_scope_name(rp::optimal_scope(chain, budget_bytes, memory_slots, scope))
+                                 : nullptr;
     if (as_json) {
       json j = json::parse(rp::plan_to_json(chain, plan));
       if (budget_bytes >= 0) j["budget_bytes"] = budget_bytes;
+      if (scope_name) j["scope"] = scope_name;
       std::cout << j.dump(2) << "\n";
     } else {
-      print_table(chain, plan, budget_bytes);
+      print_table(chain, plan, budget_bytes, scope_name);
     }
   } catch (const rp::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());

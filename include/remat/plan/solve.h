@@ -62,6 +62,8 @@ inline constexpr double kOptimalAutoTableBytes = 256.0 * (1 << 20);
 
 /** "auto", "all", "persistent" -> OptimalScope; throws Error naming the text. */
 OptimalScope parse_optimal_scope(std::string_view text);
+/** "auto", "all", "persistent". */
+const char* optimal_scope_name(OptimalScope scope);
 
 /** Minimal-time schedule under budget_bytes, multi-level included, by a dynamic
  *  program over memory discretized into memory_slots units (sizes rounded up,
@@ -71,6 +73,12 @@ OptimalScope parse_optimal_scope(std::string_view text);
  *  Throws Error naming the smallest feasible peak if no schedule fits. */
 Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots = 500,
              OptimalScope scope = OptimalScope::kAuto);
+
+/** The class optimal(chain, budget_bytes, memory_slots, requested) searches:
+ *  kAll or kPersistent (kAll when store-all fits, which is then optimal over
+ *  every schedule). */
+OptimalScope optimal_scope(const Chain& chain, int64_t budget_bytes, int memory_slots = 500,
+                           OptimalScope requested = OptimalScope::kAuto);
 
 /** Smallest peak over all valid schedules (exact, no discretization). */
 int64_t min_feasible_peak_bytes(const Chain& chain);
