@@ -114,6 +114,31 @@ TEST(Optimal, EqualsExhaustiveSearchOnSmallChains) {
               compared, below_store_all, beats_persistent, 100 * most);
 }
 
+// The same at L = 8 (the exhaustive search's limit) with a wider size range,
+// where the persistent class loses more often.
+TEST(Optimal, EqualsExhaustiveSearchOnEightStagesWideSizes) {
+  std::mt19937 rng(8);
+  int compared = 0, beats_persistent = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const rp::Chain c = random_chain(rng, 8, 1, 40, trial % 2 == 0);
+    const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
+    const int64_t lo = all.min_peak_bytes(), hi = rp::store_all(c).prediction.peak_bytes;
+    ASSERT_EQ(rp::min_feasible_peak_bytes(c), lo) << "trial " << trial;
+    for (int k = 0; k <= 6; ++k) {
+      const int64_t budget = lo + (hi - lo) * k / 6 + (k == 1 ? 1 : 0);
+      const rp::Plan p = rp::optimal(c, budget);
+      ASSERT_NEAR(p.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
+      EXPECT_LE(p.prediction.peak_bytes, budget);
+      beats_persistent += rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent).prediction.time_ms >
+                          p.prediction.time_ms + 1e-9;
+      ++compared;
+    }
+  }
+  EXPECT_GT(beats_persistent, 0);
+  std::printf("L = 8, sizes 1..40: optimal == exhaustive over all schedules on %d pairs; persistent slower in %d\n",
+              compared, beats_persistent);
+}
+
 // The schedules that need the larger class: on the first chain the search
 // found where the persistent recursion loses, optimal's schedule drops a
 // checkpoint before its backward (a_j dropped while stage j's backward is
