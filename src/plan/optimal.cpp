@@ -29,6 +29,22 @@
 namespace remat::plan {
 namespace internal {
 
+namespace {
+/** Option B's sweep from a_s (held) towards a_{s2}: forward(s..k) keeping
+ *  only the newest value, grad_{t+1} (D units) live. One definition for the
+ *  fill and choice(), so both see the same peak and the same float sums. */
+struct Sweep {
+  const Slots& d;
+  int s, D;
+  int peak = 0;   // units
+  double ms = 0;
+  void step(int k) {
+    peak = std::max(peak, D + (k > s ? d.a[k] : 0) + d.a[k + 1] + d.ft[k]);
+    ms += d.f[k];
+  }
+};
+}  // namespace
+
 double PersistentDp::table_bytes(int L, int M) {
   return static_cast<double>(L) * (L + 1) / 2 * (static_cast<double>(M) + 1) * sizeof(Cost);
 }
@@ -65,18 +81,15 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
       // Option B(s2): checkpoint a_{s2}. From m = sat on, option A already
       // gives the least possible time (each stage forward and backward once).
       const int hi = std::min(M, sat_[r] - 1);
-      int sweep_peak = 0;
-      double sweep_ms = 0;
+      Sweep sweep{d_, s, D};
       for (int s2 = s + 1; s2 <= t; ++s2) {
-        const int k = s2 - 1;
-        sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
-        sweep_ms += f[k];
-        if (sweep_peak > hi) break;
+        sweep.step(s2 - 1);
+        if (sweep.peak > hi) break;
         const size_t rr = row(s2, t), rl = row(s, s2 - 1);
-        const int lo = std::max({sweep_peak, need_[rr] + a[s2], need_[rl]});
+        const int lo = std::max({sweep.peak, need_[rr] + a[s2], need_[rl]});
         const Cost* right = &cost_[rr * width] - a[s2];
         const Cost* left = &cost_[rl * width];
-        min_sum(out, right, left, static_cast<Cost>(sweep_ms), lo, hi);
+        min_sum(out, right, left, static_cast<Cost>(sweep.ms), lo, hi);
       }
       int first = 0;
       while (first <= M && out[first] == kInf) ++first;
@@ -105,15 +118,12 @@ int PersistentDp::choice(int s, int t, int m) const {
   if (m >= std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]) && m - sv[s] >= 0 &&
       static_cast<Cost>(f[s] + b[s]) + cost_[row(s + 1, t) * width + (m - sv[s])] == target)
     return -1;
-  int sweep_peak = 0;
-  double sweep_ms = 0;
+  Sweep sweep{d_, s, D};
   for (int s2 = s + 1; s2 <= t; ++s2) {
-    const int k = s2 - 1;
-    sweep_peak = std::max(sweep_peak, D + (k > s ? a[k] : 0) + a[k + 1] + ft[k]);
-    sweep_ms += f[k];
-    if (sweep_peak > m) break;
+    sweep.step(s2 - 1);
+    if (sweep.peak > m) break;
     if (m - a[s2] < 0) continue;
-    const Cost c = static_cast<Cost>(sweep_ms) + cost_[row(s2, t) * width + (m - a[s2])] + cost_[row(s, s2 - 1) * width + m];
+    const Cost c = static_cast<Cost>(sweep.ms) + cost_[row(s2, t) * width + (m - a[s2])] + cost_[row(s, s2 - 1) * width + m];
     if (c == target) return s2;
   }
   throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
