@@ -239,9 +239,11 @@ std::string budget_error(int64_t budget_bytes, int64_t min_peak) {
          ". Raise memory_budget_bytes or allow offload.";
 }
 
-}  // namespace
-
-namespace {
+void check_memory_slots(int memory_slots) {
+  if (memory_slots < 1 || memory_slots > 1000000)
+    throw Error("[remat::plan] optimal: memory_slots is " + std::to_string(memory_slots) +
+                "; it must be in [1, 1000000].");
+}
 
 struct Discrete {
   int64_t unit;  // bytes per memory slot
@@ -269,9 +271,7 @@ OptimalScope resolve_scope(int L, int M, OptimalScope scope) {
 
 OptimalScope optimal_scope(const Chain& chain, int64_t budget_bytes, int memory_slots, OptimalScope requested) {
   chain.validate();
-  if (memory_slots < 1 || memory_slots > 1000000)
-    throw Error("[remat::plan] optimal: memory_slots is " + std::to_string(memory_slots) +
-                "; it must be in [1, 1000000].");
+  check_memory_slots(memory_slots);
   // Store-all is the least time of any schedule: optimal over all of them.
   if (store_all(chain).prediction.peak_bytes <= budget_bytes) return OptimalScope::kAll;
   return resolve_scope(chain.size(), discretize(chain, budget_bytes, memory_slots).M, requested);
@@ -295,9 +295,7 @@ Plan min_memory(const Chain& chain) {
 
 Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, OptimalScope scope) {
   chain.validate();
-  if (memory_slots < 1 || memory_slots > 1000000)
-    throw Error("[remat::plan] optimal: memory_slots is " + std::to_string(memory_slots) +
-                "; it must be in [1, 1000000].");
+  check_memory_slots(memory_slots);
   const int L = chain.size();
   if (L > 32767) throw Error("[remat::plan] optimal: " + std::to_string(L) + " stages; at most 32767.");
   Plan all = store_all(chain);

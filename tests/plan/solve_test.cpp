@@ -346,6 +346,9 @@ TEST(Optimal, AllSchedulesTableTooLargeNamesTheRemedy) {
   EXPECT_EQ(error_of([&] { rp::parse_optimal_scope("everything"); }),
             "[remat::plan] scope: unknown \"everything\"; expected auto, all or persistent.");
   EXPECT_EQ(rp::parse_optimal_scope("persistent"), rp::OptimalScope::kPersistent);
+  const std::string slots_error = "[remat::plan] optimal: memory_slots is 0; it must be in [1, 1000000].";
+  EXPECT_EQ(error_of([&] { rp::optimal(c, 500, 0); }), slots_error);
+  EXPECT_EQ(error_of([&] { rp::optimal_scope(c, 500, 0); }), slots_error);
 }
 
 // SolveOptions::scope reaches optimal(): the 7-stage chain of docs/planner.md
