@@ -30,3 +30,61 @@ bench: build
 
 clean:
 	rm -rf $(BUILD)
+
+# --- Reliability checks (docs/RELIABILITY.md) --------------------------------
+# test-asan / test-tsan: remat's own targets instrumented (REMAT_SANITIZE, in
+# cmake/sanitize.cmake), LibTorch as shipped. -O1: ASan's recommendation (fast
+# enough, stacks still readable); asserts stay on (no NDEBUG). Examples and
+# benchmarks are not built. SAN_TESTS="remat_plan_tests test_hooks" builds only
+# those test binaries and runs only their tests (ctest labels = binary names);
+# empty: everything.
+SAN_TESTS ?=
+SAN_CONFIGURE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 \
+  -DREMAT_BUILD_EXAMPLES=OFF -DREMAT_BUILD_BENCH=OFF \
+  -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" -DPython3_EXECUTABLE=$(VENV)/bin/python
+san_empty :=
+san_space := $(san_empty) $(san_empty)
+SAN_CTEST_FILTER = $(if $(strip $(SAN_TESTS)),-L '^($(subst $(san_space),|,$(strip $(SAN_TESTS))))$$')
+SUPP = $(CURDIR)/cmake/sanitizers
+# Why each option (they are exported to the build too: gtest_discover_tests
+# runs every test binary once at build time to list its tests):
+#  detect_leaks=1: leaks are findings. LibTorch is not instrumented, but LSan
+#    still sees its allocations; none leaked in our runs, so the suppressions
+#    file (cmake/sanitizers/lsan.supp) is empty: add "leak:libtorch_cpu.so"
+#    lines there, with the report, rather than turning detection off;
+#  halt_on_error=1, abort_on_error=0: the first finding ends the process with
+#    a non-zero status (no core dump), so the test fails; UBSan also needs
+#    -fno-sanitize-recover=all at compile time (cmake/sanitize.cmake);
+#  detect_stack_use_after_return=1: catches a lambda or hook keeping a
+#    reference to a dead stack frame (checkpoint regions capture by reference);
+#  print_stacktrace=1: UBSan prints no stack by default.
+ASAN_ENV = ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:abort_on_error=0:detect_stack_use_after_return=1 \
+  LSAN_OPTIONS=suppressions=$(SUPP)/lsan.supp:print_suppressions=0 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions=$(SUPP)/ubsan.supp
+#  TSan: second_deadlock_stack=1 for lock-order reports; suppressions for races
+#  TSan cannot judge inside the uninstrumented LibTorch (cmake/sanitizers/tsan.supp).
+TSAN_ENV = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(SUPP)/tsan.supp
+# test-tsan runs the thread tests (tests whose name contains Thread).
+TSAN_CTEST_FILTER ?= -R Thread
+
+.PHONY: test-asan test-tsan fuzz format format-fix
+test-asan: setup
+	@$(SAN_CONFIGURE) -B build-asan -DREMAT_SANITIZE=address,undefined >/dev/null
+	@$(ASAN_ENV) cmake --build build-asan -j $(JOBS) $(if $(strip $(SAN_TESTS)),--target $(SAN_TESTS))
+	@cd build-asan && $(ASAN_ENV) ctest --output-on-failure -j $(JOBS) $(SAN_CTEST_FILTER)
+
+test-tsan: setup
+	@$(SAN_CONFIGURE) -B build-tsan -DREMAT_SANITIZE=thread >/dev/null
+	@$(TSAN_ENV) cmake --build build-tsan -j $(JOBS) $(if $(strip $(SAN_TESTS)),--target $(SAN_TESTS))
+	@cd build-tsan && $(TSAN_ENV) ctest --output-on-failure -j $(JOBS) $(TSAN_CTEST_FILTER)
+
+# fuzz: libFuzzer targets of fuzz/ (clang), FUZZ_SECONDS each (scripts/fuzz.sh).
+FUZZ_SECONDS ?= 60
+fuzz:
+	@bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# format: check the tree against .clang-format; format-fix: rewrite it.
+format:
+	@bash scripts/format-check.sh
+format-fix:
+	@bash scripts/format-check.sh --fix
