@@ -168,13 +168,33 @@ TEST(Simulate, LeftoverCheckpointIsAnError) {
             "[remat::plan] invalid schedule at op 8, drop(9): no such value; droppable values are a_1..a_3.");
 }
 
-TEST(Simulate, CheckpointStillLiveAtEnd) {
+// No value can outlive the backward pass, so simulate() has no end-of-schedule
+// leftover check: backward(i) frees a_{i+1} and needs forward_save(i) first,
+// which refuses a live a_{i+1}; nothing of stage i may run after backward(i).
+// So a value made by a plain forward and never dropped fails at that
+// forward_save, and the bytes return to a_0 + grad_0.
+TEST(Simulate, NothingOutlivesTheBackwardPass) {
   rp::Chain c;
   c.input_bytes = 4;
   c.stages = {{"x", 1, 1, 2, 2, 0, 0}, {"y", 1, 1, 3, 3, 0, 0}};
-  // a_1 recomputed by forward(0) for backward(1) is never dropped: caught at the end.
-  EXPECT_EQ(error_of(c, {F(0), D(1), F(0), FS(1), B(1), D(1), FS(0), B(0)}), "(no error)");
+  // a_1 recomputed by forward(0) for backward(1), dropped after it.
+  // F0 4+2 = 6; D1 6 -> 4; F0 6; FS1 6+3 = 9; B1 9 + grad_2 (3) = 12, during
+  // +grad_1 (2) = 14, after 12+2-3-3 = 8; D1 8 -> 6; FS0 6+2 = 8; B0 8+4 = 12,
+  // after 8+4-2-2 = 8 = a_0 + grad_0: nothing else is live.
+  const auto p = rp::simulate(c, rp::Schedule{{F(0), D(1), F(0), FS(1), B(1), D(1), FS(0), B(0)}});
+  EXPECT_EQ(p.op_bytes, (std::vector<int64_t>{6, 6, 6, 9, 14, 8, 8, 12}));
   EXPECT_EQ(error_of(c, {F(0), F(1), D(2), FS(1), B(1), D(1), FS(0), B(0)}), "(no error)");
+  // Without the drop after backward(1), a_1 is still live where forward_save(0) would make it again.
+  EXPECT_EQ(error_of(c, {F(0), D(1), F(0), FS(1), B(1), FS(0), B(0)}),
+            "[remat::plan] invalid schedule at op 5, forward_save(0) (stage \"x\"): its output a_1 is already "
+            "live; drop it first.");
+  // After the last backward nothing is live to drop, and no forward may run.
+  EXPECT_EQ(error_of(c, {F(0), FS(1), B(1), D(1), FS(0), B(0), D(1)}),
+            "[remat::plan] invalid schedule at op 6, drop(1): a_1 is not live.");
+  EXPECT_EQ(error_of(c, {F(0), FS(1), B(1), D(1), FS(0), B(0), D(2)}),
+            "[remat::plan] invalid schedule at op 6, drop(2): a_2 is not live.");
+  EXPECT_EQ(error_of(c, {F(0), FS(1), B(1), D(1), FS(0), B(0), F(0)}),
+            "[remat::plan] invalid schedule at op 6, forward(0) (stage \"x\"): stage 0's backward already ran.");
 }
 
 TEST(Chain, ValidateErrors) {
