@@ -2,6 +2,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "remat/plan/chain.h"
@@ -48,6 +49,23 @@ void Chain::validate() const {
       throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": saved_bytes (" +
                   std::to_string(s.saved_bytes) + ") < output_bytes (" + std::to_string(s.output_bytes) +
                   "); the saved set includes the stage's output.");
+  }
+  // Live bytes in simulate() and the solvers are sums of these fields (at most
+  // about four times their total): bounding the total keeps them in int64_t.
+  constexpr int64_t kMaxTotalBytes = int64_t{1} << 60;
+  int64_t total = 0;
+  auto add = [&](int64_t v) {
+    if (v > kMaxTotalBytes - total)
+      throw Error("[remat::plan] chain: input_bytes and every stage's output, saved and temporary bytes add up to "
+                  "more than 2^60 bytes (1 EiB); the planner's byte counts must fit in 64 bits.");
+    total += v;
+  };
+  add(input_bytes);
+  for (const Stage& s : stages) {
+    add(s.output_bytes);
+    add(s.saved_bytes);
+    add(s.forward_tmp_bytes);
+    add(s.backward_tmp_bytes);
   }
 }
 
@@ -101,7 +119,8 @@ int64_t parse_bytes(std::string_view text) {
     if (num.size() > 18) return fail();
     return std::stoll(num);
   }
-  double v = std::stod(num) * mult;
+  // strtod, not stod: stod throws std::out_of_range past 1.8e308 (400 digits).
+  double v = std::strtod(num.c_str(), nullptr) * mult;
   if (!(v < 9.2e18)) return fail();
   return static_cast<int64_t>(std::floor(v));
 }

@@ -1,6 +1,8 @@
 // JSON reading and writing for chains and plans (nlohmann-json, private to the
 // library). Leaves out the tool's table output (tools/remat-plan).
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -24,12 +26,19 @@ int64_t get_bytes(const json& obj, const std::string& key, const std::string& pa
     if (required) field_error(field, "missing.");
     return 0;
   }
+  // nlohmann stores every non-negative integer as unsigned, and its
+  // is_number_integer() is true for those too: test unsigned first.
+  if (it->is_number_unsigned()) {
+    const uint64_t v = it->get<uint64_t>();
+    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      field_error(field, "too large (" + it->dump() + "); at most 2^63 - 1 bytes.");
+    return static_cast<int64_t>(v);
+  }
   if (it->is_number_integer()) {
     const int64_t v = it->get<int64_t>();
     if (v < 0) field_error(field, "negative (" + std::to_string(v) + "); sizes are bytes >= 0.");
     return v;
   }
-  if (it->is_number_unsigned()) field_error(field, "too large.");
   if (it->is_number_float()) {
     const double v = it->get<double>();
     if (!(v >= 0)) field_error(field, "negative or not a number (" + it->dump() + "); sizes are bytes >= 0.");
@@ -55,7 +64,8 @@ Chain chain_from_json(std::string_view text) {
   json j;
   try {
     j = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number beyond double (1e400).
     throw Error(std::string("[remat::plan] chain JSON: malformed: ") + e.what());
   }
   if (!j.is_object()) throw Error("[remat::plan] chain JSON: expected an object with input_bytes and stages.");
@@ -116,6 +126,11 @@ std::string plan_to_json(const Chain& chain, const Plan& plan, int indent) {
                      {"time_ms", p.time_ms},
                      {"forward_executions", p.forward_executions},
                      {"forwards_per_stage", p.forwards_per_stage}};
+  if (plan.optimality_gap_ms >= 0) {
+    j["lower_bound_ms"] = plan.lower_bound_ms;
+    j["optimality_gap_ms"] = plan.optimality_gap_ms;
+    j["memory_unit_bytes"] = plan.memory_unit_bytes;
+  }
   json ops = json::array();
   for (size_t k = 0; k < plan.schedule.ops.size(); ++k) {
     const Op& op = plan.schedule.ops[k];

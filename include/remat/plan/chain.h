@@ -38,8 +38,9 @@ struct Chain {
   int size() const { return static_cast<int>(stages.size()); }
   /** |a_j| for j in [0, L]: input_bytes for j = 0, else stages[j-1].output_bytes. */
   int64_t value_bytes(int j) const { return j == 0 ? input_bytes : stages[j - 1].output_bytes; }
-  /** Throws Error for an empty chain, a negative or non-finite size or time, or
-   *  saved_bytes < output_bytes; the message names the stage and the field. */
+  /** Throws Error for an empty chain, a negative or non-finite size or time,
+   *  saved_bytes < output_bytes (the message names the stage and the field), or
+   *  sizes adding up to more than 2^60 bytes (so that byte sums fit in 64 bits). */
   void validate() const;
 };
 
