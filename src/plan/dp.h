@@ -45,8 +45,16 @@ class PersistentDp {
   explicit PersistentDp(const Slots& s);
   /** Bytes of the cost table for L stages and M slots. */
   static double table_bytes(int L, int M);
+  /** Cell updates of the fill, about L^3 (M + 1) / 6 (an upper bound). */
+  static double work(int L, int M);
   bool feasible() const;
-  Schedule schedule() const;
+  /** Least m (slots) at which the whole chain is feasible; M + 1 if none. */
+  int need() const { return need_[row(0, d_.L - 1)]; }
+  /** Least time of the whole chain within m <= M slots (kInf below need()). */
+  Cost cost(int m) const { return cost_[row(0, d_.L - 1) * width_ + m]; }
+  /** The schedule reaching cost(m), need() <= m <= M; schedule() is at M. */
+  Schedule schedule(int m) const;
+  Schedule schedule() const { return schedule(d_.M); }
 
  private:
   size_t row(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
@@ -66,7 +74,10 @@ class FullDp {
   /** Cell updates of the fill, about L^4 (M + 1) / 24 (an upper bound). */
   static double work(int L, int M);
   bool feasible() const;
-  Schedule schedule() const;
+  int need() const { return p_need_[prow(0, d_.L - 1)]; }
+  Cost cost(int m) const { return p_[prow(0, d_.L - 1) * width_ + m]; }
+  Schedule schedule(int m) const;
+  Schedule schedule() const { return schedule(d_.M); }
 
  private:
   /** F(c, j, k): P(c, j) seen from a caller counting a_c (k == c), else Q.

@@ -49,6 +49,11 @@ double PersistentDp::table_bytes(int L, int M) {
   return static_cast<double>(L) * (L + 1) / 2 * (static_cast<double>(M) + 1) * sizeof(Cost);
 }
 
+double PersistentDp::work(int L, int M) {
+  const double l = L;
+  return l * l * l / 6 * (static_cast<double>(M) + 1);
+}
+
 PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
   const int L = d_.L, M = d_.M;
   const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bt = d_.bt;
@@ -100,9 +105,9 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
 
 bool PersistentDp::feasible() const { return need_[row(0, d_.L - 1)] <= d_.M; }
 
-Schedule PersistentDp::schedule() const {
+Schedule PersistentDp::schedule(int m) const {
   Schedule s;
-  emit(s.ops, 0, d_.L - 1, d_.M);
+  emit(s.ops, 0, d_.L - 1, m);
   return s;
 }
 
@@ -248,16 +253,40 @@ void check_memory_slots(int memory_slots) {
 struct Discrete {
   int64_t unit;  // bytes per memory slot
   int M;         // slots available besides a_0
+  bool exact;    // unit is the sizes' gcd: every size is a whole number of slots
 };
 
 /** unit = g (exact) when the budget spans at most memory_slots of the sizes'
- *  gcd g, else a multiple of g; sizes round up, so a schedule the DP accepts
- *  has simulated peak <= budget. */
-Discrete discretize(const Chain& chain, int64_t budget_bytes, int memory_slots) {
+ *  gcd g, else the least multiple of g giving at most memory_slots slots. */
+Discrete discretize(const Chain& chain, int64_t budget_bytes, int64_t memory_slots) {
   const int64_t span = std::max<int64_t>(0, budget_bytes - chain.input_bytes);
   const int64_t g = std::max<int64_t>(1, gcd_sizes(chain));
   const int64_t unit = g * std::max<int64_t>(1, (span / g + memory_slots - 1) / memory_slots);
-  return {unit, static_cast<int>(span / unit)};
+  return {unit, static_cast<int>(span / unit), unit == g};
+}
+
+/** The chain in slots of disc.unit, sizes rounded up (every schedule the DP
+ *  accepts fits the budget) or down (every schedule that fits the budget is
+ *  accepted: a sum of floors is at most the floor of the sum). */
+internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up) {
+  internal::Slots d;
+  d.L = chain.size();
+  d.M = disc.M;
+  const int64_t unit = disc.unit;
+  auto slots = [&](int64_t bytes) {
+    const int64_t v = round_up ? (bytes + unit - 1) / unit : bytes / unit;
+    return static_cast<int32_t>(std::min<int64_t>(v, static_cast<int64_t>(d.M) + 1));
+  };
+  d.a.resize(d.L + 1);
+  for (int j = 0; j <= d.L; ++j) d.a[j] = slots(chain.value_bytes(j));
+  for (const Stage& st : chain.stages) {
+    d.sv.push_back(slots(st.saved_bytes));
+    d.ft.push_back(slots(st.forward_tmp_bytes));
+    d.bt.push_back(slots(st.backward_tmp_bytes));
+    d.f.push_back(st.forward_ms);
+    d.b.push_back(st.backward_ms);
+  }
+  return d;
 }
 
 OptimalScope resolve_scope(int L, int M, OptimalScope scope) {
@@ -266,6 +295,111 @@ OptimalScope resolve_scope(int L, int M, OptimalScope scope) {
                      internal::FullDp::table_bytes(L, M) <= kOptimalAutoTableBytes;
   return cheap ? OptimalScope::kAll : OptimalScope::kPersistent;
 }
+
+double dp_work(OptimalScope scope, int L, double M) {
+  const int m = static_cast<int>(std::min(M, 2e9));
+  return scope == OptimalScope::kAll ? internal::FullDp::work(L, m) : internal::PersistentDp::work(L, m);
+}
+
+double dp_table_bytes(OptimalScope scope, int L, double M) {
+  const int m = static_cast<int>(std::min(M, 2e9));
+  return scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, m)
+                                     : internal::PersistentDp::table_bytes(L, m);
+}
+
+/** Rounded-down schedules optimal() reconstructs (at M, M - 1, ...) and
+ *  simulates, looking for one that fits in bytes. */
+constexpr int kLowerTries = 64;
+
+/** NOTE [Discretization and its bound]
+ *  optimal()'s search below the store-all peak, in one scope (one DP class).
+ *  best: the fastest schedule seen that fits the budget in bytes (first the
+ *  exact min-peak one, which is persistent, so in both classes). lower: a
+ *  lower bound on the time of every schedule of the class that fits: the
+ *  store-all time at first, then the optimum of a DP over sizes rounded DOWN
+ *  (each op's live bytes, <= budget - |a_0|, floor to at most M slots, so it
+ *  accepts every schedule that fits), or the exact DP's optimum. A pass over
+ *  sizes rounded UP returns a schedule that fits. The gap best - lower bounds
+ *  what the plan can lose to the exact optimum. */
+class Search {
+ public:
+  Search(const Chain& chain, int64_t budget_bytes, OptimalScope scope, Plan fallback, double lower_ms)
+      : chain_(chain), budget_(budget_bytes), scope_(scope), best_(std::move(fallback)), lower_(lower_ms) {}
+
+  double work() const { return work_; }
+  bool done() const {
+    return best_.prediction.time_ms - lower_ <= kOptimalGapTarget * lower_;
+  }
+
+  /** Sizes rounded up (exact when disc.exact): its schedule fits. */
+  void fitting_pass(const Discrete& disc) {
+    const internal::Slots d = to_slots(chain_, disc, true);
+    account(disc);
+    with_dp(d, [&](const auto& dp) {
+      if (!dp.feasible()) return;
+      Plan p = internal::make_plan(chain_, "optimal", dp.schedule());
+      if (disc.exact) lower_ = std::max(lower_, p.prediction.time_ms);
+      consider(std::move(p));
+    });
+  }
+
+  /** Sizes rounded down: its optimum is a lower bound; its schedules at M,
+   *  M - 1, ... may fit in bytes (the first that does is the fastest of them). */
+  void lower_pass(const Discrete& disc) {
+    const internal::Slots d = to_slots(chain_, disc, false);
+    account(disc);
+    with_dp(d, [&](const auto& dp) {
+      if (!dp.feasible()) return;  // not expected: the min-peak schedule fits
+      Plan top = internal::make_plan(chain_, "optimal", dp.schedule(d.M));
+      lower_ = std::max(lower_, top.prediction.time_ms);
+      Schedule last;
+      for (int m = d.M, tries = 0; m >= dp.need() && tries < kLowerTries; --m) {
+        if (static_cast<double>(dp.cost(m)) >= best_.prediction.time_ms) break;
+        Schedule s = m == d.M ? top.schedule : dp.schedule(m);
+        if (m < d.M && s == last) continue;  // same schedule, same peak
+        ++tries;
+        Plan p = m == d.M ? std::move(top) : internal::make_plan(chain_, "optimal", s);
+        if (p.prediction.peak_bytes <= budget_) {
+          consider(std::move(p));
+          break;
+        }
+        last = std::move(s);
+      }
+    });
+  }
+
+  Plan finish() && {
+    Plan p = std::move(best_);
+    p.lower_bound_ms = std::min(lower_, p.prediction.time_ms);
+    p.optimality_gap_ms = p.prediction.time_ms - p.lower_bound_ms;
+    p.memory_unit_bytes = unit_;
+    return p;
+  }
+
+ private:
+  template <class Fn>
+  void with_dp(const internal::Slots& d, Fn&& fn) {
+    if (scope_ == OptimalScope::kAll)
+      fn(internal::FullDp(d));
+    else
+      fn(internal::PersistentDp(d));
+  }
+  void account(const Discrete& disc) {
+    work_ += dp_work(scope_, chain_.size(), disc.M);
+    unit_ = unit_ == 0 ? disc.unit : std::min(unit_, disc.unit);
+  }
+  void consider(Plan p) {
+    if (p.prediction.peak_bytes <= budget_ && p.prediction.time_ms <= best_.prediction.time_ms) best_ = std::move(p);
+  }
+
+  const Chain& chain_;
+  int64_t budget_;
+  OptimalScope scope_;
+  Plan best_;
+  double lower_;
+  double work_ = 0;
+  int64_t unit_ = 0;
+};
 
 }  // namespace
 
@@ -301,6 +435,8 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, Optimal
   Plan all = store_all(chain);
   if (all.prediction.peak_bytes <= budget_bytes) {
     all.algorithm = "optimal";
+    all.lower_bound_ms = all.prediction.time_ms;  // each stage forward and backward once: the least
+    all.optimality_gap_ms = 0;
     return all;
   }
   MinPeak mp;
@@ -308,45 +444,54 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, Optimal
   const int64_t min_peak = mp.peak_bytes();
   if (budget_bytes < min_peak) throw Error(budget_error(budget_bytes, min_peak));
 
-  const Discrete disc = discretize(chain, budget_bytes, memory_slots);
-  const int64_t unit = disc.unit;
-  internal::Slots d;
-  d.L = L;
-  d.M = disc.M;
-  scope = resolve_scope(L, d.M, scope);
-  const double table_bytes = scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, d.M)
-                                                         : internal::PersistentDp::table_bytes(L, d.M);
-  if (table_bytes > static_cast<double>(int64_t{4} << 30))
+  const Discrete first = discretize(chain, budget_bytes, memory_slots);
+  scope = resolve_scope(L, first.M, scope);
+  const double first_table = dp_table_bytes(scope, L, first.M);
+  if (first_table > static_cast<double>(int64_t{4} << 30))
     throw Error("[remat::plan] optimal: the DP tables for " + std::to_string(L) + " stages and " +
-                std::to_string(d.M) + " memory slots need " + format_bytes(static_cast<int64_t>(table_bytes)) +
+                std::to_string(first.M) + " memory slots need " + format_bytes(static_cast<int64_t>(first_table)) +
                 "; lower memory_slots" + (scope == OptimalScope::kAll ? " or use OptimalScope::kPersistent." : "."));
-  auto slots = [&](int64_t bytes) {
-    const int64_t v = (bytes + unit - 1) / unit;
-    return static_cast<int32_t>(std::min<int64_t>(v, static_cast<int64_t>(d.M) + 1));
-  };
-  d.a.resize(L + 1);
-  for (int j = 0; j <= L; ++j) d.a[j] = slots(chain.value_bytes(j));
-  for (const Stage& st : chain.stages) {
-    d.sv.push_back(slots(st.saved_bytes));
-    d.ft.push_back(slots(st.forward_tmp_bytes));
-    d.bt.push_back(slots(st.backward_tmp_bytes));
-    d.f.push_back(st.forward_ms);
-    d.b.push_back(st.backward_ms);
-  }
 
   Schedule fallback;
   mp.emit(fallback.ops, 0, L - 1);
-  Plan best = internal::make_plan(chain, "optimal", std::move(fallback));
-  auto consider = [&](const auto& dp) {
-    if (!dp.feasible()) return;
-    Plan p = internal::make_plan(chain, "optimal", dp.schedule());
-    if (p.prediction.time_ms <= best.prediction.time_ms) best = std::move(p);
+  Search search(chain, budget_bytes, scope, internal::make_plan(chain, "optimal", std::move(fallback)),
+                all.prediction.time_ms);
+  // Refinement (NOTE [Discretization and its bound]): the gcd unit when it
+  // costs one pass within the work bound, else twice the slots, while the
+  // gap exceeds kOptimalGapTarget and the next passes stay within
+  // kOptimalRefineWork (the first discretization always runs).
+  const double cap = std::max(kOptimalRefineWork, 2 * dp_work(scope, L, first.M));
+  const double table_cap = std::max(first_table, kOptimalAutoTableBytes);
+  const int64_t g = std::max<int64_t>(1, gcd_sizes(chain));
+  const int64_t exact_slots = std::max<int64_t>(1, (budget_bytes - chain.input_bytes) / g);
+  auto affordable = [&](double M, int passes, double budget_work) {
+    return M <= 1e6 && search.work() + passes * dp_work(scope, L, M) <= budget_work &&
+           dp_table_bytes(scope, L, M) <= table_cap;
   };
-  if (scope == OptimalScope::kAll)
-    consider(internal::FullDp(d));
-  else
-    consider(internal::PersistentDp(d));
-  return best;
+  Discrete disc = first;
+  // Exact at once when that costs no more than the rounded pair.
+  if (!disc.exact && affordable(static_cast<double>(exact_slots), 1, 2 * dp_work(scope, L, first.M)))
+    disc = discretize(chain, budget_bytes, exact_slots);
+  int64_t slots = memory_slots;
+  while (true) {
+    if (disc.exact) {
+      search.fitting_pass(disc);
+      break;
+    }
+    search.lower_pass(disc);
+    if (search.done()) break;
+    search.fitting_pass(disc);
+    if (search.done()) break;
+    if (affordable(static_cast<double>(exact_slots), 1, cap)) {
+      disc = discretize(chain, budget_bytes, exact_slots);
+      continue;
+    }
+    slots *= 2;
+    const Discrete next = discretize(chain, budget_bytes, slots);
+    if (next.M <= disc.M || !affordable(next.M, 2, cap)) break;
+    disc = next;
+  }
+  return std::move(search).finish();
 }
 
 }  // namespace remat::plan

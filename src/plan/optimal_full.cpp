@@ -212,9 +212,9 @@ void FullDp::fill_q(int c, int j, int k) {
 
 bool FullDp::feasible() const { return p_need_[prow(0, d_.L - 1)] <= d_.M; }
 
-Schedule FullDp::schedule() const {
+Schedule FullDp::schedule(int m) const {
   Schedule s;
-  emit_p(s.ops, 0, d_.L - 1, d_.M);
+  emit_p(s.ops, 0, d_.L - 1, m);
   return s;
 }
 

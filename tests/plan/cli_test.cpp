@@ -55,6 +55,12 @@ TEST(Cli, PlansFromStdinAsJson) {
   for (const char* key : {"peak_bytes", "time_ms", "forward_executions", "forwards_per_stage"})
     EXPECT_TRUE(j["prediction"].contains(key)) << key;
   EXPECT_LE(j["prediction"]["peak_bytes"].get<int64_t>(), 20971520);
+  // The bound on the gap to the exact optimum: 500 slots of 40 KiB (sizes are
+  // multiples of 4 KiB), and the schedule of the sizes rounded down fits, so
+  // it is optimal: 0.
+  EXPECT_EQ(j["optimality_gap_ms"], 0.0);
+  EXPECT_EQ(j["lower_bound_ms"], j["prediction"]["time_ms"]);
+  EXPECT_EQ(j["memory_unit_bytes"], 40960);
   EXPECT_EQ(j["prediction"]["forwards_per_stage"].size(), 5u);
   ASSERT_FALSE(j["schedule"].empty());
   for (const auto& op : j["schedule"]) {
@@ -72,7 +78,20 @@ TEST(Cli, FileTableAndAlgorithms) {
     EXPECT_EQ(r.code, 0) << alg << r.out;
     EXPECT_NE(r.out.find("forward_save"), std::string::npos) << alg;
     EXPECT_NE(r.out.find("peak"), std::string::npos) << alg;
+    EXPECT_EQ(r.out.find("gap "), std::string::npos) << alg;  // only optimal has a bound
+    const CliRun js = run(path + " --json --algorithm " + alg);
+    EXPECT_FALSE(nlohmann::json::parse(js.out).contains("optimality_gap_ms")) << alg;
   }
+  // A first discretization of 3 slots: the bound is still consistent.
+  const CliRun o = run(path + " --json --budget-bytes 19MiB --memory-slots 3");
+  ASSERT_EQ(o.code, 0) << o.out;
+  const auto oj = nlohmann::json::parse(o.out);
+  EXPECT_GE(oj["optimality_gap_ms"].get<double>(), 0);
+  EXPECT_NEAR(oj["lower_bound_ms"].get<double>() + oj["optimality_gap_ms"].get<double>(),
+              oj["prediction"]["time_ms"].get<double>(), 1e-9);
+  const CliRun t = run(path + " --budget-bytes 20MiB");
+  EXPECT_NE(t.out.find("\ngap        <= 0.000 ms (0.00%) from the exact optimum; lower bound "), std::string::npos)
+      << t.out;
   EXPECT_EQ(run(path + " --algorithm greedy --budget-bytes 1.5GB").code, 0);
   const CliRun p = run(path + " --pareto --json");
   ASSERT_EQ(p.code, 0) << p.out;

@@ -99,6 +99,9 @@ TEST(Optimal, EqualsExhaustiveSearchOnSmallChains) {
           << "trial " << trial << " L " << L << " budget " << budget;
       EXPECT_LE(p.prediction.peak_bytes, budget);
       EXPECT_LE(p_rotor.prediction.peak_bytes, budget);
+      // Exact units (gcd 1, span within 500 slots): proven optimal.
+      EXPECT_EQ(p.optimality_gap_ms, 0) << "trial " << trial;
+      EXPECT_EQ(p.memory_unit_bytes, budget < all_peak ? 1 : 0) << "trial " << trial;  // 0: store-all, no DP
       if (p_rotor.prediction.time_ms > best + 1e-9) {
         ++beats_persistent;
         most = std::max(most, p_rotor.prediction.time_ms / best - 1);
@@ -280,14 +283,91 @@ TEST(Optimal, BudgetTooSmallNamesTheSmallestFeasiblePeak) {
             "(1879048192 bytes). Raise memory_budget_bytes or allow offload.");
 }
 
-TEST(Optimal, DiscretizationFallsBackToAFeasibleSchedule) {
-  // Coarse discretization (2 slots) rejects what exact bytes allow; the budget
-  // is still met because optimal() falls back to the exact min-peak schedule.
+TEST(Optimal, CoarseDiscretizationIsRefined) {
+  // 2 slots reject what exact bytes allow (it used to return the min-peak
+  // schedule); optimal() refines the slots instead: the budget is met, and
+  // the plan is no slower than the min-peak schedule and reports its bound.
   std::mt19937 rng(3);
   const rp::Chain c = random_chain(rng, 12, 1, 1000003, true);
   const int64_t min_peak = rp::min_feasible_peak_bytes(c);
   const rp::Plan p = rp::optimal(c, min_peak, 2);
   EXPECT_EQ(p.prediction.peak_bytes, min_peak);
+  EXPECT_LE(p.prediction.time_ms, rp::min_memory(c).prediction.time_ms);
+  EXPECT_LT(p.memory_unit_bytes, (min_peak - c.input_bytes) / 2);  // finer than 2 slots
+  EXPECT_GE(p.optimality_gap_ms, 0);
+  EXPECT_NEAR(p.lower_bound_ms + p.optimality_gap_ms, p.prediction.time_ms, 1e-9);
+  const rp::Plan q = rp::optimal(c, (min_peak + rp::store_all(c).prediction.peak_bytes) / 2, 2);
+  EXPECT_LE(q.relative_gap(), rp::kOptimalGapTarget);
+}
+
+// Issue #17: at 500 slots the rounded DP rejected budgets just above the
+// smallest feasible peak and optimal() fell back to the min-peak schedule, up
+// to 48% slower than the exact optimum on this 24-stage chain (525 bytes:
+// 423.75 ms against 286.50 ms). Now within 1% of the exact DP (here equal).
+TEST(Optimal, NoFallbackLossNearTheSmallestPeak) {
+  std::mt19937 rng(95);
+  const rp::Chain c = random_chain(rng, 24, 1, 100, true);
+  const int64_t lo = rp::min_feasible_peak_bytes(c);
+  ASSERT_EQ(lo, 525);
+  EXPECT_NEAR(rp::min_memory(c).prediction.time_ms, 423.75, 1e-9);  // the old fallback
+  for (int64_t budget = lo; budget <= lo + 3; ++budget) {
+    const rp::Plan p = rp::optimal(c, budget);
+    const rp::Plan exact = rp::optimal(c, budget, 1000000, rp::OptimalScope::kAll);
+    EXPECT_EQ(exact.memory_unit_bytes, 1);
+    EXPECT_EQ(exact.optimality_gap_ms, 0);
+    EXPECT_LE(p.prediction.peak_bytes, budget);
+    EXPECT_LE(p.prediction.time_ms, exact.prediction.time_ms * 1.01) << "budget " << budget;
+    if (budget == lo) EXPECT_NEAR(exact.prediction.time_ms, 286.50, 1e-9);
+  }
+}
+
+// The default optimal() against the exact optimum (the same DP at the sizes'
+// gcd, 1 byte) on random chains of up to 30 stages, budgets from the smallest
+// feasible peak up: within 1%, or the reported bound covers the difference;
+// and the lower bound never exceeds the exact optimum (for both scopes).
+// Sizes up to 1000 bytes leave some budgets where refinement stops short of
+// exact units, so the rounded-down bound is exercised.
+TEST(Optimal, DefaultWithinOnePercentOfExactOrBounded) {
+  std::mt19937 rng(17);
+  int cases = 0, over_1pct = 0, bounded = 0;
+  double worst = 0, widest = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int L = 2 + (trial * 11) % 29;
+    const int max_units = std::vector<int>{12, 40, 100, 1000}[trial % 4];
+    const rp::Chain c = random_chain(rng, L, 1, max_units, trial % 3 != 0);
+    const int64_t lo = rp::min_feasible_peak_bytes(c), hi = rp::store_all(c).prediction.peak_bytes;
+    std::vector<int64_t> budgets{lo, lo + 1, lo + 3};
+    for (int k = 1; k < 8; ++k) budgets.push_back(lo + (hi - lo) * k / 8);
+    for (const int64_t budget : budgets) {
+      if (budget >= hi) continue;
+      const rp::Plan p = rp::optimal(c, budget);
+      const rp::Plan exact = rp::optimal(c, budget, 1000000, rp::OptimalScope::kAll);
+      ASSERT_EQ(exact.memory_unit_bytes, 1);
+      EXPECT_LE(p.prediction.peak_bytes, budget);
+      EXPECT_LE(p.lower_bound_ms, exact.prediction.time_ms * (1 + 1e-6)) << "trial " << trial << " budget " << budget;
+      EXPECT_NEAR(p.lower_bound_ms + p.optimality_gap_ms, p.prediction.time_ms, 1e-9);
+      const double loss = p.prediction.time_ms / exact.prediction.time_ms - 1;
+      EXPECT_TRUE(loss <= 0.01 || p.prediction.time_ms - exact.prediction.time_ms <=
+                                      p.optimality_gap_ms + 1e-6 * exact.prediction.time_ms)
+          << "trial " << trial << " budget " << budget << " loss " << loss;
+      over_1pct += loss > 0.01;
+      worst = std::max(worst, loss);
+      bounded += p.optimality_gap_ms > 0;
+      widest = std::max(widest, p.relative_gap());
+      if (trial % 4 == 3 && budget == budgets[1]) {
+        // The persistent class's bound holds against its own exact optimum.
+        const rp::Plan q = rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent);
+        const rp::Plan q_exact = rp::optimal(c, budget, 1000000, rp::OptimalScope::kPersistent);
+        EXPECT_LE(q.lower_bound_ms, q_exact.prediction.time_ms * (1 + 1e-6)) << "trial " << trial;
+        EXPECT_LE(q.prediction.peak_bytes, budget);
+      }
+      ++cases;
+    }
+  }
+  EXPECT_GT(bounded, 0);  // the sample reaches the rounded (non-exact) path
+  std::printf("default optimal vs exact on %d (chain, budget) pairs: worst loss %.3f%%, %d over 1%%; "
+              "nonzero bound in %d (widest %.3f%%)\n",
+              cases, 100 * worst, over_1pct, bounded, 100 * widest);
 }
 
 TEST(Homogeneous, RevolveAndOptimalMatchGriewankWalther) {
@@ -312,12 +392,37 @@ TEST(Solve, DispatchesByName) {
   rp::Chain c;
   c.input_bytes = 4;
   for (int i = 0; i < 9; ++i) c.stages.push_back({"x" + std::to_string(i), 1, 1, 4, 12, 0, 0});
-  EXPECT_EQ(rp::solve(c, "store-all").algorithm, "store-all");
-  EXPECT_EQ(rp::solve(c, "uniform:3").algorithm, "uniform:3");
-  EXPECT_EQ(rp::solve(c, "revolve:2").algorithm, "revolve:2");
-  EXPECT_EQ(rp::solve(c, "sqrt").algorithm, "sqrt");
-  EXPECT_EQ(rp::solve(c, "optimal", 80).algorithm, "optimal");
-  EXPECT_EQ(rp::solve(c, "greedy", 200).algorithm, "greedy");
+  // solve() ran the named algorithm with its parameter: the same schedule and
+  // prediction as the direct call, and those differ between the algorithms
+  // (and parameters) on this chain, so a wrong dispatch cannot pass.
+  const std::vector<std::pair<std::string, rp::Plan>> direct{
+      {"store-all", rp::store_all(c)},   {"uniform", rp::uniform(c, 4)},
+      {"uniform:3", rp::uniform(c, 3)},  {"revolve", rp::revolve(c, 4)},
+      {"revolve:2", rp::revolve(c, 2)},  {"sqrt", rp::sqrt_schedule(c)},
+      {"optimal", rp::optimal(c, 90)},   {"greedy", rp::greedy(c, 80)}};
+  for (size_t k = 0; k < direct.size(); ++k) {
+    const auto& [spec, want] = direct[k];
+    const int64_t budget = spec == "optimal" ? 90 : spec == "greedy" ? 80 : -1;
+    const rp::Plan got = rp::solve(c, spec, budget);
+    EXPECT_EQ(got.algorithm, want.algorithm) << spec;
+    EXPECT_EQ(got.schedule, want.schedule) << spec;
+    EXPECT_EQ(got.prediction.peak_bytes, want.prediction.peak_bytes) << spec;
+    EXPECT_EQ(got.prediction.time_ms, want.prediction.time_ms) << spec;
+    EXPECT_EQ(got.prediction.forwards_per_stage, want.prediction.forwards_per_stage) << spec;
+    for (size_t o = 0; o < k; ++o)
+      if (spec != "sqrt" || direct[o].first != "uniform:3")  // round(sqrt(9)) = 3 segments
+        EXPECT_NE(want.schedule, direct[o].second.schedule) << spec << " vs " << direct[o].first;
+  }
+  EXPECT_EQ(rp::solve(c, "sqrt").schedule, rp::uniform(c, 3).schedule);
+  // Options reach the algorithm too: optimal's budget, revolve's slots.
+  const rp::Plan tight = rp::solve(c, rp::SolveOptions(rp::Algorithm::kOptimal).with_budget_bytes(60));
+  EXPECT_EQ(tight.schedule, rp::optimal(c, 60).schedule);
+  EXPECT_NE(tight.schedule, rp::optimal(c, 90).schedule);
+  EXPECT_EQ(rp::solve(c, rp::SolveOptions(rp::Algorithm::kRevolve).with_param(3)).schedule, rp::revolve(c, 3).schedule);
+  // Only optimal reports a bound on its gap to the exact optimum.
+  EXPECT_EQ(rp::solve(c, "optimal", 80).optimality_gap_ms, 0);
+  EXPECT_EQ(rp::solve(c, "uniform:3").optimality_gap_ms, -1);
+  EXPECT_EQ(rp::solve(c, "uniform:3").relative_gap(), -1);
   EXPECT_EQ(error_of([&] { rp::solve(c, "optimal"); }),
             "[remat::plan] optimal: needs a memory budget; set budget_bytes.");
   EXPECT_EQ(error_of([&] { rp::solve(c, "magic"); }),

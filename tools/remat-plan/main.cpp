@@ -44,6 +44,10 @@ void print_table(const rp::Chain& chain, const rp::Plan& plan, int64_t budget_by
   std::printf("peak       %s (%lld bytes)\n", rp::format_bytes(p.peak_bytes).c_str(),
               static_cast<long long>(p.peak_bytes));
   std::printf("time       %.3f ms\n", p.time_ms);
+  if (plan.optimality_gap_ms >= 0)
+    std::printf("gap        <= %.3f ms (%.2f%%) from the exact optimum; lower bound %.3f ms; unit %lld bytes\n",
+                plan.optimality_gap_ms, 100 * plan.relative_gap(), plan.lower_bound_ms,
+                static_cast<long long>(plan.memory_unit_bytes));
   std::printf("forwards   %lld (per stage:", static_cast<long long>(p.forward_executions));
   for (int f : p.forwards_per_stage) std::printf(" %d", f);
   std::printf(")\n\n%5s  %-13s %5s  %-16s %14s\n", "#", "op", "stage", "name", "live bytes");
@@ -69,7 +73,9 @@ int main(int argc, char** argv) {
       "Output: the prediction (peak_bytes, time_ms, forward_executions, forwards_per_stage)\n"
       "and the schedule (ops forward, forward_save, backward, drop with their stage) as a\n"
       "table, or with --json as {\"algorithm\", \"budget_bytes\", \"scope\" (optimal: all or persistent\n"
-      "schedules searched), \"prediction\", \"schedule\"}.\n\n"
+      "schedules searched), \"prediction\", \"schedule\"}; for optimal also \"lower_bound_ms\",\n"
+      "\"optimality_gap_ms\" (the most the plan can be slower than the exact optimum of its scope)\n"
+      "and \"memory_unit_bytes\" (bytes per slot of the DP's finest discretization).\n\n"
       "Homogeneous mode: --steps L --slots C plans L unit steps in Revolve's model (C checkpoint\n"
       "slots, the chain input occupying one) and reports forward_executions, which includes\n"
       "the L forwards that precede each step's backward.\n\n"
@@ -92,7 +98,8 @@ int main(int argc, char** argv) {
                "print the time/peak frontier of optimal over budgets from the smallest feasible peak to the "
                "store-all peak");
   app.add_option("--points", points, "budgets tried by --pareto (default 24)")->check(CLI::Range(2, 10000));
-  app.add_option("--memory-slots", memory_slots, "discretization of optimal's DP (default 500)")
+  app.add_option("--memory-slots", memory_slots,
+                 "optimal's first discretization (default 500); refined while the gap bound is large")
       ->check(CLI::Range(1, 1000000));
   app.add_option("--scope", scope_text,
                  "schedules optimal searches: all (exact over every schedule; O(L^4 M)), persistent "

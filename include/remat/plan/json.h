@@ -22,7 +22,8 @@ std::string chain_to_json(const Chain& chain, int indent = 2);
 
 /** {"algorithm", "prediction": {"peak_bytes", "time_ms", "forward_executions",
  *  "forwards_per_stage"}, "schedule": [{"op": "forward_save", "stage": 0,
- *  "bytes": live bytes during the op}, ...]}. */
+ *  "bytes": live bytes during the op}, ...]}; for optimal also
+ *  "lower_bound_ms", "optimality_gap_ms" and "memory_unit_bytes" (Plan). */
 std::string plan_to_json(const Chain& chain, const Plan& plan, int indent = 2);
 
 }  // namespace remat::plan

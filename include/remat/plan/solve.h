@@ -19,6 +19,22 @@ struct Plan {
   Schedule schedule;
   /** simulate(chain, schedule). */
   Prediction prediction;
+  /** optimal only (-1 otherwise): a lower bound, ms, on the time of every
+   *  schedule of the class optimal() searched (optimal_scope()) whose peak
+   *  fits the budget. See docs/planner.md, "Discretization and its bound". */
+  double lower_bound_ms = -1;
+  /** optimal only (-1 otherwise): prediction.time_ms - lower_bound_ms, ms:
+   *  the most this schedule can be slower than the exact optimum at the same
+   *  budget (0: optimal, up to the DPs' float sums, ~1e-7 relative). */
+  double optimality_gap_ms = -1;
+  /** optimal only (0 otherwise): bytes per memory slot of the finest
+   *  discretization solved (the sizes' gcd when the DP was exact in bytes). */
+  int64_t memory_unit_bytes = 0;
+  /** optimality_gap_ms / lower_bound_ms (0.01 = 1%); -1 when there is no bound. */
+  double relative_gap() const {
+    if (optimality_gap_ms < 0) return -1;
+    return lower_bound_ms > 0 ? optimality_gap_ms / lower_bound_ms : 0;
+  }
 };
 
 /** Every stage forward_save'd once, then every backward: minimal time, maximal memory. */
@@ -59,6 +75,13 @@ enum class OptimalScope {
 };
 inline constexpr double kOptimalAutoWork = 1e9;
 inline constexpr double kOptimalAutoTableBytes = 256.0 * (1 << 20);
+/** optimal() refines its discretization until the bound on its gap to the
+ *  exact optimum (Plan::optimality_gap_ms) is at most this fraction of the
+ *  lower bound, or until the next refinement would exceed kOptimalRefineWork. */
+inline constexpr double kOptimalGapTarget = 1e-3;
+/** Cell updates (the DPs' work() estimates, summed over every DP solved) past
+ *  which optimal() stops refining; the first discretization always runs. */
+inline constexpr double kOptimalRefineWork = 1e9;
 
 /** "auto", "all", "persistent" -> OptimalScope; throws Error naming the text. */
 OptimalScope parse_optimal_scope(std::string_view text);
@@ -66,11 +89,15 @@ OptimalScope parse_optimal_scope(std::string_view text);
 const char* optimal_scope_name(OptimalScope scope);
 
 /** Minimal-time schedule under budget_bytes, multi-level included, by a dynamic
- *  program over memory discretized into memory_slots units (sizes rounded up,
- *  so the simulated peak is always <= budget_bytes): Beaumont, Eyraud-Dubois,
- *  Herrmann, Joly, Shilova, "Optimal checkpointing for heterogeneous chains"
- *  (rotor), extended to schedules that drop a checkpoint before its backward.
- *  Throws Error naming the smallest feasible peak if no schedule fits. */
+ *  program over memory discretized into at least memory_slots units: Beaumont,
+ *  Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
+ *  heterogeneous chains" (rotor), extended to schedules that drop a checkpoint
+ *  before its backward. Exact in bytes when the sizes' gcd allows it cheaply;
+ *  otherwise sizes are rounded down (a lower bound, Plan::lower_bound_ms) and
+ *  up (a schedule that fits), and the discretization is refined while the gap
+ *  between them exceeds kOptimalGapTarget, within kOptimalRefineWork. The
+ *  simulated peak is always <= budget_bytes. Throws Error naming the smallest
+ *  feasible peak if no schedule fits. */
 Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots = 500,
              OptimalScope scope = OptimalScope::kAuto);
 
@@ -97,7 +124,7 @@ struct SolveOptions {
   int64_t budget_bytes = -1;
   /** Segments for uniform (default 4); slots for revolve (default 4). */
   int param = 0;
-  /** Discretization of optimal's DP (default 500). */
+  /** First discretization of optimal's DP (default 500); optimal() refines it (see optimal()). */
   int memory_slots = 500;
   /** Which schedules optimal searches. */
   OptimalScope scope = OptimalScope::kAuto;
