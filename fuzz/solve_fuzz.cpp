@@ -111,13 +111,12 @@ struct Checker {
       fail(describe(chain, label + ": plan.prediction differs from simulate(): peak " +
                                std::to_string(plan.prediction.peak_bytes) + " vs " + std::to_string(p.peak_bytes)));
     if (budget >= 0 && p.peak_bytes > budget)
-      fail(describe(chain, label + ": peak " + std::to_string(p.peak_bytes) + " exceeds the budget " +
-                               std::to_string(budget)));
+      fail(describe(
+          chain, label + ": peak " + std::to_string(p.peak_bytes) + " exceeds the budget " + std::to_string(budget)));
     if (p.peak_bytes < min_peak)
       fail(describe(chain, label + ": peak " + std::to_string(p.peak_bytes) + " below min_feasible_peak_bytes " +
                                std::to_string(min_peak)));
-    if (!le_time(all.prediction.time_ms, p.time_ms))
-      fail(describe(chain, label + ": faster than store-all"));
+    if (!le_time(all.prediction.time_ms, p.time_ms)) fail(describe(chain, label + ": faster than store-all"));
     return p;
   }
 };
@@ -201,9 +200,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     int64_t plan_budget = -1;
     try {
       switch (in.ConsumeIntegralInRange<int>(0, 5)) {
-        case 0: label = "uniform:" + std::to_string(param); plan = rp::uniform(chain, param); break;
-        case 1: label = "sqrt"; plan = rp::sqrt_schedule(chain); break;
-        case 2: label = "revolve:" + std::to_string(param); plan = rp::revolve(chain, param); break;
+        case 0:
+          label = "uniform:" + std::to_string(param);
+          plan = rp::uniform(chain, param);
+          break;
+        case 1:
+          label = "sqrt";
+          plan = rp::sqrt_schedule(chain);
+          break;
+        case 2:
+          label = "revolve:" + std::to_string(param);
+          plan = rp::revolve(chain, param);
+          break;
         case 3:
           label = "greedy(" + std::to_string(budget) + ")";
           plan_budget = budget;
@@ -222,8 +230,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
         default: {
           label = "pareto";
-          for (const rp::ParetoPoint& pt : rp::pareto(chain, in.ConsumeIntegralInRange<int>(1, 4),
-                                                      in.ConsumeIntegralInRange<int>(1, 64))) {
+          for (const rp::ParetoPoint& pt :
+               rp::pareto(chain, in.ConsumeIntegralInRange<int>(1, 4), in.ConsumeIntegralInRange<int>(1, 64))) {
             checker.check(pt.plan, "pareto point " + std::to_string(pt.budget_bytes), pt.budget_bytes);
           }
           continue;

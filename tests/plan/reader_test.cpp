@@ -22,8 +22,7 @@ std::string error_of(const std::string& json) {
 
 std::string one_stage(const std::string& input_bytes, const std::string& saved_bytes = "1") {
   return R"({"input_bytes": )" + input_bytes +
-         R"(, "stages": [{"forward_ms": 1, "backward_ms": 1, "output_bytes": 1, "saved_bytes": )" + saved_bytes +
-         "}]}";
+         R"(, "stages": [{"forward_ms": 1, "backward_ms": 1, "output_bytes": 1, "saved_bytes": )" + saved_bytes + "}]}";
 }
 
 }  // namespace
@@ -40,8 +39,7 @@ TEST(Reader, NumberBeyondDoubleIsAnError) {
 TEST(Reader, IntegerAboveInt64IsTooLargeNotNegative) {
   EXPECT_EQ(error_of(one_stage("18446744073709551615")),
             "[remat::plan] chain JSON: input_bytes: too large (18446744073709551615); at most 2^63 - 1 bytes.");
-  EXPECT_EQ(error_of(one_stage("-1")),
-            "[remat::plan] chain JSON: input_bytes: negative (-1); sizes are bytes >= 0.");
+  EXPECT_EQ(error_of(one_stage("-1")), "[remat::plan] chain JSON: input_bytes: negative (-1); sizes are bytes >= 0.");
   EXPECT_EQ(rp::chain_from_json(one_stage("1152921504606846973")).input_bytes, 1152921504606846973);  // 2^60 - 3
 }
 
@@ -49,8 +47,9 @@ TEST(Reader, IntegerAboveInt64IsTooLargeNotNegative) {
 // (UBSan: signed integer overflow in simulate.cpp); validate() now refuses them.
 TEST(Reader, SizesWhoseSumOverflowsAreRefused) {
   const std::string e = error_of(one_stage("5000000000000000000", "5000000000000000000"));
-  EXPECT_EQ(e, "[remat::plan] chain: input_bytes and every stage's output, saved and temporary bytes add up to more "
-               "than 2^60 bytes (1 EiB); the planner's byte counts must fit in 64 bits.");
+  EXPECT_EQ(e,
+            "[remat::plan] chain: input_bytes and every stage's output, saved and temporary bytes add up to more "
+            "than 2^60 bytes (1 EiB); the planner's byte counts must fit in 64 bits.");
   rp::Chain c = rp::chain_from_json(one_stage("1"));
   c.stages[0].backward_tmp_bytes = int64_t{1} << 60;
   EXPECT_THROW(c.validate(), rp::Error);
