@@ -65,7 +65,7 @@ Plan revolve(const Chain& chain, int slots);
 enum class OptimalScope {
   /** kAll while its DP stays cheap (at most kOptimalAutoWork cell updates,
    *  about L^4 M / 24, and kOptimalAutoTableBytes of table: up to L = 83 at
-   *  500 slots, at most about 0.3 s here), else kPersistent. */
+   *  500 slots, at most about 0.3 s per DP pass here), else kPersistent. */
   kAuto,
   /** Every schedule of the op model. O(L^4 M) time, O(L^3 M) memory. */
   kAll,
