@@ -8,7 +8,8 @@
 //  - optimal() with a budget >= store-all's peak returns store-all's time;
 //  - exact cases (budget - input_bytes <= memory_slots, so one slot per byte
 //    unit and the DP is exact, scope kAll): optimal() is at least as fast as
-//    every other plan that fits the budget, and kPersistent never faster.
+//    every other plan that fits the budget, and kPersistent never faster (to
+//    the float precision of the DP's costs, kDpRel).
 // Also replays random op sequences: simulate() must accept or throw Error.
 // Leaves out JSON (chain_json_fuzz) and text parsing (parse_fuzz).
 #include <fuzzer/FuzzedDataProvider.h>
@@ -90,7 +91,12 @@ struct Stats {
   }
 } stats;
 
-bool le_time(double a, double b) { return a <= b + 1e-9 * (std::abs(a) + std::abs(b) + 1); }
+bool le_time(double a, double b, double rel = 1e-9) { return a <= b + rel * (std::abs(a) + std::abs(b) + 1); }
+
+/** optimal()'s DP adds times as float (src/plan/dp.h, Cost): ~2L roundings of
+ *  2^-24 relative each, so "at least as fast" holds to about 1e-6 of the total
+ *  at L = 10 (fuzz/FINDINGS.md). A real DP error costs a whole stage time. */
+constexpr double kDpRel = 4e-6;
 
 struct Checker {
   const rp::Chain& chain;
@@ -188,7 +194,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (exact && best_ms[0] >= 0) ++stats.exact;
   if (exact && best_ms[0] < 0 && budget >= min_peak && slots >= 1)
     fail(describe(chain, "exact optimal(kAll) refused a budget >= min_feasible_peak_bytes " + std::to_string(budget)));
-  if (exact && best_ms[0] >= 0 && best_ms[1] >= 0 && !le_time(best_ms[0], best_ms[1]))
+  if (exact && best_ms[0] >= 0 && best_ms[1] >= 0 && !le_time(best_ms[0], best_ms[1], kDpRel))
     fail(describe(chain, "exact optimal: kAll slower than kPersistent, budget " + std::to_string(budget)));
 
   // The other algorithms, by spec (solve's parser included) or directly.
@@ -242,7 +248,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const rp::Prediction p = checker.check(plan, label, plan_budget);
     if (exact && best_ms[0] >= 0 && p.peak_bytes <= budget) ++stats.exact_compared;
-    if (exact && best_ms[0] >= 0 && p.peak_bytes <= budget && !le_time(best_ms[0], p.time_ms))
+    if (exact && best_ms[0] >= 0 && p.peak_bytes <= budget && !le_time(best_ms[0], p.time_ms, kDpRel))
       fail(describe(chain, "exact optimal(kAll, budget " + std::to_string(budget) + ") slower than " + label));
   }
   return 0;
