@@ -241,7 +241,7 @@ std::string budget_error(int64_t budget_bytes, int64_t min_peak) {
     p += " (" + std::to_string(min_peak) + " bytes)";
   }
   return "[remat::plan] no schedule fits in " + b + "; the smallest feasible peak is " + p +
-         ". Raise memory_budget_bytes or allow offload.";
+         ". Raise memory_budget_bytes.";
 }
 
 void check_memory_slots(int memory_slots) {

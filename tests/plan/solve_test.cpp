@@ -276,11 +276,11 @@ TEST(Optimal, BudgetTooSmallNamesTheSmallestFeasiblePeak) {
   EXPECT_EQ(min_peak, int64_t{7} << 28);  // a_0 + a_1 + s_1 + grad_2 + grad_1, or the like: 1.75 GiB
   EXPECT_EQ(error_of([&] { rp::optimal(c, int64_t{3} << 29); }),
             "[remat::plan] no schedule fits in 1.50 GiB; the smallest feasible peak is 1.75 GiB. Raise "
-            "memory_budget_bytes or allow offload.");
+            "memory_budget_bytes.");
   EXPECT_EQ(rp::optimal(c, min_peak).prediction.peak_bytes, min_peak);
   EXPECT_EQ(error_of([&] { rp::optimal(c, min_peak - 1); }),
             "[remat::plan] no schedule fits in 1.75 GiB (1879048191 bytes); the smallest feasible peak is 1.75 GiB "
-            "(1879048192 bytes). Raise memory_budget_bytes or allow offload.");
+            "(1879048192 bytes). Raise memory_budget_bytes.");
 }
 
 TEST(Optimal, CoarseDiscretizationIsRefined) {
