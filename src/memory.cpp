@@ -1,17 +1,31 @@
 // Counting wrapper of LibTorch's CPU allocator (remat::memory).
-// enable_tracking() registers an allocator that forwards to the one it
-// replaces and records each allocation's size under a mutex; the deleter it
-// hands out looks the size up again. Tensors allocated before tracking keep
-// their original deleter and are never counted.
+// NOTE [counting allocator]: installed once, at the highest priority (255, so
+// it takes effect whatever was installed before, and chains to it); checked
+// to be the CPU allocator whenever counting starts. It counts only while
+// asked (enable_tracking() for good, or while a Probe or Timeline lives);
+// otherwise an allocation costs one relaxed atomic load on top of the wrapped
+// allocator. While counting, the hot path takes no global lock:
+// - the size of a live allocation sits in a sharded open-addressing table
+//   keyed by its data pointer (64 shards, a mutex each; the DataPtr keeps
+//   data == context, which raw_allocate() requires);
+// - current and peak bytes are atomics (peak by compare-and-swap);
+// - probes share one "open segment" maximum: creating a probe closes the
+//   segment and opens a new one, and a probe's peak is the maximum over the
+//   segments opened since it started. Any number of probes, O(1) per
+//   allocation, and nothing at all while no probe is alive.
+// A pointer the table does not know (allocated before remat wrapped the
+// allocator and released with raw_deallocate()) goes to the wrapped
+// allocator's own deleter.
 #include <remat/memory.h>
 
 #include <algorithm>
 #include <array>
-#include <cstdio>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
+#include <map>
 #include <mutex>
-#include <unordered_map>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -21,27 +35,97 @@
 namespace remat::memory {
 namespace {
 
-constexpr int kMaxProbes = 64;
+struct Entry {
+  void* key = nullptr;  // nullptr: empty
+  size_t bytes = 0;
+  c10::DeleterFnPtr deleter = nullptr;  // the wrapped allocator's
+};
 
-struct Live {
-  size_t bytes;
-  c10::DeleterFnPtr deleter;  // the wrapped allocator's
+uint64_t hash_ptr(const void* p) { return (reinterpret_cast<uintptr_t>(p) >> 4) * 0x9E3779B97F4A7C15ull; }
+
+/** Linear probing with backward-shift deletion; grows at 50% load. */
+class Table {
+ public:
+  void insert(void* key, size_t bytes, c10::DeleterFnPtr deleter) {
+    if (2 * (used_ + 1) > slots_.size()) grow();
+    size_t i = index(key);
+    while (slots_[i].key != nullptr) i = (i + 1) & mask_;
+    slots_[i] = {key, bytes, deleter};
+    ++used_;
+  }
+  /** Removes key; false if absent. */
+  bool erase(void* key, Entry& out) {
+    if (used_ == 0 || key == nullptr) return false;
+    size_t i = index(key);
+    while (slots_[i].key != key) {
+      if (slots_[i].key == nullptr) return false;
+      i = (i + 1) & mask_;
+    }
+    out = slots_[i];
+    // Backward shift: move later entries of the run into the hole.
+    size_t hole = i;
+    for (size_t j = (i + 1) & mask_; slots_[j].key != nullptr; j = (j + 1) & mask_) {
+      const size_t home = index(slots_[j].key);
+      // Entry j may fill the hole if its home is not in (hole, j] cyclically.
+      const bool in_range = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+      if (!in_range) {
+        slots_[hole] = slots_[j];
+        hole = j;
+      }
+    }
+    slots_[hole] = Entry{};
+    --used_;
+    return true;
+  }
+
+ private:
+  size_t index(const void* key) const { return static_cast<size_t>(hash_ptr(key) >> 16) & mask_; }
+  void grow() {
+    std::vector<Entry> old = std::move(slots_);
+    slots_.assign(std::max<size_t>(64, old.size() * 2), Entry{});
+    mask_ = slots_.size() - 1;
+    used_ = 0;
+    for (const auto& e : old) {
+      if (e.key != nullptr) insert(e.key, e.bytes, e.deleter);
+    }
+  }
+  std::vector<Entry> slots_;
+  size_t mask_ = 0;
+  size_t used_ = 0;
+};
+
+constexpr int kShards = 64;
+
+struct alignas(64) Shard {
+  std::mutex mu;
+  Table table;
 };
 
 struct State {
-  std::mutex mu;
-  std::unordered_map<void*, Live> live;
-  int64_t current = 0;
-  int64_t peak = 0;
-  int64_t count = 0;
-  std::array<int64_t, kMaxProbes> probe_peak{};
-  std::array<bool, kMaxProbes> probe_used{};
+  std::array<Shard, kShards> shards;
+  std::atomic<int64_t> current{0}, peak{0}, count{0};
+  // Counting is on while `permanent` or users > 0 (probes, timelines).
+  std::atomic<bool> permanent{false};
+  std::atomic<int> users{0};
+  // Probes (NOTE above): the open segment's maximum, and under probes_mu the
+  // closed segments (id -> maximum) and the live probes' start segments.
+  std::atomic<int> probes{0};
+  std::atomic<int64_t> open_max{0};
+  std::mutex probes_mu;
+  uint64_t open_id = 0;
+  std::map<uint64_t, int64_t> closed;
+  std::map<uint64_t, int> starts;  // start segment -> live probes
   // Timeline recording (at most one Timeline at a time).
-  bool recording = false;
+  std::atomic<bool> recording{false};
+  std::mutex timeline_mu;
   std::chrono::steady_clock::time_point t0;
   std::vector<Sample> samples;
   size_t max_samples = 0;
   int64_t dropped = 0;
+  // Installation.
+  std::once_flag once;
+  c10::Allocator* self = nullptr;
+  c10::Allocator* inner = nullptr;
 };
 
 State& state() {
@@ -49,22 +133,62 @@ State& state() {
   return *s;
 }
 
-void record(State& s) {
-  if (!s.recording) return;
+Shard& shard_of(State& s, const void* p) { return s.shards[hash_ptr(p) >> 58]; }
+
+void update_max(std::atomic<int64_t>& m, int64_t v) {
+  int64_t old = m.load(std::memory_order_relaxed);
+  while (v > old && !m.compare_exchange_weak(old, v, std::memory_order_relaxed)) {
+  }
+}
+
+void record(State& s, int64_t now) {
+  if (!s.recording.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(s.timeline_mu);
+  if (!s.recording.load(std::memory_order_relaxed)) return;
   if (s.samples.size() >= s.max_samples) {
     ++s.dropped;
     return;
   }
   const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s.t0).count();
-  s.samples.push_back({us, s.current});
+  s.samples.push_back({us, now});
 }
 
-void raise_peaks(State& s) {
-  record(s);
-  if (s.current > s.peak) s.peak = s.current;
-  for (int i = 0; i < kMaxProbes; ++i) {
-    if (s.probe_used[i] && s.current > s.probe_peak[i]) s.probe_peak[i] = s.current;
+void add_bytes(State& s, size_t n) {
+  const int64_t now = s.current.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
+  s.count.fetch_add(1, std::memory_order_relaxed);
+  update_max(s.peak, now);
+  if (s.probes.load(std::memory_order_relaxed) > 0) update_max(s.open_max, now);
+  record(s, now);
+}
+
+void sub_bytes(State& s, size_t n) {
+  const int64_t now = s.current.fetch_sub(static_cast<int64_t>(n), std::memory_order_relaxed) - static_cast<int64_t>(n);
+  record(s, now);
+}
+
+bool counting(const State& s) {
+  return s.permanent.load(std::memory_order_relaxed) || s.users.load(std::memory_order_relaxed) > 0;
+}
+
+void counting_delete(void* ptr) {
+  if (ptr == nullptr) return;  // raw_deallocate(nullptr); also the table's empty key
+  State& s = state();
+  Entry e;
+  bool found;
+  {
+    Shard& sh = shard_of(s, ptr);
+    std::lock_guard<std::mutex> lock(sh.mu);
+    found = sh.table.erase(ptr, e);
   }
+  if (found) {
+    sub_bytes(s, e.bytes);
+    e.deleter(ptr);
+    return;
+  }
+  // Not ours: raw_allocate()d from the wrapped allocator before remat
+  // installed itself, and released through raw_deallocate().
+  c10::DeleterFnPtr inner = s.inner ? s.inner->raw_deleter() : nullptr;
+  if (inner != nullptr) inner(ptr);
 }
 
 // Context of an allocation whose DataPtr had a context other than its data.
@@ -73,29 +197,9 @@ struct Wrapped {
   size_t bytes;
 };
 
-void counting_delete(void* ptr) {
-  State& s = state();
-  c10::DeleterFnPtr deleter = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    auto it = s.live.find(ptr);
-    if (it == s.live.end()) return;  // cannot happen: we only hand out tracked ptrs
-    s.current -= static_cast<int64_t>(it->second.bytes);
-    record(s);
-    deleter = it->second.deleter;
-    s.live.erase(it);
-  }
-  deleter(ptr);
-}
-
 void wrapped_delete(void* ctx) {
   auto* w = static_cast<Wrapped*>(ctx);
-  {
-    State& s = state();
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.current -= static_cast<int64_t>(w->bytes);
-    record(s);
-  }
+  sub_bytes(state(), w->bytes);
   delete w;  // frees through the inner DataPtr
 }
 
@@ -105,31 +209,26 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr dp = inner_->allocate(n);
-    if (n == 0 || dp.get() == nullptr) return dp;  // nothing to count
     State& s = state();
+    if (!counting(s) || n == 0 || dp.get() == nullptr) return dp;  // not counted
     if (dp.get() == dp.get_context() && dp.get_deleter() != nullptr) {
       // Common case (DefaultCPUAllocator): context == data, plain deleter.
       void* data = dp.get();
       c10::DeleterFnPtr d = dp.get_deleter();
+      c10::Device device = dp.device();
       dp.release_context();
       {
-        std::lock_guard<std::mutex> lock(s.mu);
-        s.live.emplace(data, Live{n, d});
-        s.current += static_cast<int64_t>(n);
-        ++s.count;
-        raise_peaks(s);
+        Shard& sh = shard_of(s, data);
+        std::lock_guard<std::mutex> lock(sh.mu);
+        sh.table.insert(data, n, d);
       }
-      return {data, data, &counting_delete, dp.device()};
+      add_bytes(s, n);
+      return {data, data, &counting_delete, device};
     }
     void* data = dp.get();
     c10::Device device = dp.device();
     auto* w = new Wrapped{std::move(dp), n};
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      s.current += static_cast<int64_t>(n);
-      ++s.count;
-      raise_peaks(s);
-    }
+    add_bytes(s, n);
     return {data, w, &wrapped_delete, device};
   }
 
@@ -143,98 +242,129 @@ class CountingAllocator final : public c10::Allocator {
   c10::Allocator* inner_;
 };
 
-std::once_flag g_once;
-bool g_enabled = false;
+/** Installs the wrapper once; throws if it is not (or no longer) the CPU
+ *  allocator, since counting would then silently see nothing. */
+void ensure_installed() {
+  State& s = state();
+  std::call_once(s.once, [&s] {
+    s.inner = c10::GetCPUAllocator();
+    s.self = new CountingAllocator(s.inner);
+    // 255 is the highest priority; SetCPUAllocator accepts equal priorities,
+    // so this wins over whatever is installed and wraps it.
+    c10::SetCPUAllocator(s.self, /*priority=*/255);
+  });
+  if (c10::GetCPUAllocator() != s.self) {
+    throw Error(
+        "[remat::memory] remat's counting allocator is not the CPU allocator: another allocator was installed "
+        "with SetCPUAllocator(..., 255) after remat's, so remat would count nothing. Install your allocator "
+        "before the first use of remat::memory (remat then wraps it and both count).");
+  }
+}
+
+/** Counting on for the lifetime of a Probe or Timeline. */
+void acquire() {
+  ensure_installed();
+  state().users.fetch_add(1, std::memory_order_relaxed);
+}
+void release() { state().users.fetch_sub(1, std::memory_order_relaxed); }
 
 }  // namespace
 
 void enable_tracking() {
-  std::call_once(g_once, [] {
-    static CountingAllocator* alloc = new CountingAllocator(c10::GetCPUAllocator());
-    // Priority above the default registration so later defaults don't win.
-    c10::SetCPUAllocator(alloc, /*priority=*/100);
-    g_enabled = true;
-  });
+  ensure_installed();
+  state().permanent.store(true, std::memory_order_relaxed);
 }
 
-bool tracking_enabled() { return g_enabled; }
-
-int64_t current_bytes() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.current;
+bool tracking_enabled() {
+  const State& s = state();
+  return s.permanent.load() && s.self != nullptr && c10::GetCPUAllocator() == s.self;
 }
 
-int64_t peak_bytes() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.peak;
+bool counting_now() {
+  const State& s = state();
+  return counting(s) && s.self != nullptr && c10::GetCPUAllocator() == s.self;
 }
+
+int64_t current_bytes() { return state().current.load(std::memory_order_relaxed); }
+
+int64_t peak_bytes() { return state().peak.load(std::memory_order_relaxed); }
 
 void reset_peak() {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.peak = s.current;
+  s.peak.store(s.current.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
-int64_t allocation_count() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.count;
-}
+int64_t allocation_count() { return state().count.load(std::memory_order_relaxed); }
 
 Probe::Probe() {
-  enable_tracking();
+  acquire();
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  slot_ = -1;
-  for (int i = 0; i < kMaxProbes; ++i) {
-    if (!s.probe_used[i]) {
-      slot_ = i;
-      break;
-    }
-  }
-  if (slot_ < 0) {
-    throw Error("[remat::memory] more than " + std::to_string(kMaxProbes) +
-                " probes alive at once; destroy some Probe objects first.");
-  }
-  s.probe_used[slot_] = true;
-  s.probe_peak[slot_] = s.current;
-  baseline_bytes_ = s.current;
+  std::lock_guard<std::mutex> lock(s.probes_mu);
+  const int64_t now = s.current.load(std::memory_order_relaxed);
+  // Close the open segment (kept only if an older probe still reads it).
+  const int64_t closed_max = s.open_max.exchange(now, std::memory_order_relaxed);
+  if (!s.starts.empty()) s.closed[s.open_id] = closed_max;
+  start_ = ++s.open_id;
+  ++s.starts[start_];
+  s.probes.fetch_add(1, std::memory_order_relaxed);
+  baseline_bytes_ = now;
 }
 
 Probe::~Probe() {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.probe_used[slot_] = false;
+  {
+    std::lock_guard<std::mutex> lock(s.probes_mu);
+    s.probes.fetch_sub(1, std::memory_order_relaxed);
+    auto it = s.starts.find(start_);
+    if (--it->second == 0) {
+      s.starts.erase(it);
+      // No probe starts at start_ any more: merge segment start_ into the
+      // one before it, so the map holds at most one entry per live probe.
+      // (Segments absent from the map were merged into their predecessor.)
+      auto cur = s.closed.lower_bound(start_);
+      if (cur != s.closed.begin()) {
+        auto prev = std::prev(cur);
+        if (cur != s.closed.end() && cur->first == start_) {
+          prev->second = std::max(prev->second, cur->second);
+          s.closed.erase(cur);
+        } else if (start_ == s.open_id && cur == s.closed.end()) {
+          update_max(s.open_max, prev->second);
+          s.closed.erase(prev);
+        }
+      }
+      // Segments older than every live probe are read by none.
+      const uint64_t oldest = s.starts.empty() ? s.open_id + 1 : s.starts.begin()->first;
+      s.closed.erase(s.closed.begin(), s.closed.lower_bound(oldest));
+    }
+  }
+  release();
 }
 
 int64_t Probe::peak_bytes() const {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.probe_peak[slot_] - baseline_bytes_;
+  std::lock_guard<std::mutex> lock(s.probes_mu);
+  int64_t top = std::max(s.open_max.load(std::memory_order_relaxed), baseline_bytes_);
+  for (auto it = s.closed.lower_bound(start_); it != s.closed.end(); ++it) top = std::max(top, it->second);
+  return top - baseline_bytes_;
 }
 
-int64_t Probe::delta_bytes() const {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.current - baseline_bytes_;
-}
+int64_t Probe::delta_bytes() const { return state().current.load(std::memory_order_relaxed) - baseline_bytes_; }
 
 Timeline::Timeline(size_t max_samples) {
-  enable_tracking();
+  acquire();
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  if (s.recording) {
+  std::lock_guard<std::mutex> lock(s.timeline_mu);
+  if (s.recording.load()) {
+    release();
     throw Error("[remat::memory] a Timeline is already recording; stop or destroy it before starting another.");
   }
-  s.recording = true;
   s.t0 = std::chrono::steady_clock::now();
   s.samples.clear();
   s.samples.reserve(std::min<size_t>(max_samples, 1 << 16));
-  s.samples.push_back({0.0, s.current});
+  s.samples.push_back({0.0, s.current.load()});
   s.max_samples = max_samples;
   s.dropped = 0;
+  s.recording.store(true);
 }
 
 Timeline::~Timeline() { stop(); }
@@ -242,9 +372,12 @@ Timeline::~Timeline() { stop(); }
 void Timeline::stop() {
   if (stopped_) return;
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.recording = false;
+  {
+    std::lock_guard<std::mutex> lock(s.timeline_mu);
+    s.recording.store(false);
+  }
   stopped_ = true;
+  release();
 }
 
 double Timeline::now_us() const {
@@ -258,13 +391,13 @@ void Timeline::add_span(std::string name, double begin_us, double end_us) {
 
 std::vector<Sample> Timeline::samples() const {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::lock_guard<std::mutex> lock(s.timeline_mu);
   return s.samples;
 }
 
 int64_t Timeline::dropped_samples() const {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::lock_guard<std::mutex> lock(s.timeline_mu);
   return s.dropped;
 }
 
@@ -284,7 +417,11 @@ void Timeline::write_chrome_trace(const std::string& path, const std::string& pr
           << ",\"dur\":" << (sp.end_us - sp.begin_us) << "}";
     }
     out << "\n],\"displayTimeUnit\":\"ms\"}\n";
-    if (!out) throw Error("[remat::memory] writing the trace to '" + path + "' failed (disk full?).");
+    if (!out) {
+      out.close();
+      std::remove(tmp.c_str());
+      throw Error("[remat::memory] writing the trace to '" + path + "' failed (disk full?).");
+    }
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());

@@ -1,8 +1,10 @@
 // Memory telemetry: a counting wrapper around LibTorch's CPU allocator.
-// current/peak bytes of tensor storage allocated on the CPU since
-// enable_tracking(), thread-safe. Leaves out: the CUDA caching allocator
-// (this build is CPU-only; see docs), and allocations made before tracking
-// was enabled (they are never counted, so frees of them are not either).
+// current/peak bytes of CPU tensor storage allocated while counting is on
+// (after enable_tracking(), or while a Probe or Timeline lives), any number
+// of threads. Costs one atomic load per allocation while counting is off.
+// Leaves out: the CUDA caching allocator (this build is CPU-only; see docs),
+// and allocations made while counting was off (never counted, so frees of
+// them are not either).
 #pragma once
 
 #include <cstdint>
@@ -11,10 +13,16 @@
 
 namespace remat::memory {
 
-/** Wraps the CPU allocator; idempotent, thread-safe, never uninstalled. */
+/** Wraps the CPU allocator (once, chaining to whatever allocator is
+ *  installed) and counts every allocation from now on; idempotent,
+ *  thread-safe. Throws if another allocator replaced remat's afterwards. */
 void enable_tracking();
-/** True once enable_tracking() has run. */
+/** True while enable_tracking() is in effect: it has run and remat's
+ *  allocator is still the CPU allocator. */
 bool tracking_enabled();
+/** True while allocations are counted (tracking_enabled(), or a Probe or a
+ *  Timeline alive). */
+bool counting_now();
 /** Bytes of CPU tensor storage currently allocated (tracked allocations). */
 int64_t current_bytes();
 /** Highest current_bytes() since tracking started or the last reset_peak(). */
@@ -25,8 +33,8 @@ void reset_peak();
 int64_t allocation_count();
 
 /** Scoped probe: the peak above the bytes live when it was created, seen
- *  while it lives. Nested probes and other threads' probes are independent.
- *  Enables tracking if needed. */
+ *  while it lives. Nested probes and other threads' probes are independent;
+ *  any number may live at once. Allocations are counted while it lives. */
 class Probe {
  public:
   Probe();
@@ -41,7 +49,7 @@ class Probe {
   int64_t delta_bytes() const;
 
  private:
-  int slot_;
+  uint64_t start_;  // first allocator segment it reads
   int64_t baseline_bytes_;
 };
 
@@ -60,7 +68,7 @@ struct Span {
 
 /** Records a Sample at every tracked allocation and free while it lives
  *  (at most max_samples; later ones are counted as dropped). One Timeline
- *  at a time per process. Enables tracking if needed. */
+ *  at a time per process. Allocations are counted while it records. */
 class Timeline {
  public:
   explicit Timeline(size_t max_samples = 1'000'000);
