@@ -88,6 +88,7 @@ struct Frame : std::enable_shared_from_this<Frame> {
   ReplayState replay;  // RNG, autocast, buffers of the first run
   std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
   std::vector<Slot> slots;
+  std::vector<at::Tensor> pending_inputs;  // fetched for a recompute to come
   // During a recompute: next slot to fill, and how many are still needed.
   size_t cursor = 0;
   size_t needed = 0;
@@ -148,7 +149,10 @@ struct Frame : std::enable_shared_from_this<Frame> {
         if (!inputs[s.input_index].saved) return input(s.input_index);
         // Nested: unpacking from the outer frame consumes its copy, so fetch
         // all inputs once and hand them out slot by slot.
-        if (!s.value.defined()) materialize_inputs();
+        if (!s.value.defined()) {
+          std::vector<at::Tensor> in = materialize_inputs();
+          if (recompute_pending()) pending_inputs = std::move(in);
+        }
         at::Tensor t = std::move(s.value);
         s.value = at::Tensor();
         return t;
@@ -164,17 +168,34 @@ struct Frame : std::enable_shared_from_this<Frame> {
   }
 
   /** Every input, unpacked once; also fills the empty kInput slots of
-   *  inputs that came through outer hooks (see unpack). */
+   *  inputs that came through outer hooks (see unpack). Unpacking through
+   *  an outer frame consumes its copy, so the inputs are fetched once per
+   *  recompute: if a recompute of this frame is still to come, they are kept
+   *  for it (pending_inputs) instead of being fetched again, which would
+   *  re-run the outer region once more. */
   std::vector<at::Tensor> materialize_inputs() {
     std::vector<at::Tensor> in;
-    in.reserve(inputs.size());
-    for (size_t k = 0; k < inputs.size(); ++k) in.push_back(input(k));
+    if (!pending_inputs.empty()) {
+      in = std::move(pending_inputs);
+      pending_inputs.clear();
+    } else {
+      in.reserve(inputs.size());
+      for (size_t k = 0; k < inputs.size(); ++k) in.push_back(input(k));
+    }
     for (auto& s : slots) {
       if (s.kind == SlotKind::kInput && s.alive && !s.value.defined() && inputs[s.input_index].saved) {
         s.value = in[s.input_index];
       }
     }
     return in;
+  }
+
+  /** True while a kRecompute slot is alive and unfilled. */
+  bool recompute_pending() const {
+    for (const auto& s : slots) {
+      if (s.kind == SlotKind::kRecompute && s.alive && !s.value.defined()) return true;
+    }
+    return false;
   }
 
   void check_parameters() const {
@@ -196,6 +217,7 @@ struct Frame : std::enable_shared_from_this<Frame> {
     slots[i].alive = false;
     slots[i].value = at::Tensor();
     slots[i].ref = at::Tensor();
+    if (!pending_inputs.empty() && !recompute_pending()) pending_inputs.clear();
   }
 
   /** Called by the recompute hook for each tensor the re-run saves. */

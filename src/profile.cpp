@@ -1,6 +1,7 @@
 // The profiler (see profile.h): one forward and backward per stage on its
 // own, timed, with saved tensors counted through remat's hooks and
-// temporaries through remat::memory; everything it changes is put back.
+// temporaries through remat::memory; everything it changes is put back, and
+// the real parameters' gradients and hooks are never reached.
 #include <remat/profile.h>
 
 #include <algorithm>
@@ -9,7 +10,10 @@
 #include <unordered_set>
 
 #include <ATen/Context.h>
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <remat/error.h>
@@ -17,6 +21,7 @@
 #include <remat/memory.h>
 #include <remat/plan/json.h>
 
+#include "grad_edges.h"
 #include "replay.h"
 
 namespace remat {
@@ -36,11 +41,10 @@ double ms_since(Clock::time_point t0) {
 
 int64_t storage_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.storage().nbytes()); }
 
-/** Puts back parameter gradients, buffers and the CPU RNG state. */
+/** Puts back buffers and the CPU RNG state. */
 class Restore {
  public:
-  explicit Restore(torch::nn::Sequential& seq) : params_(seq->parameters()), buffers_(seq->buffers()) {
-    for (auto& p : params_) grads_.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  explicit Restore(torch::nn::Sequential& seq) : buffers_(seq->buffers()) {
     for (auto& b : buffers_) buffer_values_.push_back(b.detach().clone());
     auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -48,7 +52,6 @@ class Restore {
   }
   ~Restore() {
     at::NoGradGuard g;
-    for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grads_[i];
     for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(buffer_values_[i]);
     auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -56,7 +59,7 @@ class Restore {
   }
 
  private:
-  std::vector<at::Tensor> params_, grads_, buffers_, buffer_values_;
+  std::vector<at::Tensor> buffers_, buffer_values_;
   at::Tensor rng_;
 };
 
@@ -89,6 +92,7 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
       std::unordered_set<const c10::StorageImpl*> seen{in.storage().unsafeGetStorageImpl()};
       int64_t saved_bytes = 0;
       int64_t tmp_bytes = 0;
+      uint64_t seq0 = 0;
       Clock::time_point t0;
       {
         SavedTensorsHooks count(
@@ -100,6 +104,7 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
             },
             [](const at::Tensor& t) { return t; });
         memory::Probe probe;
+        seq0 = at::sequence_number::peek();
         t0 = Clock::now();
         out = module.forward<at::Tensor>(in);
         tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
@@ -109,12 +114,22 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
       double b_ms = 0;
       int64_t b_tmp = 0;
       if (out.requires_grad()) {
+        // NOTE [redirected gradient edges]: the stage's backward computes its
+        // parameters' gradients (their cost is the stage's) but never reaches
+        // the real parameters: no .grad written, no user or DDP hook fired.
         at::Tensor g = at::ones_like(out);
+        const auto r = detail::redirect_gradient_edges(out, {in}, seq0);
+        torch::autograd::edge_list outputs;
+        for (uint32_t k = 0; k < r.sink->num_inputs(); ++k) outputs.push_back(r.edge(k));
         memory::Probe probe;
         auto t1 = Clock::now();
-        torch::autograd::backward({out}, {g});
+        // Held until the probe is read, as .grad would hold them.
+        auto grads = torch::autograd::Engine::get_default_engine().execute(
+            {torch::autograd::impl::gradient_edge(out)}, {g}, /*keep_graph=*/false, /*create_graph=*/false,
+            /*accumulate_grad=*/false, outputs);
         b_ms = ms_since(t1);
-        const int64_t grad_in = in.grad().defined() ? storage_bytes(in.grad()) : 0;
+        const int64_t grad_in =
+            r.target_input[0] >= 0 && grads[r.target_input[0]].defined() ? storage_bytes(grads[r.target_input[0]]) : 0;
         b_tmp = std::max<int64_t>(0, probe.peak_bytes() - grad_in);
       }
       if (r >= options.warmup()) {

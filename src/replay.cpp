@@ -67,6 +67,7 @@ ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Devic
   ReplayState r;
   r.autocast = AutocastState::capture();
   r.buffers = std::move(buffers);
+  for (const auto& b : r.buffers) r.buffer_values.push_back(b.detach().clone());
   if (!preserve_rng) return r;
   std::vector<c10::Device> gens{c10::Device(c10::kCPU)};
   for (const auto& d : devices) {
@@ -93,7 +94,14 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
     gen.set_state(s);
   }
   state_.autocast.apply();
-  for (const auto& b : state_.buffers) buffers_now_.push_back(b.detach().clone());
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < state_.buffers.size(); ++i) {
+    const at::Tensor& b = state_.buffers[i];
+    buffers_now_.push_back(b.detach().clone());
+    // Rewind to the first run's values: a re-run must see what it saw
+    // (BatchNorm saves its running statistics for backward).
+    b.variable_data().copy_(state_.buffer_values[i]);
+  }
 }
 
 ReplayGuard::~ReplayGuard() {

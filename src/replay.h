@@ -26,20 +26,22 @@ struct AutocastState {
 
 /** What a first run looked like: RNG states of its devices (shared with
  *  the previous capture on this thread when unchanged), autocast state, and
- *  the buffers to put back after a re-run. */
+ *  the module buffers with their values before the first run (a re-run
+ *  starts from those and puts the current ones back after). */
 struct ReplayState {
   std::vector<std::pair<at::Generator, at::Tensor>> rng;  // generator, state
   AutocastState autocast;
   std::vector<at::Tensor> buffers;
+  std::vector<at::Tensor> buffer_values;  // clones, taken at capture
   /** Captures the CPU generator and those of the devices in `devices`. */
   static ReplayState capture(bool preserve_rng, const std::vector<c10::Device>& devices,
                              std::vector<at::Tensor> buffers);
 };
 
-/** For its lifetime: RNG and autocast as captured (and grad mode on when
- *  asked: checkpoint re-runs must save), marks the thread as recomputing;
- *  then restores all and puts the buffers back (without bumping their
- *  version counters). */
+/** For its lifetime: RNG, autocast and buffer values as captured (and grad
+ *  mode on when asked: checkpoint re-runs must save), marks the thread as
+ *  recomputing; then restores all and puts the buffers' current values back
+ *  (without bumping their version counters). */
 class ReplayGuard {
  public:
   ReplayGuard(const ReplayState& state, bool enable_grad);

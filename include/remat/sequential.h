@@ -3,10 +3,13 @@
 // a segment count, or an explicit schedule); forward runs the schedule's
 // forward part, the ordinary loss.backward() runs the rest, including
 // checkpoints created during recomputation (multi-level schedules).
-// In auto mode (a budget), the first batch of each input shape is profiled,
-// the plan solved and cached. Leaves out: autograd::grad / backward(inputs=)
-// for the parameters (the chain accumulates parameter gradients into .grad
-// directly, like a reentrant checkpoint; the input's gradient flows as usual).
+// In auto mode (a budget), the first batch of each input shape (and dtype,
+// device, autocast state, train/eval mode, requires_grad pattern) is
+// profiled, the plan solved and cached. Gradients flow through autograd as
+// in a plain run: parameter hooks fire once per backward, autograd::grad,
+// backward(inputs=), retain_graph and create_graph (higher-order gradients,
+// which recompute the chain whole with its graph) work.
+// Leaves out: stages with more than one tensor input or output.
 #pragma once
 
 #include <map>
@@ -44,8 +47,8 @@ struct SequentialOptions {
   TORCH_ARG(plan::OptimalScope, scope) = plan::OptimalScope::kAuto;
   /** Replay each stage's RNG state when it is recomputed. Default true. */
   TORCH_ARG(bool, preserve_rng_state) = true;
-  /** Measure the peak of each step with remat::memory (enables tracking).
-   *  Default true. */
+  /** Measure the peak of each step with remat::memory (allocations are
+   *  counted from forward to the end of backward). Default true. */
   TORCH_ARG(bool, measure_memory) = true;
   TORCH_ARG(ProfileOptions, profile) = ProfileOptions();
 };
@@ -68,6 +71,10 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options = SequentialOptions());
 
   void reset() override;
+  /** A deep copy: its own Sequential (cloned), the same options; the
+   *  original is left untouched. Plans are made again on first use. */
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<c10::Device>& device = std::nullopt) const override;
   /** Runs the schedule's forward part; backward runs the rest. */
   at::Tensor forward(const at::Tensor& x);
 
@@ -98,7 +105,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
 
   torch::nn::Sequential seq_;
   SequentialOptions options_;
-  std::map<std::vector<int64_t>, Entry> plans_;  // key: dtype, device, sizes
+  std::map<std::vector<int64_t>, Entry> plans_;  // key: see plan_key()
   const Entry* last_ = nullptr;
   StepReport last_step_;
   int profiles_ = 0;

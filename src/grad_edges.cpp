@@ -1,0 +1,86 @@
+// Redirected gradient edges (see grad_edges.h).
+#include "grad_edges.h"
+
+#include <map>
+#include <unordered_set>
+#include <utility>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace remat::detail {
+
+torch::autograd::variable_list GradSink::apply(torch::autograd::variable_list&& in) {
+  // Run as an ordinary node (not captured: a later backward through a kept
+  // graph, or a higher-order one through it): pass each gradient on to the
+  // edge it was redirected from.
+  return std::move(in);
+}
+
+Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::Tensor>& targets, uint64_t seq0) {
+  Redirected r;
+  r.sink = c10::make_intrusive<GradSink>();
+  r.target_input.assign(targets.size(), -1);
+  // Gradient edge (node, input_nr) of each target -> target indices.
+  std::map<std::pair<const torch::autograd::Node*, uint32_t>, std::vector<size_t>> wanted;
+  for (size_t k = 0; k < targets.size(); ++k) {
+    if (!targets[k].defined() || !targets[k].requires_grad()) continue;
+    const auto e = torch::autograd::impl::gradient_edge(targets[k]);
+    wanted[{e.function.get(), e.input_nr}].push_back(k);
+  }
+  std::map<std::pair<const torch::autograd::Node*, uint32_t>, uint32_t> input_of;  // edge -> sink input
+  const auto& root = out.grad_fn();
+  if (!root) return r;
+  std::vector<torch::autograd::Node*> stack{root.get()};
+  std::unordered_set<torch::autograd::Node*> visited{root.get()};
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (size_t k = 0; k < node->num_outputs(); ++k) {
+      const torch::autograd::Edge& e = node->next_edge(k);
+      if (!e.is_valid()) continue;
+      torch::autograd::Node* next = e.function.get();
+      const std::pair<const torch::autograd::Node*, uint32_t> key{next, e.input_nr};
+      auto hit = wanted.find(key);
+      auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(next);
+      if (hit != wanted.end() || acc != nullptr) {
+        auto it = input_of.find(key);
+        uint32_t nr;
+        if (it != input_of.end()) {
+          nr = it->second;
+        } else {
+          // The sink input takes the metadata the target's node expects.
+          const auto& meta = next->input_metadata(e.input_nr);
+          nr = meta.was_default_constructed()
+                   ? r.sink->add_input_metadata(torch::autograd::Node::undefined_input())
+                   : r.sink->add_input_metadata(meta.options(), meta.shape_as_dim_vector(), meta.is_tensor_subclass(),
+                                                meta.is_nested_tensor(), meta.grad_dtype());
+          r.sink->add_next_edge(e);  // output nr leads where input nr was headed
+          input_of.emplace(key, nr);
+          if (hit != wanted.end()) {
+            for (size_t t : hit->second) r.target_input[t] = nr;
+          } else {
+            r.other_leaves.emplace_back(acc->variable, nr);
+          }
+        }
+        node->next_edges()[k] = r.edge(nr);  // not set_next_edge: the node has a parent, and
+                                              // the sink, like the AccumulateGrad, has topological_nr 0
+        continue;
+      }
+      if (next->sequence_nr() >= seq0 && next->sequence_nr() != UINT64_MAX && visited.insert(next).second) {
+        stack.push_back(next);
+      }
+    }
+  }
+  return r;
+}
+
+void accumulate_into(const at::Tensor& leaf, const at::Tensor& g) {
+  if (!g.defined()) return;
+  torch::autograd::Engine::get_default_engine().execute({torch::autograd::impl::gradient_edge(leaf)}, {g},
+                                                        /*keep_graph=*/false, /*create_graph=*/g.requires_grad(),
+                                                        /*accumulate_grad=*/true);
+}
+
+}  // namespace remat::detail

@@ -1,0 +1,54 @@
+// Internal: capture a graph's gradients without reaching its leaves.
+// NOTE [redirected gradient edges]: a backward that must compute parameter
+// gradients but deliver them itself (the profiler, which must not touch the
+// real parameters; CheckpointedSequential, which returns them as its own
+// node's outputs so that hooks and DDP see one gradient per backward) cannot
+// use autograd::grad with the parameters as inputs: the engine runs a leaf's
+// tensor pre-hooks when it captures there, and again when the gradient is
+// delivered. Instead, every edge of the graph into a target's gradient edge
+// (or into any other leaf's AccumulateGrad) is redirected to an input of a
+// GradSink, and Engine::execute captures at the sink's inputs, where no hook
+// sits. Only nodes created after `seq0` on this thread are rewired: graphs
+// that existed before (an attached input's history) are left alone. When the
+// sink runs as an ordinary node (a higher-order backward through the graph,
+// or another backward through a kept one), it passes each gradient on to
+// where its edge led before, so the graph stays correct for every use.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+
+namespace remat::detail {
+
+/** Receives redirected gradients: captured there by Engine::execute, or
+ *  passed through to the original edges when run. */
+struct GradSink : torch::autograd::Node {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& in) override;
+  std::string name() const override { return "remat::GradSink"; }
+};
+
+struct Redirected {
+  c10::intrusive_ptr<GradSink> sink;
+  /** Per target: the sink input its gradient arrives at, or -1 when the
+   *  graph does not reach it. */
+  std::vector<int64_t> target_input;
+  /** Leaves the graph reaches that are not targets (tensors used inside a
+   *  stage but not registered as its parameters), with their sink input. */
+  std::vector<std::pair<at::Tensor, uint32_t>> other_leaves;
+
+  /** The edge at which a sink input is captured. */
+  torch::autograd::Edge edge(uint32_t input) const { return {sink, input}; }
+};
+
+/** Redirects out's graph (see the NOTE). targets: tensors whose gradients
+ *  are wanted (parameters, a stage's input); duplicates share an input. */
+Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::Tensor>& targets, uint64_t seq0);
+
+/** Delivers g to leaf as a backward would (its hooks, then .grad). */
+void accumulate_into(const at::Tensor& leaf, const at::Tensor& g);
+
+}  // namespace remat::detail
