@@ -351,8 +351,21 @@ bool should_checkpoint() { return at::GradMode::is_enabled() && !c10::InferenceM
 
 Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs,
                RecomputeFn recompute, ModuleState state)
-    : frame_(std::make_shared<Frame>()) {
+    : rng_locked_(options.preserve_rng_state()), frame_(std::make_shared<Frame>()) {
   ensure_engine_installed();
+  // NOTE [RNG regions and threads]: from the capture below to the end of the
+  // forward (~Region), no other remat region draws random numbers.
+  if (rng_locked_) lock_rng_regions();
+  try {
+    init(options, inputs, std::move(recompute), std::move(state));
+  } catch (...) {
+    if (rng_locked_) unlock_rng_regions();
+    throw;
+  }
+}
+
+void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs, RecomputeFn recompute,
+                  ModuleState state) {
   Frame& f = *frame_;
   f.options = options;
   f.recompute_fn = std::move(recompute);
@@ -386,8 +399,11 @@ Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& 
 
 Region::~Region() {
   scope_.reset();
-  std::lock_guard<std::recursive_mutex> lock(frame_->mu);
-  frame_->input_impls.clear();
+  {
+    std::lock_guard<std::recursive_mutex> lock(frame_->mu);
+    frame_->input_impls.clear();
+  }
+  if (rng_locked_) unlock_rng_regions();
 }
 
 }  // namespace detail

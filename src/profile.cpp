@@ -72,7 +72,8 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
     throw Error("[remat::profile] repeats must be >= 1 and warmup >= 0, got repeats=" +
                 std::to_string(options.repeats()) + ", warmup=" + std::to_string(options.warmup()) + ".");
   }
-  memory::enable_tracking();
+  // NOTE [RNG regions and threads]: the RNG state is put back at the end.
+  detail::RngRegionLock rng_lock(true);
   Restore restore(seq);
   c10::AutoGradMode grad_on(true);
 

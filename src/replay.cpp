@@ -85,8 +85,25 @@ ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Devic
   return r;
 }
 
+std::recursive_mutex& rng_region_mutex() {
+  static std::recursive_mutex* mu = new std::recursive_mutex();  // never destroyed
+  return *mu;
+}
+
+RngRegionLock::RngRegionLock(bool active) : held_(active) {
+  if (held_) rng_region_mutex().lock();
+}
+
+RngRegionLock::~RngRegionLock() {
+  if (held_) rng_region_mutex().unlock();
+}
+
+void lock_rng_regions() { rng_region_mutex().lock(); }
+void unlock_rng_regions() { rng_region_mutex().unlock(); }
+
 ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
-    : state_(state), grad_(enable_grad || at::GradMode::is_enabled()), autocast_now_(AutocastState::capture()) {
+    : rng_lock_(!state.rng.empty()),
+      state_(state), grad_(enable_grad || at::GradMode::is_enabled()), autocast_now_(AutocastState::capture()) {
   ++t_recompute_depth;
   for (auto [gen, s] : state_.rng) {
     std::lock_guard<std::mutex> lock(gen.mutex());

@@ -38,6 +38,28 @@ struct ReplayState {
                              std::vector<at::Tensor> buffers);
 };
 
+/** NOTE [RNG regions and threads]: LibTorch's default generators are
+ *  process-wide. A region's first run and its replay draw the same numbers
+ *  only if no other thread draws in between; with two threads running
+ *  checkpointed dropout at once, a replayed mask would silently differ from
+ *  the first one and the gradients would be wrong. So every piece of remat
+ *  that captures or replays RNG state (a checkpoint's first run, a planned
+ *  stage's first run, every replay, the profiler) holds one process-wide
+ *  recursive lock while it runs: such regions run one at a time across
+ *  threads (nested ones on the same thread re-enter). With
+ *  preserve_rng_state(false) nothing is locked. Random draws made by other
+ *  code outside remat regions while a region runs are not covered. */
+class RngRegionLock {
+ public:
+  explicit RngRegionLock(bool active);
+  ~RngRegionLock();
+  RngRegionLock(const RngRegionLock&) = delete;
+  RngRegionLock& operator=(const RngRegionLock&) = delete;
+
+ private:
+  bool held_;
+};
+
 /** For its lifetime: RNG, autocast and buffer values as captured (and grad
  *  mode on when asked: checkpoint re-runs must save), marks the thread as
  *  recomputing; then restores all and puts the buffers' current values back
@@ -50,6 +72,7 @@ class ReplayGuard {
   ReplayGuard& operator=(const ReplayGuard&) = delete;
 
  private:
+  RngRegionLock rng_lock_;  // first: held while the state is swapped
   const ReplayState& state_;
   c10::AutoGradMode grad_;  // the current mode unless enable_grad
   AutocastState autocast_now_;

@@ -81,6 +81,7 @@ struct Execution {
   at::Tensor run_stage(int i, const at::Tensor& in) {
     auto& m = *(seq->begin() + i);
     if (st.runs[i]++ == 0) {
+      RngRegionLock rng_lock(preserve_rng);  // NOTE [RNG regions and threads]
       first_run[i] = ReplayState::capture(preserve_rng, {in.device()}, m.ptr()->buffers());
       at::Tensor y = m.forward<at::Tensor>(in);
       out_meta[i] = {y.options(), y.sizes().vec()};

@@ -258,6 +258,109 @@ TEST(Checkpoint, TwoThreadsTrainTheirOwnModels) {
   expect_bitwise_equal(b, rb);
 }
 
+// The default CPU generator is shared by all threads: without remat's RNG
+// region lock a replayed dropout mask would differ from the first run's
+// whenever another thread drew in between (NOTE [RNG regions and threads]).
+// kValues compares every recomputed tensor bitwise with the first run.
+TEST(Checkpoint, ThreadsReplayDropoutMasksExactly) {
+  constexpr int kThreads = 4, kSteps = 15;
+  std::vector<torch::nn::Sequential> models;
+  for (int t = 0; t < kThreads; ++t) {
+    torch::manual_seed(t);
+    torch::nn::Sequential s;
+    for (int i = 0; i < 4; ++i) {
+      s->push_back(torch::nn::Linear(64, 64));
+      s->push_back(torch::nn::Dropout(0.5));
+    }
+    models.push_back(s);
+  }
+  std::vector<std::string> errors(kThreads);
+  std::vector<int> steps(kThreads, 0);
+  auto opts = remat::CheckpointOptions().determinism_check(remat::DeterminismCheck::kValues);
+  auto train = [&](int t) {
+    try {
+      auto seq = models[t];
+      auto gen = torch::make_generator<torch::CPUGeneratorImpl>(100 + t);
+      for (int s = 0; s < kSteps; ++s) {
+        auto x = torch::randn({32, 64}, gen).requires_grad_();
+        torch::Tensor h = x;
+        for (size_t i = 0; i < seq->size(); i += 2) {
+          torch::nn::Sequential pair;
+          pair->push_back(*(seq->begin() + i));
+          pair->push_back(*(seq->begin() + i + 1));
+          h = remat::checkpoint(opts, pair, h);
+        }
+        h.square().mean().backward();
+        ++steps[t];
+      }
+    } catch (const std::exception& e) {
+      errors[t] = e.what();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(train, t);
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(errors[t], "") << "thread " << t;
+    EXPECT_EQ(steps[t], kSteps) << "thread " << t;
+  }
+}
+
+// Issue 16 item 6: BatchNorm saves its running statistics; a re-run must
+// start from the values the first run saw, or kValues reports a difference.
+TEST(Checkpoint, ValuesCheckWithBatchNormRewindsBuffers) {
+  torch::manual_seed(4);
+  torch::nn::Sequential block;
+  block->push_back(torch::nn::Linear(16, 32));
+  block->push_back(torch::nn::BatchNorm1d(32));
+  block->push_back(torch::nn::GELU());
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  std::vector<torch::Tensor> start;
+  for (auto& b : block->buffers()) start.push_back(b.clone());
+  auto plain = step_grads(*block, x, [&](torch::Tensor h) { return block->forward(h); });
+  std::vector<torch::Tensor> after_plain;
+  for (auto& b : block->buffers()) after_plain.push_back(b.clone());
+  {
+    torch::NoGradGuard g;
+    auto bufs = block->buffers();
+    for (size_t i = 0; i < bufs.size(); ++i) bufs[i].copy_(start[i]);
+  }
+  auto opts = remat::CheckpointOptions().determinism_check(remat::DeterminismCheck::kValues);
+  std::vector<torch::Tensor> got;
+  ASSERT_NO_THROW(got = step_grads(*block, x, [&](torch::Tensor h) { return remat::checkpoint(opts, block, h); }));
+  expect_bitwise_equal(plain, got);
+  auto bufs = block->buffers();
+  for (size_t i = 0; i < bufs.size(); ++i) EXPECT_TRUE(torch::equal(bufs[i], after_plain[i])) << "buffer " << i;
+}
+
+// Issue 16 item 7: the inner region saves its input (pow) and a value it
+// must recompute (tanh); one unpack takes the input slot, which fetches the
+// inputs through the outer frame, and the recompute must not fetch them
+// again. The outer function runs exactly twice (forward + one recompute);
+// before the fix it ran 3 times with this order of ops.
+TEST(Checkpoint, NestedInputFirstUnpackRerunsOuterOnce) {
+  auto x = torch::randn({64}, torch::requires_grad());
+  int outer_runs = 0, inner_runs = 0;
+  auto inner = [&inner_runs](torch::Tensor h) {
+    ++inner_runs;
+    return h.pow(2) + h.tanh();
+  };
+  auto outer = [&](torch::Tensor a) {
+    ++outer_runs;
+    auto h = a.exp();
+    return remat::checkpoint(inner, h).sin();
+  };
+  auto y = remat::checkpoint(outer, x).sum();
+  ASSERT_EQ(outer_runs, 1);
+  y.backward();
+  EXPECT_EQ(outer_runs, 2) << "the outer region is re-run once, not once per inner fetch";
+  EXPECT_EQ(inner_runs, 3) << "inner: forward, within the outer recompute, and its own recompute";
+  auto h = x.detach().exp();
+  auto z = h.tanh() + h.pow(2);
+  auto want = z.cos() * ((1 - h.tanh().square()) + 2 * h) * h;
+  EXPECT_TRUE(torch::allclose(x.grad(), want, 1e-5, 1e-6));
+}
+
 TEST(Checkpoint, AutocastStateReplayed) {
   torch::manual_seed(9);
   torch::nn::Linear lin(16, 16);

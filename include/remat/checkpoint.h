@@ -73,6 +73,11 @@ struct ModuleState {
   std::vector<at::Tensor> buffers;
 };
 
+/** The process-wide lock of NOTE [RNG regions and threads] (replay.h),
+ *  held by a region's first run from RNG capture to the end of its forward. */
+void lock_rng_regions();
+void unlock_rng_regions();
+
 /** True when a checkpoint would save anything (grad mode on, not inference
  *  mode); otherwise checkpoint() just calls fn. */
 bool should_checkpoint();
@@ -89,6 +94,9 @@ class Region {
   Region& operator=(const Region&) = delete;
 
  private:
+  void init(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs, RecomputeFn recompute,
+            ModuleState state);
+  bool rng_locked_ = false;
   std::shared_ptr<Frame> frame_;
   std::unique_ptr<ScopedHooks> scope_;
 };
