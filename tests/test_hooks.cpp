@@ -8,14 +8,19 @@ namespace {
 
 TEST(Hooks, PackUnpackCalledPerSavedTensor) {
   int packs = 0, unpacks = 0;
+  std::vector<torch::Tensor> packed;
   auto x = torch::randn({5}, torch::requires_grad());
   torch::Tensor y;
   {
-    remat::SavedTensorsHooks g([&](const at::Tensor& t) { ++packs; return t; },
+    // The packed value is a copy: backward must use what unpack returns.
+    remat::SavedTensorsHooks g([&](const at::Tensor& t) { ++packs; packed.push_back(t.detach()); return t.detach().clone(); },
                                [&](const at::Tensor& t) { ++unpacks; return t; });
-    y = x.exp().sin().sum();  // exp saves its result, sin its input
+    y = x.exp().sin().sum();  // exp saves its result, sin its input: the same tensor
   }
   EXPECT_EQ(packs, 2);
+  ASSERT_EQ(packed.size(), 2u);
+  EXPECT_TRUE(torch::equal(packed[0], x.detach().exp()));
+  EXPECT_TRUE(torch::equal(packed[1], x.detach().exp()));
   EXPECT_EQ(unpacks, 0);
   y.backward();
   EXPECT_EQ(unpacks, 2);
@@ -50,7 +55,11 @@ TEST(Hooks, InnermostAppliesAndDisable) {
   EXPECT_EQ(remat::current_hooks(), nullptr);
   EXPECT_EQ(log, (std::vector<std::string>{"pack outer", "pack inner"}));
   y.backward();
-  EXPECT_EQ(log.size(), 4u);
+  // Each saved tensor is unpacked by the hooks that packed it, innermost
+  // first (backward runs the later exp first); the disabled one by none.
+  EXPECT_EQ(log, (std::vector<std::string>{"pack outer", "pack inner", "unpack inner", "unpack outer"}));
+  auto e3 = x.detach().exp().exp().exp();
+  EXPECT_TRUE(torch::allclose(x.grad(), e3 * x.detach().exp().exp() * x.detach().exp()));
 }
 
 TEST(Hooks, PackedValueMayBeAnyType) {

@@ -166,6 +166,17 @@ TEST(MemorySavings, SqrtSegmentsGrowLikeSqrtN) {
     std::printf("  n=%lld layers: peak plain %.1f, sqrt segments %.1f activations\n", (long long)n, plain.back(),
                 ckpt.back());
   }
+  // Absolute, in activations: plain keeps every layer's output plus the
+  // input and two gradients (n + 3, plus a few scalars); sqrt segments keep k
+  // segment inputs plus one segment's n/k layers live in its recompute, with
+  // the final segment plain (at most 3n/k) and the same few extras.
+  const int64_t ns[] = {16, 64, 256};
+  for (int i = 0; i < 3; ++i) {
+    const double k = static_cast<double>(std::llround(std::sqrt(2.0 * ns[i])));
+    EXPECT_NEAR(plain[i], static_cast<double>(ns[i] + 3), 0.1) << "n=" << ns[i];  // + scalars (136 B)
+    EXPECT_GE(ckpt[i], k) << "n=" << ns[i];
+    EXPECT_LE(ckpt[i], k + 3.0 * ns[i] / k + 4) << "n=" << ns[i];
+  }
   // n grows 16x: plain ~16x, sqrt ~4x.
   EXPECT_GT(plain[2] / plain[0], 12.0);
   EXPECT_LT(ckpt[2] / ckpt[0], 6.0);
