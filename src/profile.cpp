@@ -11,6 +11,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
@@ -76,6 +77,15 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
   detail::RngRegionLock rng_lock(true);
   Restore restore(seq);
   c10::AutoGradMode grad_on(true);
+  // No autocast cache while profiling: a cast cached here would keep its
+  // grad_fn edges redirected to this profile's sink (NOTE [redirected
+  // gradient edges]), and the user's forward in the same autocast region
+  // would reuse it: its parameters would get no gradient.
+  struct NoAutocastCache {
+    bool was = at::autocast::is_autocast_cache_enabled();
+    NoAutocastCache() { at::autocast::set_autocast_cache_enabled(false); }
+    ~NoAutocastCache() { at::autocast::set_autocast_cache_enabled(was); }
+  } no_autocast_cache;
 
   plan::Chain chain;
   chain.input_bytes = storage_bytes(x);
@@ -101,7 +111,10 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
               if (!detail::is_parameter_like(t) && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
                 saved_bytes += storage_bytes(t);
               }
-              return t;
+              // Detached: an op's output kept as is would hold its own
+              // grad_fn, a cycle that leaks the graph when the forward
+              // throws and no backward ever releases it.
+              return t.detach();
             },
             [](const at::Tensor& t) { return t; });
         memory::Probe probe;

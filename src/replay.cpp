@@ -111,6 +111,11 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
     gen.set_state(s);
   }
   state_.autocast.apply();
+  // Like torch.autocast's context: casts cached while the re-run is under
+  // autocast are dropped when the outermost autocast region ends, else the
+  // next forward would reuse casts of parameters the optimizer has since
+  // changed (see ~ReplayGuard).
+  if (state_.autocast.cpu_enabled || state_.autocast.cuda_enabled) at::autocast::increment_nesting();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < state_.buffers.size(); ++i) {
     const at::Tensor& b = state_.buffers[i];
@@ -128,6 +133,13 @@ ReplayGuard::~ReplayGuard() {
     for (size_t i = 0; i < buffers_now_.size(); ++i) state_.buffers[i].variable_data().copy_(buffers_now_[i]);
   }
   autocast_now_.apply();
+  // The autocast cache maps a parameter to its cast without checking its
+  // version: left filled, it would hand the next step's forward (under the
+  // user's autocast) the casts of this step's weights. Python's checkpoint
+  // clears it the same way when its recompute's autocast context exits.
+  if ((state_.autocast.cpu_enabled || state_.autocast.cuda_enabled) && at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
   for (size_t i = 0; i < rng_now_.size(); ++i) {
     at::Generator gen = state_.rng[i].first;
     std::lock_guard<std::mutex> lock(gen.mutex());
