@@ -30,7 +30,10 @@
 
 namespace remat::plan::internal {
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+// Not under TSan: the clone's ifunc resolver runs while the dynamic loader
+// relocates, before TSan's runtime exists, and its instrumented prologue
+// crashes every binary that links this file (make test-tsan).
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top) {

@@ -1,0 +1,137 @@
+// remat_soak: long soak (issue #14). Trains a small GPT block stack
+// (remat::models::GptBlock, d_model 64, 4 heads, T 32, batch 4, 6 blocks,
+// dropout 0.1, Adam) for N steps (default 2,000) under each strategy:
+// plain, remat::checkpoint per block, checkpoint_sequential (2 segments),
+// CheckpointedSequential with a budget a quarter of the way from the
+// smallest feasible peak to store-all. At the same point of every step
+// (after opt.step(), the step's tensors dropped) it samples tracked bytes
+// (remat::memory::current_bytes()) and the resident set (/proc/self/statm),
+// and prints, over the steps after a 100-step warm-up, the least-squares
+// slope per 1,000 steps of both, their range, and the time per step.
+// tests/test_soak.cpp is the short version that asserts.
+// Usage: remat_soak [steps]   (1 intra-op thread, as DESIGN.md asks)
+// Leaves out: CUDA memory (CPU build).
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <remat/checkpoint.h>
+#include <remat/memory.h>
+#include <remat/models/gpt.h>
+#include <remat/plan/solve.h>
+#include <remat/profile.h>
+#include <remat/sequential.h>
+
+namespace {
+
+constexpr int kWarmup = 100;
+
+int64_t rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+double slope(const std::vector<int64_t>& ys) {  // per sample
+  const double n = static_cast<double>(ys.size());
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    const double x = static_cast<double>(i), y = static_cast<double>(ys[i]);
+    sx += x, sy += y, sxx += x * x, sxy += x * y;
+  }
+  return (n * sxy - sx * sy) / (n * sxx - sx * sx);
+}
+
+enum class Strategy { kPlain, kPerBlock, kCheckpointSequential, kBudget };
+const char* name(Strategy s) {
+  switch (s) {
+    case Strategy::kPlain: return "plain";
+    case Strategy::kPerBlock: return "checkpoint per block";
+    case Strategy::kCheckpointSequential: return "checkpoint_sequential(2)";
+    case Strategy::kBudget: return "CheckpointedSequential(budget)";
+  }
+  return "?";
+}
+
+void soak(Strategy s, int steps) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 6; ++i) seq->push_back(remat::models::GptBlock(64, 4, 0.1));
+  auto gen = torch::make_generator<torch::CPUGeneratorImpl>(1);
+  const std::vector<int64_t> shape{4, 32, 64};  // (B, T, C)
+  std::optional<remat::CheckpointedSequential> net;
+  if (s == Strategy::kBudget) {
+    auto chain = remat::profile(seq, torch::randn(shape, gen));
+    const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
+    const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
+    net.emplace(seq, remat::SequentialOptions().memory_budget_bytes(low + (top - low) / 4));
+  }
+  torch::optim::Adam opt(seq->parameters(), torch::optim::AdamOptions(1e-3));
+  std::vector<int64_t> tracked, rss;
+  int64_t peak = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int step = 0; step < steps; ++step) {
+    if (step == kWarmup) {
+      t0 = std::chrono::steady_clock::now();
+      remat::memory::reset_peak();
+    }
+    {
+      auto x = torch::randn(shape, gen);
+      opt.zero_grad();
+      torch::Tensor y;
+      switch (s) {
+        case Strategy::kPlain: y = seq->forward(x); break;
+        case Strategy::kPerBlock:
+          y = x;
+          for (auto& m : *seq) y = remat::checkpoint([m](torch::Tensor in) mutable { return m.forward(in); }, y);
+          break;
+        case Strategy::kCheckpointSequential: y = remat::checkpoint_sequential(seq, 2, x); break;
+        case Strategy::kBudget: y = (*net)->forward(x); break;
+      }
+      y.square().mean().backward();
+      opt.step();
+    }
+    if (step >= kWarmup) {
+      tracked.push_back(remat::memory::current_bytes());
+      rss.push_back(rss_bytes());
+    }
+  }
+  peak = remat::memory::peak_bytes();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+                    std::max<size_t>(1, tracked.size());
+  const auto [tmin, tmax] = std::minmax_element(tracked.begin(), tracked.end());
+  const auto [rmin, rmax] = std::minmax_element(rss.begin(), rss.end());
+  std::printf("%-32s %8.1f %12lld %12.1f %10.2f %10.2f %14.1f %9.2f %9.2f\n", name(s), ms,
+              static_cast<long long>(*tmax - *tmin), 1000.0 * slope(tracked), (*rmin) / 1048576.0,
+              (*rmax) / 1048576.0, 1000.0 * slope(rss), peak / 1048576.0, tracked.back() / 1048576.0);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int steps = argc > 1 ? std::atoi(argv[1]) : 2000;
+  if (steps <= kWarmup + 1) {
+    std::fprintf(stderr, "remat_soak: steps must be > %d (the warm-up), got %d\n", kWarmup + 1, steps);
+    return 2;
+  }
+  torch::set_num_threads(1);
+  remat::memory::enable_tracking();
+  std::printf("remat_soak: %d steps per strategy, slopes over steps %d..%d, 1 intra-op thread\n", steps, kWarmup,
+              steps - 1);
+  std::printf("%-32s %8s %12s %12s %10s %10s %14s %9s %9s\n", "strategy", "ms/step", "tracked rng B", "tracked/1k",
+              "RSS min", "RSS max", "RSS B/1k", "peak MiB", "live MiB");
+  for (auto s : {Strategy::kPlain, Strategy::kPerBlock, Strategy::kCheckpointSequential, Strategy::kBudget}) {
+    soak(s, steps);
+  }
+  return 0;
+}
