@@ -1,7 +1,13 @@
-// remat: gradient (activation) checkpointing for LibTorch. Umbrella header.
+// remat: gradient (activation) checkpointing for LibTorch. Umbrella header:
+// the whole public API of remat::remat (checkpoint, hooks, memory, profile,
+// CheckpointedSequential, the planner). The models and trainer behind
+// remat-train are a separate library (remat::models, <remat/models/*.h>).
 #pragma once
 
 #include <remat/checkpoint.h>
 #include <remat/error.h>
 #include <remat/hooks.h>
 #include <remat/memory.h>
+#include <remat/plan/plan.h>
+#include <remat/profile.h>
+#include <remat/sequential.h>
