@@ -36,7 +36,7 @@ std::string shape_str(at::IntArrayRef sizes) {
 
 struct TensorMeta {
   std::vector<int64_t> sizes;
-  at::ScalarType dtype;
+  at::ScalarType dtype = at::ScalarType::Undefined;
   c10::Device device = c10::kCPU;
   uint64_t hash = 0;  // FNV-1a of the bytes, kValues only
 };
@@ -134,6 +134,12 @@ struct Frame : std::enable_shared_from_this<Frame> {
   }
 
   at::Tensor unpack(size_t i) {
+    // NOTE [RNG regions and threads]: a recompute (of this frame, or of an
+    // outer one for a kInput slot) takes the RNG lock; take it before mu, in
+    // the forward's order (a Region holds it while its packs lock mu), so
+    // the two locks are never taken in both orders (TSan lock-order report).
+    // slots is not resized after the forward: kind is safe to read here.
+    RngRegionLock rng_lock(options.preserve_rng_state() && slots[i].kind != SlotKind::kRef);
     std::lock_guard<std::recursive_mutex> lock(mu);
     Slot& s = slots[i];
     switch (s.kind) {

@@ -184,7 +184,11 @@ auto checkpoint_impl(const CheckpointOptions& options, ModuleState state, Fn&& f
  *  inside std::vector<at::Tensor>) are the region's inputs; other args are
  *  copied and passed again to the recompute. fn must be copyable; a module
  *  holder is called through forward() and its buffers are restored after
- *  each recompute. Returns what fn returns (Tensor, tuple, vector...). */
+ *  each recompute. Returns what fn returns (Tensor, tuple, vector...).
+ *  A lambda that captures a module holder by value must be `mutable`
+ *  (`[lstm](const at::Tensor& x) mutable { return lstm->forward(x); }`):
+ *  forward() is non-const and a plain lambda's captures are const, so it
+ *  does not compile with or without remat; or capture by reference. */
 template <class Fn, class... Args>
 auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args) {
   return detail::checkpoint_impl(options, detail::module_state_of(fn), std::forward<Fn>(fn),

@@ -317,7 +317,9 @@ TEST(Optimal, NoFallbackLossNearTheSmallestPeak) {
     EXPECT_EQ(exact.optimality_gap_ms, 0);
     EXPECT_LE(p.prediction.peak_bytes, budget);
     EXPECT_LE(p.prediction.time_ms, exact.prediction.time_ms * 1.01) << "budget " << budget;
-    if (budget == lo) EXPECT_NEAR(exact.prediction.time_ms, 286.50, 1e-9);
+    if (budget == lo) {
+      EXPECT_NEAR(exact.prediction.time_ms, 286.50, 1e-9);
+    }
   }
 }
 
@@ -409,9 +411,11 @@ TEST(Solve, DispatchesByName) {
     EXPECT_EQ(got.prediction.peak_bytes, want.prediction.peak_bytes) << spec;
     EXPECT_EQ(got.prediction.time_ms, want.prediction.time_ms) << spec;
     EXPECT_EQ(got.prediction.forwards_per_stage, want.prediction.forwards_per_stage) << spec;
-    for (size_t o = 0; o < k; ++o)
-      if (spec != "sqrt" || direct[o].first != "uniform:3")  // round(sqrt(9)) = 3 segments
+    for (size_t o = 0; o < k; ++o) {
+      if (spec != "sqrt" || direct[o].first != "uniform:3") {  // round(sqrt(9)) = 3 segments
         EXPECT_NE(want.schedule, direct[o].second.schedule) << spec << " vs " << direct[o].first;
+      }
+    }
   }
   EXPECT_EQ(rp::solve(c, "sqrt").schedule, rp::uniform(c, 3).schedule);
   // Options reach the algorithm too: optimal's budget, revolve's slots.
