@@ -2,7 +2,7 @@
 // bytes the same way in any process (the C++ benchmark and Python alike).
 // At load time a constructor wraps c10's CPU allocator (like src/memory.cpp)
 // with a counting one registered at priority 50: above the default (0), below
-// remat::memory (100), which then wraps this one, so both count.
+// remat::memory (255), which then wraps this one, so both count.
 // C interface: remat_preload_current_bytes(), remat_preload_peak_bytes(),
 // remat_preload_reset_peak(), remat_preload_installed().
 // Leaves out: CUDA, allocations made before load (never counted), and memory
