@@ -105,6 +105,11 @@ TEST(Threads, SeparateModelsBitwiseAgainstSerial) {
     serial.push_back(gpt ? gpt_stack(10 + t) : make_mlp(4, 32, 10 + t));
   }
   auto shape = [](int t) { return t < 2 ? std::vector<int64_t>{2, 8, 32} : std::vector<int64_t>{8, 32}; };
+  // Install remat's counting allocator before the threads (the profiler's
+  // first Probe would install it): c10::SetCPUAllocator publishes it with a
+  // plain store, so a thread allocating while another installs it is a data
+  // race TSan reports (remat::memory, reported in issue #14).
+  { remat::memory::Probe install; }
   std::vector<std::vector<torch::Tensor>> got(kThreads), want(kThreads);
   std::barrier start(kThreads);
   std::vector<std::thread> pool;
