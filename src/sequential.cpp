@@ -309,6 +309,7 @@ struct Execution {
     if (probe) report.measured_peak_bytes = probe->peak_bytes() + input_bytes;
     probe.reset();
     st = State();
+    std::lock_guard<std::mutex> lock(*owner->mu_);
     owner->last_step_ = std::move(report);
   }
 };
@@ -411,21 +412,22 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
 }
 
 const plan::Plan& CheckpointedSequentialImpl::plan(const at::Tensor& x) {
+  std::lock_guard<std::mutex> lock(*mu_);
   last_ = &entry_for(x);
   return last_->plan;
 }
 
-const plan::Plan& CheckpointedSequentialImpl::plan() const {
+const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::last_entry() const {
+  std::lock_guard<std::mutex> lock(*mu_);
   if (!last_) {
     throw Error("[remat::CheckpointedSequential] no plan yet: run forward once, or call plan(x) with a sample.");
   }
-  return last_->plan;
+  return *last_;
 }
 
-const plan::Chain& CheckpointedSequentialImpl::chain() const {
-  plan();  // throws if none
-  return last_->chain;
-}
+const plan::Plan& CheckpointedSequentialImpl::plan() const { return last_entry().plan; }
+
+const plan::Chain& CheckpointedSequentialImpl::chain() const { return last_entry().chain; }
 
 at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
   const int L = static_cast<int>(seq_->size());
@@ -441,11 +443,17 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
   }
   if (!at::GradMode::is_enabled() || !any_grad) return seq_->forward(x);  // nothing to save
 
-  last_ = &entry_for(x);
+  const Entry* entry;
+  {
+    // Entries are never erased while the module lives (map nodes are
+    // stable), so the pointer stays valid after the lock is released.
+    std::lock_guard<std::mutex> lock(*mu_);
+    entry = last_ = &entry_for(x);
+  }
   auto exec = std::make_shared<detail::Execution>();
   exec->owner = std::static_pointer_cast<CheckpointedSequentialImpl>(shared_from_this());
   exec->seq = seq_;
-  exec->schedule = last_->plan.schedule;
+  exec->schedule = entry->plan.schedule;
   exec->L = L;
   exec->st.a.resize(L + 1);
   exec->st.leaf.resize(L);
@@ -459,7 +467,7 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
   exec->preserve_rng = options_.preserve_rng_state();
   exec->input_requires_grad = x.requires_grad();
   exec->input = x;
-  exec->input_bytes = last_->chain.input_bytes;
+  exec->input_bytes = entry->chain.input_bytes;
   if (options_.measure_memory()) {
     // Capture the RNG state once before measuring: stages that draw no random
     // numbers then share this copy instead of allocating inside the window.
@@ -496,8 +504,10 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
 }
 
 std::string CheckpointedSequentialImpl::explain() const {
-  const auto& c = chain();
-  const auto& p = last_->plan;
+  const Entry& e = last_entry();
+  const auto& c = e.chain;
+  const auto& p = e.plan;
+  const StepReport last_step = this->last_step();
   // Which boundary values stay live after the forward part (checkpoints).
   std::vector<bool> live(c.stages.size() + 1, false);
   live[0] = true;
@@ -529,9 +539,9 @@ std::string CheckpointedSequentialImpl::explain() const {
                   static_cast<long long>(p.memory_unit_bytes));
     os << line;
   }
-  if (last_step_.measured_peak_bytes >= 0) {
-    os << "measured peak (last step): " << format_bytes(last_step_.measured_peak_bytes) << " ("
-       << (100.0 * static_cast<double>(last_step_.measured_peak_bytes) /
+  if (last_step.measured_peak_bytes >= 0) {
+    os << "measured peak (last step): " << format_bytes(last_step.measured_peak_bytes) << " ("
+       << (100.0 * static_cast<double>(last_step.measured_peak_bytes) /
            static_cast<double>(std::max<int64_t>(1, p.prediction.peak_bytes)))
        << "% of predicted)\n";
   } else {

@@ -15,7 +15,11 @@ namespace remat::memory {
 
 /** Wraps the CPU allocator (once, chaining to whatever allocator is
  *  installed) and counts every allocation from now on; idempotent,
- *  thread-safe. Throws if another allocator replaced remat's afterwards. */
+ *  thread-safe. Throws if another allocator replaced remat's afterwards.
+ *  The first call (or the first Probe, Timeline or profile) installs the
+ *  wrapper with c10::SetCPUAllocator, which publishes it with a plain store:
+ *  make that first call before other threads allocate (TSan reports the
+ *  install otherwise; c10 offers no synchronized way to swap allocators). */
 void enable_tracking();
 /** True while enable_tracking() is in effect: it has run and remat's
  *  allocator is still the CPU allocator. */

@@ -14,6 +14,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -87,10 +88,17 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   /** Per stage: name, forward runs, kept after forward, output and saved
    *  bytes; then the predicted peak and, after a step, the measured one. */
   std::string explain() const;
-  /** The last completed step (after its backward). */
-  const StepReport& last_step() const { return last_step_; }
-  /** How many times a chain was profiled (once per input shape). */
-  int profiles() const { return profiles_; }
+  /** The last completed step (after its backward); a copy, since another
+   *  thread's step may complete meanwhile. */
+  StepReport last_step() const {
+    std::lock_guard<std::mutex> lock(*mu_);
+    return last_step_;
+  }
+  /** How many times a chain was profiled (once per input shape and state). */
+  int profiles() const {
+    std::lock_guard<std::mutex> lock(*mu_);
+    return profiles_;
+  }
 
   const SequentialOptions& options() const { return options_; }
   torch::nn::Sequential& sequential() { return seq_; }
@@ -101,10 +109,15 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     plan::Chain chain;
     plan::Plan plan;
   };
-  const Entry& entry_for(const at::Tensor& x);
+  const Entry& entry_for(const at::Tensor& x);  // with mu_ held
+  const Entry& last_entry() const;
 
   torch::nn::Sequential seq_;
   SequentialOptions options_;
+  // Guards plans_, last_, profiles_ and last_step_: one model may run
+  // forward/backward on several threads at once (shared, not copied, by
+  // the base class's copy in clone(), which this class overrides).
+  std::shared_ptr<std::mutex> mu_ = std::make_shared<std::mutex>();
   std::map<std::vector<int64_t>, Entry> plans_;  // key: see plan_key()
   const Entry* last_ = nullptr;
   StepReport last_step_;
