@@ -94,9 +94,11 @@ void part_a(int steps) {
         torch::Tensor h = in;
         for (int64_t i = 0; i < n; ++i) {
           auto lin = *(seq->begin() + 2 * i), act = *(seq->begin() + 2 * i + 1);
-          h = remat::checkpoint([lin, act](const torch::Tensor& t) mutable {
-            return act.forward<torch::Tensor>(lin.forward<torch::Tensor>(t));
-          }, h);
+          h = remat::checkpoint(
+              [lin, act](const torch::Tensor& t) mutable {
+                return act.forward<torch::Tensor>(lin.forward<torch::Tensor>(t));
+              },
+              h);
         }
         return h;
       },
@@ -134,10 +136,10 @@ void part_b(const char* name, torch::nn::Sequential seq, const torch::Tensor& x,
   }
   const remat::plan::Chain chain = remat::profile(seq, x);
   const int64_t min_peak = remat::plan::min_feasible_peak_bytes(chain);
-  std::printf("\nB. %s: %d stages, plain peak %s, plain step %.2f ms, %d steps, 1 thread\n"
-              "   smallest peak any schedule can reach (planner model): %s = %.2f of plain\n",
-              name, n, mib(plain_peak).c_str(), plain_ms, steps, mib(min_peak).c_str(),
-              double(min_peak) / plain_peak);
+  std::printf(
+      "\nB. %s: %d stages, plain peak %s, plain step %.2f ms, %d steps, 1 thread\n"
+      "   smallest peak any schedule can reach (planner model): %s = %.2f of plain\n",
+      name, n, mib(plain_peak).c_str(), plain_ms, steps, mib(min_peak).c_str(), double(min_peak) / plain_peak);
   // Last column: the planner model's time of the plan over all schedules
   // (what kAuto picks at these sizes) against rotor's persistent class.
   std::printf("%-7s %12s | %-30s | %-34s | %s\n", "budget", "bytes", "optimal plan: peak, time x",
@@ -146,7 +148,8 @@ void part_b(const char* name, torch::nn::Sequential seq, const torch::Tensor& x,
     const int64_t budget = static_cast<int64_t>(f * plain_peak);
     std::string opt_cell, seq_cell;
     try {
-      remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget).measure_memory(false));
+      remat::CheckpointedSequential net(seq,
+                                        remat::SequentialOptions().memory_budget_bytes(budget).measure_memory(false));
       Step g = [&](const torch::Tensor& in) { return net->forward(in); };
       auto [m, ratio] = against_plain(g, steps);
       char buf[96];
@@ -204,15 +207,16 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows when piped
   remat::memory::enable_tracking();
   const int steps = argc > 1 ? std::atoi(argv[1]) : 20;
-  std::printf("remat_bench: medians of %d steps after warm-up; peak = activation bytes above the pre-step\n"
-              "baseline plus the input (parameter gradients preallocated); time x = step time / plain.\n",
-              steps);
+  std::printf(
+      "remat_bench: medians of %d steps after warm-up; peak = activation bytes above the pre-step\n"
+      "baseline plus the input (parameter gradients preallocated); time x = step time / plain.\n",
+      steps);
   part_a(steps);
   {
     torch::manual_seed(1);
     torch::nn::Sequential mlp;
-    const int64_t w[] = {256, 1024, 256, 1536, 256, 512, 1024, 256, 768, 256, 1536, 256, 512,
-                         256, 1024, 256, 768, 256, 1024, 512, 256, 1536, 256, 768, 256};
+    const int64_t w[] = {256, 1024, 256, 1536, 256, 512,  1024, 256, 768,  256, 1536, 256, 512,
+                         256, 1024, 256, 768,  256, 1024, 512,  256, 1536, 256, 768,  256};
     for (int i = 0; i + 1 < 25; ++i) {
       mlp->push_back(torch::nn::Linear(w[i], w[i + 1]));
       mlp->push_back(torch::nn::GELU());

@@ -111,8 +111,8 @@ void soak(Strategy s, int steps) {
   const auto [tmin, tmax] = std::minmax_element(tracked.begin(), tracked.end());
   const auto [rmin, rmax] = std::minmax_element(rss.begin(), rss.end());
   std::printf("%-32s %8.1f %12lld %12.1f %10.2f %10.2f %14.1f %9.2f %9.2f\n", name(s), ms,
-              static_cast<long long>(*tmax - *tmin), 1000.0 * slope(tracked), (*rmin) / 1048576.0,
-              (*rmax) / 1048576.0, 1000.0 * slope(rss), peak / 1048576.0, tracked.back() / 1048576.0);
+              static_cast<long long>(*tmax - *tmin), 1000.0 * slope(tracked), (*rmin) / 1048576.0, (*rmax) / 1048576.0,
+              1000.0 * slope(rss), peak / 1048576.0, tracked.back() / 1048576.0);
   std::fflush(stdout);
 }
 

@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
   std::string out_dir = default_out_dir().string();
   double auto_fraction = 0.5;
   app.add_option("--out", out_dir, "folder for demo.csv, demo.png and the traces")->capture_default_str();
-  app.add_option("--steps", base.steps, "steps per strategy (the first is warm-up, the last is traced)")->capture_default_str();
+  app.add_option("--steps", base.steps, "steps per strategy (the first is warm-up, the last is traced)")
+      ->capture_default_str();
   app.add_option("--layers", base.layers, "GPT blocks")->capture_default_str();
   app.add_option("--d-model", base.d_model, "GPT width")->capture_default_str();
   app.add_option("--seq-len", base.seq_len, "tokens per sequence")->capture_default_str();
@@ -128,20 +129,22 @@ int main(int argc, char** argv) {
   // The table.
   const auto& none = rows.front();
   std::cout << "\n"
-            << std::left << std::setw(20) << "strategy" << std::right << std::setw(14) << "peak act. mem" << std::setw(9)
-            << "vs none" << std::setw(15) << "step (median)" << std::setw(10) << "overhead" << std::setw(16)
-            << "final loss" << "\n";
+            << std::left << std::setw(20) << "strategy" << std::right << std::setw(14) << "peak act. mem"
+            << std::setw(9) << "vs none" << std::setw(15) << "step (median)" << std::setw(10) << "overhead"
+            << std::setw(16) << "final loss"
+            << "\n";
   bool all_equal = true;
   for (const auto& r : rows) {
     all_equal = all_equal && r.final_loss == none.final_loss;
     std::ostringstream vs, step, overhead, loss;
-    vs << std::fixed << std::setprecision(2) << static_cast<double>(r.peak_bytes) / static_cast<double>(none.peak_bytes) << "x";
+    vs << std::fixed << std::setprecision(2) << static_cast<double>(r.peak_bytes) / static_cast<double>(none.peak_bytes)
+       << "x";
     step << std::fixed << std::setprecision(1) << r.step_ms << " ms";
     overhead << std::fixed << std::setprecision(2) << r.step_ms / none.step_ms << "x";
     loss << std::fixed << std::setprecision(10) << r.final_loss;
-    std::cout << std::left << std::setw(20) << r.name << std::right << std::setw(14) << remat::format_bytes(r.peak_bytes)
-              << std::setw(9) << vs.str() << std::setw(15) << step.str() << std::setw(10) << overhead.str()
-              << std::setw(16) << loss.str() << "\n";
+    std::cout << std::left << std::setw(20) << r.name << std::right << std::setw(14)
+              << remat::format_bytes(r.peak_bytes) << std::setw(9) << vs.str() << std::setw(15) << step.str()
+              << std::setw(10) << overhead.str() << std::setw(16) << loss.str() << "\n";
   }
   std::cout << "\nfinal losses " << (all_equal ? "bitwise equal" : "DIFFER") << " across strategies (same seed, "
             << base.steps << " steps, dropout " << base.dropout << ").\n";

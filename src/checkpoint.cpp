@@ -55,8 +55,6 @@ TensorMeta meta_of(const at::Tensor& t, bool with_hash) {
   return {t.sizes().vec(), t.scalar_type(), t.device(), with_hash ? hash_values(t) : 0};
 }
 
-
-
 }  // namespace
 
 namespace detail {
@@ -68,9 +66,9 @@ struct Slot {
   size_t input_index = 0;  // kInput
   at::Tensor ref;          // kRef
   uint32_t ref_version = 0;
-  TensorMeta meta;         // kRecompute
-  at::Tensor value;        // kRecompute: filled by recompute, moved out by unpack
-  bool alive = true;       // false once the node that saved it is released
+  TensorMeta meta;    // kRecompute
+  at::Tensor value;   // kRecompute: filled by recompute, moved out by unpack
+  bool alive = true;  // false once the node that saved it is released
 };
 
 struct SavedInput {
@@ -84,8 +82,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
   CheckpointOptions options;
   RecomputeFn recompute_fn;
   std::vector<SavedInput> inputs;
-  std::vector<const c10::TensorImpl*> input_impls;  // forward only, for kInput
-  ReplayState replay;  // RNG, autocast, buffers of the first run
+  std::vector<const c10::TensorImpl*> input_impls;          // forward only, for kInput
+  ReplayState replay;                                       // RNG, autocast, buffers of the first run
   std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
   std::vector<Slot> slots;
   std::vector<at::Tensor> pending_inputs;  // fetched for a recompute to come
@@ -101,8 +99,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
     if (in.tensor._version() != in.version) {
       throw Error("[remat::checkpoint] input " + std::to_string(k) +
                   " of a checkpointed function was modified in place after the forward "
-                  "(version " + std::to_string(in.version) + " -> " +
-                  std::to_string(in.tensor._version()) +
+                  "(version " +
+                  std::to_string(in.version) + " -> " + std::to_string(in.tensor._version()) +
                   "); recomputing from it would give wrong gradients. Modify a clone "
                   "instead, or keep the input unchanged until backward has run.");
     }
@@ -145,10 +143,11 @@ struct Frame : std::enable_shared_from_this<Frame> {
     switch (s.kind) {
       case SlotKind::kRef:
         if (s.ref._version() != s.ref_version) {
-          throw Error("[remat::checkpoint] a parameter saved for backward inside a checkpoint "
-                      "was modified in place before backward (version " +
-                      std::to_string(s.ref_version) + " -> " + std::to_string(s.ref._version()) +
-                      "); run optimizer.step() after backward, not between forward and backward.");
+          throw Error(
+              "[remat::checkpoint] a parameter saved for backward inside a checkpoint "
+              "was modified in place before backward (version " +
+              std::to_string(s.ref_version) + " -> " + std::to_string(s.ref._version()) +
+              "); run optimizer.step() after backward, not between forward and backward.");
         }
         return s.ref;
       case SlotKind::kInput: {
@@ -249,8 +248,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
     if (t.sizes() != at::IntArrayRef(m.sizes)) {
       what = "shape " + shape_str(m.sizes) + " in forward vs " + shape_str(t.sizes()) + " in recompute";
     } else if (t.scalar_type() != m.dtype) {
-      what = std::string("dtype ") + c10::toString(m.dtype) + " in forward vs " +
-             c10::toString(t.scalar_type()) + " in recompute";
+      what = std::string("dtype ") + c10::toString(m.dtype) + " in forward vs " + c10::toString(t.scalar_type()) +
+             " in recompute";
     } else if (t.device() != m.device) {
       what = "device " + m.device.str() + " in forward vs " + t.device().str() + " in recompute";
     } else if (mode == DeterminismCheck::kValues && hash_values(t) != m.hash) {
@@ -321,7 +320,6 @@ class RecomputeFactory final : public HookFactory {
   Frame* frame_;
 };
 
-
 }  // namespace
 
 void Frame::recompute() {
@@ -355,8 +353,8 @@ void Frame::recompute() {
 
 bool should_checkpoint() { return at::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(); }
 
-Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs,
-               RecomputeFn recompute, ModuleState state)
+Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs, RecomputeFn recompute,
+               ModuleState state)
     : rng_locked_(options.preserve_rng_state()), frame_(std::make_shared<Frame>()) {
   ensure_engine_installed();
   // NOTE [RNG regions and threads]: from the capture below to the end of the
@@ -414,15 +412,12 @@ Region::~Region() {
 
 }  // namespace detail
 
-CheckpointStats checkpoint_stats() {
-  return {g_regions.load(), g_recomputations.load(), g_early_stops.load()};
-}
+CheckpointStats checkpoint_stats() { return {g_regions.load(), g_recomputations.load(), g_early_stops.load()}; }
 
 void reset_checkpoint_stats() {
   g_regions = 0;
   g_recomputations = 0;
   g_early_stops = 0;
 }
-
 
 }  // namespace remat

@@ -6,8 +6,8 @@
 
 namespace remat {
 
-at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segments,
-                                 const at::Tensor& x, const CheckpointOptions& options) {
+at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segments, const at::Tensor& x,
+                                 const CheckpointOptions& options) {
   torch::nn::Sequential net = seq;  // shared: the recompute keeps the modules
   const auto n = static_cast<int64_t>(net->size());
   if (segments < 1 || segments > n) {
@@ -32,8 +32,7 @@ at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segme
       state.buffers.insert(state.buffers.end(), b.begin(), b.end());
     }
     h = detail::checkpoint_impl(
-        options, std::move(state),
-        [run, start, end](const at::Tensor& in) mutable { return run(start, end, in); }, h);
+        options, std::move(state), [run, start, end](const at::Tensor& in) mutable { return run(start, end, in); }, h);
   }
   return run(end + 1, n - 1, h);
 }

@@ -65,7 +65,7 @@ Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::
           }
         }
         node->next_edges()[k] = r.edge(nr);  // not set_next_edge: the node has a parent, and
-                                              // the sink, like the AccumulateGrad, has topological_nr 0
+                                             // the sink, like the AccumulateGrad, has topological_nr 0
         continue;
       }
       if (next->sequence_nr() >= seq0 && next->sequence_nr() != UINT64_MAX && visited.insert(next).second) {

@@ -21,8 +21,7 @@ thread_local std::vector<std::shared_ptr<HookFactory>> t_stack;
 thread_local size_t t_disabled_below = 0;
 
 struct RematEngine final : torch::autograd::Engine {
-  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks()
-      override {
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
     if (t_stack.size() <= t_disabled_below) return nullptr;
     return t_stack.back()->make_hook();
   }
@@ -68,9 +67,7 @@ ScopedHooks::ScopedHooks(std::shared_ptr<HookFactory> factory) {
 
 ScopedHooks::~ScopedHooks() { t_stack.pop_back(); }
 
-HookFactory* current_hooks() {
-  return t_stack.size() <= t_disabled_below ? nullptr : t_stack.back().get();
-}
+HookFactory* current_hooks() { return t_stack.size() <= t_disabled_below ? nullptr : t_stack.back().get(); }
 
 DisableHooks::DisableHooks() : saved_depth_(t_disabled_below) { t_disabled_below = t_stack.size(); }
 DisableHooks::~DisableHooks() { t_disabled_below = saved_depth_; }
@@ -105,9 +102,8 @@ class FunctionHookFactory final : public HookFactory {
 
 }  // namespace
 
-std::shared_ptr<HookFactory> make_function_hooks(
-    std::function<std::any(const at::Tensor&)> pack,
-    std::function<at::Tensor(const std::any&)> unpack) {
+std::shared_ptr<HookFactory> make_function_hooks(std::function<std::any(const at::Tensor&)> pack,
+                                                 std::function<at::Tensor(const std::any&)> unpack) {
   return std::make_shared<FunctionHookFactory>(
       std::make_shared<Functions>(Functions{std::move(pack), std::move(unpack)}));
 }

@@ -103,7 +103,9 @@ void unlock_rng_regions() { rng_region_mutex().unlock(); }
 
 ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
     : rng_lock_(!state.rng.empty()),
-      state_(state), grad_(enable_grad || at::GradMode::is_enabled()), autocast_now_(AutocastState::capture()) {
+      state_(state),
+      grad_(enable_grad || at::GradMode::is_enabled()),
+      autocast_now_(AutocastState::capture()) {
   ++t_recompute_depth;
   for (auto [gen, s] : state_.rng) {
     std::lock_guard<std::mutex> lock(gen.mutex());

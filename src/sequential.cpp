@@ -47,10 +47,10 @@ namespace ta = torch::autograd;
 struct Execution {
   /** What the forward part leaves; restored for each further backward. */
   struct State {
-    std::vector<at::Tensor> a;     // boundary values a_0..a_L (detached)
-    std::vector<at::Tensor> leaf;  // s_i: stage input leaf ...
-    std::vector<at::Tensor> out;   // ... and output with its graph
-    std::vector<Redirected> edges;  // ... whose gradient edges lead to a sink
+    std::vector<at::Tensor> a;       // boundary values a_0..a_L (detached)
+    std::vector<at::Tensor> leaf;    // s_i: stage input leaf ...
+    std::vector<at::Tensor> out;     // ... and output with its graph
+    std::vector<Redirected> edges;   // ... whose gradient edges lead to a sink
     std::vector<bool> from_forward;  // the graph was made by the forward part
     std::vector<int> runs;
   };
@@ -64,12 +64,12 @@ struct Execution {
   State st;
   std::optional<State> kept;  // retain_graph: the state after the forward part
   bool backward_started = false;
-  at::Tensor grad;  // gradient at the current boundary
-  std::vector<std::vector<at::Tensor>> params;  // per stage: requires grad, distinct
-  std::vector<ta::Node*> nodes;                 // per stage (owned by the graph)
+  at::Tensor grad;                                                           // gradient at the current boundary
+  std::vector<std::vector<at::Tensor>> params;                               // per stage: requires grad, distinct
+  std::vector<ta::Node*> nodes;                                              // per stage (owned by the graph)
   std::vector<std::pair<at::TensorOptions, std::vector<int64_t>>> out_meta;  // a_1..a_L
-  std::vector<std::optional<ReplayState>> first_run;  // per stage
-  at::Tensor input;  // x as given (attached), for create_graph
+  std::vector<std::optional<ReplayState>> first_run;                         // per stage
+  at::Tensor input;                                                          // x as given (attached), for create_graph
   bool preserve_rng = true;
   bool input_requires_grad = false;
   std::unique_ptr<memory::Probe> probe;
@@ -93,8 +93,8 @@ struct Execution {
 
   void need(bool ok, const plan::Op& op, const char* what) const {
     if (!ok) {
-      throw Error("[remat::CheckpointedSequential] op #" + std::to_string(pc) + " " + plan::to_string(op) +
-                  ": " + what + "; the schedule does not fit this chain (validate it with remat::plan::simulate).");
+      throw Error("[remat::CheckpointedSequential] op #" + std::to_string(pc) + " " + plan::to_string(op) + ": " +
+                  what + "; the schedule does not fit this chain (validate it with remat::plan::simulate).");
     }
   }
 
@@ -185,9 +185,7 @@ struct Execution {
         st.a[i + 1] = at::Tensor();
         break;
       }
-      case plan::OpKind::kDrop:
-        st.a[i] = at::Tensor();
-        break;
+      case plan::OpKind::kDrop: st.a[i] = at::Tensor(); break;
     }
   }
 
@@ -336,9 +334,13 @@ struct StageBackward : ta::Node {
  *  layout of x, whether x and each parameter require grad, train/eval
  *  mode, and the autocast state. */
 std::vector<int64_t> plan_key(const at::Tensor& x, const torch::nn::Sequential& seq) {
-  std::vector<int64_t> key{static_cast<int64_t>(x.scalar_type()), static_cast<int64_t>(x.device().type()),
-                           x.device().index(), x.requires_grad(), x.is_contiguous(),
-                           x.is_contiguous(at::MemoryFormat::ChannelsLast), seq->is_training()};
+  std::vector<int64_t> key{static_cast<int64_t>(x.scalar_type()),
+                           static_cast<int64_t>(x.device().type()),
+                           x.device().index(),
+                           x.requires_grad(),
+                           x.is_contiguous(),
+                           x.is_contiguous(at::MemoryFormat::ChannelsLast),
+                           seq->is_training()};
   const AutocastState ac = AutocastState::capture();
   key.insert(key.end(), {ac.cpu_enabled, static_cast<int64_t>(ac.cpu_dtype), ac.cuda_enabled,
                          static_cast<int64_t>(ac.cuda_dtype)});
@@ -399,7 +401,8 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   } else {
     std::string algorithm = options_.algorithm();
     if (algorithm.empty()) algorithm = budget > 0 ? "optimal" : "sqrt";
-    auto solve = plan::parse_algorithm(algorithm).with_memory_slots(options_.memory_slots()).with_scope(options_.scope());
+    auto solve =
+        plan::parse_algorithm(algorithm).with_memory_slots(options_.memory_slots()).with_scope(options_.scope());
     if (budget > 0) solve.with_budget_bytes(budget);
     e.plan = plan::solve(e.chain, solve);
     if (budget > 0 && e.plan.prediction.peak_bytes > budget) {

@@ -21,12 +21,12 @@
 
 namespace {
 
-#define CHILD_CHECK(cond)                                               \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
+#define CHILD_CHECK(cond)                                                     \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
       std::fprintf(stderr, "check failed at line %d: %s\n", __LINE__, #cond); \
-      std::exit(1);                                                     \
-    }                                                                   \
+      std::exit(1);                                                           \
+    }                                                                         \
   } while (0)
 
 /** A user's counting allocator: forwards to the one it replaced. */
@@ -37,9 +37,7 @@ struct UserCounter final : c10::Allocator {
     return inner_->allocate(n);
   }
   c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
   std::atomic<int64_t> allocated{0};
   c10::Allocator* inner_;
 };
@@ -109,7 +107,7 @@ TEST_F(Allocator, PointerAllocatedBeforeTrackingIsFreedNotLeaked) {
         CHILD_CHECK(rss_bytes() - rss0 > int64_t{200} << 20);
         remat::memory::enable_tracking();
         const int64_t base = remat::memory::current_bytes();
-        c10::GetCPUAllocator()->raw_deallocate(p);  // remat's raw deleter now
+        c10::GetCPUAllocator()->raw_deallocate(p);            // remat's raw deleter now
         CHILD_CHECK(remat::memory::current_bytes() == base);  // never counted, not subtracted
         CHILD_CHECK(rss_bytes() - rss0 < int64_t{32} << 20);  // but freed
         std::exit(0);

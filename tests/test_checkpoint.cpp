@@ -68,7 +68,9 @@ TEST(Checkpoint, DropoutWithoutRngPreservationDiffers) {
   torch::manual_seed(3);
   torch::nn::Linear lin(64, 64);
   auto x = torch::randn({16, 64}, torch::requires_grad());
-  auto fn = [lin](torch::Tensor in) mutable { return F::dropout(lin(in), F::DropoutFuncOptions().p(0.5).training(true)).tanh(); };
+  auto fn = [lin](torch::Tensor in) mutable {
+    return F::dropout(lin(in), F::DropoutFuncOptions().p(0.5).training(true)).tanh();
+  };
   torch::manual_seed(11);
   auto plain = step_grads(*lin, x, fn);
   torch::manual_seed(11);
@@ -102,7 +104,12 @@ TEST(Checkpoint, RunsTwicePerBackwardOnceIfUnreached) {
   EXPECT_EQ(runs, 1);
   // And a region whose saved tensors are all parameters or inputs needs no re-run.
   runs = 0;
-  auto y3 = remat::checkpoint([&runs, w](torch::Tensor in) { ++runs; return torch::matmul(in, w); }, x);
+  auto y3 = remat::checkpoint(
+      [&runs, w](torch::Tensor in) {
+        ++runs;
+        return torch::matmul(in, w);
+      },
+      x);
   y3.sum().backward();
   EXPECT_EQ(runs, 1);
 }
@@ -196,10 +203,12 @@ TEST(Checkpoint, FrozenInputsStillGiveParameterGradients) {
 
 TEST(Checkpoint, ReturnTypesAndUndefinedTensors) {
   auto x = torch::randn({4}, torch::requires_grad());
-  auto tup = remat::checkpoint([](torch::Tensor a, torch::Tensor maybe) {
-    EXPECT_FALSE(maybe.defined());
-    return std::make_tuple(a.exp(), a.detach() * 2);  // second output needs no grad
-  }, x, torch::Tensor());
+  auto tup = remat::checkpoint(
+      [](torch::Tensor a, torch::Tensor maybe) {
+        EXPECT_FALSE(maybe.defined());
+        return std::make_tuple(a.exp(), a.detach() * 2);  // second output needs no grad
+      },
+      x, torch::Tensor());
   static_assert(std::is_same_v<decltype(tup), std::tuple<torch::Tensor, torch::Tensor>>);
   EXPECT_FALSE(std::get<1>(tup).requires_grad());
   auto vec = remat::checkpoint([](torch::Tensor a) { return std::vector<torch::Tensor>{a.sin(), a.cos()}; }, x);
@@ -213,7 +222,10 @@ TEST(Checkpoint, RetainGraphTwiceRecomputesAgain) {
   torch::manual_seed(8);
   torch::nn::Linear lin(10, 10);
   int runs = 0;
-  auto fn = [&runs, lin](torch::Tensor in) mutable { ++runs; return lin(in).sigmoid(); };
+  auto fn = [&runs, lin](torch::Tensor in) mutable {
+    ++runs;
+    return lin(in).sigmoid();
+  };
   auto x = torch::randn({3, 10}, torch::requires_grad());
   auto loss = remat::checkpoint(fn, x).square().sum();
   loss.backward({}, /*retain_graph=*/true);
@@ -227,7 +239,12 @@ TEST(Checkpoint, RetainGraphTwiceRecomputesAgain) {
 TEST(Checkpoint, NoGradModeJustCalls) {
   int runs = 0;
   torch::NoGradGuard g;
-  auto y = remat::checkpoint([&runs](torch::Tensor a) { ++runs; return a * 2; }, torch::ones({2}));
+  auto y = remat::checkpoint(
+      [&runs](torch::Tensor a) {
+        ++runs;
+        return a * 2;
+      },
+      torch::ones({2}));
   EXPECT_EQ(runs, 1);
   EXPECT_TRUE(torch::equal(y, torch::full({2}, 2.0)));
 }
@@ -415,7 +432,8 @@ TEST(CheckpointErrors, BadSegments) {
     } catch (const remat::Error& e) {
       EXPECT_EQ(std::string(e.what()),
                 "[remat::checkpoint_sequential] segments must be in [1, 4] (the number of modules), got " +
-                    std::to_string(bad) + ". Pass a value in that range; 1 runs the whole Sequential without checkpoints.");
+                    std::to_string(bad) +
+                    ". Pass a value in that range; 1 runs the whole Sequential without checkpoints.");
     }
   }
 }
@@ -449,8 +467,10 @@ TEST(CheckpointErrors, ValuesCheckCatchesNondeterminism) {
     y.sum().backward();
     FAIL() << "no determinism error";
   } catch (const remat::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("differs between the forward and the recomputation: values differ bitwise (shape [4])"),
-              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(
+                  "differs between the forward and the recomputation: values differ bitwise (shape [4])"),
+              std::string::npos)
+        << e.what();
   }
   // The default metadata check cannot see it; with the RNG replayed it is deterministic.
   auto y2 = remat::checkpoint(remat::CheckpointOptions().determinism_check(remat::DeterminismCheck::kValues), fn, x);

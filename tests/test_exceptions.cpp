@@ -53,7 +53,8 @@ RngBytes cpu_rng_state() {
 }
 
 void set_cpu_rng_state(const RngBytes& s) {
-  at::Tensor t = torch::from_blob(const_cast<uint8_t*>(s.data()), {static_cast<int64_t>(s.size())}, torch::kUInt8).clone();
+  at::Tensor t =
+      torch::from_blob(const_cast<uint8_t*>(s.data()), {static_cast<int64_t>(s.size())}, torch::kUInt8).clone();
   auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(t);
@@ -196,7 +197,7 @@ TEST_F(ExceptionSafety, CheckpointRecomputeThrowInBackward) {
     remat::memory::Probe probe;
     auto loss = ckpt_run(x).square().mean();
     f->throw_on = f->calls + 1;  // the recompute
-    torch::rand({100});  // move the generator away from the captured state
+    torch::rand({100});          // move the generator away from the captured state
     Ambient before, after;
     {
       c10::AutoGradMode mode(grad_mode);

@@ -13,8 +13,16 @@ TEST(Hooks, PackUnpackCalledPerSavedTensor) {
   torch::Tensor y;
   {
     // The packed value is a copy: backward must use what unpack returns.
-    remat::SavedTensorsHooks g([&](const at::Tensor& t) { ++packs; packed.push_back(t.detach()); return t.detach().clone(); },
-                               [&](const at::Tensor& t) { ++unpacks; return t; });
+    remat::SavedTensorsHooks g(
+        [&](const at::Tensor& t) {
+          ++packs;
+          packed.push_back(t.detach());
+          return t.detach().clone();
+        },
+        [&](const at::Tensor& t) {
+          ++unpacks;
+          return t;
+        });
     y = x.exp().sin().sum();  // exp saves its result, sin its input: the same tensor
   }
   EXPECT_EQ(packs, 2);
@@ -33,8 +41,14 @@ TEST(Hooks, InnermostAppliesAndDisable) {
   auto x = torch::randn({3}, torch::requires_grad());
   auto make = [&](std::string name) {
     return std::make_unique<remat::SavedTensorsHooks>(
-        [&log, name](const at::Tensor& t) { log.push_back("pack " + name); return t; },
-        [&log, name](const at::Tensor& t) { log.push_back("unpack " + name); return t; });
+        [&log, name](const at::Tensor& t) {
+          log.push_back("pack " + name);
+          return t;
+        },
+        [&log, name](const at::Tensor& t) {
+          log.push_back("unpack " + name);
+          return t;
+        });
   };
   torch::Tensor y;
   {
@@ -80,7 +94,12 @@ TEST(Hooks, PackedValueMayBeAnyType) {
 
 TEST(Hooks, StackIsPerThread) {
   int packs = 0;
-  remat::SavedTensorsHooks g([&](const at::Tensor& t) { ++packs; return t; }, [](const at::Tensor& t) { return t; });
+  remat::SavedTensorsHooks g(
+      [&](const at::Tensor& t) {
+        ++packs;
+        return t;
+      },
+      [](const at::Tensor& t) { return t; });
   std::thread other([] {
     EXPECT_EQ(remat::current_hooks(), nullptr);
     auto x = torch::randn({3}, torch::requires_grad());

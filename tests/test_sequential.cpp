@@ -87,8 +87,8 @@ TEST(CheckpointedSequential, MultiLevelScheduleCreatesCheckpointsDuringRecompute
   auto x = torch::randn({16, 32}, torch::requires_grad());
   auto plain = plain_grads(seq, x, 0);
   auto chain = remat::profile(seq, x);
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(
-                                             remat::plan::min_feasible_peak_bytes(chain) * 11 / 10));
+  remat::CheckpointedSequential net(
+      seq, remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 11 / 10));
   auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
   expect_bitwise_equal(plain, got);
   const auto& ops = net->plan().schedule.ops;
@@ -209,7 +209,8 @@ TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
       for (const auto& b : seq->buffers()) buffer_bytes += b.numel() * b.element_size();
       EXPECT_LE(measured, budget + 64 + buffer_bytes) << c.name << " at " << f;
       EXPECT_NEAR(static_cast<double>(measured), static_cast<double>(predicted), 0.10 * predicted)
-          << c.name << " at " << f << "\n" << net->explain();
+          << c.name << " at " << f << "\n"
+          << net->explain();
     }
   }
 }
@@ -219,8 +220,8 @@ TEST(CheckpointedSequential, GptStackBitwiseAtTightBudget) {
   auto x = torch::randn({2, 32, 64}, torch::requires_grad());
   auto plain = plain_grads(seq, x, 9);
   auto chain = remat::profile(seq, x);
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(
-                                             remat::plan::min_feasible_peak_bytes(chain)));
+  remat::CheckpointedSequential net(
+      seq, remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain)));
   torch::manual_seed(9);
   auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
   expect_bitwise_equal(plain, got);
@@ -373,8 +374,8 @@ TEST(CheckpointedSequential, RetainGraphBackwardTwice) {
   };
   auto plain = twice([&](torch::Tensor h) { return seq->forward(h); });
   auto chain = remat::profile(seq, x);
-  for (int64_t budget : {remat::plan::store_all(chain).prediction.peak_bytes,
-                         remat::plan::min_feasible_peak_bytes(chain) * 11 / 10}) {
+  for (int64_t budget :
+       {remat::plan::store_all(chain).prediction.peak_bytes, remat::plan::min_feasible_peak_bytes(chain) * 11 / 10}) {
     remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget));
     auto got = twice([&](torch::Tensor h) { return net->forward(h); });
     expect_bitwise_equal(plain, got);
@@ -403,8 +404,8 @@ TEST(CheckpointedSequential, CreateGraphGradientPenalty) {
   EXPECT_TRUE(torch::equal(plain.back(), got.back())) << "dL/dx";
   for (size_t i = 0; i < plain.size(); ++i) {
     ASSERT_TRUE(got[i].defined()) << i;
-    EXPECT_TRUE(torch::allclose(plain[i], got[i], 1e-5, 1e-7)) << "gradient " << i << " max diff "
-                                                                << (plain[i] - got[i]).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(plain[i], got[i], 1e-5, 1e-7))
+        << "gradient " << i << " max diff " << (plain[i] - got[i]).abs().max().item<double>();
   }
 }
 

@@ -224,8 +224,8 @@ TEST(Threads, DropoutReplayPerThread) {
       ASSERT_EQ(rd.first.size(), static_cast<size_t>(kSteps)) << "dropout " << d;
       for (auto& [step, mask] : rd.replays) {
         ++replays;
-        EXPECT_TRUE(torch::equal(mask, rd.first[step])) << "dropout " << d << " step " << step
-                                                         << ": the recompute drew another mask";
+        EXPECT_TRUE(torch::equal(mask, rd.first[step]))
+            << "dropout " << d << " step " << step << ": the recompute drew another mask";
       }
     }
     // Every dropout in a recomputed group, once per step.
@@ -287,8 +287,7 @@ TEST(Threads, SharedReadOnlyModelInputGradients) {
     for (int i = 0; i < kIters; ++i) {
       const auto want = grad_x(Strategy::kPlain, input(t, i));
       for (int k = 0; k < 4; ++k) {
-        SCOPED_TRACE("thread " + std::to_string(t) + " iteration " + std::to_string(i) + ": " +
-                     name(all[(t + k) % 4]));
+        SCOPED_TRACE("thread " + std::to_string(t) + " iteration " + std::to_string(i) + ": " + name(all[(t + k) % 4]));
         expect_bitwise_equal({got[t][i * 4 + k]}, {want});
       }
     }

@@ -10,12 +10,12 @@
 #include <dlfcn.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <functional>
 #include <memory>
 #include <sstream>
@@ -91,7 +91,9 @@ Model build(const std::string& name) {
     std::vector<remat::models::GptBlock> b;
     for (int i = 0; i < 16; ++i) b.emplace_back(128, 4, 0.0);
     add_blocks(m, b);
-    m.selective = [b](bool on) { for (auto blk : b) blk->set_checkpoint_attention(on); };
+    m.selective = [b](bool on) {
+      for (auto blk : b) blk->set_checkpoint_attention(on);
+    };
     m.x = torch::randn({1, 128, 128});
   } else if (name == "resnet") {  // RESNET = dict(width=16, batch=4, image=32), depth 18
     std::vector<remat::models::ResBlock> b;
@@ -104,7 +106,9 @@ Model build(const std::string& name) {
       }
     }
     add_blocks(m, b);
-    m.selective = [b](bool on) { for (auto blk : b) blk->set_checkpoint_first(on); };
+    m.selective = [b](bool on) {
+      for (auto blk : b) blk->set_checkpoint_first(on);
+    };
     m.x = torch::randn({4, 16, 32, 32});
   } else {
     std::fprintf(stderr, "unknown model %s: use mlp, gpt or resnet\n", name.c_str());
@@ -206,12 +210,18 @@ int main(int argc, char** argv) {
   Model m = build(model);
   // RSS cross-check: reset the high-water mark (VmHWM, what ru_maxrss reports)
   // after set-up, so the growth is this run's own; baseline = RSS now.
-  { std::FILE* f = std::fopen("/proc/self/clear_refs", "w"); if (f) { std::fputs("5", f); std::fclose(f); } }
+  {
+    std::FILE* f = std::fopen("/proc/self/clear_refs", "w");
+    if (f) {
+      std::fputs("5", f);
+      std::fclose(f);
+    }
+  }
   const long rss0_kib = status_kib("VmRSS:");
 
   Fn plain = [&](const torch::Tensor& in) { return m.seq->forward(in); };
   int64_t plain_peak = 0;
-  if (!rss_mode) {  // --rss 1: only the given strategy runs, so ru_maxrss is its own
+  if (!rss_mode) {   // --rss 1: only the given strategy runs, so ru_maxrss is its own
     step(m, plain);  // allocates parameter gradients
     plain_peak = peak_of(m, plain, meter);
   }
@@ -264,8 +274,8 @@ int main(int argc, char** argv) {
         r.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
       } catch (const remat::Error& e) {
         const int64_t min_peak = remat::plan::min_feasible_peak_bytes(remat::profile(m.seq, m.x));
-        r.note = "infeasible; smallest feasible peak " + std::to_string(min_peak) + " bytes = " +
-                 std::to_string(double(min_peak) / plain_peak) + " of plain";
+        r.note = "infeasible; smallest feasible peak " + std::to_string(min_peak) +
+                 " bytes = " + std::to_string(double(min_peak) / plain_peak) + " of plain";
         runs.push_back(r);
         continue;
       }
@@ -296,16 +306,23 @@ int main(int argc, char** argv) {
 
   std::printf("{\"lang\": \"cpp\", \"model\": \"%s\", \"threads\": %d, \"meter\": \"%s\", \"plain_peak\": %lld,\n",
               model.c_str(), torch::get_num_threads(), meter.name.c_str(), (long long)plain_peak);
-  std::printf(" \"blocks\": %zu, \"input_bytes\": %lld, \"param_bytes\": %lld, \"rss_delta_kib\": %ld, \"rss_mode\": %s,\n",
-              m.seq->size(), (long long)m.x.nbytes(),
-              [&] { int64_t b = 0; for (auto& p : m.seq->parameters()) b += p.nbytes(); return (long long)b; }(),
-              hwm_kib - rss0_kib, rss_mode ? "true" : "false");
+  std::printf(
+      " \"blocks\": %zu, \"input_bytes\": %lld, \"param_bytes\": %lld, \"rss_delta_kib\": %ld, \"rss_mode\": %s,\n",
+      m.seq->size(), (long long)m.x.nbytes(),
+      [&] {
+        int64_t b = 0;
+        for (auto& p : m.seq->parameters()) b += p.nbytes();
+        return (long long)b;
+      }(),
+      hwm_kib - rss0_kib, rss_mode ? "true" : "false");
   std::printf(" \"runs\": [\n");
   for (size_t i = 0; i < runs.size(); ++i) {
     const auto& r = runs[i];
-    std::printf("  {\"name\": \"%s\", \"peak\": %lld, \"predicted\": %lld, \"note\": \"%s\", \"ms\": %s, \"fwd_ms\": %s, \"bwd_ms\": %s}%s\n",
-                r.name.c_str(), (long long)r.peak, (long long)r.predicted, r.note.c_str(), json_list(r.ms).c_str(),
-                json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(), i + 1 < runs.size() ? "," : "");
+    std::printf(
+        "  {\"name\": \"%s\", \"peak\": %lld, \"predicted\": %lld, \"note\": \"%s\", \"ms\": %s, \"fwd_ms\": %s, "
+        "\"bwd_ms\": %s}%s\n",
+        r.name.c_str(), (long long)r.peak, (long long)r.predicted, r.note.c_str(), json_list(r.ms).c_str(),
+        json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(), i + 1 < runs.size() ? "," : "");
   }
   std::printf(" ]}\n");
   return 0;

@@ -86,12 +86,13 @@ int main(int argc, char** argv) {
   std::printf("default slower than exact: %d; gap > 0.1%%: %ld, > 1%%: %ld, > 5%%: %ld, > 10%%: %ld\n", slower,
               static_cast<long>(count_over(1e-3)), static_cast<long>(count_over(1e-2)),
               static_cast<long>(count_over(5e-2)), static_cast<long>(count_over(1e-1)));
-  std::printf("gap percentiles: 50%% %.3f%%, 90%% %.3f%%, 99%% %.3f%%, max %.3f%%; mean %.4f%%\n", pct(0.5), pct(0.9),
-              pct(0.99), pct(1.0), 100 * [&] {
-                double s = 0;
-                for (double g : gaps) s += g;
-                return s / gaps.size();
-              }());
+  std::printf(
+      "gap percentiles: 50%% %.3f%%, 90%% %.3f%%, 99%% %.3f%%, max %.3f%%; mean %.4f%%\n", pct(0.5), pct(0.9),
+      pct(0.99), pct(1.0), 100 * [&] {
+        double s = 0;
+        for (double g : gaps) s += g;
+        return s / gaps.size();
+      }());
   std::printf("default optimal(): %.3f s in all, %.2f ms per case\n", default_s, 1e3 * default_s / gaps.size());
 #ifdef REMAT_GAP_BOUND
   std::printf("reported bound: covers the gap in %zu of %zu cases; 0 (proven optimal) in %d; largest %.3f%%\n",

@@ -51,10 +51,21 @@ static void BM_Optimal(benchmark::State& state) {
 }
 // Budget: min feasible peak + pct% of the way to the store-all peak.
 BENCHMARK(BM_Optimal)
-    ->Args({32, 500, 50, 0})->Args({64, 500, 50, 0})->Args({83, 500, 10, 0})->Args({128, 500, 50, 0})
-    ->Args({128, 500, 10, 0})->Args({128, 500, 2, 0})->Args({128, 1000, 10, 0})->Args({256, 500, 10, 0})
-    ->Args({32, 500, 10, 1})->Args({64, 500, 10, 1})->Args({96, 500, 10, 1})->Args({128, 500, 10, 1})
-    ->Args({32, 500, 10, 2})->Args({64, 500, 10, 2})->Args({128, 500, 10, 2})
+    ->Args({32, 500, 50, 0})
+    ->Args({64, 500, 50, 0})
+    ->Args({83, 500, 10, 0})
+    ->Args({128, 500, 50, 0})
+    ->Args({128, 500, 10, 0})
+    ->Args({128, 500, 2, 0})
+    ->Args({128, 1000, 10, 0})
+    ->Args({256, 500, 10, 0})
+    ->Args({32, 500, 10, 1})
+    ->Args({64, 500, 10, 1})
+    ->Args({96, 500, 10, 1})
+    ->Args({128, 500, 10, 1})
+    ->Args({32, 500, 10, 2})
+    ->Args({64, 500, 10, 2})
+    ->Args({128, 500, 10, 2})
     ->Unit(benchmark::kMillisecond);
 
 static void BM_Simulate(benchmark::State& state) {

@@ -87,9 +87,7 @@ class CountingAllocator final : public c10::Allocator {
     return {data, w, &wrapped_delete, device};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
  private:
   c10::Allocator* inner_;

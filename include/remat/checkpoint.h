@@ -87,8 +87,8 @@ bool should_checkpoint();
  *  pushes the checkpoint hooks until destroyed. */
 class Region {
  public:
-  Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs,
-         RecomputeFn recompute, ModuleState state);
+  Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs, RecomputeFn recompute,
+         ModuleState state);
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -141,7 +141,10 @@ decltype(auto) call(F& f, A&&... a) {
 /** A module holder's parameters and buffers; nothing for plain callables. */
 template <class F>
 ModuleState module_state_of(F& f) {
-  if constexpr (requires { f->buffers(); f->parameters(); }) {
+  if constexpr (requires {
+                  f->buffers();
+                  f->parameters();
+                }) {
     return {f->parameters(), f->buffers()};
   } else {
     return {};
@@ -150,8 +153,7 @@ ModuleState module_state_of(F& f) {
 
 /** checkpoint() with the module state given explicitly. */
 template <class Fn, class... Args>
-auto checkpoint_impl(const CheckpointOptions& options, ModuleState state, Fn&& fn,
-                     Args&&... args) {
+auto checkpoint_impl(const CheckpointOptions& options, ModuleState state, Fn&& fn, Args&&... args) {
   static_assert(std::is_copy_constructible_v<std::decay_t<Fn>>,
                 "remat::checkpoint keeps a copy of fn for the recompute: fn must be copyable");
   if (!should_checkpoint()) return call(fn, std::forward<Args>(args)...);
@@ -168,7 +170,9 @@ auto checkpoint_impl(const CheckpointOptions& options, ModuleState state, Fn&& f
           (fill(a, in, k), ...);
           struct Reblank {
             Stored* s;
-            ~Reblank() { std::apply([](auto&, auto&... b) { (blank(b), ...); }, *s); }
+            ~Reblank() {
+              std::apply([](auto&, auto&... b) { (blank(b), ...); }, *s);
+            }
           } reblank{stored.get()};
           call(f, a...);
         },
@@ -197,8 +201,7 @@ auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args) {
 
 /** checkpoint() with default CheckpointOptions. */
 template <class Fn, class... Args>
-  requires(!std::is_same_v<std::decay_t<Fn>, CheckpointOptions>)
-auto checkpoint(Fn&& fn, Args&&... args) {
+requires(!std::is_same_v<std::decay_t<Fn>, CheckpointOptions>) auto checkpoint(Fn&& fn, Args&&... args) {
   return checkpoint(CheckpointOptions(), std::forward<Fn>(fn), std::forward<Args>(args)...);
 }
 
@@ -206,8 +209,7 @@ auto checkpoint(Fn&& fn, Args&&... args) {
  *  size(seq)/segments modules, checkpoints all but the last, which runs
  *  plain. segments must be in [1, size(seq)]. Each module takes and returns
  *  one Tensor. */
-at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segments,
-                                 const at::Tensor& x,
+at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segments, const at::Tensor& x,
                                  const CheckpointOptions& options = CheckpointOptions());
 
 }  // namespace remat

@@ -61,9 +61,8 @@ class DisableHooks {
 };
 
 namespace detail {
-std::shared_ptr<HookFactory> make_function_hooks(
-    std::function<std::any(const at::Tensor&)> pack,
-    std::function<at::Tensor(const std::any&)> unpack);
+std::shared_ptr<HookFactory> make_function_hooks(std::function<std::any(const at::Tensor&)> pack,
+                                                 std::function<at::Tensor(const std::any&)> unpack);
 }  // namespace detail
 
 /** RAII pack/unpack pair: pack(tensor) runs when autograd saves a tensor and
@@ -78,12 +77,12 @@ class SavedTensorsHooks {
  public:
   template <class Pack, class Unpack>
   SavedTensorsHooks(Pack pack, Unpack unpack)
-      : scope_(detail::make_function_hooks(
-            [pack = std::move(pack)](const at::Tensor& t) -> std::any { return pack(t); },
-            [unpack = std::move(unpack)](const std::any& p) -> at::Tensor {
-              using P = std::decay_t<std::invoke_result_t<Pack&, const at::Tensor&>>;
-              return unpack(std::any_cast<const P&>(p));
-            })) {}
+      : scope_(
+            detail::make_function_hooks([pack = std::move(pack)](const at::Tensor& t) -> std::any { return pack(t); },
+                                        [unpack = std::move(unpack)](const std::any& p) -> at::Tensor {
+                                          using P = std::decay_t<std::invoke_result_t<Pack&, const at::Tensor&>>;
+                                          return unpack(std::any_cast<const P&>(p));
+                                        })) {}
 
  private:
   ScopedHooks scope_;

@@ -74,8 +74,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   void reset() override;
   /** A deep copy: its own Sequential (cloned), the same options; the
    *  original is left untouched. Plans are made again on first use. */
-  std::shared_ptr<torch::nn::Module> clone(
-      const std::optional<c10::Device>& device = std::nullopt) const override;
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<c10::Device>& device = std::nullopt) const override;
   /** Runs the schedule's forward part; backward runs the rest. */
   at::Tensor forward(const at::Tensor& x);
 

@@ -37,14 +37,14 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t heads,
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {  // (B, T, C)
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads_;
-  auto qkv_bthd = qkv(x).view({B, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});  // (3, B, H, T, hd)
-  auto q = qkv_bthd[0], k = qkv_bthd[1], v = qkv_bthd[2];                       // (B, H, T, hd)
+  auto qkv_bthd = qkv(x).view({B, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});                    // (3, B, H, T, hd)
+  auto q = qkv_bthd[0], k = qkv_bthd[1], v = qkv_bthd[2];                                         // (B, H, T, hd)
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));  // (B, H, T, T)
-  auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);                       // (T, T)
+  auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);                     // (T, T)
   att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
-  att = attn_drop(torch::softmax(att, -1));                                  // (B, H, T, T)
-  auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});         // (B, T, C)
-  return resid_drop(proj(y));                                                // (B, T, C)
+  att = attn_drop(torch::softmax(att, -1));                           // (B, H, T, T)
+  auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});  // (B, T, C)
+  return resid_drop(proj(y));                                         // (B, T, C)
 }
 
 MlpImpl::MlpImpl(int64_t d_model, double dropout)
@@ -70,8 +70,8 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {  // (B, T, C)
   } else {
     a = attn(ln1(x));  // (B, T, C)
   }
-  auto h = x + a;             // (B, T, C)
-  return h + mlp(ln2(h));     // (B, T, C)
+  auto h = x + a;          // (B, T, C)
+  return h + mlp(ln2(h));  // (B, T, C)
 }
 
 GptImpl::GptImpl(const GptConfig& c) : config_(c) {
@@ -133,7 +133,8 @@ void GptImpl::set_checkpoint_attention(bool on) {
 
 ConvBnReluImpl::ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride)
     : conv(register_module(
-          "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false)))),
+          "conv",
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false)))),
       bn(register_module("bn", torch::nn::BatchNorm2d(out))) {}
 
 torch::Tensor ConvBnReluImpl::forward(const torch::Tensor& x) { return torch::relu(bn(conv(x))); }
@@ -161,11 +162,11 @@ ResBlockImpl::ResBlockImpl(int64_t in, int64_t mid, int64_t stride, bool bottlen
   }
 }
 
-torch::Tensor ResBlockImpl::forward(const torch::Tensor& x) {     // (B, in, H, W)
+torch::Tensor ResBlockImpl::forward(const torch::Tensor& x) {           // (B, in, H, W)
   auto h = checkpoint_first_ ? remat::checkpoint(first, x) : first(x);  // (B, mid, ., .)
   h = bn2(conv2(h));
-  if (bottleneck_) h = bn3(conv3(torch::relu(h)));                 // (B, out, H/s, W/s)
-  auto skip = down_conv ? down_bn(down_conv(x)) : x;               // (B, out, H/s, W/s)
+  if (bottleneck_) h = bn3(conv3(torch::relu(h)));    // (B, out, H/s, W/s)
+  auto skip = down_conv ? down_bn(down_conv(x)) : x;  // (B, out, H/s, W/s)
   return torch::relu(h + skip);
 }
 
@@ -203,8 +204,8 @@ ResNetImpl::ResNetImpl(const ResNetConfig& c) : config_(c) {
 
 torch::Tensor ResNetImpl::embed(const torch::Tensor& x) { return stem(x); }  // (B, width, H, W)
 
-torch::Tensor ResNetImpl::head(const torch::Tensor& h) {                    // (B, C, h, w)
-  return fc(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));               // (B, classes)
+torch::Tensor ResNetImpl::head(const torch::Tensor& h) {        // (B, C, h, w)
+  return fc(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));  // (B, classes)
 }
 
 torch::Tensor ResNetImpl::forward(const torch::Tensor& x) { return head(blocks->forward(embed(x))); }

@@ -4,8 +4,8 @@
 
 #include <torch/torch.h>
 
-#include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 
 #include <algorithm>
 #include <array>
@@ -116,8 +116,8 @@ Strategy parse_strategy(std::string_view name) {
 std::string format_step(const StepStats& s, int64_t total_steps, std::string_view unit) {
   const int width = static_cast<int>(std::to_string(total_steps).size());
   std::ostringstream os;
-  os << "step " << std::setw(width) << s.step << "/" << total_steps << "  loss " << std::fixed
-     << std::setprecision(6) << s.loss << "  ";
+  os << "step " << std::setw(width) << s.step << "/" << total_steps << "  loss " << std::fixed << std::setprecision(6)
+     << s.loss << "  ";
   if (s.items_per_s >= 1e4) {
     os << std::setprecision(1) << s.items_per_s / 1e3 << "k";
   } else {
@@ -135,9 +135,9 @@ struct Trainer::Impl {
   torch::nn::Sequential blocks{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer;
   at::Generator data_gen;
-  torch::Tensor tokens;      // (N) int64 ids of the text (GPT)
-  int64_t vocab = 0;         // distinct bytes of the text (GPT)
-  torch::Tensor teacher;     // (classes, 3 * 16) fixed labelling map (ResNet)
+  torch::Tensor tokens;   // (N) int64 ids of the text (GPT)
+  int64_t vocab = 0;      // distinct bytes of the text (GPT)
+  torch::Tensor teacher;  // (classes, 3 * 16) fixed labelling map (ResNet)
   int64_t steps_done = 0;
   int64_t params = 0;
   remat::CheckpointedSequential auto_net{nullptr};
@@ -145,8 +145,8 @@ struct Trainer::Impl {
   void load_text() {
     std::ifstream in(cfg.data_path, std::ios::binary);
     if (!in) {
-      throw Error("[remat::train] cannot read --data file '" + cfg.data_path + "': " +
-                  std::error_code(errno, std::generic_category()).message() +
+      throw Error("[remat::train] cannot read --data file '" + cfg.data_path +
+                  "': " + std::error_code(errno, std::generic_category()).message() +
                   ". Pass an existing text file with --data.");
     }
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -173,13 +173,13 @@ struct Trainer::Impl {
     if (gpt) {
       const int64_t T = cfg.seq_len;
       auto start = torch::randint(tokens.size(0) - T - 1, {cfg.batch, 1}, data_gen, torch::kLong);  // (B, 1)
-      auto chunk = tokens.index({start + torch::arange(T + 1, torch::kLong)});                        // (B, T + 1)
+      auto chunk = tokens.index({start + torch::arange(T + 1, torch::kLong)});                      // (B, T + 1)
       return {chunk.slice(1, 0, T), chunk.slice(1, 1, T + 1)};
     }
     const int64_t S = cfg.image_size;
-    auto x = torch::randn({cfg.batch, 3, S, S}, data_gen, torch::kFloat);      // (B, 3, S, S)
-    auto pooled = torch::adaptive_avg_pool2d(x, {4, 4}).flatten(1);              // (B, 48)
-    auto y = torch::matmul(pooled, teacher.t()).argmax(1);                       // (B)
+    auto x = torch::randn({cfg.batch, 3, S, S}, data_gen, torch::kFloat);  // (B, 3, S, S)
+    auto pooled = torch::adaptive_avg_pool2d(x, {4, 4}).flatten(1);        // (B, 48)
+    auto y = torch::matmul(pooled, teacher.t()).argmax(1);                 // (B)
     return {x, y};
   }
 
@@ -196,8 +196,7 @@ struct Trainer::Impl {
         const auto segments = std::clamp<int64_t>(std::llround(std::sqrt(n)), 1, static_cast<int64_t>(n));
         return remat::checkpoint_sequential(blocks, segments, h);
       }
-      case Strategy::kAuto:
-        return auto_net->forward(h);
+      case Strategy::kAuto: return auto_net->forward(h);
     }
     throw Error("[remat::train] internal: unknown strategy");
   }
@@ -243,7 +242,8 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
   positive("--image-size", c.image_size);
   if (!(c.lr > 0.0)) throw Error("[remat::train] --lr must be positive, got " + std::to_string(c.lr) + ".");
   if (c.clip_norm < 0.0) {
-    throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) + ".");
+    throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) +
+                ".");
   }
   if (c.checkpoint == Strategy::kAuto) {
     if (c.memory_budget_bytes <= 0) {
@@ -285,10 +285,11 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     m.teacher = torch::randn({c.classes, 3 * 16}, teacher_gen, torch::kFloat);  // (classes, 48)
   }
   for (auto& p : m.module->parameters()) m.params += p.numel();
-  m.optimizer = std::make_unique<torch::optim::AdamW>(
-      m.module->parameters(), torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
+  m.optimizer = std::make_unique<torch::optim::AdamW>(m.module->parameters(),
+                                                      torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
   if (c.checkpoint == Strategy::kAuto) {
-    m.auto_net = remat::CheckpointedSequential(m.blocks, remat::SequentialOptions().memory_budget_bytes(c.memory_budget_bytes));
+    m.auto_net =
+        remat::CheckpointedSequential(m.blocks, remat::SequentialOptions().memory_budget_bytes(c.memory_budget_bytes));
   }
   if (c.bf16) {
     try {
@@ -425,8 +426,8 @@ std::string Trainer::summary() const {
   os << std::fixed << std::setprecision(2);
   if (m.gpt) {
     os << "gpt: " << c.layers << " layers, d_model " << c.d_model << ", " << c.heads << " heads, seq " << c.seq_len
-       << ", vocab " << m.vocab << ", " << static_cast<double>(m.params) / 1e6 << "M params; data "
-       << c.data_path << " (" << m.tokens.size(0) << " chars)";
+       << ", vocab " << m.vocab << ", " << static_cast<double>(m.params) / 1e6 << "M params; data " << c.data_path
+       << " (" << m.tokens.size(0) << " chars)";
   } else {
     os << "resnet" << c.layers << ": width " << c.d_model << ", " << c.classes << " classes, " << c.image_size << "x"
        << c.image_size << " synthetic images, " << static_cast<double>(m.params) / 1e6 << "M params";

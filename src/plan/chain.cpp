@@ -17,8 +17,8 @@ std::string stage_label(const Chain& chain, int i) {
 
 void check_size(const Chain& chain, int i, const char* field, int64_t v) {
   if (v < 0)
-    throw Error("[remat::plan] chain: " + stage_label(chain, i) + ": " + field + " is negative (" +
-                std::to_string(v) + "); sizes are bytes >= 0.");
+    throw Error("[remat::plan] chain: " + stage_label(chain, i) + ": " + field + " is negative (" + std::to_string(v) +
+                "); sizes are bytes >= 0.");
 }
 
 void check_time(const Chain& chain, int i, const char* field, double v) {
@@ -46,8 +46,8 @@ void Chain::validate() const {
     check_size(*this, i, "forward_tmp_bytes", s.forward_tmp_bytes);
     check_size(*this, i, "backward_tmp_bytes", s.backward_tmp_bytes);
     if (s.saved_bytes < s.output_bytes)
-      throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": saved_bytes (" +
-                  std::to_string(s.saved_bytes) + ") < output_bytes (" + std::to_string(s.output_bytes) +
+      throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": saved_bytes (" + std::to_string(s.saved_bytes) +
+                  ") < output_bytes (" + std::to_string(s.output_bytes) +
                   "); the saved set includes the stage's output.");
   }
   // Live bytes in simulate() and the solvers are sums of these fields (at most
@@ -56,8 +56,9 @@ void Chain::validate() const {
   int64_t total = 0;
   auto add = [&](int64_t v) {
     if (v > kMaxTotalBytes - total)
-      throw Error("[remat::plan] chain: input_bytes and every stage's output, saved and temporary bytes add up to "
-                  "more than 2^60 bytes (1 EiB); the planner's byte counts must fit in 64 bits.");
+      throw Error(
+          "[remat::plan] chain: input_bytes and every stage's output, saved and temporary bytes add up to "
+          "more than 2^60 bytes (1 EiB); the planner's byte counts must fit in 64 bits.");
     total += v;
   };
   add(input_bytes);

@@ -30,9 +30,9 @@ void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top);
 /** A chain in slot units: sizes rounded up to the unit, capped at M + 1. */
 struct Slots {
   int L = 0;
-  int M = 0;                 // slots available besides a_0
-  std::vector<int32_t> a;    // |a_j| (and |grad_j|), j in [0, L]
-  std::vector<int32_t> sv;   // saved_bytes
+  int M = 0;                // slots available besides a_0
+  std::vector<int32_t> a;   // |a_j| (and |grad_j|), j in [0, L]
+  std::vector<int32_t> sv;  // saved_bytes
   std::vector<int32_t> ft, bt;
   std::vector<double> f, b;  // ms
   /** |grad_{t+1}| while stages ..t wait for their backward; 0 for t = L-1

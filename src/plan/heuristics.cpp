@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "internal.h"
 #include "remat/plan/error.h"
 #include "remat/plan/solve.h"
-#include "internal.h"
 
 namespace remat::plan {
 namespace internal {
@@ -127,16 +127,15 @@ Plan greedy(const Chain& chain, int64_t budget_bytes) {
     min_peak = std::min(min_peak, p.prediction.peak_bytes);
     if (p.prediction.peak_bytes > budget_bytes) continue;
     if (!found || p.prediction.time_ms < best.prediction.time_ms ||
-        (p.prediction.time_ms == best.prediction.time_ms &&
-         p.prediction.peak_bytes < best.prediction.peak_bytes)) {
+        (p.prediction.time_ms == best.prediction.time_ms && p.prediction.peak_bytes < best.prediction.peak_bytes)) {
       best = std::move(p);
       found = true;
     }
   }
   if (!found)
     throw Error("[remat::plan] greedy: no segmentation fits in " + format_bytes(budget_bytes) +
-                "; greedy's smallest peak is " + format_bytes(min_peak) +
-                " and the smallest feasible peak is " + format_bytes(min_feasible_peak_bytes(chain)) +
+                "; greedy's smallest peak is " + format_bytes(min_peak) + " and the smallest feasible peak is " +
+                format_bytes(min_feasible_peak_bytes(chain)) +
                 ". Raise memory_budget_bytes or use the optimal algorithm.");
   return best;
 }
@@ -183,8 +182,7 @@ void revolve_rec(std::vector<Op>& ops, int s, int t, int snaps) {
 Plan revolve(const Chain& chain, int slots) {
   chain.validate();
   if (slots < 1)
-    throw Error("[remat::plan] revolve: slots is " + std::to_string(slots) +
-                "; it must be >= 1 (a_0 occupies one).");
+    throw Error("[remat::plan] revolve: slots is " + std::to_string(slots) + "; it must be >= 1 (a_0 occupies one).");
   Schedule s;
   revolve_rec(s.ops, 0, chain.size() - 1, slots);
   return make_plan(chain, "revolve:" + std::to_string(slots), std::move(s));

@@ -135,8 +135,7 @@ std::string plan_to_json(const Chain& chain, const Plan& plan, int indent) {
   for (size_t k = 0; k < plan.schedule.ops.size(); ++k) {
     const Op& op = plan.schedule.ops[k];
     json o = {{"op", op_kind_name(op.kind)}, {"stage", op.stage}};
-    if (op.kind != OpKind::kDrop && op.stage >= 0 && op.stage < chain.size())
-      o["name"] = chain.stages[op.stage].name;
+    if (op.kind != OpKind::kDrop && op.stage >= 0 && op.stage < chain.size()) o["name"] = chain.stages[op.stage].name;
     if (k < p.op_bytes.size()) o["bytes"] = p.op_bytes[k];
     ops.push_back(o);
   }

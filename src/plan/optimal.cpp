@@ -36,7 +36,7 @@ namespace {
 struct Sweep {
   const Slots& d;
   int s, D;
-  int peak = 0;   // units
+  int peak = 0;  // units
   double ms = 0;
   void step(int k) {
     peak = std::max(peak, D + (k > s ? d.a[k] : 0) + d.a[k + 1] + d.ft[k]);
@@ -128,7 +128,8 @@ int PersistentDp::choice(int s, int t, int m) const {
     sweep.step(s2 - 1);
     if (sweep.peak > m) break;
     if (m - a[s2] < 0) continue;
-    const Cost c = static_cast<Cost>(sweep.ms) + cost_[row(s2, t) * width + (m - a[s2])] + cost_[row(s, s2 - 1) * width + m];
+    const Cost c =
+        static_cast<Cost>(sweep.ms) + cost_[row(s2, t) * width + (m - a[s2])] + cost_[row(s, s2 - 1) * width + m];
     if (c == target) return s2;
   }
   throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
@@ -157,8 +158,7 @@ namespace {
 int64_t gcd_sizes(const Chain& chain) {
   int64_t g = chain.input_bytes;
   for (const Stage& s : chain.stages)
-    for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.backward_tmp_bytes})
-      g = std::gcd(g, v);
+    for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.backward_tmp_bytes}) g = std::gcd(g, v);
   return g;
 }
 
@@ -291,8 +291,8 @@ internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up
 
 OptimalScope resolve_scope(int L, int M, OptimalScope scope) {
   if (scope != OptimalScope::kAuto) return scope;
-  const bool cheap = internal::FullDp::work(L, M) <= kOptimalAutoWork &&
-                     internal::FullDp::table_bytes(L, M) <= kOptimalAutoTableBytes;
+  const bool cheap =
+      internal::FullDp::work(L, M) <= kOptimalAutoWork && internal::FullDp::table_bytes(L, M) <= kOptimalAutoTableBytes;
   return cheap ? OptimalScope::kAll : OptimalScope::kPersistent;
 }
 
@@ -303,8 +303,7 @@ double dp_work(OptimalScope scope, int L, double M) {
 
 double dp_table_bytes(OptimalScope scope, int L, double M) {
   const int m = static_cast<int>(std::min(M, 2e9));
-  return scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, m)
-                                     : internal::PersistentDp::table_bytes(L, m);
+  return scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, m) : internal::PersistentDp::table_bytes(L, m);
 }
 
 /** Rounded-down schedules optimal() reconstructs (at M, M - 1, ...) and
@@ -327,9 +326,7 @@ class Search {
       : chain_(chain), budget_(budget_bytes), scope_(scope), best_(std::move(fallback)), lower_(lower_ms) {}
 
   double work() const { return work_; }
-  bool done() const {
-    return best_.prediction.time_ms - lower_ <= kOptimalGapTarget * lower_;
-  }
+  bool done() const { return best_.prediction.time_ms - lower_ <= kOptimalGapTarget * lower_; }
 
   /** Sizes rounded up (exact when disc.exact): its schedule fits. */
   void fitting_pass(const Discrete& disc) {
@@ -379,10 +376,8 @@ class Search {
  private:
   template <class Fn>
   void with_dp(const internal::Slots& d, Fn&& fn) {
-    if (scope_ == OptimalScope::kAll)
-      fn(internal::FullDp(d));
-    else
-      fn(internal::PersistentDp(d));
+    if (scope_ == OptimalScope::kAll) fn(internal::FullDp(d));
+    else fn(internal::PersistentDp(d));
   }
   void account(const Discrete& disc) {
     work_ += dp_work(scope_, chain_.size(), disc.M);

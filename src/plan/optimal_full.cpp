@@ -74,10 +74,8 @@ Cost* map_table(size_t bytes) {
 
 void FullDp::Release::operator()(Cost* p) const {
   if (!p) return;
-  if (mapped_bytes > 0)
-    munmap(p, mapped_bytes);
-  else
-    delete[] p;
+  if (mapped_bytes > 0) munmap(p, mapped_bytes);
+  else delete[] p;
 }
 
 FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
@@ -91,10 +89,8 @@ FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
   const size_t prows = static_cast<size_t>(L) * (L + 1) / 2, qrows = qoff_[L];
   p_.assign(prows * width_, kInf);
   const size_t q_bytes = std::max<size_t>(1, qrows * width_) * sizeof(Cost);
-  if (q_bytes >= kMapFrom)
-    q_ = std::unique_ptr<Cost, Release>(map_table(q_bytes), Release{q_bytes});
-  else
-    q_ = std::unique_ptr<Cost, Release>(new Cost[q_bytes / sizeof(Cost)], Release{0});
+  if (q_bytes >= kMapFrom) q_ = std::unique_ptr<Cost, Release>(map_table(q_bytes), Release{q_bytes});
+  else q_ = std::unique_ptr<Cost, Release>(new Cost[q_bytes / sizeof(Cost)], Release{0});
   p_need_.assign(prows, d_.M + 1);
   p_sat_.assign(prows, 0);
   p_least_.assign(prows, kInf);
@@ -133,10 +129,8 @@ int first_at_most(const Cost* out, int lo, int hi, Cost bound) {
   if (out[hi] > bound) return hi + 1;
   while (lo <= hi) {
     const int mid = lo + (hi - lo) / 2;
-    if (out[mid] <= bound)
-      hi = mid - 1;
-    else
-      lo = mid + 1;
+    if (out[mid] <= bound) hi = mid - 1;
+    else lo = mid + 1;
   }
   return lo;
 }
@@ -255,8 +249,7 @@ void FullDp::emit_p(std::vector<Op>& ops, int c, int j, int m) const {
     for (int k2 = c + 1; k2 <= j && pick < 0; ++k2) {
       const Row right = frow(c + 1, j, k2);
       const size_t rl = prow(c, k2 - 1);
-      if (m >= std::max({fwd, right.need, p_need_[rl]}) && fc + right.v[m] + p_[rl * width_ + m] == target)
-        pick = k2;
+      if (m >= std::max({fwd, right.need, p_need_[rl]}) && fc + right.v[m] + p_[rl * width_ + m] == target) pick = k2;
     }
     if (pick < 0) no_option();
     ops.push_back({OpKind::kForward, c});

@@ -47,18 +47,16 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
     };
     const int i = op.stage;
     if (!backward_started && live_s[L - 1] && op.kind != OpKind::kBackward)
-      fail("forward_save(" + std::to_string(L - 1) +
-           ") ends the forward phase; the next op must be backward(" + std::to_string(L - 1) + ").");
+      fail("forward_save(" + std::to_string(L - 1) + ") ends the forward phase; the next op must be backward(" +
+           std::to_string(L - 1) + ").");
     int64_t during = cur;
     switch (op.kind) {
       case OpKind::kForward:
       case OpKind::kForwardSave: {
         if (i < 0 || i >= L) fail("no such stage; stages are 0.." + std::to_string(L - 1) + ".");
         if (i > next_backward) fail("stage " + std::to_string(i) + "'s backward already ran.");
-        if (!live_a[i])
-          fail("its input a_" + std::to_string(i) + " is not live (dropped or never computed).");
-        if (live_a[i + 1])
-          fail("its output a_" + std::to_string(i + 1) + " is already live; drop it first.");
+        if (!live_a[i]) fail("its input a_" + std::to_string(i) + " is not live (dropped or never computed).");
+        if (live_a[i + 1]) fail("its output a_" + std::to_string(i + 1) + " is already live; drop it first.");
         const Stage& st = chain.stages[i];
         const int64_t add = op.kind == OpKind::kForward ? st.output_bytes : st.saved_bytes;
         during = cur + add + st.forward_tmp_bytes;
@@ -99,8 +97,8 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
                       : "no such value; droppable values are a_1..a_" + std::to_string(L) + ".");
         if (!live_a[i]) fail("a_" + std::to_string(i) + " is not live.");
         if (live_s[i - 1])
-          fail("a_" + std::to_string(i) + " is part of stage " + std::to_string(i - 1) +
-               "'s saved set; backward(" + std::to_string(i - 1) + ") frees it.");
+          fail("a_" + std::to_string(i) + " is part of stage " + std::to_string(i - 1) + "'s saved set; backward(" +
+               std::to_string(i - 1) + ") frees it.");
         if (i < L && live_s[i])
           fail("a_" + std::to_string(i) + " is the input of stage " + std::to_string(i) +
                ", whose saved set is live; backward(" + std::to_string(i) + ") needs it.");
@@ -108,8 +106,7 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
         cur -= A(i);
         break;
       }
-      default:
-        fail("unknown op kind.");
+      default: fail("unknown op kind.");
     }
     p.op_bytes.push_back(during);
     if (during > p.peak_bytes) p.peak_bytes = during;

@@ -109,8 +109,7 @@ HomogeneousProblem homogeneous_problem(int steps, int slots) {
                 "; it must be >= 1 (a_0 occupies one).");
   HomogeneousProblem h;
   h.chain.input_bytes = 1;
-  for (int i = 0; i < steps; ++i)
-    h.chain.stages.push_back({"step" + std::to_string(i), 1.0, 0.0, 1, slots + 1, 0, 0});
+  for (int i = 0; i < steps; ++i) h.chain.stages.push_back({"step" + std::to_string(i), 1.0, 0.0, 1, slots + 1, 0, 0});
   h.budget_bytes = 2 * static_cast<int64_t>(slots) + 4;
   return h;
 }

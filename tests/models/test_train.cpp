@@ -47,7 +47,7 @@ rm::TrainConfig tiny_gpt() {
   c.clip_norm = 1.0;
   c.seed = 42;
   c.memory_budget_bytes = 700 << 10;  // min feasible 611 KiB, below store-all: auto must recompute
-  c.threads = 1;  // robust on a loaded machine (OpenMP spin-waits with 2 threads on 2 busy cores)
+  c.threads = 1;                      // robust on a loaded machine (OpenMP spin-waits with 2 threads on 2 busy cores)
   return c;
 }
 
@@ -78,7 +78,8 @@ std::vector<torch::Tensor> state_of(const torch::nn::Module& m) {
   return out;
 }
 
-void expect_same_state(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
+void expect_same_state(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
+                       const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(torch::equal(a[i], b[i])) << what << ": tensor " << i << " differs";
@@ -140,7 +141,9 @@ TEST(Models, GptShapesAndTiedHead) {
     gpt->forward(torch::zeros({1, 17}, torch::kLong));
     FAIL() << "expected remat::Error";
   } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(), "[remat::models] GPT input has 17 tokens, more than seq_len 16. Crop the input or build the model with a larger seq_len.");
+    EXPECT_STREQ(e.what(),
+                 "[remat::models] GPT input has 17 tokens, more than seq_len 16. Crop the input or build the model "
+                 "with a larger seq_len.");
   }
 }
 
@@ -200,7 +203,8 @@ TEST(Train, ResNetStrategiesGiveBitwiseEqualLosses) {
       continue;
     }
     EXPECT_EQ(losses, reference) << "strategy " << rm::to_string(s);
-    expect_same_state(state, reference_state, std::string("parameters and buffers after ") + std::string(rm::to_string(s)));
+    expect_same_state(state, reference_state,
+                      std::string("parameters and buffers after ") + std::string(rm::to_string(s)));
   }
 }
 
@@ -298,18 +302,21 @@ TEST(TrainCli, RunsAndPrintsProgress) {
 TEST(TrainCli, BadFlagExits2) {
   auto [code, out] = run_cli("--checkpoint everything");
   EXPECT_EQ(code, 2);
-  EXPECT_EQ(out, "remat-train: error: --checkpoint: everything not in {none,block,sqrt,selective,auto} "
-                 "(run remat-train --help for the flags)\n");
+  EXPECT_EQ(out,
+            "remat-train: error: --checkpoint: everything not in {none,block,sqrt,selective,auto} "
+            "(run remat-train --help for the flags)\n");
   auto [code2, out2] = run_cli("--no-such-flag");
   EXPECT_EQ(code2, 2);
-  EXPECT_NE(out2.find("remat-train: error: The following argument was not expected: --no-such-flag"), std::string::npos) << out2;
+  EXPECT_NE(out2.find("remat-train: error: The following argument was not expected: --no-such-flag"), std::string::npos)
+      << out2;
 }
 
 TEST(TrainCli, MissingDataFileExits2) {
   auto [code, out] = run_cli("--data /nonexistent/text.txt");
   EXPECT_EQ(code, 2);
-  EXPECT_EQ(out, "remat-train: error: [remat::train] cannot read --data file '/nonexistent/text.txt': "
-                 "No such file or directory. Pass an existing text file with --data.\n");
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] cannot read --data file '/nonexistent/text.txt': "
+            "No such file or directory. Pass an existing text file with --data.\n");
 }
 
 TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {
@@ -317,7 +324,8 @@ TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {
   EXPECT_EQ(code, 2);
   EXPECT_NE(out.find("remat-train: error: [remat::plan]"), std::string::npos) << out;
   EXPECT_NE(out.find("lots"), std::string::npos) << out;
-  auto [c3, o3] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 1 --checkpoint auto --memory-budget 1KiB");
+  auto [c3, o3] =
+      run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 1 --checkpoint auto --memory-budget 1KiB");
   EXPECT_EQ(c3, 2) << o3;
   const auto at = o3.find("remat-train: error: [remat::plan] no schedule fits in 1.00 KiB;");
   ASSERT_NE(at, std::string::npos) << o3;

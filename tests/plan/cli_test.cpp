@@ -2,8 +2,8 @@
 // exit codes 0/1/2, JSON key names, homogeneous mode. Leaves out the table
 // layout beyond a few anchors.
 #include <gtest/gtest.h>
-#include <unistd.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -116,11 +116,13 @@ TEST(Cli, BadInputExitsTwoAndNamesTheField) {
   CliRun r = run("--budget-bytes 1GiB", "{\"input_bytes\": 1, \"stages\": [");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("malformed"), std::string::npos) << r.out;
-  r = run("--budget-bytes 1GiB",
-          R"({"input_bytes": 1, "stages": [{"forward_ms": 1, "backward_ms": 1, "output_bytes": -1, "saved_bytes": 1}]})");
+  r = run(
+      "--budget-bytes 1GiB",
+      R"({"input_bytes": 1, "stages": [{"forward_ms": 1, "backward_ms": 1, "output_bytes": -1, "saved_bytes": 1}]})");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("stages[0].output_bytes: negative"), std::string::npos) << r.out;
-  r = run("--budget-bytes 1GiB", R"({"input_bytes": 1, "stages": [{"forward_ms": 1, "output_bytes": 1, "saved_bytes": 1}]})");
+  r = run("--budget-bytes 1GiB",
+          R"({"input_bytes": 1, "stages": [{"forward_ms": 1, "output_bytes": 1, "saved_bytes": 1}]})");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("stages[0].backward_ms: missing"), std::string::npos) << r.out;
   EXPECT_EQ(run("--budget-bytes lots", kChain).code, 2);

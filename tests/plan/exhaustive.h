@@ -51,9 +51,8 @@ class Exhaustive {
     int transient = -1;  // kPersistent: j whose a_j may be dropped as transient now
   };
   uint64_t key(const State& x) const {
-    return (static_cast<uint64_t>(x.a)) | (static_cast<uint64_t>(x.s) << 16) |
-           (static_cast<uint64_t>(x.nb + 1) << 32) | (static_cast<uint64_t>(x.last_f + 1) << 40) |
-           (static_cast<uint64_t>(x.transient + 1) << 48);
+    return (static_cast<uint64_t>(x.a)) | (static_cast<uint64_t>(x.s) << 16) | (static_cast<uint64_t>(x.nb + 1) << 32) |
+           (static_cast<uint64_t>(x.last_f + 1) << 40) | (static_cast<uint64_t>(x.transient + 1) << 48);
   }
   bool live_a(const State& x, int j) const { return j == 0 || (x.a >> (j - 1) & 1); }
   bool live_s(const State& x, int i) const { return i >= 0 && i < L_ && (x.s >> i & 1); }

@@ -15,9 +15,7 @@ namespace {
 rp::Chain small_chain() {
   rp::Chain c;
   c.input_bytes = 100;
-  c.stages = {{"s0", 1.0, 2.0, 10, 30, 5, 7},
-              {"s1", 3.0, 4.0, 20, 50, 0, 0},
-              {"s2", 5.0, 6.0, 40, 60, 1, 2}};
+  c.stages = {{"s0", 1.0, 2.0, 10, 30, 5, 7}, {"s1", 3.0, 4.0, 20, 50, 0, 0}, {"s2", 5.0, 6.0, 40, 60, 1, 2}};
   return c;
 }
 
@@ -53,12 +51,10 @@ TEST(Simulate, StoreAllHandChecked) {
 TEST(Simulate, CheckpointedHandChecked) {
   const rp::Chain c = small_chain();
   // Keep only a_2 during the forward phase; recompute stages 0 and 1.
-  const auto p = rp::simulate(
-      c, rp::Schedule{{F(0), F(1), D(1), FS(2), B(2), D(2), FS(0), FS(1), B(1), B(0)}});
-  // (a drop reports the bytes before it) F0: 100+10+5 = 115 -> 110; F1: 110+20 = 130; D1 -> 120; FS2: 120+60+1 = 181 -> 180;
-  // B2: 180+40 = 220, +20+2 = 242, after 220+20-60-40 = 140; D2 -> 120 (grad_2 stays);
-  // FS0: 120+30+5 = 155 -> 150; FS1: 150+50 = 200; B1: 200+10 = 210 -> 200+10-50-20 = 140;
-  // B0: 140+100+7 = 247.
+  const auto p = rp::simulate(c, rp::Schedule{{F(0), F(1), D(1), FS(2), B(2), D(2), FS(0), FS(1), B(1), B(0)}});
+  // (a drop reports the bytes before it) F0: 100+10+5 = 115 -> 110; F1: 110+20 = 130; D1 -> 120; FS2: 120+60+1 = 181 ->
+  // 180; B2: 180+40 = 220, +20+2 = 242, after 220+20-60-40 = 140; D2 -> 120 (grad_2 stays); FS0: 120+30+5 = 155 -> 150;
+  // FS1: 150+50 = 200; B1: 200+10 = 210 -> 200+10-50-20 = 140; B0: 140+100+7 = 247.
   EXPECT_EQ(p.op_bytes, (std::vector<int64_t>{115, 130, 130, 181, 242, 140, 155, 200, 210, 247}));
   EXPECT_EQ(p.peak_bytes, 247);
   EXPECT_DOUBLE_EQ(p.time_ms, (1 + 3 + 5 + 1 + 3) + (2 + 4 + 6));
@@ -116,8 +112,7 @@ TEST(Simulate, InvalidSchedulesArePinned) {
   EXPECT_EQ(error_of(c, {F(0), FS(0)}).find("already live") != std::string::npos, true);
   EXPECT_EQ(error_of(c, {FS(0), F(1), FS(2), B(2), D(2), FS(1), B(1), B(0)}), "(no error)");
   EXPECT_EQ(error_of(c, {F(0), F(1), FS(2), B(2), D(2), D(1), FS(0), FS(1), B(1), B(0)}), "(no error)");
-  EXPECT_EQ(error_of(c, {F(0), F(1), F(2), D(3), D(2), FS(1), FS(2), B(2), B(1), D(1), FS(0), B(0)}),
-            "(no error)");
+  EXPECT_EQ(error_of(c, {F(0), F(1), F(2), D(3), D(2), FS(1), FS(2), B(2), B(1), D(1), FS(0), B(0)}), "(no error)");
   EXPECT_EQ(error_of(c, {FS(0), F(1), D(2), F(1), FS(2), B(2), D(2), FS(1), B(1), B(0)}), "(no error)");
   EXPECT_EQ(error_of(c, {FS(0), FS(1), F(2), D(3), FS(2), B(2), B(1), B(0), D(1)}),
             "[remat::plan] invalid schedule at op 8, drop(1): a_1 is not live.");
@@ -159,8 +154,7 @@ TEST(Simulate, LeftoverCheckpointIsAnError) {
   EXPECT_EQ(error_of(one, {F(0), D(1), FS(0), B(0)}), "(no error)");
   EXPECT_EQ(error_of(one, {F(0), D(1), FS(0), B(0), F(0)}),
             "[remat::plan] invalid schedule at op 4, forward(0) (stage \"only\"): stage 0's backward already ran.");
-  EXPECT_EQ(error_of(c, {F(0), F(1), F(2), D(2), D(3), D(1), FS(0), FS(1), FS(2), B(2), B(1), B(0)}),
-            "(no error)");
+  EXPECT_EQ(error_of(c, {F(0), F(1), F(2), D(2), D(3), D(1), FS(0), FS(1), FS(2), B(2), B(1), B(0)}), "(no error)");
   EXPECT_EQ(error_of(c, {F(0), F(1), FS(2), B(2), B(1)}),
             "[remat::plan] invalid schedule at op 4, backward(1) (stage \"s1\"): no saved set for stage 1; run "
             "forward_save(1) before its backward.");
@@ -221,7 +215,8 @@ TEST(Chain, ValidateErrors) {
     c.validate();
     FAIL();
   } catch (const rp::Error& e) {
-    EXPECT_STREQ(e.what(), "[remat::plan] chain: stage 2 (\"s2\"): backward_tmp_bytes is negative (-3); sizes are bytes >= 0.");
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] chain: stage 2 (\"s2\"): backward_tmp_bytes is negative (-3); sizes are bytes >= 0.");
   }
   c = small_chain();
   c.stages[0].forward_ms = -1;

@@ -112,9 +112,10 @@ TEST(Optimal, EqualsExhaustiveSearchOnSmallChains) {
   }
   // The class gap is real in this sample (the chains are fixed by the seed).
   EXPECT_GT(beats_persistent, 0);
-  std::printf("optimal == exhaustive over all schedules on %d (chain, budget) pairs, %d below the store-all "
-              "peak; the persistent class is slower in %d of them (by up to %.1f%%)\n",
-              compared, below_store_all, beats_persistent, 100 * most);
+  std::printf(
+      "optimal == exhaustive over all schedules on %d (chain, budget) pairs, %d below the store-all "
+      "peak; the persistent class is slower in %d of them (by up to %.1f%%)\n",
+      compared, below_store_all, beats_persistent, 100 * most);
 }
 
 // The same at L = 8 (the exhaustive search's limit) with a wider size range,
@@ -132,8 +133,8 @@ TEST(Optimal, EqualsExhaustiveSearchOnEightStagesWideSizes) {
       const rp::Plan p = rp::optimal(c, budget);
       ASSERT_NEAR(p.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
       EXPECT_LE(p.prediction.peak_bytes, budget);
-      beats_persistent += rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent).prediction.time_ms >
-                          p.prediction.time_ms + 1e-9;
+      beats_persistent +=
+          rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent).prediction.time_ms > p.prediction.time_ms + 1e-9;
       ++compared;
     }
   }
@@ -261,7 +262,8 @@ TEST(Heuristics, SchedulesMatchTheirDefinitions) {
   EXPECT_LE(g.prediction.time_ms, u.prediction.time_ms);
   EXPECT_EQ(error_of([&] { rp::greedy(c, 50); }),
             "[remat::plan] greedy: no segmentation fits in 50 B; greedy's smallest peak is 88 B and the smallest "
-            "feasible peak is " + rp::format_bytes(rp::min_feasible_peak_bytes(c)) +
+            "feasible peak is " +
+                rp::format_bytes(rp::min_feasible_peak_bytes(c)) +
                 ". Raise memory_budget_bytes or use the optimal algorithm.");
   EXPECT_EQ(error_of([&] { rp::uniform(c, 0); }), "[remat::plan] uniform: segments is 0; it must be >= 1.");
   EXPECT_EQ(error_of([&] { rp::revolve(c, 0); }),
@@ -271,7 +273,8 @@ TEST(Heuristics, SchedulesMatchTheirDefinitions) {
 TEST(Optimal, BudgetTooSmallNamesTheSmallestFeasiblePeak) {
   rp::Chain c;
   c.input_bytes = int64_t{1} << 28;
-  for (int i = 0; i < 6; ++i) c.stages.push_back({"b" + std::to_string(i), 1, 2, int64_t{1} << 28, int64_t{3} << 28, 0, 0});
+  for (int i = 0; i < 6; ++i)
+    c.stages.push_back({"b" + std::to_string(i), 1, 2, int64_t{1} << 28, int64_t{3} << 28, 0, 0});
   const int64_t min_peak = rp::min_feasible_peak_bytes(c);
   EXPECT_EQ(min_peak, int64_t{7} << 28);  // a_0 + a_1 + s_1 + grad_2 + grad_1, or the like: 1.75 GiB
   EXPECT_EQ(error_of([&] { rp::optimal(c, int64_t{3} << 29); }),
@@ -367,9 +370,10 @@ TEST(Optimal, DefaultWithinOnePercentOfExactOrBounded) {
     }
   }
   EXPECT_GT(bounded, 0);  // the sample reaches the rounded (non-exact) path
-  std::printf("default optimal vs exact on %d (chain, budget) pairs: worst loss %.3f%%, %d over 1%%; "
-              "nonzero bound in %d (widest %.3f%%)\n",
-              cases, 100 * worst, over_1pct, bounded, 100 * widest);
+  std::printf(
+      "default optimal vs exact on %d (chain, budget) pairs: worst loss %.3f%%, %d over 1%%; "
+      "nonzero bound in %d (widest %.3f%%)\n",
+      cases, 100 * worst, over_1pct, bounded, 100 * widest);
 }
 
 TEST(Homogeneous, RevolveAndOptimalMatchGriewankWalther) {
@@ -398,10 +402,9 @@ TEST(Solve, DispatchesByName) {
   // prediction as the direct call, and those differ between the algorithms
   // (and parameters) on this chain, so a wrong dispatch cannot pass.
   const std::vector<std::pair<std::string, rp::Plan>> direct{
-      {"store-all", rp::store_all(c)},   {"uniform", rp::uniform(c, 4)},
-      {"uniform:3", rp::uniform(c, 3)},  {"revolve", rp::revolve(c, 4)},
-      {"revolve:2", rp::revolve(c, 2)},  {"sqrt", rp::sqrt_schedule(c)},
-      {"optimal", rp::optimal(c, 90)},   {"greedy", rp::greedy(c, 80)}};
+      {"store-all", rp::store_all(c)}, {"uniform", rp::uniform(c, 4)},   {"uniform:3", rp::uniform(c, 3)},
+      {"revolve", rp::revolve(c, 4)},  {"revolve:2", rp::revolve(c, 2)}, {"sqrt", rp::sqrt_schedule(c)},
+      {"optimal", rp::optimal(c, 90)}, {"greedy", rp::greedy(c, 80)}};
   for (size_t k = 0; k < direct.size(); ++k) {
     const auto& [spec, want] = direct[k];
     const int64_t budget = spec == "optimal" ? 90 : spec == "greedy" ? 80 : -1;

@@ -53,8 +53,8 @@ void print_table(const rp::Chain& chain, const rp::Plan& plan, int64_t budget_by
   std::printf(")\n\n%5s  %-13s %5s  %-16s %14s\n", "#", "op", "stage", "name", "live bytes");
   for (size_t k = 0; k < plan.schedule.ops.size(); ++k) {
     const rp::Op& op = plan.schedule.ops[k];
-    const std::string name = op.kind == rp::OpKind::kDrop ? "a_" + std::to_string(op.stage)
-                                                          : chain.stages[op.stage].name;
+    const std::string name =
+        op.kind == rp::OpKind::kDrop ? "a_" + std::to_string(op.stage) : chain.stages[op.stage].name;
     std::printf("%5zu  %-13s %5d  %-16s %14lld\n", k, rp::op_kind_name(op.kind), op.stage, name.c_str(),
                 static_cast<long long>(p.op_bytes[k]));
   }
@@ -105,8 +105,8 @@ int main(int argc, char** argv) {
                  "schedules optimal searches: all (exact over every schedule; O(L^4 M)), persistent "
                  "(checkpoints kept until their backward, rotor's class; O(L^3 M)), or auto (all while it "
                  "stays cheap, about L <= 83 at 500 slots; the default)");
-  auto* steps_opt = app.add_option("--steps", steps, "homogeneous mode: number of unit steps L")
-                        ->check(CLI::Range(1, 100000));
+  auto* steps_opt =
+      app.add_option("--steps", steps, "homogeneous mode: number of unit steps L")->check(CLI::Range(1, 100000));
   auto* slots_opt = app.add_option("--slots", slots, "homogeneous mode: checkpoint slots C, a_0 included")
                         ->check(CLI::Range(1, 100000));
   steps_opt->needs(slots_opt);
@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
       if (o.algorithm != rp::Algorithm::kRevolve && o.algorithm != rp::Algorithm::kOptimal)
         throw rp::Error("[remat::plan] remat-plan: --steps/--slots takes --algorithm revolve or optimal.");
       if (o.algorithm == rp::Algorithm::kRevolve && algorithm != "revolve" && o.param != slots)
-        throw rp::Error("[remat::plan] remat-plan: " + algorithm + " contradicts --slots " + std::to_string(slots) + ".");
+        throw rp::Error("[remat::plan] remat-plan: " + algorithm + " contradicts --slots " + std::to_string(slots) +
+                        ".");
       const bool is_revolve = o.algorithm == rp::Algorithm::kRevolve;
       rp::Plan plan = is_revolve ? rp::revolve(chain, slots) : rp::optimal(chain, h.budget_bytes, memory_slots, scope);
       const int64_t fwd = plan.prediction.forward_executions;
@@ -147,10 +148,11 @@ int main(int argc, char** argv) {
                   {"prediction", prediction_json(plan.prediction)}};
         std::cout << j.dump(2) << "\n";
       } else {
-        std::printf("steps              %d\nslots              %d\nalgorithm          %s\n"
-                    "forward_executions %lld (%lld recomputations)\n",
-                    steps, slots, is_revolve ? "revolve" : "optimal", static_cast<long long>(fwd),
-                    static_cast<long long>(fwd - steps));
+        std::printf(
+            "steps              %d\nslots              %d\nalgorithm          %s\n"
+            "forward_executions %lld (%lld recomputations)\n",
+            steps, slots, is_revolve ? "revolve" : "optimal", static_cast<long long>(fwd),
+            static_cast<long long>(fwd - steps));
       }
       return 0;
     }

@@ -54,9 +54,9 @@ class ResBlockImpl : public torch::nn::Module {
   void set_checkpoint_first(bool on) { checkpoint_first_ = on; }
   int64_t out_channels() const { return out_; }
   ConvBnRelu first{nullptr};
-  torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};          // conv3 only in bottlenecks
-  torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};         // bn3 only in bottlenecks
-  torch::nn::Conv2d down_conv{nullptr};                      // shortcut, where needed
+  torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};   // conv3 only in bottlenecks
+  torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};  // bn3 only in bottlenecks
+  torch::nn::Conv2d down_conv{nullptr};               // shortcut, where needed
   torch::nn::BatchNorm2d down_bn{nullptr};
 
  private:

@@ -86,11 +86,11 @@ struct TrainConfig {
 
 /** One optimizer step, as run() prints it. */
 struct StepStats {
-  int64_t step = 0;               ///< 1-based index of the step just taken
-  double loss = 0.0;              ///< mean loss over the micro-batches
-  double step_ms = 0.0;           ///< wall time of forward, backward and update
-  double items_per_s = 0.0;       ///< tokens (GPT) or images (ResNet) per second
-  int64_t peak_bytes = 0;         ///< peak CPU bytes above the step's start, over forward and backward
+  int64_t step = 0;          ///< 1-based index of the step just taken
+  double loss = 0.0;         ///< mean loss over the micro-batches
+  double step_ms = 0.0;      ///< wall time of forward, backward and update
+  double items_per_s = 0.0;  ///< tokens (GPT) or images (ResNet) per second
+  int64_t peak_bytes = 0;    ///< peak CPU bytes above the step's start, over forward and backward
 };
 
 class Trainer {

@@ -129,10 +129,22 @@ struct SolveOptions {
   /** Which schedules optimal searches. */
   OptimalScope scope = OptimalScope::kAuto;
 
-  SolveOptions& with_budget_bytes(int64_t v) { budget_bytes = v; return *this; }
-  SolveOptions& with_param(int v) { param = v; return *this; }
-  SolveOptions& with_memory_slots(int v) { memory_slots = v; return *this; }
-  SolveOptions& with_scope(OptimalScope v) { scope = v; return *this; }
+  SolveOptions& with_budget_bytes(int64_t v) {
+    budget_bytes = v;
+    return *this;
+  }
+  SolveOptions& with_param(int v) {
+    param = v;
+    return *this;
+  }
+  SolveOptions& with_memory_slots(int v) {
+    memory_slots = v;
+    return *this;
+  }
+  SolveOptions& with_scope(OptimalScope v) {
+    scope = v;
+    return *this;
+  }
 };
 
 /** Parses "optimal", "greedy", "sqrt", "store-all", "uniform:K", "revolve:S"
