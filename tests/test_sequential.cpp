@@ -316,6 +316,10 @@ TEST(CheckpointedSequential, ParameterHooksFireOnceWithTheWholeGradient) {
     auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
     EXPECT_GT(net->profiles(), 0);
     expect_bitwise_equal(plain, got);
+    // The optimal plan reports how far from the exact optimum it can be.
+    const std::string text = net->explain();
+    EXPECT_NE(text.find("optimality gap: at most "), std::string::npos) << text;
+    EXPECT_GE(net->plan().optimality_gap_ms, 0.0);
     for (size_t i = 0; i < log.calls.size(); ++i) {
       EXPECT_EQ(log.calls[i], 1) << "parameter " << i;
       ASSERT_TRUE(log.seen[i].defined()) << "parameter " << i;
