@@ -11,71 +11,28 @@
 // tests/test_soak.cpp is the short version that asserts.
 // Usage: remat_soak [steps]   (1 intra-op thread, as DESIGN.md asks)
 // Leaves out: CUDA memory (CPU build).
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <optional>
 #include <vector>
 
-#include <torch/torch.h>
-
-#include <remat/checkpoint.h>
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
-#include <remat/plan/solve.h>
-#include <remat/profile.h>
-#include <remat/sequential.h>
+
+#include "soak_workload.h"
 
 namespace {
 
+using namespace remat_soak;
+
 constexpr int kWarmup = 100;
-
-int64_t rss_bytes() {
-  std::ifstream f("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  f >> size >> resident;
-  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-}
-
-double slope(const std::vector<int64_t>& ys) {  // per sample
-  const double n = static_cast<double>(ys.size());
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (size_t i = 0; i < ys.size(); ++i) {
-    const double x = static_cast<double>(i), y = static_cast<double>(ys[i]);
-    sx += x, sy += y, sxx += x * x, sxy += x * y;
-  }
-  return (n * sxy - sx * sy) / (n * sxx - sx * sx);
-}
-
-enum class Strategy { kPlain, kPerBlock, kCheckpointSequential, kBudget };
-const char* name(Strategy s) {
-  switch (s) {
-    case Strategy::kPlain: return "plain";
-    case Strategy::kPerBlock: return "checkpoint per block";
-    case Strategy::kCheckpointSequential: return "checkpoint_sequential(2)";
-    case Strategy::kBudget: return "CheckpointedSequential(budget)";
-  }
-  return "?";
-}
 
 void soak(Strategy s, int steps) {
   torch::manual_seed(0);
   torch::nn::Sequential seq;
   for (int i = 0; i < 6; ++i) seq->push_back(remat::models::GptBlock(64, 4, 0.1));
-  auto gen = torch::make_generator<torch::CPUGeneratorImpl>(1);
-  const std::vector<int64_t> shape{4, 32, 64};  // (B, T, C)
-  std::optional<remat::CheckpointedSequential> net;
-  if (s == Strategy::kBudget) {
-    auto chain = remat::profile(seq, torch::randn(shape, gen));
-    const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
-    const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
-    net.emplace(seq, remat::SequentialOptions().memory_budget_bytes(low + (top - low) / 4));
-  }
-  torch::optim::Adam opt(seq->parameters(), torch::optim::AdamOptions(1e-3));
+  Workload work(seq, {4, 32, 64}, s);  // (B, T, C)
   std::vector<int64_t> tracked, rss;
   int64_t peak = 0;
   auto t0 = std::chrono::steady_clock::now();
@@ -84,22 +41,7 @@ void soak(Strategy s, int steps) {
       t0 = std::chrono::steady_clock::now();
       remat::memory::reset_peak();
     }
-    {
-      auto x = torch::randn(shape, gen);
-      opt.zero_grad();
-      torch::Tensor y;
-      switch (s) {
-        case Strategy::kPlain: y = seq->forward(x); break;
-        case Strategy::kPerBlock:
-          y = x;
-          for (auto& m : *seq) y = remat::checkpoint([m](torch::Tensor in) mutable { return m.forward(in); }, y);
-          break;
-        case Strategy::kCheckpointSequential: y = remat::checkpoint_sequential(seq, 2, x); break;
-        case Strategy::kBudget: y = (*net)->forward(x); break;
-      }
-      y.square().mean().backward();
-      opt.step();
-    }
+    work.step();
     if (step >= kWarmup) {
       tracked.push_back(remat::memory::current_bytes());
       rss.push_back(rss_bytes());

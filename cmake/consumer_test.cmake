@@ -1,11 +1,6 @@
 # Runs by ctest: install the build, configure + build tests/consumer against
 # the installed package, run it. Fails on the first step that fails.
-function(run)
-  execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "consumer test step failed (${rc}): ${ARGV}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/run_step.cmake)
 file(REMOVE_RECURSE ${PREFIX} ${BUILD_DIR}/consumer-build)
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${PREFIX})
 # Relocatable: the exported targets name LibTorch's imported targets, never

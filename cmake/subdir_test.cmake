@@ -1,11 +1,6 @@
 # Runs by ctest: configure tests/consumer_subdir (remat via add_subdirectory)
 # with no build type, build it, run it. Fails on the first step that fails.
-function(run)
-  execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "subdirectory consumer step failed (${rc}): ${ARGV}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/run_step.cmake)
 file(REMOVE_RECURSE ${BUILD_DIR}/subdir-consumer-build)
 run(${CMAKE_COMMAND} -S ${SOURCE}/tests/consumer_subdir -B ${BUILD_DIR}/subdir-consumer-build -G ${GENERATOR}
     -DREMAT_SOURCE=${SOURCE} -DEXPECTED_BUILD_TYPE= -DTorch_DIR=${TORCH_DIR})

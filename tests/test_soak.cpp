@@ -18,39 +18,17 @@
 // bench/soak.cpp runs the same for 2,000 steps per strategy.
 #include "common.h"
 
-#include <unistd.h>
-
 #include <cstdio>
-#include <fstream>
-#include <optional>
 
-#include <remat/plan/solve.h>
-#include <remat/sequential.h>
+#include "../bench/soak_workload.h"
 
 using namespace remat_test;
+using namespace remat_soak;
 
 namespace {
 
 constexpr int kSteps = 300;
 constexpr int kWarmup = 50;
-
-int64_t rss_bytes() {
-  std::ifstream f("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  f >> size >> resident;
-  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-}
-
-/** Least-squares slope of ys over x = 0, 1, ... */
-double slope(const std::vector<int64_t>& ys) {
-  const double n = static_cast<double>(ys.size());
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (size_t i = 0; i < ys.size(); ++i) {
-    const double x = static_cast<double>(i), y = static_cast<double>(ys[i]);
-    sx += x, sy += y, sxx += x * x, sxy += x * y;
-  }
-  return (n * sxy - sx * sy) / (n * sxx - sx * sx);
-}
 
 torch::nn::Sequential stack() {
   torch::manual_seed(0);
@@ -59,8 +37,6 @@ torch::nn::Sequential stack() {
   return s;
 }
 
-enum class Strategy { kPlain, kPerBlock, kCheckpointSequential, kBudget };
-
 struct Soak {
   std::vector<int64_t> tracked, rss;
   std::vector<int> forwards_per_stage;
@@ -68,39 +44,14 @@ struct Soak {
 
 Soak soak(Strategy s) {
   remat::memory::enable_tracking();
-  auto seq = stack();
-  auto gen = torch::make_generator<torch::CPUGeneratorImpl>(1);
-  const std::vector<int64_t> shape{4, 16, 32};
-  std::optional<remat::CheckpointedSequential> net;
-  if (s == Strategy::kBudget) {
-    auto chain = remat::profile(seq, torch::randn(shape, gen));
-    const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
-    const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
-    net.emplace(seq, remat::SequentialOptions().memory_budget_bytes(low + (top - low) / 4));
-  }
-  torch::optim::Adam opt(seq->parameters(), torch::optim::AdamOptions(1e-3));
+  Workload work(stack(), {4, 16, 32}, s);
   Soak out;
   for (int step = 0; step <= kSteps; ++step) {
-    {
-      auto x = torch::randn(shape, gen);
-      opt.zero_grad();
-      torch::Tensor y;
-      switch (s) {
-        case Strategy::kPlain: y = seq->forward(x); break;
-        case Strategy::kPerBlock:
-          y = x;
-          for (auto& m : *seq) y = remat::checkpoint([m](torch::Tensor in) mutable { return m.forward(in); }, y);
-          break;
-        case Strategy::kCheckpointSequential: y = remat::checkpoint_sequential(seq, 2, x); break;
-        case Strategy::kBudget: y = (*net)->forward(x); break;
-      }
-      y.square().mean().backward();
-      opt.step();
-    }
+    work.step();
     out.tracked.push_back(remat::memory::current_bytes());
     out.rss.push_back(rss_bytes());
   }
-  if (net) out.forwards_per_stage = (*net)->last_step().forwards_per_stage;
+  out.forwards_per_stage = work.forwards_per_stage();
   return out;
 }
 
