@@ -6,13 +6,5 @@
 set -euo pipefail
 CLANG_VERSION="${REMAT_CLANG_VERSION:-14}"   # Debian 12's default clang
 pkgs=("clang-$CLANG_VERSION" "libclang-rt-$CLANG_VERSION-dev" "clang-format-$CLANG_VERSION")
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "[setup-fuzz] apt-get install ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+. "$(dirname "$0")/apt-missing.sh"
+apt_install_missing setup-fuzz "${pkgs[@]}"

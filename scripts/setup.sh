@@ -8,16 +8,8 @@ TORCH_VERSION="${REMAT_TORCH_VERSION:-2.13.0}"
 
 pkgs=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev
       libbenchmark-dev nlohmann-json3-dev libcli11-dev)
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "[setup] apt-get install ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+. "$(dirname "$0")/apt-missing.sh"
+apt_install_missing setup "${pkgs[@]}"
 
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
   echo "[setup] creating $VENV with torch==$TORCH_VERSION"

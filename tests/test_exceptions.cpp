@@ -139,6 +139,18 @@ Ambient expect_user_error(F&& f, const std::string& message) {
   return Ambient::now();
 }
 
+/** loss.backward(), with f set to throw during the recompute: the user's
+ *  error comes out unchanged, the throw came from the recompute, and the
+ *  thread state and the RNG are as right before backward. Drops loss. */
+void expect_recompute_throw_is_clean(torch::Tensor& loss, Flaky& f, const std::string& message) {
+  const Ambient before = Ambient::now();
+  const Ambient after = expect_user_error([&] { loss.backward(); }, message);
+  EXPECT_TRUE(f->threw_recomputing) << "the throw must come from the recompute";
+  expect_same_thread_state(before, after);
+  EXPECT_TRUE(after.rng == before.rng) << "the recompute did not put the RNG state back";
+  loss = torch::Tensor();
+}
+
 // ---- remat::checkpoint ----
 
 TEST_F(ExceptionSafety, CheckpointForwardThrow) {
@@ -198,17 +210,11 @@ TEST_F(ExceptionSafety, CheckpointRecomputeThrowInBackward) {
     auto loss = ckpt_run(x).square().mean();
     f->throw_on = f->calls + 1;  // the recompute
     torch::rand({100});          // move the generator away from the captured state
-    Ambient before, after;
     {
       c10::AutoGradMode mode(grad_mode);
-      before = Ambient::now();
-      after = expect_user_error([&] { loss.backward(); }, expected_message(f->throw_on));
+      expect_recompute_throw_is_clean(loss, f, expected_message(f->throw_on));
     }
-    EXPECT_TRUE(f->threw_recomputing) << "the throw must come from the recompute";
     EXPECT_EQ(remat::checkpoint_stats().recomputations, 0) << "a failed recompute is not counted as one";
-    expect_same_thread_state(before, after);
-    EXPECT_TRUE(after.rng == before.rng) << "the recompute did not put the RNG state back";
-    loss = torch::Tensor();
     zero_grads(*all, x);
     EXPECT_EQ(probe.delta_bytes(), 0) << "the failed step left tensors behind";
   }
@@ -252,13 +258,8 @@ TEST_F(ExceptionSafety, CheckpointRecomputeThrowUnderAutocast) {
   remat::memory::Probe probe;
   auto loss = run(true);
   f->throw_on = f->calls + 1;
-  const Ambient before = Ambient::now();
-  ASSERT_FALSE(before.autocast_cpu);
-  const Ambient after = expect_user_error([&] { loss.backward(); }, expected_message(f->throw_on));
-  EXPECT_TRUE(f->threw_recomputing);
-  expect_same_thread_state(before, after);
-  EXPECT_TRUE(after.rng == before.rng);
-  loss = torch::Tensor();
+  ASSERT_FALSE(Ambient::now().autocast_cpu);
+  expect_recompute_throw_is_clean(loss, f, expected_message(f->throw_on));
   zero_grads(*f, x);
   EXPECT_EQ(probe.delta_bytes(), 0);
   f->throw_on = -1;
@@ -314,13 +315,8 @@ TEST_F(ExceptionSafety, NestedInnerThrowsAtEachCall) {
     } else {
       auto loss = ckpt_run(x).square().mean();
       torch::rand({100});
-      const Ambient before = Ambient::now();
-      const Ambient after = expect_user_error([&] { loss.backward(); }, expected_message(base + n));
+      expect_recompute_throw_is_clean(loss, f, expected_message(base + n));
       EXPECT_EQ(f->calls, base + n);
-      EXPECT_TRUE(f->threw_recomputing);
-      expect_same_thread_state(before, after);
-      EXPECT_TRUE(after.rng == before.rng) << "RNG not put back";
-      loss = torch::Tensor();
     }
     zero_grads(*all, x);
     EXPECT_EQ(probe.delta_bytes(), 0) << "the failed step left tensors behind";
@@ -398,12 +394,7 @@ TEST_F(ExceptionSafety, CheckpointedSequentialStageThrows) {
     } else {
       auto loss = net->forward(x).square().mean();
       torch::rand({100});
-      const Ambient before = Ambient::now();
-      const Ambient after = expect_user_error([&] { loss.backward(); }, expected_message(base + 2));
-      EXPECT_TRUE(f->threw_recomputing);
-      expect_same_thread_state(before, after);
-      EXPECT_TRUE(after.rng == before.rng) << "RNG not put back";
-      loss = torch::Tensor();
+      expect_recompute_throw_is_clean(loss, f, expected_message(base + 2));
     }
     zero_grads(*seq, x);
     EXPECT_EQ(probe.delta_bytes(), 0) << "the failed step left tensors behind";
