@@ -8,10 +8,13 @@
 // only until autograd has used it; a slot whose node is released is dropped.
 #include <remat/checkpoint.h>
 
+#include "dispatch.h"
 #include "replay.h"
+#include "selective_state.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <atomic>
@@ -86,7 +89,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
   ReplayState replay;                                       // RNG, autocast, buffers of the first run
   std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
   std::vector<Slot> slots;
-  std::vector<at::Tensor> pending_inputs;  // fetched for a recompute to come
+  std::vector<at::Tensor> pending_inputs;     // fetched for a recompute to come
+  std::shared_ptr<SelectiveCache> selective;  // with a policy (NOTE [selective op cache])
   // During a recompute: next slot to fill, and how many are still needed.
   size_t cursor = 0;
   size_t needed = 0;
@@ -276,6 +280,7 @@ class ForwardHook final : public SavedHook {
     if (packed_) frame_->release(index_);
   }
   void call_pack_hook(const at::Tensor& t) override {
+    dispatch::Suspend suspend;  // hashing for kValues is remat's work, not the region's
     std::lock_guard<std::recursive_mutex> lock(frame_->mu);
     index_ = frame_->pack(t);
     packed_ = true;
@@ -302,7 +307,10 @@ class ForwardFactory final : public HookFactory {
 class RecomputeHook final : public SavedHook {
  public:
   explicit RecomputeHook(Frame* f) : frame_(f) {}
-  void call_pack_hook(const at::Tensor& t) override { frame_->refill(t); }
+  void call_pack_hook(const at::Tensor& t) override {
+    dispatch::Suspend suspend;
+    frame_->refill(t);
+  }
   at::Tensor call_unpack_hook() override {
     throw Error("[remat::checkpoint] internal: backward reached the graph of a recomputation");
   }
@@ -329,15 +337,27 @@ void Frame::recompute() {
   for (const auto& s : slots) needed += s.kind == SlotKind::kRecompute && s.alive && !s.value.defined();
   cursor = 0;
   bool stopped = false;
+  const bool keep_cache = selective && torch::autograd::get_current_graph_task_keep_graph();
   {
     ReplayGuard guard(replay, /*enable_grad=*/true);
     ScopedHooks hooks(std::make_shared<RecomputeFactory>(this));
+    // With a policy, saved ops are handed back; without one, an outer
+    // region's interceptor must not see this recompute's ops either.
+    std::unique_ptr<dispatch::Interceptor> interceptor;
+    std::optional<dispatch::Scope> ops;
+    if (selective) {
+      interceptor = selective->recompute(keep_cache);
+      ops.emplace(interceptor.get());
+    } else if (dispatch::current() != nullptr) {
+      ops.emplace(nullptr);
+    }
     try {
       recompute_fn(in);
     } catch (const StopRecompute&) {
       stopped = true;
     }
   }
+  if (selective && !keep_cache) selective->clear();
   g_recomputations.fetch_add(1, std::memory_order_relaxed);
   if (stopped) {
     g_early_stops.fetch_add(1, std::memory_order_relaxed);
@@ -399,9 +419,17 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   f.replay = ReplayState::capture(options.preserve_rng_state(), devices, std::move(state.buffers));
   g_regions.fetch_add(1, std::memory_order_relaxed);
   scope_ = std::make_unique<ScopedHooks>(std::make_shared<ForwardFactory>(frame_));
+  if (options.policy()) {
+    f.selective = std::make_shared<SelectiveCache>(*options.policy());
+    interceptor_ = f.selective->first_run();
+    dispatch_scope_ = std::make_unique<dispatch::Scope>(interceptor_.get());
+  }
 }
 
 Region::~Region() {
+  dispatch_scope_.reset();
+  if (frame_->selective) frame_->selective->end_first_run();
+  interceptor_.reset();
   scope_.reset();
   {
     std::lock_guard<std::recursive_mutex> lock(frame_->mu);
@@ -412,9 +440,13 @@ Region::~Region() {
 
 }  // namespace detail
 
-CheckpointStats checkpoint_stats() { return {g_regions.load(), g_recomputations.load(), g_early_stops.load()}; }
+CheckpointStats checkpoint_stats() {
+  return {g_regions.load(),           g_recomputations.load(),       g_early_stops.load(),
+          detail::g_ops_saved.load(), detail::g_ops_replayed.load(), detail::g_ops_recomputed.load()};
+}
 
 void reset_checkpoint_stats() {
+  detail::reset_op_stats();
   g_regions = 0;
   g_recomputations = 0;
   g_early_stops = 0;

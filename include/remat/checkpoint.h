@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -23,12 +24,17 @@
 
 #include <remat/error.h>
 #include <remat/hooks.h>
+#include <remat/policy.h>
 
 namespace torch::nn {
 class Sequential;
 }  // namespace torch::nn
 
 namespace remat {
+namespace dispatch {
+class Interceptor;
+class Scope;
+}  // namespace dispatch
 
 /** What recomputation compares against the first run. */
 enum class DeterminismCheck {
@@ -45,6 +51,10 @@ struct CheckpointOptions {
   TORCH_ARG(DeterminismCheck, determinism_check) = DeterminismCheck::kMetadata;
   /** Stop recomputing as soon as every needed tensor exists. Default true. */
   TORCH_ARG(bool, early_stop) = true;
+  /** Selective checkpointing (policy.h): which ops' outputs are saved from
+   *  the first run instead of recomputed. Default none: everything is
+   *  recomputed and no op is intercepted. */
+  TORCH_ARG(std::optional<Policy>, policy);
 };
 
 /** Process-wide counters, for tests and telemetry. */
@@ -52,6 +62,9 @@ struct CheckpointStats {
   int64_t regions = 0;         ///< checkpointed forward calls
   int64_t recomputations = 0;  ///< re-runs of a region's function
   int64_t early_stops = 0;     ///< re-runs cut short by early stop
+  int64_t ops_saved = 0;       ///< op outputs kept by a selective policy (first runs)
+  int64_t ops_replayed = 0;    ///< saved ops handed back in a recompute instead of running
+  int64_t ops_recomputed = 0;  ///< ops run again in recomputes of regions with a policy
 };
 CheckpointStats checkpoint_stats();
 void reset_checkpoint_stats();
@@ -99,6 +112,8 @@ class Region {
   bool rng_locked_ = false;
   std::shared_ptr<Frame> frame_;
   std::unique_ptr<ScopedHooks> scope_;
+  std::unique_ptr<dispatch::Interceptor> interceptor_;  // with a policy: the first run's
+  std::unique_ptr<dispatch::Scope> dispatch_scope_;
 };
 
 template <class T>

@@ -9,5 +9,7 @@
 #include <remat/hooks.h>
 #include <remat/memory.h>
 #include <remat/plan/plan.h>
+#include <remat/policy.h>
 #include <remat/profile.h>
+#include <remat/selective.h>
 #include <remat/sequential.h>

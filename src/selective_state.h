@@ -1,0 +1,120 @@
+// Internal: the op cache of a checkpointed region with a selective policy
+// (CheckpointOptions::policy). NOTE [selective op cache]: in the region's
+// first run every op is shown to the policy; the outputs of saved ops are
+// kept (as tensor_data() aliases, which share the first run's version
+// counters) under the key (op, occurrence of that op in the region). When
+// backward recomputes the region, an op whose key is cached is not run: its
+// outputs are handed back (after checking they were not modified in place
+// and that the op got inputs of the same shapes); every other op runs.
+// Keys count occurrences per operator, so ops that appear in one run only
+// (an autocast cast served from autocast's cache) do not shift the others.
+// An in-place op of the region that writes to a cached output's storage
+// (Linear's bias `add_` on a view of its mm, a dropout's bernoulli_ into
+// a saved empty_like) would make the cache hold the written values, not the
+// op's result; version counters do not see writes through _unsafe_view
+// aliases, so the first run compares storages before each in-place op and
+// copies the affected entries first. A write the first run cannot see (to
+// a returned output, after the region) is caught by the version check at
+// hand-back, which throws naming the op.
+// An entry is dropped when handed back unless backward keeps the graph
+// (retain_graph), and everything when the region's graph is freed.
+#pragma once
+
+#include "dispatch.h"
+
+#include <remat/policy.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace remat::detail {
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+/** An op output seen in a first run, kept weakly: the tensor while it
+ *  lives, else (a view such as _unsafe_view replaced it) rebuilt from its
+ *  storage and geometry while that lives. */
+struct OutputRef {
+  explicit OutputRef(const at::Tensor& t);
+  WeakImpl impl;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  at::TensorOptions options;
+  /** The tensor, or an undefined one when its storage is gone too. */
+  at::Tensor get() const;
+};
+
+struct InputMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+};
+
+/** Why an op's outputs cannot be saved ("" when they can): in-place, view,
+ *  random or returning something other than tensors and scalars. */
+std::string uncacheable_reason(const c10::OperatorHandle& op);
+/** True for ops whose output is (an alias of) their first input's storage. */
+bool is_view_like(const c10::OperatorHandle& op);
+std::vector<InputMeta> tensor_inputs_meta(c10::ArrayRef<c10::IValue> args);
+
+/** Per-op counters (remat::op_stats), and their totals (CheckpointStats). */
+void count_op(const std::string& key, int which);  // 0 saved, 1 replayed, 2 recomputed
+extern std::atomic<int64_t> g_ops_saved, g_ops_replayed, g_ops_recomputed;
+void reset_op_stats();
+
+class SelectiveCache {
+ public:
+  explicit SelectiveCache(Policy policy) : policy_(std::move(policy)) {}
+  /** The interceptor of the region's first run (the region owns it). */
+  std::unique_ptr<dispatch::Interceptor> first_run();
+  /** The interceptor of one recompute; keep_graph keeps handed-back entries. */
+  std::unique_ptr<dispatch::Interceptor> recompute(bool keep_graph);
+  /** Drops what only the first run needs (producers of tagged tensors). */
+  void end_first_run();
+  /** Drops every cached output. */
+  void clear();
+  const Policy& policy() const { return policy_; }
+
+ private:
+  friend class FirstRun;
+  friend class Recompute;
+  friend class ResidualRecorder;
+  using Key = std::pair<std::string, int64_t>;
+  struct Entry {
+    std::vector<c10::IValue> outputs;
+    std::vector<std::pair<size_t, uint32_t>> versions;  // tensor output index, version at save
+    std::vector<InputMeta> inputs;
+    OpDecision decision = OpDecision::kPreferSave;
+    bool snapshot = false;  // values copied before an in-place op in the region wrote to them
+  };
+  struct Record {  // one op of the first run
+    std::optional<c10::OperatorHandle> op;
+    Key key;
+    std::vector<OutputRef> outputs;
+    std::optional<WeakImpl> base;  // view-like ops: their first input
+    bool view_like = false;
+    std::string uncacheable;
+    std::vector<InputMeta> inputs;
+    std::string tag;  // its checkpoint_name
+  };
+  void save(const Key& key, Entry e);
+  /** Before an in-place op writes to `written`: copies the cached outputs
+   *  that share its storage (NOTE [selective op cache]). */
+  void snapshot_before_write(const at::Tensor& written);
+  void on_tag(const at::Tensor& t, const std::string& name);
+
+  Policy policy_;
+  std::mutex mu_;
+  std::map<Key, Entry> cache_;
+  std::vector<Record> records_;
+  std::unordered_map<const c10::TensorImpl*, size_t> producer_;
+};
+
+}  // namespace remat::detail
