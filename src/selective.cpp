@@ -175,7 +175,27 @@ class FirstRun final : public dispatch::Interceptor {
     }
     std::lock_guard<std::mutex> lock(c_->mu_);
     const size_t index = c_->records_.size();
-    for (const auto& w : rec.outputs) c_->producer_[w.impl._unsafe_get_target()] = index;
+    const bool in_place = op.schema().is_mutable();
+    for (const auto& w : rec.outputs) {
+      const auto* impl = w.impl._unsafe_get_target();
+      // An in-place op returns its argument: that tensor keeps its producer.
+      if (in_place && c_->producer_.count(impl) != 0) continue;
+      c_->producer_[impl] = index;
+      if (!in_place && !rec.view_like) c_->written_.erase(w.storage._unsafe_get_target());
+    }
+    if (in_place) {
+      const auto& formals = op.schema().arguments();
+      for (size_t a = 0; a < nin && a < formals.size(); ++a) {
+        if (formals[a].alias_info() != nullptr && formals[a].alias_info()->isWrite()) {
+          for (const auto& o : outs) {
+            for_each_tensor(o, [&](const at::Tensor& t) {
+              if (t.defined() && t.has_storage())
+                c_->written_.emplace(t.storage().unsafeGetStorageImpl(), rec.key.first);
+            });
+          }
+        }
+      }
+    }
     if (saves(d) && rec.uncacheable.empty()) {
       SelectiveCache::Entry e;
       e.decision = d;
@@ -346,6 +366,17 @@ void SelectiveCache::on_tag(const at::Tensor& t, const std::string& name) {
     return;
   }
   if (cache_.count(rec->key) != 0) return;
+  for (const OutputRef& w : rec->outputs) {
+    auto it = written_.find(w.storage._unsafe_get_target());
+    if (it != written_.end()) {
+      throw Error("[remat::checkpoint_name] the policy '" + policy_.description() + "' saves '" + name + "', but " +
+                  it->second + " wrote in place into the output of " + rec->key.first +
+                  " before it was named, so no op's result holds those values (C++ torch::nn::Linear adds its "
+                  "bias in place on 3-d inputs). Name a tensor no in-place op has written (e.g. call "
+                  "torch::linear(x, weight, bias)), or save " +
+                  rec->key.first + " by operator (policy::save_ops), which copies it before the write.");
+    }
+  }
   Entry e;
   bool single_tensors = rec->outputs.size() == rec->op->schema().returns().size();
   for (const auto& ret : rec->op->schema().returns()) single_tensors &= ret.type()->kind() == c10::TypeKind::TensorType;
@@ -662,6 +693,7 @@ SavedResiduals ResidualRecorder::finish() {
           p = &m.cache.records_[up->second];
         }
         s.kept_by_policy = m.policy.has_value() && m.cache.cache_.count(p->key) != 0;
+        if (s.tag.empty()) s.tag = p->tag;
       } else {
         s.kind = ResidualKind::kExternal;
       }

@@ -115,6 +115,9 @@ class SelectiveCache {
   std::map<Key, Entry> cache_;
   std::vector<Record> records_;
   std::unordered_map<const c10::TensorImpl*, size_t> producer_;
+  // Storage -> the first in-place op that wrote it after its producer ran
+  // (a name cannot then save the producer: it no longer holds the result).
+  std::unordered_map<const c10::StorageImpl*, std::string> written_;
 };
 
 }  // namespace remat::detail

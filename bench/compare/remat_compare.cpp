@@ -92,7 +92,8 @@ Model build(const std::string& name) {
     for (int i = 0; i < 16; ++i) b.emplace_back(128, 4, 0.0);
     add_blocks(m, b);
     m.selective = [b](bool on) {
-      for (auto blk : b) blk->set_checkpoint_attention(on);
+      // Full recompute of each attention module (as the Python worker does).
+      for (auto blk : b) blk->attn->set_checkpointing(on ? std::optional(remat::CheckpointOptions()) : std::nullopt);
     };
     m.x = torch::randn({1, 128, 128});
   } else if (name == "resnet") {  // RESNET = dict(width=16, batch=4, image=32), depth 18
@@ -107,7 +108,7 @@ Model build(const std::string& name) {
     }
     add_blocks(m, b);
     m.selective = [b](bool on) {
-      for (auto blk : b) blk->set_checkpoint_first(on);
+      for (auto blk : b) blk->first->set_checkpointing(on ? std::optional(remat::CheckpointOptions()) : std::nullopt);
     };
     m.x = torch::randn({4, 16, 32, 32});
   } else {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <remat/checkpoint.h>
+#include <remat/checkpointable.h>
 #include <remat/error.h>
 #include <remat/hooks.h>
 #include <remat/memory.h>

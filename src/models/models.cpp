@@ -11,6 +11,7 @@
 
 #include <remat/checkpoint.h>
 #include <remat/error.h>
+#include <remat/selective.h>
 
 namespace remat::models {
 
@@ -24,7 +25,16 @@ void check_positive(const char* what, int64_t v, const char* remedy) {
   }
 }
 
+/** aten::linear (addmm on the flattened input, as Python's nn.Linear runs
+ *  it), not the C++ module's matmul + in-place bias: a name on the result
+ *  then reaches the addmm (remat::checkpoint_name). */
+torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) {
+  return torch::linear(x, l->weight, l->bias);
+}
+
 }  // namespace
+
+Policy megatron_policy() { return policy::save_names({"attn_qkv", "attn_out", "mlp_fc"}); }
 
 // --- GPT ---------------------------------------------------------------------
 
@@ -35,16 +45,22 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t heads,
       resid_drop(register_module("resid_drop", torch::nn::Dropout(dropout))),
       heads_(heads) {}
 
-torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {  // (B, T, C)
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  return checkpointed([this](const torch::Tensor& h) { return attend(h); }, x);
+}
+
+torch::Tensor CausalSelfAttentionImpl::attend(const torch::Tensor& x) {  // (B, T, C)
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads_;
-  auto qkv_bthd = qkv(x).view({B, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});                    // (3, B, H, T, hd)
-  auto q = qkv_bthd[0], k = qkv_bthd[1], v = qkv_bthd[2];                                         // (B, H, T, hd)
-  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));  // (B, H, T, T)
-  auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);                     // (T, T)
+  auto qkv_out = checkpoint_name(linear(qkv, x), "attn_qkv");                        // (B, T, 3C)
+  auto qkv_bthd = qkv_out.view({B, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});      // (3, B, H, T, hd)
+  auto q = qkv_bthd[0], k = qkv_bthd[1], v = qkv_bthd[2];                            // (B, H, T, hd)
+  auto att = checkpoint_name(torch::matmul(q, k.transpose(-2, -1)), "attn_scores");  // (B, H, T, T)
+  att = att * (1.0 / std::sqrt(static_cast<double>(hd)));
+  auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);  // (T, T)
   att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
-  att = attn_drop(torch::softmax(att, -1));                           // (B, H, T, T)
-  auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, C});  // (B, T, C)
-  return resid_drop(proj(y));                                         // (B, T, C)
+  att = attn_drop(checkpoint_name(torch::softmax(att, -1), "attn_probs"));                             // (B, H, T, T)
+  auto y = checkpoint_name(torch::matmul(att, v), "attn_context").transpose(1, 2).reshape({B, T, C});  // (B, T, C)
+  return resid_drop(checkpoint_name(linear(proj, y), "attn_out"));                                     // (B, T, C)
 }
 
 MlpImpl::MlpImpl(int64_t d_model, double dropout)
@@ -52,8 +68,13 @@ MlpImpl::MlpImpl(int64_t d_model, double dropout)
       proj(register_module("proj", torch::nn::Linear(4 * d_model, d_model))),
       drop(register_module("drop", torch::nn::Dropout(dropout))) {}
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x) {  // (B, T, C)
-  return drop(proj(torch::gelu(fc(x))));                  // (B, T, 4C) inside, (B, T, C) out
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  return checkpointed([this](const torch::Tensor& h) { return transform(h); }, x);
+}
+
+torch::Tensor MlpImpl::transform(const torch::Tensor& x) {                                     // (B, T, C)
+  auto h = checkpoint_name(torch::gelu(checkpoint_name(linear(fc, x), "mlp_fc")), "mlp_act");  // (B, T, 4C)
+  return drop(checkpoint_name(linear(proj, h), "mlp_out"));                                    // (B, T, C)
 }
 
 GptBlockImpl::GptBlockImpl(int64_t d_model, int64_t heads, double dropout)
@@ -62,16 +83,13 @@ GptBlockImpl::GptBlockImpl(int64_t d_model, int64_t heads, double dropout)
       attn(register_module("attn", CausalSelfAttention(d_model, heads, dropout))),
       mlp(register_module("mlp", Mlp(d_model, dropout))) {}
 
-torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {  // (B, T, C)
-  torch::Tensor a;
-  if (checkpoint_attention_) {
-    // No buffers in ln1/attn, so a lambda is enough (parameters are kept by reference).
-    a = remat::checkpoint([ln1 = ln1, attn = attn](const torch::Tensor& h) mutable { return attn(ln1(h)); }, x);
-  } else {
-    a = attn(ln1(x));  // (B, T, C)
-  }
-  auto h = x + a;          // (B, T, C)
-  return h + mlp(ln2(h));  // (B, T, C)
+torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
+  return checkpointed([this](const torch::Tensor& h) { return body(h); }, x);
+}
+
+torch::Tensor GptBlockImpl::body(const torch::Tensor& x) {  // (B, T, C)
+  auto h = x + attn(ln1(x));                                // (B, T, C)
+  return h + mlp(ln2(h));                                   // (B, T, C)
 }
 
 GptImpl::GptImpl(const GptConfig& c) : config_(c) {
@@ -125,10 +143,6 @@ torch::Tensor GptImpl::head(const torch::Tensor& h) {  // (B, T, C)
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) { return head(blocks->forward(embed(idx))); }
 
-void GptImpl::set_checkpoint_attention(bool on) {
-  for (auto& m : blocks->children()) std::dynamic_pointer_cast<GptBlockImpl>(m)->set_checkpoint_attention(on);
-}
-
 // --- ResNet ------------------------------------------------------------------
 
 ConvBnReluImpl::ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride)
@@ -137,7 +151,9 @@ ConvBnReluImpl::ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t 
           torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false)))),
       bn(register_module("bn", torch::nn::BatchNorm2d(out))) {}
 
-torch::Tensor ConvBnReluImpl::forward(const torch::Tensor& x) { return torch::relu(bn(conv(x))); }
+torch::Tensor ConvBnReluImpl::forward(const torch::Tensor& x) {
+  return checkpointed([this](const torch::Tensor& h) { return torch::relu(bn(conv(h))); }, x);
+}
 
 ResBlockImpl::ResBlockImpl(int64_t in, int64_t mid, int64_t stride, bool bottleneck) : bottleneck_(bottleneck) {
   auto conv = [](int64_t i, int64_t o, int64_t k, int64_t s) {
@@ -162,8 +178,12 @@ ResBlockImpl::ResBlockImpl(int64_t in, int64_t mid, int64_t stride, bool bottlen
   }
 }
 
-torch::Tensor ResBlockImpl::forward(const torch::Tensor& x) {           // (B, in, H, W)
-  auto h = checkpoint_first_ ? remat::checkpoint(first, x) : first(x);  // (B, mid, ., .)
+torch::Tensor ResBlockImpl::forward(const torch::Tensor& x) {
+  return checkpointed([this](const torch::Tensor& h) { return body(h); }, x);
+}
+
+torch::Tensor ResBlockImpl::body(const torch::Tensor& x) {  // (B, in, H, W)
+  auto h = first(x);                                        // (B, mid, ., .)
   h = bn2(conv2(h));
   if (bottleneck_) h = bn3(conv3(torch::relu(h)));    // (B, out, H/s, W/s)
   auto skip = down_conv ? down_bn(down_conv(x)) : x;  // (B, out, H/s, W/s)
@@ -209,9 +229,5 @@ torch::Tensor ResNetImpl::head(const torch::Tensor& h) {        // (B, C, h, w)
 }
 
 torch::Tensor ResNetImpl::forward(const torch::Tensor& x) { return head(blocks->forward(embed(x))); }
-
-void ResNetImpl::set_checkpoint_first(bool on) {
-  for (auto& m : blocks->children()) std::dynamic_pointer_cast<ResBlockImpl>(m)->set_checkpoint_first(on);
-}
 
 }  // namespace remat::models

@@ -24,10 +24,12 @@
 #include <unistd.h>
 
 #include <remat/checkpoint.h>
+#include <remat/checkpointable.h>
 #include <remat/error.h>
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
+#include <remat/selective.h>
 
 #include <remat/sequential.h>
 
@@ -186,7 +188,7 @@ struct Trainer::Impl {
   torch::Tensor run_blocks(torch::Tensor h) {
     switch (cfg.checkpoint) {
       case Strategy::kNone:
-      case Strategy::kSelective:  // the blocks checkpoint their own part
+      case Strategy::kSelective:  // the blocks are switched on (enable_checkpointing)
         return blocks->forward(h);
       case Strategy::kBlock:
         for (size_t i = 0; i < blocks->size(); ++i) h = remat::checkpoint(SequentialEntry(blocks, i), h);
@@ -220,6 +222,21 @@ struct Trainer::Impl {
     return os.str();
   }
 };
+
+Policy selective_policy(const std::string& name, bool gpt) {
+  if (name == "megatron") {
+    if (!gpt) {
+      throw Error(
+          "[remat::train] --policy megatron names GPT tensors; for the ResNet use save_matmuls, "
+          "save_nothing or attention.");
+    }
+    return megatron_policy();
+  }
+  if (name == "save_matmuls") return policy::save_matmuls();
+  if (name == "save_nothing") return policy::save_nothing();
+  throw Error("[remat::train] unknown --policy '" + name +
+              "'. Use megatron (GPT), save_matmuls, save_nothing or attention.");
+}
 
 Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
   auto& m = *impl_;
@@ -265,7 +282,6 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     g.layers = c.layers;
     g.dropout = c.dropout;
     Gpt net(g);
-    net->set_checkpoint_attention(c.checkpoint == Strategy::kSelective);
     m.module = net.ptr();
     m.blocks = net->blocks;
     m.embed = [net](const torch::Tensor& x) mutable { return net->embed(x); };
@@ -276,13 +292,20 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     r.width = c.d_model;
     r.classes = c.classes;
     ResNet net(r);
-    net->set_checkpoint_first(c.checkpoint == Strategy::kSelective);
     m.module = net.ptr();
     m.blocks = net->blocks;
     m.embed = [net](const torch::Tensor& x) mutable { return net->embed(x); };
     m.head = [net](const torch::Tensor& h) mutable { return net->head(h); };
     auto teacher_gen = at::detail::createCPUGenerator(c.seed + 1);
     m.teacher = torch::randn({c.classes, 3 * 16}, teacher_gen, torch::kFloat);  // (classes, 48)
+  }
+  if (c.checkpoint == Strategy::kSelective) {
+    const Selector blocks = m.gpt ? select::type<GptBlockImpl>() : select::type<ResBlockImpl>();
+    if (c.policy == "attention") {  // full recompute of the attention module (GPT) or first conv-bn-relu (ResNet)
+      enable_checkpointing(*m.module, m.gpt ? select::type<CausalSelfAttentionImpl>() : select::name("blocks.*.first"));
+    } else {
+      enable_checkpointing(*m.module, blocks, CheckpointOptions().policy(selective_policy(c.policy, m.gpt)));
+    }
   }
   for (auto& p : m.module->parameters()) m.params += p.numel();
   m.optimizer = std::make_unique<torch::optim::AdamW>(m.module->parameters(),
@@ -419,6 +442,39 @@ std::vector<int> Trainer::auto_forwards_per_block() const {
   return impl_->auto_net->last_step().forwards_per_stage;
 }
 
+std::string Trainer::explain_memory() {
+  auto& m = *impl_;
+  auto x = m.batch().first;
+  torch::Tensor h;
+  {
+    torch::NoGradGuard no_grad;
+    h = m.embed(x);
+  }
+  h.requires_grad_(true);
+  auto block = m.blocks->ptr(0);
+  auto run = [seq = m.blocks](const torch::Tensor& in) mutable { return seq->begin()->forward(in); };
+  std::ostringstream os;
+  os << "saved for backward by one block (blocks.0, " << block->name() << ") on a batch of " << m.cfg.batch << ":\n";
+  std::optional<Policy> p;
+  if (m.cfg.checkpoint == Strategy::kSelective && m.cfg.policy != "attention")
+    p = selective_policy(m.cfg.policy, m.gpt);
+  {
+    // Plain forward of the block: the switch must not checkpoint it here.
+    std::vector<std::pair<Checkpointable*, std::optional<CheckpointOptions>>> saved;
+    for (auto& mod : block->modules(/*include_self=*/true)) {
+      if (auto* c = dynamic_cast<Checkpointable*>(mod.get())) {
+        saved.emplace_back(c, c->checkpointing_options());
+        c->set_checkpointing(std::nullopt);
+      }
+    }
+    const SavedResiduals r = p ? saved_residuals(*p, run, h) : saved_residuals(run, h);
+    for (auto& [c, o] : saved) c->set_checkpointing(o);
+    os << r.to_string();
+  }
+  os << describe_checkpointing(*m.module);
+  return os.str();
+}
+
 std::string Trainer::summary() const {
   const auto& m = *impl_;
   const auto& c = m.cfg;
@@ -435,6 +491,7 @@ std::string Trainer::summary() const {
   os << "; batch " << c.batch;
   if (c.grad_accum > 1) os << " x " << c.grad_accum << " accumulated";
   os << "; checkpoint " << to_string(c.checkpoint);
+  if (c.checkpoint == Strategy::kSelective) os << " (policy " << c.policy << ")";
   if (c.checkpoint == Strategy::kAuto) os << " (budget " << format_bytes(c.memory_budget_bytes) << ")";
   if (c.bf16) os << "; bf16 autocast";
   const int threads = torch::get_num_threads();

@@ -44,6 +44,13 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", checkpoint, "none, block, sqrt, selective or auto")
       ->check(CLI::IsMember({"none", "block", "sqrt", "selective", "auto"}))
       ->capture_default_str();
+  app.add_option("--policy", cfg.policy,
+                 "with --checkpoint selective: megatron (GPT), save_matmuls, save_nothing or attention")
+      ->check(CLI::IsMember({"megatron", "save_matmuls", "save_nothing", "attention"}))
+      ->capture_default_str();
+  bool explain_memory = false;
+  app.add_flag("--explain-memory", explain_memory,
+               "print what one block saves for backward (op, name, shape, bytes; with the policy) and exit");
   app.add_option("--memory-budget", budget, "activation budget for --checkpoint auto, e.g. 512MiB, 2GiB, 1000000");
   app.add_option("--grad-accum", cfg.grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_option("--clip-norm", cfg.clip_norm, "max global gradient norm (0: off)")->capture_default_str();
@@ -65,6 +72,10 @@ int main(int argc, char** argv) {
     cfg.checkpoint = remat::models::parse_strategy(checkpoint);
     if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
     remat::models::Trainer trainer(cfg);
+    if (explain_memory) {
+      std::cout << trainer.summary() << "\n" << trainer.explain_memory();
+      return 0;
+    }
     trainer.run(&std::cout);
   } catch (const remat::Error& e) {
     return fail(e.what());

@@ -18,6 +18,9 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <remat/checkpointable.h>
+#include <remat/policy.h>
+
 namespace remat::models {
 
 struct GptConfig {
@@ -35,11 +38,21 @@ struct GptConfig {
   double dropout = 0.0;
 };
 
-/** Causal multi-head self-attention: (B, T, C) -> (B, T, C). */
-class CausalSelfAttentionImpl : public torch::nn::Module {
+/** Megatron-style selective recompute for these blocks (Korthikanti et al.
+ *  2022): save the outputs of the qkv, attention-output and MLP-up linear
+ *  layers by name; recompute the attention core (scores, mask, softmax,
+ *  dropout, context), GELU, LayerNorm and the residual adds. */
+Policy megatron_policy();
+
+/** Causal multi-head self-attention: (B, T, C) -> (B, T, C). Names (for
+ *  selective policies): attn_qkv, attn_scores, attn_probs, attn_context,
+ *  attn_out. Checkpointable (remat::enable_checkpointing). */
+class CausalSelfAttentionImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
   CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout);
   torch::Tensor forward(const torch::Tensor& x);
+  /** forward() without the switch. */
+  torch::Tensor attend(const torch::Tensor& x);
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   torch::nn::Dropout attn_drop{nullptr}, resid_drop{nullptr};
 
@@ -48,32 +61,28 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(CausalSelfAttention);
 
-/** GELU MLP with 4x expansion: (B, T, C) -> (B, T, C). */
-class MlpImpl : public torch::nn::Module {
+/** GELU MLP with 4x expansion: (B, T, C) -> (B, T, C). Names: mlp_fc,
+ *  mlp_act, mlp_out. Checkpointable. */
+class MlpImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
   MlpImpl(int64_t d_model, double dropout);
   torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor transform(const torch::Tensor& x);
   torch::nn::Linear fc{nullptr}, proj{nullptr};
   torch::nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(Mlp);
 
-/** Pre-LayerNorm block: x = x + attn(ln1(x)); x = x + mlp(ln2(x)). */
-class GptBlockImpl : public torch::nn::Module {
+/** Pre-LayerNorm block: x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
+ *  Checkpointable, as are its attn and mlp. */
+class GptBlockImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
   GptBlockImpl(int64_t d_model, int64_t heads, double dropout);
   torch::Tensor forward(const torch::Tensor& x);
-  /** Selective checkpointing: when on, the attention branch attn(ln1(x))
-   *  runs under remat::checkpoint (its (B, H, T, T) scores are recomputed
-   *  in backward); the MLP branch is kept. Default off. */
-  void set_checkpoint_attention(bool on) { checkpoint_attention_ = on; }
-  bool checkpoint_attention() const { return checkpoint_attention_; }
+  torch::Tensor body(const torch::Tensor& x);
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
   Mlp mlp{nullptr};
-
- private:
-  bool checkpoint_attention_ = false;
 };
 TORCH_MODULE(GptBlock);
 
@@ -90,8 +99,6 @@ class GptImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx);
   /** The output projection: the token embedding's weight (vocab, C), shared. */
   const torch::Tensor& head_weight() const { return wte->weight; }
-  /** Turns selective (attention-only) checkpointing on or off in every block. */
-  void set_checkpoint_attention(bool on);
   const GptConfig& config() const { return config_; }
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};

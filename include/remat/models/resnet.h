@@ -17,6 +17,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <remat/checkpointable.h>
+
 namespace remat::models {
 
 struct ResNetConfig {
@@ -31,7 +33,7 @@ struct ResNetConfig {
 };
 
 /** conv (no bias) -> BatchNorm -> ReLU: (B, Cin, H, W) -> (B, Cout, H/stride, W/stride). */
-class ConvBnReluImpl : public torch::nn::Module {
+class ConvBnReluImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
   ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride);
   torch::Tensor forward(const torch::Tensor& x);
@@ -40,18 +42,16 @@ class ConvBnReluImpl : public torch::nn::Module {
 };
 TORCH_MODULE(ConvBnRelu);
 
-/** A residual block (basic or bottleneck). `first` is its leading
- *  conv-bn-relu: selective checkpointing recomputes only that part. */
-class ResBlockImpl : public torch::nn::Module {
+/** A residual block (basic or bottleneck). Checkpointable, as is `first`,
+ *  its leading conv-bn-relu (switch that alone to recompute only it). */
+class ResBlockImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
   /** Basic: first = 3x3(in, mid, stride), 3x3(mid, mid); out = mid.
    *  Bottleneck: first = 1x1(in, mid), 3x3(mid, mid, stride), 1x1(mid, 4 mid); out = 4 mid.
    *  A 1x1 conv + BatchNorm shortcut where stride or channels change. */
   ResBlockImpl(int64_t in, int64_t mid, int64_t stride, bool bottleneck);
   torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, out, H/stride, W/stride)
-  /** Selective checkpointing: `first` runs under remat::checkpoint (its
-   *  BatchNorm statistics are still updated once per step). Default off. */
-  void set_checkpoint_first(bool on) { checkpoint_first_ = on; }
+  torch::Tensor body(const torch::Tensor& x);
   int64_t out_channels() const { return out_; }
   ConvBnRelu first{nullptr};
   torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};   // conv3 only in bottlenecks
@@ -61,7 +61,6 @@ class ResBlockImpl : public torch::nn::Module {
 
  private:
   bool bottleneck_;
-  bool checkpoint_first_ = false;
   int64_t out_;
 };
 TORCH_MODULE(ResBlock);
@@ -75,8 +74,6 @@ class ResNetImpl : public torch::nn::Module {
   /** h (B, C, h, w) -> logits (B, classes): global average pool + linear. */
   torch::Tensor head(const torch::Tensor& h);
   torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, classes)
-  /** Turns selective (first conv-bn-relu) checkpointing on or off in every block. */
-  void set_checkpoint_first(bool on);
   const ResNetConfig& config() const { return config_; }
 
   ConvBnRelu stem{nullptr};

@@ -29,7 +29,7 @@ enum class Strategy {
   kNone,       ///< plain autograd, every activation kept
   kBlock,      ///< remat::checkpoint around every block
   kSqrt,       ///< remat::checkpoint_sequential with round(sqrt(blocks)) segments
-  kSelective,  ///< GPT: only the attention branch; ResNet: only each block's first conv-bn-relu
+  kSelective,  ///< every block switched on (remat::enable_checkpointing) with TrainConfig::policy
   kAuto,       ///< remat::CheckpointedSequential with a memory budget (planner)
 };
 
@@ -66,6 +66,12 @@ struct TrainConfig {
   /** Seeds parameters, dropout (global CPU generator) and data (own generator). */
   uint64_t seed = 1337;
   Strategy checkpoint = Strategy::kNone;
+  /** For Strategy::kSelective: "megatron" (GPT: keep the qkv, attention-out
+   *  and MLP-up linear outputs, recompute the rest; megatron_policy()),
+   *  "save_matmuls", "save_nothing" (full recompute through the op path), or
+   *  "attention" (no policy: full recompute of each attention module, or of
+   *  each ResNet block's first conv-bn-relu). */
+  std::string policy = "megatron";
   /** Budget for Strategy::kAuto, bytes (required there, ignored otherwise). */
   int64_t memory_budget_bytes = 0;
   /** Micro-batches per optimizer step; the loss is their mean. */
@@ -126,6 +132,9 @@ class Trainer {
    *  Empty for the other strategies. */
   std::vector<int> auto_forwards_per_block() const;
   const TrainConfig& config() const;
+  /** What one block saves for backward on a batch (remat::saved_residuals,
+   *  with the selective policy when there is one), and the switch's state. */
+  std::string explain_memory();
 
  private:
   struct Impl;

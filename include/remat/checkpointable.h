@@ -1,0 +1,129 @@
+// The module-level switch: the C++ counterpart of Hugging Face's
+// model.gradient_checkpointing_enable().
+//
+//   struct BlockImpl : torch::nn::Module, remat::Checkpointable {
+//     torch::Tensor forward(const torch::Tensor& x) {
+//       return checkpointed([this](const torch::Tensor& h) { return body(h); }, x);
+//     }
+//     ...
+//   };
+//   remat::enable_checkpointing(*model, remat::select::every_n(2, remat::select::type<BlockImpl>()),
+//                               remat::CheckpointOptions().policy(remat::policy::save_matmuls()));
+//   std::cout << remat::describe_checkpointing(*model);
+//
+// NOTE [module switch: a mixin, not a wrapper]: in C++ a parent calls its
+// children through typed members (`attn->forward(x)`), so nothing can be
+// patched in from outside the way Python swaps `forward`. A wrapper module
+// would have to be put in by the parent's author at construction, would
+// rename every parameter under it (`blocks.0.weight` -> `blocks.0.inner.weight`,
+// which breaks loading saved weights) and could not be switched off at run
+// time. A mixin keeps the module, its type and its parameter names; the
+// block author writes one line (forward through checkpointed()), and
+// enable/disable_checkpointing switch any subset of the tree between steps.
+// Modules remat does not own and cannot derive from can still go through
+// remat::checkpoint at their call site.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <remat/checkpoint.h>
+
+namespace remat {
+
+/** Mixin for a module whose forward can be checkpointed by the switch. */
+class Checkpointable {
+ public:
+  virtual ~Checkpointable() = default;
+  /** On with these options, or off (nullopt). */
+  void set_checkpointing(std::optional<CheckpointOptions> options) { options_ = std::move(options); }
+  bool checkpointing() const { return options_.has_value(); }
+  const std::optional<CheckpointOptions>& checkpointing_options() const { return options_; }
+
+ protected:
+  /** fn(args...) under remat::checkpoint when the switch is on (with this
+   *  module's parameters version-checked and buffers restored), a plain call
+   *  otherwise. fn must be copyable (capture `this`, not locals by reference). */
+  template <class Fn, class... Args>
+  auto checkpointed(Fn&& fn, Args&&... args) -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
+    if (!options_) return detail::call(fn, std::forward<Args>(args)...);
+    return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
+  }
+
+ private:
+  detail::ModuleState state() const;
+  std::optional<CheckpointOptions> options_;
+};
+
+/** A checkpointable module as selectors see it. */
+struct SelectorInput {
+  std::string name;  ///< qualified name in the tree ("blocks.3.attn"; "" for the root)
+  const torch::nn::Module* module;
+};
+
+/** Chooses modules among the checkpointable ones of a tree (in tree order). */
+class Selector {
+ public:
+  using Fn = std::function<std::vector<bool>(const std::vector<SelectorInput>&)>;
+  Selector(std::string description, Fn fn) : description_(std::move(description)), fn_(std::move(fn)) {}
+  std::vector<bool> operator()(const std::vector<SelectorInput>& in) const { return fn_(in); }
+  const std::string& description() const { return description_; }
+
+ private:
+  std::string description_;
+  Fn fn_;
+};
+
+namespace select {
+/** Every checkpointable module. */
+Selector all();
+/** Modules whose qualified name matches a glob (`*`, `?`, `[...]`), e.g. "blocks.*.attn". */
+Selector name(std::string glob);
+/** Modules for which pred(module) holds; see type<M>(). */
+Selector predicate(std::string description, std::function<bool(const torch::nn::Module&)> pred);
+/** Modules of type M (the Impl class, e.g. remat::models::GptBlockImpl). */
+template <class M>
+Selector type() {
+  return predicate("type " + c10::demangle(typeid(M).name()),
+                   [](const torch::nn::Module& m) { return dynamic_cast<const M*>(&m) != nullptr; });
+}
+/** Of the modules base selects, the 1st, (n+1)-th, (2n+1)-th...: Megatron's
+ *  uniform method, HF's every-n-layers. n >= 1. */
+Selector every_n(int64_t n, Selector base = all());
+/** The first n of the modules base selects: Megatron's block method. n >= 0. */
+Selector first_n(int64_t n, Selector base = all());
+}  // namespace select
+
+/** Switches on the checkpointable modules of model that selector chooses,
+ *  with options (a policy makes it selective); others keep their state.
+ *  Returns how many were switched on. Throws remat::Error when the selector
+ *  chooses none, listing the checkpointable modules of the tree. */
+int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector,
+                             const CheckpointOptions& options = CheckpointOptions());
+/** Switches every checkpointable module of model off; returns how many were on. */
+int64_t disable_checkpointing(torch::nn::Module& model);
+/** One line per checkpointable module: name, type, on/off and policy. */
+std::string describe_checkpointing(const torch::nn::Module& model);
+
+template <class M>
+int64_t enable_checkpointing(torch::nn::ModuleHolder<M>& model, const Selector& selector,
+                             const CheckpointOptions& options = CheckpointOptions()) {
+  return enable_checkpointing(*model, selector, options);
+}
+template <class M>
+int64_t disable_checkpointing(torch::nn::ModuleHolder<M>& model) {
+  return disable_checkpointing(*model);
+}
+template <class M>
+std::string describe_checkpointing(const torch::nn::ModuleHolder<M>& model) {
+  return describe_checkpointing(*model);
+}
+
+}  // namespace remat
