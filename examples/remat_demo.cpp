@@ -82,15 +82,21 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  std::vector<rm::Strategy> strategies = {rm::Strategy::kNone, rm::Strategy::kBlock, rm::Strategy::kSqrt,
-                                          rm::Strategy::kSelective, rm::Strategy::kAuto};
+  // Selective: every block switched on with an op policy (remat::enable_checkpointing).
+  const std::vector<std::pair<rm::Strategy, std::string>> strategies = {{rm::Strategy::kNone, ""},
+                                                                        {rm::Strategy::kBlock, ""},
+                                                                        {rm::Strategy::kSqrt, ""},
+                                                                        {rm::Strategy::kSelective, "megatron"},
+                                                                        {rm::Strategy::kSelective, "save_matmuls"},
+                                                                        {rm::Strategy::kAuto, ""}};
   std::vector<Row> rows;
   try {
     fs::create_directories(out_dir);
-    for (auto s : strategies) {
+    for (const auto& [s, policy] : strategies) {
       auto cfg = base;
       cfg.checkpoint = s;
-      Row row{std::string(rm::to_string(s))};
+      if (!policy.empty()) cfg.policy = policy;
+      Row row{std::string(rm::to_string(s)) + (policy.empty() ? "" : " " + policy)};
       if (s == rm::Strategy::kAuto) {
         cfg.memory_budget_bytes = static_cast<int64_t>(auto_fraction * static_cast<double>(rows.front().peak_bytes));
         row.name += " (" + remat::format_bytes(cfg.memory_budget_bytes) + ")";
@@ -111,7 +117,9 @@ int main(int argc, char** argv) {
           remat::memory::Timeline timeline;
           st = trainer.step(&timeline);
           timeline.stop();
-          row.trace_path = (fs::path(out_dir) / ("trace_" + std::string(rm::to_string(s)) + ".json")).string();
+          row.trace_path = (fs::path(out_dir) /
+                            ("trace_" + std::string(rm::to_string(s)) + (policy.empty() ? "" : "_" + policy) + ".json"))
+                               .string();
           timeline.write_chrome_trace(row.trace_path, "remat demo: " + row.name);
         }
         row.final_loss = st.loss;
@@ -129,7 +137,7 @@ int main(int argc, char** argv) {
   // The table.
   const auto& none = rows.front();
   std::cout << "\n"
-            << std::left << std::setw(20) << "strategy" << std::right << std::setw(14) << "peak act. mem"
+            << std::left << std::setw(24) << "strategy" << std::right << std::setw(14) << "peak act. mem"
             << std::setw(9) << "vs none" << std::setw(15) << "step (median)" << std::setw(10) << "overhead"
             << std::setw(16) << "final loss"
             << "\n";
@@ -142,7 +150,7 @@ int main(int argc, char** argv) {
     step << std::fixed << std::setprecision(1) << r.step_ms << " ms";
     overhead << std::fixed << std::setprecision(2) << r.step_ms / none.step_ms << "x";
     loss << std::fixed << std::setprecision(10) << r.final_loss;
-    std::cout << std::left << std::setw(20) << r.name << std::right << std::setw(14)
+    std::cout << std::left << std::setw(24) << r.name << std::right << std::setw(14)
               << remat::format_bytes(r.peak_bytes) << std::setw(9) << vs.str() << std::setw(15) << step.str()
               << std::setw(10) << overhead.str() << std::setw(16) << loss.str() << "\n";
   }

@@ -299,6 +299,7 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     auto teacher_gen = at::detail::createCPUGenerator(c.seed + 1);
     m.teacher = torch::randn({c.classes, 3 * 16}, teacher_gen, torch::kFloat);  // (classes, 48)
   }
+  if (c.policy.empty()) c.policy = m.gpt ? "megatron" : "save_matmuls";
   if (c.checkpoint == Strategy::kSelective) {
     const Selector blocks = m.gpt ? select::type<GptBlockImpl>() : select::type<ResBlockImpl>();
     if (c.policy == "attention") {  // full recompute of the attention module (GPT) or first conv-bn-relu (ResNet)

@@ -291,6 +291,53 @@ TEST(Train, SaveThenResumeEqualsUninterruptedRun) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Train, SelectivePoliciesGiveBitwiseEqualLosses) {
+  for (auto base : {tiny_gpt(), tiny_resnet()}) {
+    std::vector<double> reference;
+    std::vector<std::string> policies = {"save_matmuls", "save_nothing", "attention"};
+    if (base.model == "gpt") policies.push_back("megatron");
+    {
+      rm::Trainer t(base);
+      reference = losses_of(t.run());
+    }
+    for (const auto& p : policies) {
+      auto c = base;
+      c.checkpoint = Strategy::kSelective;
+      c.policy = p;
+      remat::reset_checkpoint_stats();
+      rm::Trainer t(c);
+      EXPECT_EQ(losses_of(t.run()), reference) << base.model << " policy " << p;
+      EXPECT_GT(remat::checkpoint_stats().recomputations, 0) << base.model << " policy " << p;
+      if (p == "save_matmuls") EXPECT_GT(remat::checkpoint_stats().ops_replayed, 0) << base.model;
+      EXPECT_NE(t.summary().find("checkpoint selective (policy " + p + ")"), std::string::npos) << t.summary();
+    }
+  }
+  auto c = tiny_resnet();
+  c.checkpoint = Strategy::kSelective;
+  c.policy = "megatron";
+  try {
+    rm::Trainer t(c);
+    ADD_FAILURE() << "megatron on a ResNet must throw";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::train] --policy megatron names GPT tensors; for the ResNet use save_matmuls, "
+                 "save_nothing or attention.");
+  }
+}
+
+TEST(TrainCli, ExplainMemoryListsTheResidualsOfOneBlock) {
+  auto [code, out] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --checkpoint selective --explain-memory");
+  EXPECT_EQ(code, 0) << out;
+  for (const char* want : {"checkpoint selective (policy megatron)", "saved for backward by one block (blocks.0",
+                           "aten::_softmax", "attn_probs", "recomputed", "saved",
+                           "policy save_names(attn_qkv, "
+                           "attn_out, mlp_fc) keeps",
+                           "blocks.1  remat::models::GptBlockImpl  on, policy"}) {
+    EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
+  }
+  EXPECT_EQ(out.find("step 1/"), std::string::npos) << "--explain-memory does not train";
+}
+
 TEST(TrainCli, RunsAndPrintsProgress) {
   auto [code, out] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 2 --checkpoint sqrt --threads 1");
   EXPECT_EQ(code, 0) << out;

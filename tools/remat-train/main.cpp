@@ -45,9 +45,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "block", "sqrt", "selective", "auto"}))
       ->capture_default_str();
   app.add_option("--policy", cfg.policy,
-                 "with --checkpoint selective: megatron (GPT), save_matmuls, save_nothing or attention")
-      ->check(CLI::IsMember({"megatron", "save_matmuls", "save_nothing", "attention"}))
-      ->capture_default_str();
+                 "with --checkpoint selective: megatron (GPT default), save_matmuls (ResNet default), "
+                 "save_nothing or attention")
+      ->check(CLI::IsMember({"megatron", "save_matmuls", "save_nothing", "attention"}));
   bool explain_memory = false;
   app.add_flag("--explain-memory", explain_memory,
                "print what one block saves for backward (op, name, shape, bytes; with the policy) and exit");

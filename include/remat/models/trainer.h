@@ -70,8 +70,9 @@ struct TrainConfig {
    *  and MLP-up linear outputs, recompute the rest; megatron_policy()),
    *  "save_matmuls", "save_nothing" (full recompute through the op path), or
    *  "attention" (no policy: full recompute of each attention module, or of
-   *  each ResNet block's first conv-bn-relu). */
-  std::string policy = "megatron";
+   *  each ResNet block's first conv-bn-relu). "" (default): megatron for the
+   *  GPT, save_matmuls for the ResNet. */
+  std::string policy;
   /** Budget for Strategy::kAuto, bytes (required there, ignored otherwise). */
   int64_t memory_budget_bytes = 0;
   /** Micro-batches per optimizer step; the loss is their mean. */

@@ -1,0 +1,284 @@
+// The module switch (remat::Checkpointable, enable/disable/describe_
+// checkpointing, selectors) on a user's module tree and on remat's GPT and
+// ResNet: gradients bitwise against plain, memory measured, errors pinned.
+#include "common.h"
+
+#include <remat/models/gpt.h>
+#include <remat/models/resnet.h>
+
+using namespace remat_test;
+namespace pol = remat::policy;
+namespace sel = remat::select;
+
+namespace user {
+
+/** A user's block: x + W2 gelu(W1 x), with a named hidden layer. */
+struct UserBlockImpl : torch::nn::Module, remat::Checkpointable {
+  explicit UserBlockImpl(int64_t d)
+      : up(register_module("up", torch::nn::Linear(d, 4 * d))),
+        down(register_module("down", torch::nn::Linear(4 * d, d))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed(
+        [this](const torch::Tensor& h) {
+          auto hidden = remat::checkpoint_name(torch::gelu(up(h)), "hidden");
+          return h + down(hidden);
+        },
+        x);
+  }
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(UserBlock);
+
+/** Two stages of blocks in ModuleLists, and a head: nothing remat ships. */
+struct UserNetImpl : torch::nn::Module {
+  explicit UserNetImpl(int64_t d) {
+    for (auto* s : {&s1, &s2}) {
+      *s = torch::nn::ModuleList();
+      for (int i = 0; i < 2; ++i) (*s)->push_back(UserBlock(d));
+    }
+    register_module("s1", s1);
+    register_module("s2", s2);
+    head = register_module("head", torch::nn::Linear(d, 1));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto* s : {&s1, &s2}) {
+      for (auto& m : **s) x = m->as<UserBlockImpl>()->forward(x);
+    }
+    return head(x);
+  }
+  torch::nn::ModuleList s1{nullptr}, s2{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(UserNet);
+
+}  // namespace user
+
+namespace {
+using user::UserBlockImpl;
+using user::UserNet;
+
+std::vector<std::string> on_names(torch::nn::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& item : m.named_modules()) {
+    auto* c = dynamic_cast<remat::Checkpointable*>(item.value().get());
+    if (c != nullptr && c->checkpointing()) out.push_back(item.key());
+  }
+  return out;
+}
+
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ModuleSwitch, SelectorsChooseTheRightBlocks) {
+  UserNet net(16);
+  using V = std::vector<std::string>;
+  EXPECT_EQ(remat::enable_checkpointing(net, sel::type<UserBlockImpl>()), 4);
+  EXPECT_EQ(on_names(*net), (V{"s1.0", "s1.1", "s2.0", "s2.1"}));
+  EXPECT_EQ(remat::disable_checkpointing(net), 4);
+  EXPECT_TRUE(on_names(*net).empty());
+  remat::enable_checkpointing(net, sel::every_n(2, sel::type<UserBlockImpl>()));
+  EXPECT_EQ(on_names(*net), (V{"s1.0", "s2.0"}));
+  remat::disable_checkpointing(net);
+  remat::enable_checkpointing(net, sel::name("s2.*"));
+  EXPECT_EQ(on_names(*net), (V{"s2.0", "s2.1"}));
+  remat::disable_checkpointing(net);
+  remat::enable_checkpointing(net, sel::first_n(3));
+  EXPECT_EQ(on_names(*net), (V{"s1.0", "s1.1", "s2.0"}));
+  remat::enable_checkpointing(net, sel::name("s2.1"), remat::CheckpointOptions().policy(pol::save_names({"hidden"})));
+  EXPECT_EQ(remat::describe_checkpointing(net),
+            "user::UserNetImpl: 4 of 4 checkpointable modules on\n"
+            "  s1.0  user::UserBlockImpl  on, full recompute\n"
+            "  s1.1  user::UserBlockImpl  on, full recompute\n"
+            "  s2.0  user::UserBlockImpl  on, full recompute\n"
+            "  s2.1  user::UserBlockImpl  on, policy save_names(hidden)\n");
+}
+
+TEST(ModuleSwitch, Errors) {
+  UserNet net(8);
+  EXPECT_EQ(error_of([&] { remat::enable_checkpointing(net, sel::name("blocks.*")); }),
+            "[remat::enable_checkpointing] the selector 'name blocks.*' chose no module of user::UserNetImpl. "
+            "Its checkpointable modules are:\n  s1.0  user::UserBlockImpl\n  s1.1  user::UserBlockImpl\n"
+            "  s2.0  user::UserBlockImpl\n  s2.1  user::UserBlockImpl");
+  torch::nn::Linear plain(4, 4);
+  EXPECT_EQ(error_of([&] { remat::enable_checkpointing(plain, sel::all()); }),
+            "[remat::enable_checkpointing] the selector 'all' chose no module of torch::nn::LinearImpl. The tree "
+            "has no checkpointable module: derive the blocks from remat::Checkpointable and forward through "
+            "checkpointed().");
+  EXPECT_EQ(error_of([] { sel::every_n(0); }), "[remat::select::every_n] n must be at least 1, got 0.");
+  EXPECT_EQ(error_of([] { sel::first_n(-1); }), "[remat::select::first_n] n must be at least 0, got -1.");
+}
+
+TEST(ModuleSwitch, UserTreeBitwiseUnderEverySelectionAndPolicy) {
+  torch::manual_seed(1);
+  UserNet net(32);
+  auto x = torch::randn({16, 32}, torch::requires_grad());
+  auto fwd = [&](torch::Tensor h) { return net->forward(h); };
+  auto plain = step_grads(*net, x, fwd);
+  const std::vector<std::pair<remat::Selector, remat::CheckpointOptions>> cases = {
+      {sel::all(), remat::CheckpointOptions()},
+      {sel::every_n(2), remat::CheckpointOptions().policy(pol::save_matmuls())},
+      {sel::all(), remat::CheckpointOptions().policy(pol::save_names({"hidden"}))},
+      {sel::name("s1.*"), remat::CheckpointOptions().policy(pol::save_nothing()).early_stop(false)},
+  };
+  for (const auto& [s, o] : cases) {
+    remat::disable_checkpointing(net);
+    remat::enable_checkpointing(net, s, o);
+    remat::reset_checkpoint_stats();
+    auto got = step_grads(*net, x, fwd);
+    SCOPED_TRACE(s.description());
+    expect_bitwise_equal(plain, got);
+    EXPECT_GT(remat::checkpoint_stats().recomputations, 0);
+  }
+}
+
+TEST(ModuleSwitch, ToggledBetweenStepsChangesMemoryNotGradients) {
+  torch::manual_seed(2);
+  UserNet net(64);
+  auto x = torch::randn({256, 64}, torch::requires_grad());
+  remat::memory::enable_tracking();
+  auto step = [&](int64_t* held) {
+    zero_grads(*net, x);
+    const int64_t before = remat::memory::current_bytes();
+    auto loss = net->forward(x).square().mean();
+    *held = remat::memory::current_bytes() - before;
+    loss.backward();
+    return grads_of(*net, x);
+  };
+  int64_t plain = 0, full = 0, names = 0, off_again = 0;
+  step(&plain);  // first-use allocations
+  auto g_plain = step(&plain);
+  // No RNG state to keep (no dropout): the figures are the activations alone.
+  const auto o = remat::CheckpointOptions().preserve_rng_state(false);
+  remat::enable_checkpointing(net, sel::type<UserBlockImpl>(), o);
+  auto g_full = step(&full);
+  remat::enable_checkpointing(net, sel::type<UserBlockImpl>(),
+                              remat::CheckpointOptions(o).policy(pol::save_names({"hidden"})));
+  auto g_names = step(&names);
+  remat::disable_checkpointing(net);
+  auto g_off = step(&off_again);
+  expect_bitwise_equal(g_plain, g_full);
+  expect_bitwise_equal(g_plain, g_names);
+  expect_bitwise_equal(g_plain, g_off);
+  EXPECT_EQ(off_again, plain);
+  EXPECT_LT(full, names);
+  EXPECT_LT(names, plain);
+  // Per block, plain keeps up's output (GELU's input) and GELU's output
+  // (down's input), 4 x 256 x 64 floats each; full recompute keeps neither
+  // and save_names(hidden) keeps the GELU output only.
+  const int64_t per = 4 * 256 * 64 * 4;
+  EXPECT_EQ(plain - full, 4 * 2 * per) << "plain " << plain << " full " << full;
+  EXPECT_EQ(names - full, 4 * per) << "names " << names;
+}
+
+TEST(ModuleSwitch, GptModelBitwiseWithTheMegatronPolicyAndDropout) {
+  remat::models::GptConfig c;
+  c.vocab = 50;
+  c.seq_len = 32;
+  c.d_model = 32;
+  c.heads = 4;
+  c.layers = 3;
+  c.dropout = 0.1;
+  torch::manual_seed(3);
+  remat::models::Gpt gpt(c);
+  auto idx = torch::randint(50, {2, 32}, torch::kLong);
+  auto grads = [&] {
+    for (auto& p : gpt->parameters()) p.mutable_grad() = torch::Tensor();
+    torch::manual_seed(4);
+    gpt->forward(idx).square().mean().backward();
+    std::vector<torch::Tensor> g;
+    for (auto& p : gpt->parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  auto plain = grads();
+  for (const auto& p : {remat::models::megatron_policy(), pol::save_matmuls()}) {
+    remat::enable_checkpointing(gpt, sel::type<remat::models::GptBlockImpl>(), remat::CheckpointOptions().policy(p));
+    remat::reset_checkpoint_stats();
+    auto got = grads();
+    SCOPED_TRACE(p.description());
+    expect_bitwise_equal(plain, got);
+    EXPECT_EQ(remat::checkpoint_stats().recomputations, 3);
+    EXPECT_GT(remat::checkpoint_stats().ops_replayed, 0);
+  }
+  // Megatron: the named linear layers are handed back, the attention core is recomputed.
+  remat::enable_checkpointing(gpt, sel::type<remat::models::GptBlockImpl>(),
+                              remat::CheckpointOptions().policy(remat::models::megatron_policy()));
+  remat::reset_checkpoint_stats();
+  grads();
+  const auto s = remat::op_stats();
+  EXPECT_EQ(s.at("aten::addmm").saved, 3 * 3);
+  EXPECT_EQ(s.at("aten::addmm").replayed, 3 * 3);
+  // The MLP's output projection runs again: its dropout saves a mask after it.
+  EXPECT_EQ(s.at("aten::addmm").recomputed, 3);
+  EXPECT_EQ(s.at("aten::bmm").recomputed, 3 * 2);
+  EXPECT_EQ(s.at("aten::_softmax").recomputed, 3);
+  // The old attention-only strategy, through the switch.
+  remat::disable_checkpointing(gpt);
+  remat::enable_checkpointing(gpt, sel::type<remat::models::CausalSelfAttentionImpl>());
+  expect_bitwise_equal(plain, grads());
+}
+
+TEST(ModuleSwitch, ResNetWithBatchNormBitwiseAndStatsOnce) {
+  remat::models::ResNetConfig c;
+  c.depth = 10;
+  c.width = 8;
+  torch::manual_seed(5);
+  remat::models::ResNet net(c);
+  auto x = torch::randn({4, 3, 16, 16});
+  std::vector<torch::Tensor> start;
+  for (auto& b : net->buffers()) start.push_back(b.clone());
+  auto run = [&] {
+    {
+      torch::NoGradGuard g;
+      auto bufs = net->buffers();
+      for (size_t i = 0; i < bufs.size(); ++i) bufs[i].copy_(start[i]);
+    }
+    for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
+    net->forward(x).square().mean().backward();
+    std::vector<torch::Tensor> g;
+    for (auto& p : net->parameters()) g.push_back(p.grad().clone());
+    for (auto& b : net->buffers()) g.push_back(b.clone());
+    return g;
+  };
+  auto plain = run();
+  remat::enable_checkpointing(net, sel::type<remat::models::ResBlockImpl>(),
+                              remat::CheckpointOptions().policy(pol::save_matmuls()));
+  expect_bitwise_equal(plain, run());
+  remat::disable_checkpointing(net);
+  remat::enable_checkpointing(net, sel::name("blocks.*.first"));
+  expect_bitwise_equal(plain, run());
+}
+
+TEST(ModuleSwitch, NameAfterAnInPlaceWriteIsRefused) {
+  // The C++ nn::Linear on a 3-d input adds its bias in place into the mm.
+  torch::nn::Linear lin(8, 8);
+  auto x = torch::randn({2, 3, 8}, torch::requires_grad());
+  EXPECT_EQ(error_of([&] {
+              remat::checkpoint(
+                  remat::CheckpointOptions().policy(pol::save_names({"out"})),
+                  [&](const torch::Tensor& h) { return remat::checkpoint_name(lin(h), "out").tanh(); }, x);
+            }),
+            "[remat::checkpoint_name] the policy 'save_names(out)' saves 'out', but aten::add_.Tensor wrote in place "
+            "into the output of aten::mm before it was named, so no op's result holds those values (C++ "
+            "torch::nn::Linear adds its bias in place on 3-d inputs). Name a tensor no in-place op has written "
+            "(e.g. call torch::linear(x, weight, bias)), or save aten::mm by operator (policy::save_ops), which "
+            "copies it before the write.");
+  // torch::linear runs addmm: the name saves it.
+  remat::reset_checkpoint_stats();
+  auto y = remat::checkpoint(
+      remat::CheckpointOptions().policy(pol::save_names({"out"})),
+      [&](const torch::Tensor& h) {
+        return remat::checkpoint_name(torch::linear(h, lin->weight, lin->bias), "out").tanh();
+      },
+      x);
+  y.sum().backward();
+  EXPECT_EQ(remat::op_stats().at("aten::addmm").saved, 1);
+}
+
+}  // namespace
