@@ -11,6 +11,7 @@
 #include "dispatch.h"
 #include "replay.h"
 #include "selective_state.h"
+#include "write_guard.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
@@ -25,7 +26,7 @@
 namespace remat {
 namespace {
 
-std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0};
+std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0}, g_writes_undone{0};
 
 /** Thrown by the recompute hook once every needed tensor exists. Not a
  *  std::exception, so nothing on the way up wraps or reports it. */
@@ -338,19 +339,19 @@ void Frame::recompute() {
   cursor = 0;
   bool stopped = false;
   const bool keep_cache = selective && torch::autograd::get_current_graph_task_keep_graph();
+  WriteGuard writes;  // NOTE [recompute side effects]
   {
     ReplayGuard guard(replay, /*enable_grad=*/true);
     ScopedHooks hooks(std::make_shared<RecomputeFactory>(this));
-    // With a policy, saved ops are handed back; without one, an outer
-    // region's interceptor must not see this recompute's ops either.
-    std::unique_ptr<dispatch::Interceptor> interceptor;
-    std::optional<dispatch::Scope> ops;
-    if (selective) {
-      interceptor = selective->recompute(keep_cache);
-      ops.emplace(interceptor.get());
-    } else if (dispatch::current() != nullptr) {
-      ops.emplace(nullptr);
-    }
+    // Every op of the re-run is seen: a policy's saved ops are handed back,
+    // and writes into tensors that outlive the re-run are undone after it.
+    std::unique_ptr<dispatch::Interceptor> interceptor =
+        selective ? selective->recompute(keep_cache, &writes) : make_write_guard_interceptor(&writes);
+    struct Undo {
+      WriteGuard& w;
+      ~Undo() { g_writes_undone.fetch_add(w.restore(), std::memory_order_relaxed); }
+    } undo{writes};
+    dispatch::Scope ops(interceptor.get());
     try {
       recompute_fn(in);
     } catch (const StopRecompute&) {
@@ -442,7 +443,8 @@ Region::~Region() {
 
 CheckpointStats checkpoint_stats() {
   return {g_regions.load(),           g_recomputations.load(),       g_early_stops.load(),
-          detail::g_ops_saved.load(), detail::g_ops_replayed.load(), detail::g_ops_recomputed.load()};
+          detail::g_ops_saved.load(), detail::g_ops_replayed.load(), detail::g_ops_recomputed.load(),
+          g_writes_undone.load()};
 }
 
 void reset_checkpoint_stats() {
@@ -450,6 +452,7 @@ void reset_checkpoint_stats() {
   g_regions = 0;
   g_recomputations = 0;
   g_early_stops = 0;
+  g_writes_undone = 0;
 }
 
 }  // namespace remat

@@ -5,6 +5,7 @@
 
 #include "replay.h"
 #include "selective_state.h"
+#include "write_guard.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
@@ -226,7 +227,7 @@ class FirstRun final : public dispatch::Interceptor {
 
 class Recompute final : public dispatch::Interceptor {
  public:
-  Recompute(SelectiveCache* c, bool keep) : c_(c), keep_(keep) {}
+  Recompute(SelectiveCache* c, bool keep, WriteGuard* guard) : c_(c), keep_(keep), guard_(guard) {}
 
   void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
     const std::string key = dispatch::op_key(op);
@@ -235,7 +236,7 @@ class Recompute final : public dispatch::Interceptor {
     auto it = c_->cache_.find(k);
     if (it == c_->cache_.end()) {
       lock.unlock();
-      dispatch::run_below(op, ks, stack);
+      run_guarded(*guard_, op, ks, stack);
       g_ops_recomputed.fetch_add(1, std::memory_order_relaxed);
       count_op(key, 2);
       return;
@@ -256,6 +257,7 @@ class Recompute final : public dispatch::Interceptor {
     if (!keep_) c_->cache_.erase(it);
     lock.unlock();
     torch::jit::drop(*stack, nin);
+    guard_->made(op, outs);
     for (auto& o : outs) stack->push_back(std::move(o));
     g_ops_replayed.fetch_add(1, std::memory_order_relaxed);
     count_op(key, 1);
@@ -298,6 +300,7 @@ class Recompute final : public dispatch::Interceptor {
 
   SelectiveCache* c_;
   bool keep_;
+  WriteGuard* guard_;
   std::unordered_map<std::string, int64_t> counts_;
 };
 
@@ -310,8 +313,35 @@ namespace detail {
 
 std::unique_ptr<dispatch::Interceptor> SelectiveCache::first_run() { return std::make_unique<FirstRun>(this); }
 
-std::unique_ptr<dispatch::Interceptor> SelectiveCache::recompute(bool keep_graph) {
-  return std::make_unique<Recompute>(this, keep_graph);
+std::unique_ptr<dispatch::Interceptor> SelectiveCache::recompute(bool keep_graph, WriteGuard* guard) {
+  return std::make_unique<Recompute>(this, keep_graph, guard);
+}
+
+void run_guarded(WriteGuard& guard, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const size_t nin = op.schema().arguments().size();
+  guard.before(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nin, nin));
+  dispatch::run_below(op, ks, stack);
+  const size_t nout = op.schema().returns().size();
+  guard.made(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nout, nout));
+}
+
+namespace {
+/** A recompute without a policy: every op runs, under the write guard. */
+class GuardOnly final : public dispatch::Interceptor {
+ public:
+  explicit GuardOnly(WriteGuard* g) : guard_(g) {}
+  void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
+    run_guarded(*guard_, op, ks, stack);
+  }
+  void on_tag(const at::Tensor&, const std::string&) override {}
+
+ private:
+  WriteGuard* guard_;
+};
+}  // namespace
+
+std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* guard) {
+  return std::make_unique<GuardOnly>(guard);
 }
 
 void SelectiveCache::save(const Key& key, Entry e) {

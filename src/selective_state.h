@@ -69,13 +69,20 @@ void count_op(const std::string& key, int which);  // 0 saved, 1 replayed, 2 rec
 extern std::atomic<int64_t> g_ops_saved, g_ops_replayed, g_ops_recomputed;
 void reset_op_stats();
 
+class WriteGuard;
+/** Runs op under guard (before, run, made). */
+void run_guarded(WriteGuard& guard, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+/** The interceptor of a recompute without a policy: the guard alone. */
+std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* guard);
+
 class SelectiveCache {
  public:
   explicit SelectiveCache(Policy policy) : policy_(std::move(policy)) {}
   /** The interceptor of the region's first run (the region owns it). */
   std::unique_ptr<dispatch::Interceptor> first_run();
-  /** The interceptor of one recompute; keep_graph keeps handed-back entries. */
-  std::unique_ptr<dispatch::Interceptor> recompute(bool keep_graph);
+  /** The interceptor of one recompute; keep_graph keeps handed-back entries;
+   *  ops that run go through guard (NOTE [recompute side effects]). */
+  std::unique_ptr<dispatch::Interceptor> recompute(bool keep_graph, WriteGuard* guard);
   /** Drops what only the first run needs (producers of tagged tensors). */
   void end_first_run();
   /** Drops every cached output. */

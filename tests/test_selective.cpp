@@ -525,3 +525,46 @@ TEST(SavedResiduals, TotalsEqualMeasuredBytes) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(RecomputeSideEffects, BatchNormThroughALambdaUpdatesStatisticsOnce) {
+  // Issue #13 item 2: a lambda (not a module holder) around BatchNorm; the
+  // recompute's writes to the running statistics are undone.
+  torch::manual_seed(10);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(4, 4, 3).padding(1));
+  torch::nn::BatchNorm2d bn(4);
+  auto f = [conv, bn](const torch::Tensor& h) mutable { return torch::relu(bn(conv(h))); };
+  auto x = torch::randn({2, 4, 8, 8}, torch::requires_grad());
+  auto stats = [&] { return std::vector<torch::Tensor>{bn->running_mean.clone(), bn->running_var.clone()}; };
+  auto start = stats();
+  auto reset = [&] {
+    torch::NoGradGuard g;
+    bn->running_mean.copy_(start[0]);
+    bn->running_var.copy_(start[1]);
+  };
+  f(x).square().mean().backward();
+  auto plain = stats();
+  for (const auto& opts : {remat::CheckpointOptions(), remat::CheckpointOptions().early_stop(false),
+                           remat::CheckpointOptions().policy(pol::save_matmuls())}) {
+    reset();
+    remat::reset_checkpoint_stats();
+    remat::checkpoint(opts, f, x).square().mean().backward();
+    EXPECT_EQ(remat::checkpoint_stats().recomputations, 1);
+    EXPECT_GE(remat::checkpoint_stats().writes_undone, 2);
+    auto got = stats();
+    EXPECT_TRUE(torch::equal(got[0], plain[0])) << "running_mean updated twice";
+    EXPECT_TRUE(torch::equal(got[1], plain[1])) << "running_var updated twice";
+  }
+  // A user's counter, and an in-place write to a slice of it.
+  auto counter = torch::zeros({4});
+  auto g = [counter](const torch::Tensor& h) mutable {
+    counter.add_(1);
+    counter.narrow(0, 0, 2).mul_(2);
+    return h.tanh();
+  };
+  remat::checkpoint(g, x).sum().backward();
+  EXPECT_TRUE(torch::equal(counter, torch::tensor({2.f, 2.f, 1.f, 1.f}))) << counter;
+}
+
+}  // namespace

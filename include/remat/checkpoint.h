@@ -65,6 +65,7 @@ struct CheckpointStats {
   int64_t ops_saved = 0;       ///< op outputs kept by a selective policy (first runs)
   int64_t ops_replayed = 0;    ///< saved ops handed back in a recompute instead of running
   int64_t ops_recomputed = 0;  ///< ops run again in recomputes of regions with a policy
+  int64_t writes_undone = 0;   ///< tensors that outlive a recompute, written by it and put back
 };
 CheckpointStats checkpoint_stats();
 void reset_checkpoint_stats();

@@ -1,0 +1,67 @@
+// See NOTE [recompute side effects] in write_guard.h.
+#include "write_guard.h"
+
+#include "selective_state.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/GradMode.h>
+
+namespace remat::detail {
+namespace {
+template <class F>
+void tensors_of(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    if (v.toTensor().defined()) f(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) {
+      if (t.defined()) f(t);
+    }
+  } else if (v.isOptionalTensorList()) {
+    for (const std::optional<at::Tensor> t : v.toOptionalTensorList()) {
+      if (t.has_value() && t->defined()) f(*t);
+    }
+  }
+}
+}  // namespace
+
+/** Batch-norm kernels (native_batch_norm, cudnn_batch_norm, ...) update the
+ *  running statistics without declaring it in their schemas. */
+bool writes_undeclared(const c10::OperatorHandle& op, const c10::Argument& formal) {
+  return (formal.name() == "running_mean" || formal.name() == "running_var") &&
+         op.operator_name().name.find("batch_norm") != std::string::npos;
+}
+
+void WriteGuard::before(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  const auto& schema = op.schema();
+  const auto& formals = schema.arguments();
+  for (size_t a = 0; a < args.size() && a < formals.size(); ++a) {
+    const auto* alias = formals[a].alias_info();
+    if ((alias == nullptr || !alias->isWrite()) && !writes_undeclared(op, formals[a])) continue;
+    tensors_of(args[a], [&](const at::Tensor& t) {
+      if (!t.has_storage() || made_.count(t.storage().unsafeGetStorageImpl()) != 0) return;
+      if (!copied_.insert(t.unsafeGetTensorImpl()).second) return;
+      at::NoGradGuard no_grad;
+      copies_.emplace_back(t, t.clone());
+    });
+  }
+}
+
+void WriteGuard::made(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> outputs) {
+  if (op.schema().is_mutable() || is_view_like(op)) return;
+  for (const auto& o : outputs) {
+    tensors_of(o, [&](const at::Tensor& t) {
+      if (t.has_storage()) made_.insert(t.storage().unsafeGetStorageImpl());
+    });
+  }
+}
+
+int64_t WriteGuard::restore() {
+  at::NoGradGuard no_grad;
+  const auto n = static_cast<int64_t>(copies_.size());
+  for (auto it = copies_.rbegin(); it != copies_.rend(); ++it) it->first.copy_(it->second);
+  copies_.clear();
+  copied_.clear();
+  return n;
+}
+
+}  // namespace remat::detail

@@ -1,0 +1,43 @@
+// Internal: undoes what a recomputation writes into tensors that outlive it.
+// NOTE [recompute side effects]: a re-run of a checkpointed function must
+// not change state that existed before it: BatchNorm running statistics
+// updated inside a lambda (not a module holder, whose buffers are restored
+// anyway), a user's counter tensor, a region input written in place. While
+// a region recomputes, every op goes through the interception key (see
+// NOTE [op-level interception, as built]); before an op writes into a tensor
+// whose storage was not made by the recompute itself, the guard copies that
+// tensor once, and when the recompute ends (finished, stopped early, or
+// failed) it writes the copies back, last first. Storages made by the
+// recompute (op outputs, and outputs a selective policy hands back) are not
+// copied: the recompute's own tensors must keep what it computed. Cost:
+// one boxed call per op during recomputes only, and a copy per written
+// pre-existing tensor.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace remat::detail {
+
+class WriteGuard {
+ public:
+  /** Before op runs on args: copies the pre-existing tensors it writes. */
+  void before(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args);
+  /** After an op (run or handed back): the storages it allocated are the
+   *  recompute's own (not those of views and in-place results). */
+  void made(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> outputs);
+  /** Writes the copies back (last first); returns how many. */
+  int64_t restore();
+
+ private:
+  std::unordered_set<const c10::StorageImpl*> made_;
+  std::unordered_set<const c10::TensorImpl*> copied_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies_;  // tensor, its values before the write
+};
+
+}  // namespace remat::detail
