@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <atomic>
+#include <iomanip>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -90,8 +91,38 @@ struct Frame : std::enable_shared_from_this<Frame> {
   ReplayState replay;                                       // RNG, autocast, buffers of the first run
   std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
   std::vector<Slot> slots;
-  std::vector<at::Tensor> pending_inputs;     // fetched for a recompute to come
-  std::shared_ptr<SelectiveCache> selective;  // with a policy (NOTE [selective op cache])
+  std::vector<at::Tensor> pending_inputs;               // fetched for a recompute to come
+  std::shared_ptr<SelectiveCache> selective;            // with a policy (NOTE [selective op cache])
+  std::vector<std::string> forward_ops, recompute_ops;  // debug mode: op keys of each run
+
+  /** Debug mode: the two op sequences side by side around the first
+   *  difference (or the end of the recompute); "" otherwise. */
+  std::string debug_report() const {
+    if (!options.debug()) return "";
+    size_t first = 0;
+    while (first < forward_ops.size() && first < recompute_ops.size() && forward_ops[first] == recompute_ops[first]) {
+      ++first;
+    }
+    const bool same = first == recompute_ops.size() && first <= forward_ops.size();
+    std::ostringstream os;
+    os << "\n[debug] ops of the forward (" << forward_ops.size() << ") and of the recomputation ("
+       << recompute_ops.size() << ", up to the failure), ";
+    if (same) {
+      os << "identical up to the failure, which came at or after recompute op " << first << ":";
+    } else {
+      os << "first difference at op " << first << ":";
+    }
+    os << "\n     #  " << std::left << std::setw(32) << "forward"
+       << "recompute";
+    const size_t from = first > 5 ? first - 5 : 0;
+    const size_t to = std::max(std::min(first + 4, std::max(forward_ops.size(), recompute_ops.size())), first + 1);
+    for (size_t i = from; i < to; ++i) {
+      auto at = [](const std::vector<std::string>& v, size_t k) { return k < v.size() ? v[k] : std::string("-"); };
+      os << "\n  " << (i == first && !same ? ">" : " ") << std::right << std::setw(3) << i << "  " << std::left
+         << std::setw(32) << at(forward_ops, i) << at(recompute_ops, i);
+    }
+    return os.str();
+  }
   // During a recompute: next slot to fill, and how many are still needed.
   size_t cursor = 0;
   size_t needed = 0;
@@ -237,7 +268,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
       throw Error("[remat::checkpoint] the recomputation saved more tensors than the forward (" +
                   std::to_string(slots.size()) +
                   "); the checkpointed function must run the same ops each time (no "
-                  "data-dependent control flow or state that changes between calls).");
+                  "data-dependent control flow or state that changes between calls)." +
+                  debug_report());
     }
     Slot& s = slots[k];
     if (s.kind != SlotKind::kRecompute || !s.alive || s.value.defined()) return;
@@ -265,7 +297,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
                 " differs between the forward and the recomputation: " + what +
                 ". The checkpointed function must be deterministic (keep "
                 "preserve_rng_state(true) for dropout); set determinism_check(kNone) to skip "
-                "this check.");
+                "this check." +
+                debug_report());
   }
 
   void recompute();
@@ -351,7 +384,8 @@ void Frame::recompute() {
       WriteGuard& w;
       ~Undo() { g_writes_undone.fetch_add(w.restore(), std::memory_order_relaxed); }
     } undo{writes};
-    dispatch::Scope ops(interceptor.get());
+    recompute_ops.clear();
+    dispatch::Scope ops(interceptor.get(), options.debug() ? &recompute_ops : nullptr);
     try {
       recompute_fn(in);
     } catch (const StopRecompute&) {
@@ -368,7 +402,8 @@ void Frame::recompute() {
     throw Error("[remat::checkpoint] the recomputation saved " + std::to_string(cursor) +
                 " tensors but the forward saved " + std::to_string(slots.size()) +
                 "; the checkpointed function must run the same ops each time (no "
-                "data-dependent control flow or state that changes between calls).");
+                "data-dependent control flow or state that changes between calls)." +
+                debug_report());
   }
 }
 
@@ -423,7 +458,9 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   if (options.policy()) {
     f.selective = std::make_shared<SelectiveCache>(*options.policy());
     interceptor_ = f.selective->first_run();
-    dispatch_scope_ = std::make_unique<dispatch::Scope>(interceptor_.get());
+  }
+  if (options.policy() || options.debug()) {
+    dispatch_scope_ = std::make_unique<dispatch::Scope>(interceptor_.get(), options.debug() ? &f.forward_ops : nullptr);
   }
 }
 

@@ -14,10 +14,12 @@ namespace {
 constexpr c10::DispatchKey kKey = c10::DispatchKey::Fake;
 
 thread_local Interceptor* t_current = nullptr;
+thread_local std::vector<std::string>* t_log = nullptr;
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   Interceptor* i = t_current;
   Suspend suspend;
+  if (t_log != nullptr) t_log->push_back(op_key(op));
   if (i == nullptr) {
     run_below(op, ks, stack);
   } else {
@@ -57,13 +59,18 @@ c10::DispatchKeySet tls_included() { return c10::impl::tls_local_dispatch_key_se
 c10::DispatchKeySet tls_excluded() { return c10::impl::tls_local_dispatch_key_set().excluded_; }
 }  // namespace
 
-Scope::Scope(Interceptor* i)
+Scope::Scope(Interceptor* i, std::vector<std::string>* log)
     : previous_(install_and_get()),
+      previous_log_(t_log),
       keys_(tls_included() | c10::DispatchKeySet(kKey), tls_excluded() - c10::DispatchKeySet(kKey)) {
   t_current = i;
+  t_log = log;
 }
 
-Scope::~Scope() { t_current = previous_; }
+Scope::~Scope() {
+  t_current = previous_;
+  t_log = previous_log_;
+}
 
 Suspend::Suspend() : keys_(tls_included(), tls_excluded() | c10::DispatchKeySet(kKey)) {}
 

@@ -26,6 +26,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <string>
+#include <vector>
 
 namespace remat::dispatch {
 
@@ -47,16 +48,18 @@ void run_below(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
 Interceptor* current();
 
 /** Pushes an interceptor (nullptr masks the outer ones) and turns
- *  interception on for this thread; restores both when destroyed. */
+ *  interception on for this thread; restores both when destroyed. With a
+ *  log, the key of every op seen is appended to it (the debug mode). */
 class Scope {
  public:
-  explicit Scope(Interceptor* i);
+  explicit Scope(Interceptor* i, std::vector<std::string>* log = nullptr);
   ~Scope();
   Scope(const Scope&) = delete;
   Scope& operator=(const Scope&) = delete;
 
  private:
   Interceptor* previous_;
+  std::vector<std::string>* previous_log_;
   c10::impl::ForceDispatchKeyGuard keys_;
 };
 

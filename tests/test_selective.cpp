@@ -568,3 +568,43 @@ TEST(RecomputeSideEffects, BatchNormThroughALambdaUpdatesStatisticsOnce) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CheckpointDebug, DeterminismErrorShowsTheOpSequencesAligned) {
+  // Issue #13 item 3: a function that runs an extra op when recomputed.
+  auto x = torch::randn({4, 3}, torch::requires_grad());
+  int calls = 0;
+  auto f = [&calls](const torch::Tensor& h) {
+    auto t = h.tanh();
+    if (++calls > 1) t = torch::cat({t, t});
+    return t.sin();
+  };
+  auto y = remat::checkpoint(remat::CheckpointOptions().debug(true), f, x);
+  std::string what;
+  try {
+    y.sum().backward();
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  EXPECT_EQ(what,
+            "[remat::checkpoint] saved tensor #1 differs between the forward and the recomputation: shape [4, 3] in "
+            "forward vs [8, 3] in recompute. The checkpointed function must be deterministic (keep "
+            "preserve_rng_state(true) for dropout); set determinism_check(kNone) to skip this check.\n"
+            "[debug] ops of the forward (2) and of the recomputation (2, up to the failure), first difference at "
+            "op 1:\n"
+            "     #  forward                         recompute\n"
+            "     0  aten::tanh                      aten::tanh\n"
+            "  >  1  aten::sin                       aten::cat");
+  // Without debug: the same error, no op listing, and nothing recorded.
+  calls = 0;
+  auto y2 = remat::checkpoint(f, x);
+  try {
+    y2.sum().backward();
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  EXPECT_EQ(what.find("[debug]"), std::string::npos);
+}
+
+}  // namespace

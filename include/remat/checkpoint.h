@@ -55,6 +55,10 @@ struct CheckpointOptions {
    *  the first run instead of recomputed. Default none: everything is
    *  recomputed and no op is intercepted. */
   TORCH_ARG(std::optional<Policy>, policy);
+  /** PyTorch's debug=True: record the ops of the forward and of the
+   *  recomputation, and show them side by side, aligned at the first
+   *  difference, in a determinism error. Default false (nothing recorded). */
+  TORCH_ARG(bool, debug) = false;
 };
 
 /** Process-wide counters, for tests and telemetry. */
