@@ -27,6 +27,7 @@
 namespace remat {
 namespace {
 
+std::atomic<bool> g_early_stop_default{true};
 std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0}, g_writes_undone{0};
 
 /** Thrown by the recompute hook once every needed tensor exists. Not a
@@ -71,9 +72,10 @@ struct Slot {
   size_t input_index = 0;  // kInput
   at::Tensor ref;          // kRef
   uint32_t ref_version = 0;
-  TensorMeta meta;    // kRecompute
-  at::Tensor value;   // kRecompute: filled by recompute, moved out by unpack
-  bool alive = true;  // false once the node that saved it is released
+  TensorMeta meta;       // kRecompute
+  at::Tensor value;      // kRecompute: filled by recompute, moved out by unpack
+  bool alive = true;     // false once the node that saved it is released
+  int unpacked_in = -2;  // graph task that last took its value (kRecompute)
 };
 
 struct SavedInput {
@@ -199,7 +201,17 @@ struct Frame : std::enable_shared_from_this<Frame> {
         return t;
       }
       case SlotKind::kRecompute: {
+        const int task = torch::autograd::get_current_graph_task_id();
+        if (!s.value.defined() && task != -1 && s.unpacked_in == task) {
+          throw Error(
+              "[remat::checkpoint] a tensor saved inside a checkpointed region was unpacked a second time in "
+              "the same backward: it was already handed out and freed (PyTorch: \"Trying to backward through "
+              "the graph a second time (or directly access saved tensors after they have already been "
+              "freed)\"). If a custom autograd function calls ctx->get_saved_variables() in backward, call it "
+              "once and keep the result.");
+        }
         if (!s.value.defined()) recompute();
+        slots[i].unpacked_in = task;
         at::Tensor t = std::move(s.value);
         s.value = at::Tensor();
         return t;
@@ -477,6 +489,9 @@ Region::~Region() {
 }
 
 }  // namespace detail
+
+void set_checkpoint_early_stop(bool enabled) { g_early_stop_default = enabled; }
+bool checkpoint_early_stop() { return g_early_stop_default.load(); }
 
 CheckpointStats checkpoint_stats() {
   return {g_regions.load(),           g_recomputations.load(),       g_early_stops.load(),

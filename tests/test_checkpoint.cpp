@@ -571,3 +571,114 @@ TEST(CheckpointErrors, ModuleParameterModifiedBeforeBackward) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CheckpointSequential, ModuleListVectorAndCallables) {
+  // Issue #13 item 4: beyond torch::nn::Sequential.
+  torch::manual_seed(12);
+  auto seq = make_mlp(6, 16);
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto plain = step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+  std::vector<torch::nn::Linear> linears;
+  std::vector<std::function<torch::Tensor(const torch::Tensor&)>> fns;
+  torch::nn::ModuleList list;
+  for (size_t i = 0; i < seq->size(); ++i) {
+    auto m = seq->ptr(i);
+    fns.push_back([m](const torch::Tensor& h) {
+      if (auto* l = m->as<torch::nn::LinearImpl>()) return l->forward(h);
+      return m->as<torch::nn::TanhImpl>()->forward(h);
+    });
+    if (auto l = std::dynamic_pointer_cast<torch::nn::LinearImpl>(m)) {
+      linears.emplace_back(l);
+      list->push_back(l);
+    }
+  }
+  for (int64_t segments : {1, 2, 4}) {
+    remat::reset_checkpoint_stats();
+    auto got = step_grads(*seq, x, [&](torch::Tensor h) { return remat::checkpoint_sequential(fns, segments, h); });
+    expect_bitwise_equal(plain, got);
+  }
+  // Linear-only lists: compare against the same chain run plainly.
+  auto chain = [&](torch::Tensor h) {
+    for (auto& l : linears) h = l(h);
+    return h;
+  };
+  auto plain_lin = step_grads(*seq, x, chain);
+  expect_bitwise_equal(
+      plain_lin, step_grads(*seq, x, [&](torch::Tensor h) { return remat::checkpoint_sequential(linears, 3, h); }));
+  expect_bitwise_equal(plain_lin, step_grads(*seq, x, [&](torch::Tensor h) {
+                         return remat::checkpoint_sequential<torch::nn::LinearImpl>(list, 2, h);
+                       }));
+  EXPECT_GT(remat::checkpoint_stats().recomputations, 0);
+  list->push_back(torch::nn::Tanh());
+  try {
+    remat::checkpoint_sequential<torch::nn::LinearImpl>(list, 2, x);
+    ADD_FAILURE() << "a Tanh in a list of Linear must throw";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::checkpoint_sequential] module 6 of the ModuleList is a torch::nn::TanhImpl, not a "
+                 "torch::nn::LinearImpl; pass the modules' common type, or a std::vector of callables.");
+  }
+  try {
+    remat::checkpoint_sequential(fns, 13, x);
+    ADD_FAILURE();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::checkpoint_sequential] segments must be in [1, 12] (the number of functions), got 13. Pass "
+                 "a value in that range; 1 runs the whole list without checkpoints.");
+  }
+}
+
+TEST(Checkpoint, ProcessWideEarlyStopDefault) {
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto f = [](const torch::Tensor& h) { return h.sin().cos().tanh().sum(); };
+  EXPECT_TRUE(remat::checkpoint_early_stop());
+  remat::set_checkpoint_early_stop(false);
+  EXPECT_FALSE(remat::CheckpointOptions().early_stop());
+  remat::reset_checkpoint_stats();
+  remat::checkpoint(f, x).backward();
+  EXPECT_EQ(remat::checkpoint_stats().early_stops, 0);
+  remat::checkpoint(remat::CheckpointOptions().early_stop(true), f, x).backward();  // per call wins
+  EXPECT_EQ(remat::checkpoint_stats().early_stops, 1);
+  remat::set_checkpoint_early_stop(true);
+  remat::checkpoint(f, x).backward();
+  EXPECT_EQ(remat::checkpoint_stats().early_stops, 2);
+}
+
+struct ReadsSavedTwice : torch::autograd::Function<ReadsSavedTwice> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h) {
+    ctx->save_for_backward({h});
+    return h * h;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    auto a = ctx->get_saved_variables();
+    auto b = ctx->get_saved_variables();
+    return {g[0] * (a[0] + b[0])};
+  }
+};
+
+TEST(CheckpointErrors, SavedTensorReadTwiceIsAlreadyFreed) {
+  auto x = torch::randn({4}, torch::requires_grad());
+  auto f = [](const torch::Tensor& h) { return ReadsSavedTwice::apply(h.sin()); };
+  f(x).sum().backward();  // plain autograd allows it
+  remat::reset_checkpoint_stats();
+  auto y = remat::checkpoint(f, x);
+  try {
+    y.sum().backward();
+    ADD_FAILURE() << "must throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "[remat::checkpoint] a tensor saved inside a checkpointed region was unpacked a second time in the "
+                  "same backward: it was already handed out and freed (PyTorch: \"Trying to backward through the "
+                  "graph a second time (or directly access saved tensors after they have already been freed)\"). If "
+                  "a custom autograd function calls ctx->get_saved_variables() in backward, call it once and keep "
+                  "the result."),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(remat::checkpoint_stats().recomputations, 1) << "the function must not be re-run for the second read";
+}
+
+}  // namespace

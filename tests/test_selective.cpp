@@ -228,7 +228,9 @@ TEST(Selective, ConvBlockWithBatchNormBitwiseAndStatsOnce) {
     expect_bitwise_equal(plain, got);
     auto bufs = block->buffers();
     for (size_t i = 0; i < bufs.size(); ++i) EXPECT_TRUE(torch::equal(bufs[i], after_plain[i])) << "buffer " << i;
-    if (p.description() == "save_matmuls") EXPECT_EQ(remat::op_stats().at("aten::convolution").recomputed, 0);
+    if (p.description() == "save_matmuls") {
+      EXPECT_EQ(remat::op_stats().at("aten::convolution").recomputed, 0);
+    }
   }
   EXPECT_EQ(remat::op_stats().at("aten::native_batch_norm").recomputed, 0);
 }

@@ -21,6 +21,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
 
 #include <remat/error.h>
 #include <remat/hooks.h>
@@ -43,14 +45,21 @@ enum class DeterminismCheck {
   kValues,    ///< metadata and bitwise values (hash taken at forward; slow)
 };
 
+/** The process-wide default of CheckpointOptions::early_stop (true unless
+ *  set): options built afterwards start from it, a per-call
+ *  `.early_stop(...)` overrides it (PyTorch's set_checkpoint_early_stop). */
+void set_checkpoint_early_stop(bool enabled);
+bool checkpoint_early_stop();
+
 struct CheckpointOptions {
   /** Replay the CPU RNG state (and that of CUDA devices holding inputs) in
    *  recompute, so dropout masks match the first run. Default true. */
   TORCH_ARG(bool, preserve_rng_state) = true;
   /** Default kMetadata. */
   TORCH_ARG(DeterminismCheck, determinism_check) = DeterminismCheck::kMetadata;
-  /** Stop recomputing as soon as every needed tensor exists. Default true. */
-  TORCH_ARG(bool, early_stop) = true;
+  /** Stop recomputing as soon as every needed tensor exists. Default
+   *  checkpoint_early_stop() (true unless changed). */
+  TORCH_ARG(bool, early_stop) = checkpoint_early_stop();
   /** Selective checkpointing (policy.h): which ops' outputs are saved from
    *  the first run instead of recomputed. Default none: everything is
    *  recomputed and no op is intercepted. */
@@ -231,5 +240,54 @@ requires(!std::is_same_v<std::decay_t<Fn>, CheckpointOptions>) auto checkpoint(F
  *  one Tensor. */
 at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segments, const at::Tensor& x,
                                  const CheckpointOptions& options = CheckpointOptions());
+
+namespace detail {
+struct SequentialStage {
+  std::function<at::Tensor(const at::Tensor&)> fn;
+  ModuleState state;
+};
+at::Tensor checkpoint_stages(std::vector<SequentialStage> stages, int64_t segments, const at::Tensor& x,
+                             const CheckpointOptions& options, const char* what);
+}  // namespace detail
+
+/** checkpoint_sequential over any list of callables, Tensor -> Tensor. */
+at::Tensor checkpoint_sequential(const std::vector<std::function<at::Tensor(const at::Tensor&)>>& fns, int64_t segments,
+                                 const at::Tensor& x, const CheckpointOptions& options = CheckpointOptions());
+
+/** checkpoint_sequential over a vector of module holders (their parameters
+ *  are version-checked and buffers restored, as for a Sequential). */
+template <class H>
+requires requires(H h, const at::Tensor& t) {
+  h->forward(t);
+  h->parameters();
+  h->buffers();
+}
+at::Tensor checkpoint_sequential(const std::vector<H>& modules, int64_t segments, const at::Tensor& x,
+                                 const CheckpointOptions& options = CheckpointOptions()) {
+  std::vector<detail::SequentialStage> stages;
+  for (H m : modules) {
+    stages.push_back({[m](const at::Tensor& h) mutable { return m->forward(h); }, {m->parameters(), m->buffers()}});
+  }
+  return detail::checkpoint_stages(std::move(stages), segments, x, options, "modules");
+}
+
+/** checkpoint_sequential over a ModuleList whose modules are all of type M
+ *  (the Impl class, e.g. `checkpoint_sequential<GptBlockImpl>(list, 4, x)`);
+ *  throws remat::Error naming the first module that is not. */
+template <class M>
+at::Tensor checkpoint_sequential(const torch::nn::ModuleList& list, int64_t segments, const at::Tensor& x,
+                                 const CheckpointOptions& options = CheckpointOptions()) {
+  std::vector<detail::SequentialStage> stages;
+  for (size_t i = 0; i < list->size(); ++i) {
+    std::shared_ptr<M> m = std::dynamic_pointer_cast<M>(list->ptr(i));
+    if (!m) {
+      throw Error("[remat::checkpoint_sequential] module " + std::to_string(i) + " of the ModuleList is a " +
+                  list->ptr(i)->name() + ", not a " + c10::demangle(typeid(M).name()) +
+                  "; pass the modules' common type, or a std::vector of callables.");
+    }
+    stages.push_back({[m](const at::Tensor& h) { return m->forward(h); }, {m->parameters(), m->buffers()}});
+  }
+  return detail::checkpoint_stages(std::move(stages), segments, x, options, "modules");
+}
 
 }  // namespace remat
