@@ -658,7 +658,9 @@ ResidualRecorder::ResidualRecorder(std::optional<Policy> policy, std::vector<at:
   m.hooks.emplace(
       [&m](const at::Tensor& t) {
         m.saved.push_back(t);
-        return t;
+        // Detached: a packed output holding its own grad_fn would be a
+        // reference cycle (node -> saved variable -> tensor -> node).
+        return t.detach();
       },
       [](const at::Tensor& t) { return t; });
   m.scope.emplace(m.interceptor.get());
