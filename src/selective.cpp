@@ -38,16 +38,6 @@ OpCall call_of(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> inputs,
   return OpCall(&op, op_name(op), op.operator_name().overload_name, inputs, tag);
 }
 
-/** Tensors of an IValue (a Tensor or a list of them), in order. */
-template <class F>
-void for_each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorVector()) f(t);
-  }
-}
-
 /** An alias of t that shares its storage and version counter but not its
  *  TensorImpl (autograd attaches history to what an op returns). */
 c10::IValue alias_of(const c10::IValue& v) {
@@ -148,7 +138,8 @@ class FirstRun final : public dispatch::Interceptor {
     c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nin, nin);
     SelectiveCache::Record rec;
     rec.op = op;
-    rec.key = {dispatch::op_key(op), counts_[dispatch::op_key(op)]++};
+    std::string key = dispatch::op_key(op);
+    rec.key = {key, counts_[key]++};
     rec.view_like = is_view_like(op);
     rec.uncacheable = uncacheable_reason(op);
     const OpDecision d = c_->policy_(call_of(op, args, ""));

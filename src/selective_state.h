@@ -22,6 +22,8 @@
 
 #include "dispatch.h"
 
+#include <ATen/core/ivalue.h>
+
 #include <remat/policy.h>
 
 #include <atomic>
@@ -56,6 +58,17 @@ struct InputMeta {
   std::vector<int64_t> sizes;
   at::ScalarType dtype = at::ScalarType::Undefined;
 };
+
+/** Tensors of an IValue (a Tensor or a list of them, undefined ones
+ *  included), in order. */
+template <class F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) f(t);
+  }
+}
 
 /** Why an op's outputs cannot be saved ("" when they can): in-place, view,
  *  random or returning something other than tensors and scalars. */

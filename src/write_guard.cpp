@@ -8,19 +8,18 @@
 
 namespace remat::detail {
 namespace {
+/** The defined tensors of an IValue, optional-tensor lists included. */
 template <class F>
 void tensors_of(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    if (v.toTensor().defined()) f(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorVector()) {
-      if (t.defined()) f(t);
-    }
-  } else if (v.isOptionalTensorList()) {
+  if (v.isOptionalTensorList()) {
     for (const std::optional<at::Tensor> t : v.toOptionalTensorList()) {
       if (t.has_value() && t->defined()) f(*t);
     }
+    return;
   }
+  for_each_tensor(v, [&](const at::Tensor& t) {
+    if (t.defined()) f(t);
+  });
 }
 }  // namespace
 

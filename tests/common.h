@@ -118,4 +118,15 @@ inline std::vector<torch::Tensor> step_grads(torch::nn::Module& m, torch::Tensor
   return grads_of(m, x);
 }
 
+/** The message of what fn throws ("" if nothing). */
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace remat_test

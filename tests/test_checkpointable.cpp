@@ -66,16 +66,6 @@ std::vector<std::string> on_names(torch::nn::Module& m) {
   return out;
 }
 
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(ModuleSwitch, SelectorsChooseTheRightBlocks) {
   UserNet net(16);
   using V = std::vector<std::string>;
