@@ -9,6 +9,7 @@
 #include <remat/error.h>
 #include <remat/hooks.h>
 #include <remat/memory.h>
+#include <remat/offload.h>
 #include <remat/plan/plan.h>
 #include <remat/policy.h>
 #include <remat/profile.h>
