@@ -27,12 +27,20 @@
 namespace remat {
 namespace {
 
-std::atomic<bool> g_early_stop_default{true};
+std::atomic<bool> g_early_stop_default{true}, g_debug_default{false};
 std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0}, g_writes_undone{0};
 
-/** Thrown by the recompute hook once every needed tensor exists. Not a
- *  std::exception, so nothing on the way up wraps or reports it. */
-struct StopRecompute {};
+/** Thrown by the recompute hook once every needed tensor exists. A
+ *  std::exception: when the region's function runs autograd::grad, the stop
+ *  can come from inside that inner backward, and the engine carries only
+ *  std::exceptions to the caller of grad (anything else would unwind
+ *  through its worker loop); Frame::recompute catches it by type. */
+struct StopRecompute final : std::exception {
+  const char* what() const noexcept override {
+    return "[remat::checkpoint] internal: recomputation stopped early (caught by remat; a function that catches "
+           "std::exception inside a checkpointed region must rethrow it)";
+  }
+};
 
 std::string shape_str(at::IntArrayRef sizes) {
   std::ostringstream os;
@@ -128,6 +136,9 @@ struct Frame : std::enable_shared_from_this<Frame> {
   // During a recompute: next slot to fill, and how many are still needed.
   size_t cursor = 0;
   size_t needed = 0;
+  // False while the first run of fn is still going: fn itself may call
+  // autograd::grad/backward, whose unpacks re-run fn up to that point.
+  bool forward_done = false;
   std::recursive_mutex mu;
 
   at::Tensor input(size_t k) {
@@ -276,6 +287,9 @@ struct Frame : std::enable_shared_from_this<Frame> {
   /** Called by the recompute hook for each tensor the re-run saves. */
   void refill(const at::Tensor& t) {
     const size_t k = cursor++;
+    // A re-run inside the forward (fn's own grad unpacked a slot) runs past
+    // the tensors saved so far: those are the forward's future, not a mismatch.
+    if (k >= slots.size() && !forward_done) return;
     if (k >= slots.size()) {
       throw Error("[remat::checkpoint] the recomputation saved more tensors than the forward (" +
                   std::to_string(slots.size()) +
@@ -348,21 +362,26 @@ class ForwardFactory final : public HookFactory {
   std::shared_ptr<Frame> frame_;
 };
 
-/** Sits on the re-run's (discarded) graph; hands each saved tensor to the
- *  frame. The frame outlives it: packs happen only inside recompute(). */
+/** Sits on the re-run's graph; hands each saved tensor to the frame, and
+ *  keeps a reference for the re-run's own backward: fn may call
+ *  autograd::grad or backward inside the region (a gradient penalty), and
+ *  that inner backward unpacks what the re-run saved. The reference shares
+ *  the slot's storage and dies with the re-run's graph when fn returns, so
+ *  it costs no memory beyond the refilled slots. The frame outlives the
+ *  hook: packs happen only inside recompute(). */
 class RecomputeHook final : public SavedHook {
  public:
   explicit RecomputeHook(Frame* f) : frame_(f) {}
   void call_pack_hook(const at::Tensor& t) override {
     dispatch::Suspend suspend;
+    kept_ = t.detach();  // detached: an output saved with its grad_fn would be a cycle
     frame_->refill(t);
   }
-  at::Tensor call_unpack_hook() override {
-    throw Error("[remat::checkpoint] internal: backward reached the graph of a recomputation");
-  }
+  at::Tensor call_unpack_hook() override { return kept_; }
 
  private:
   Frame* frame_;
+  at::Tensor kept_;
 };
 
 class RecomputeFactory final : public HookFactory {
@@ -383,10 +402,12 @@ void Frame::recompute() {
   for (const auto& s : slots) needed += s.kind == SlotKind::kRecompute && s.alive && !s.value.defined();
   cursor = 0;
   bool stopped = false;
-  const bool keep_cache = selective && torch::autograd::get_current_graph_task_keep_graph();
+  // A re-run inside the forward leaves the cache to the backward's re-runs.
+  const bool keep_cache = selective && (!forward_done || torch::autograd::get_current_graph_task_keep_graph());
   WriteGuard writes;  // NOTE [recompute side effects]
   {
     ReplayGuard guard(replay, /*enable_grad=*/true);
+    KeepLeafGrads leaf_grads;  // a backward() inside fn accumulated once, in the forward
     ScopedHooks hooks(std::make_shared<RecomputeFactory>(this));
     // Every op of the re-run is seen: a policy's saved ops are handed back,
     // and writes into tensors that outlive the re-run are undone after it.
@@ -410,6 +431,7 @@ void Frame::recompute() {
     g_early_stops.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  if (!forward_done) return;  // ran to fn's end, past the slots saved so far
   if (cursor != slots.size() || needed != 0) {
     throw Error("[remat::checkpoint] the recomputation saved " + std::to_string(cursor) +
                 " tensors but the forward saved " + std::to_string(slots.size()) +
@@ -483,7 +505,15 @@ Region::~Region() {
   scope_.reset();
   {
     std::lock_guard<std::recursive_mutex> lock(frame_->mu);
-    frame_->input_impls.clear();
+    Frame& f = *frame_;
+    f.input_impls.clear();
+    f.forward_done = true;
+    // What re-runs inside the forward refilled (for fn's own grad) and that
+    // grad did not consume is recomputed again in backward, not kept.
+    for (auto& s : f.slots) {
+      if (s.kind != SlotKind::kRef) s.value = at::Tensor();
+    }
+    f.pending_inputs.clear();
   }
   if (rng_locked_) unlock_rng_regions();
 }
@@ -492,6 +522,8 @@ Region::~Region() {
 
 void set_checkpoint_early_stop(bool enabled) { g_early_stop_default = enabled; }
 bool checkpoint_early_stop() { return g_early_stop_default.load(); }
+void set_checkpoint_debug(bool enabled) { g_debug_default = enabled; }
+bool checkpoint_debug() { return g_debug_default.load(); }
 
 CheckpointStats checkpoint_stats() {
   return {g_regions.load(),           g_recomputations.load(),       g_early_stops.load(),

@@ -7,9 +7,11 @@
 
 #include <mutex>
 #include <typeinfo>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <remat/error.h>
 
@@ -20,10 +22,53 @@ thread_local std::vector<std::shared_ptr<HookFactory>> t_stack;
 // Hooks below this depth are suspended by DisableHooks.
 thread_local size_t t_disabled_below = 0;
 
-struct RematEngine final : torch::autograd::Engine {
-  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+// > 0 while a detail::KeepLeafGrads lives on this thread.
+thread_local int t_keep_leaf_grads = 0;
+
+namespace ta = torch::autograd;
+// shared_ptr or intrusive_ptr, depending on the LibTorch version.
+using NodePtr = std::decay_t<decltype(std::declval<ta::Edge>().function)>;
+
+/** The AccumulateGrad nodes reachable from roots, each with its leaf's
+ *  current .grad (undefined included). */
+std::vector<std::pair<NodePtr, at::Tensor>> leaf_grads(const ta::edge_list& roots) {
+  std::vector<std::pair<NodePtr, at::Tensor>> out;
+  std::unordered_set<const ta::Node*> seen;
+  std::vector<NodePtr> todo;
+  for (const auto& e : roots) {
+    if (e.function && seen.insert(e.function.get()).second) todo.push_back(e.function);
+  }
+  while (!todo.empty()) {
+    NodePtr n = std::move(todo.back());
+    todo.pop_back();
+    if (auto* acc = dynamic_cast<ta::AccumulateGrad*>(n.get())) {
+      out.emplace_back(n, acc->variable.grad());
+      continue;
+    }
+    for (const auto& e : n->next_edges()) {
+      if (e.function && seen.insert(e.function.get()).second) todo.push_back(e.function);
+    }
+  }
+  return out;
+}
+
+struct RematEngine final : ta::Engine {
+  std::unique_ptr<ta::SavedVariableHooks> get_default_saved_variable_hooks() override {
     if (t_stack.size() <= t_disabled_below) return nullptr;
     return t_stack.back()->make_hook();
+  }
+  ta::variable_list execute(const ta::edge_list& roots, const ta::variable_list& inputs, bool keep_graph,
+                            bool create_graph, bool accumulate_grad, const ta::edge_list& outputs) override {
+    if (t_keep_leaf_grads == 0 || !accumulate_grad) {
+      return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
+    }
+    struct Restore {
+      std::vector<std::pair<NodePtr, at::Tensor>> grads;
+      ~Restore() {
+        for (auto& [node, grad] : grads) static_cast<ta::AccumulateGrad*>(node.get())->variable.mutable_grad() = grad;
+      }
+    } restore{leaf_grads(roots)};
+    return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
   // Device worker threads must stop before the base destructor runs.
   ~RematEngine() override { stop(); }
@@ -101,6 +146,9 @@ class FunctionHookFactory final : public HookFactory {
 };
 
 }  // namespace
+
+KeepLeafGrads::KeepLeafGrads() { ++t_keep_leaf_grads; }
+KeepLeafGrads::~KeepLeafGrads() { --t_keep_leaf_grads; }
 
 std::shared_ptr<HookFactory> make_function_hooks(std::function<std::any(const at::Tensor&)> pack,
                                                  std::function<at::Tensor(const std::any&)> unpack) {

@@ -595,4 +595,35 @@ TEST(CheckpointDebug, DeterminismErrorShowsTheOpSequencesAligned) {
   EXPECT_EQ(what.find("[debug]"), std::string::npos);
 }
 
+TEST(CheckpointDebug, ProcessWideDefault) {
+  auto x = torch::randn({4, 3}, torch::requires_grad());
+  int calls = 0;
+  auto f = [&calls](const torch::Tensor& h) {
+    auto t = h.tanh();
+    if (++calls % 2 == 0) t = torch::cat({t, t});  // every re-run differs
+    return t.sin();
+  };
+  auto error_of_step = [&](const remat::CheckpointOptions& o) {
+    calls = 0;
+    auto y = remat::checkpoint(o, f, x);
+    try {
+      y.sum().backward();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_FALSE(remat::checkpoint_debug());
+  remat::set_checkpoint_debug(true);
+  EXPECT_TRUE(remat::CheckpointOptions().debug());
+  const std::string on = error_of_step(remat::CheckpointOptions());
+  const std::string off = error_of_step(remat::CheckpointOptions().debug(false));  // per call wins
+  remat::set_checkpoint_debug(false);
+  const std::string back = error_of_step(remat::CheckpointOptions());
+  EXPECT_NE(on.find("[debug] ops of the forward (2)"), std::string::npos) << on;
+  EXPECT_EQ(off.find("[debug]"), std::string::npos) << off;
+  EXPECT_EQ(back.find("[debug]"), std::string::npos) << back;
+  EXPECT_NE(back.find("differs between the forward and the recomputation"), std::string::npos) << back;
+}
+
 }  // namespace

@@ -51,6 +51,12 @@ enum class DeterminismCheck {
 void set_checkpoint_early_stop(bool enabled);
 bool checkpoint_early_stop();
 
+/** The process-wide default of CheckpointOptions::debug (false unless set),
+ *  e.g. turned on once while hunting a determinism error (PyTorch's
+ *  set_checkpoint_debug_enabled); a per-call `.debug(...)` overrides it. */
+void set_checkpoint_debug(bool enabled);
+bool checkpoint_debug();
+
 struct CheckpointOptions {
   /** Replay the CPU RNG state (and that of CUDA devices holding inputs) in
    *  recompute, so dropout masks match the first run. Default true. */
@@ -66,8 +72,9 @@ struct CheckpointOptions {
   TORCH_ARG(std::optional<Policy>, policy);
   /** PyTorch's debug=True: record the ops of the forward and of the
    *  recomputation, and show them side by side, aligned at the first
-   *  difference, in a determinism error. Default false (nothing recorded). */
-  TORCH_ARG(bool, debug) = false;
+   *  difference, in a determinism error. Default checkpoint_debug() (false
+   *  unless changed: nothing recorded). */
+  TORCH_ARG(bool, debug) = checkpoint_debug();
 };
 
 /** Process-wide counters, for tests and telemetry. */

@@ -61,6 +61,20 @@ class DisableHooks {
 };
 
 namespace detail {
+/** While one lives on this thread, a backward() (accumulating into .grad)
+ *  that remat's engine runs here leaves every leaf it reaches with the
+ *  .grad it had before: a checkpoint's re-run of a function that calls
+ *  backward() itself must not accumulate a second time (in-place
+ *  accumulation into an existing .grad is undone by the re-run's write
+ *  guard; this covers a .grad set or replaced). Nestable. */
+class KeepLeafGrads {
+ public:
+  KeepLeafGrads();
+  ~KeepLeafGrads();
+  KeepLeafGrads(const KeepLeafGrads&) = delete;
+  KeepLeafGrads& operator=(const KeepLeafGrads&) = delete;
+};
+
 std::shared_ptr<HookFactory> make_function_hooks(std::function<std::any(const at::Tensor&)> pack,
                                                  std::function<at::Tensor(const std::any&)> unpack);
 }  // namespace detail
