@@ -9,7 +9,12 @@
 // that requires grad, not strided, or kHost on a CPU tensor), share an entry
 // already holding the same tensor (same storage, offset, shape, strides,
 // version: softmax's output is saved again by the next matmul), or store it.
-// kMemory encodes at pack. kDisk queues the tensor for a writer thread and
+// What is stored is a region of the tensor's storage, in storage order: a
+// view's whole base when the base is dense and holds it (q, k and v of one
+// qkv projection; the 2-D reshape linear saves of a 3-D input), else the
+// tensor's own span; each handle restores its tensor with as_strided on it,
+// so strides come back exactly and views share memory again, as in a plain
+// run. kMemory encodes at pack. kDisk queues the tensor for a writer thread and
 // holds it (counted in the in-flight bytes) until its file is written; when
 // writes fall max_inflight_bytes behind, pack waits. unpack (backward) takes
 // a pending tensor straight from memory, a prefetched one from the reader's
@@ -166,7 +171,10 @@ struct OffloadStore::Entry {
   // Sharing key (see NOTE [offload pipeline]); the weak pointer pins the
   // StorageImpl's address so that no new storage can reuse it.
   c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
-  std::optional<std::tuple<const void*, int64_t, std::vector<int64_t>, std::vector<int64_t>, int, uint32_t>> key;
+  // (storage, version, dtype, first element, one past the last) of the
+  // region of storage this entry holds.
+  std::optional<std::tuple<const void*, uint32_t, int, int64_t, int64_t>> key;
+  int64_t region_begin = 0;  // storage offset of the region, elements
 };
 
 struct OffloadStore::State {
@@ -188,7 +196,12 @@ struct OffloadStore::State {
 };
 
 OffloadStore::Handle::Handle(Handle&& o) noexcept
-    : store_(std::move(o.store_)), entry_(std::move(o.entry_)), unpacked_(o.unpacked_) {}
+    : store_(std::move(o.store_)),
+      entry_(std::move(o.entry_)),
+      unpacked_(o.unpacked_),
+      sizes_(std::move(o.sizes_)),
+      strides_(std::move(o.strides_)),
+      offset_(o.offset_) {}
 
 OffloadStore::Handle& OffloadStore::Handle::operator=(Handle&& o) noexcept {
   if (this != &o) {
@@ -196,6 +209,9 @@ OffloadStore::Handle& OffloadStore::Handle::operator=(Handle&& o) noexcept {
     store_ = std::move(o.store_);
     entry_ = std::move(o.entry_);
     unpacked_ = o.unpacked_;
+    sizes_ = std::move(o.sizes_);
+    strides_ = std::move(o.strides_);
+    offset_ = o.offset_;
   }
   return *this;
 }
@@ -278,6 +294,21 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
   h.store_ = self_.lock();
   auto e = std::make_shared<Entry>();
   e->meta = meta_of(t);
+  // NOTE [offload pipeline]: the region of storage to store, elements.
+  int64_t begin = t.storage_offset(), end = begin;
+  if (t.defined() && t.layout() == at::kStrided && t.numel() > 0) {
+    end = begin + 1;
+    for (int64_t d = 0; d < t.dim(); ++d) end += (t.size(d) - 1) * t.stride(d);
+    if (t.is_view()) {
+      const at::TensorBase& b = t._base();
+      const int64_t b_begin = b.storage_offset(), b_end = b_begin + b.numel();
+      if (b.is_non_overlapping_and_dense() && b.is_alias_of(t) && b_begin <= begin && end <= b_end) {
+        begin = b_begin;
+        end = b_end;
+      }
+    }
+  }
+  const int64_t region_bytes = (end - begin) * static_cast<int64_t>(t.defined() ? t.element_size() : 0);
   if (!t.is_inference()) {  // inference tensors have no version counter
     e->version_counter = t.unsafeGetTensorImpl()->version_counter();
     e->version = t._version();
@@ -293,8 +324,8 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
   // weight.t()) is kept alive by its module: writing it out frees nothing.
   const bool parameter =
       (t.is_leaf() && t.requires_grad()) || (t.is_view() && t._base().is_leaf() && t._base().requires_grad());
-  const bool keep = !t.defined() || t.layout() != at::kStrided || parameter || e->meta.nbytes < options_.min_bytes() ||
-                    (target == OffloadTarget::kHost && t.device().is_cpu()) ||
+  const bool keep = !t.defined() || t.layout() != at::kStrided || parameter || t.numel() == 0 ||
+                    region_bytes < options_.min_bytes() || (target == OffloadTarget::kHost && t.device().is_cpu()) ||
                     (target == OffloadTarget::kMemory && options_.codec() == Codec::kNone);
   if (keep) {
     s.st.tensors_kept++;
@@ -304,23 +335,36 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
     h.entry_ = std::move(e);
     return h;
   }
-  e->key.emplace(t.storage().unsafeGetStorageImpl(), t.storage_offset(), e->meta.sizes, e->meta.strides,
-                 static_cast<int>(t.scalar_type()), e->version);
-  auto it = s.shared.find(*e->key);
-  if (it != s.shared.end()) {
-    if (auto other = it->second.lock(); other && !other->released && other->where != Where::kFailed) {
+  h.sizes_ = e->meta.sizes;
+  h.strides_ = e->meta.strides;
+  const void* storage = t.storage().unsafeGetStorageImpl();
+  const int dtype = static_cast<int>(t.scalar_type());
+  // An entry of the same storage and version whose region holds this one.
+  for (auto it = s.shared.lower_bound({storage, e->version, dtype, INT64_MIN, INT64_MIN});
+       it != s.shared.end() && std::get<0>(it->first) == storage && std::get<1>(it->first) == e->version &&
+       std::get<2>(it->first) == dtype;
+       ++it) {
+    if (std::get<3>(it->first) > begin) break;
+    auto other = it->second.lock();
+    if (other && !other->released && other->where != Where::kFailed && std::get<4>(it->first) >= end) {
       other->refs++;
       s.st.tensors_shared++;
+      h.offset_ = t.storage_offset() - other->region_begin;
       h.entry_ = std::move(other);
       return h;
     }
   }
+  const at::Tensor region = t.detach().as_strided({end - begin}, {1}, begin);  // (n,) in storage order
+  e->meta = meta_of(region);
+  e->region_begin = begin;
+  h.offset_ = t.storage_offset() - begin;
+  e->key.emplace(storage, e->version, dtype, begin, end);
   e->storage = t.storage().getWeakStorageImpl();
   e->refs = 1;
   s.st.bytes_raw += e->meta.nbytes;
   if (target == OffloadTarget::kMemory) {
     lock.unlock();
-    Encoded enc = encode(t.detach(), options_.codec(), /*exact_size=*/true);
+    Encoded enc = encode(region, options_.codec(), /*exact_size=*/true);
     lock.lock();
     e->enc = std::move(enc);
     e->where = Where::kMemory;
@@ -339,7 +383,7 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
     c10::Event produced(dev.type());
     produced.record(compute);
     produced.block(side);
-    const at::Tensor src = t.detach();
+    const at::Tensor& src = region;
     const auto host_options = src.options().device(at::kCPU).pinned_memory(true);
     at::Tensor host = src.is_non_overlapping_and_dense() ? at::empty_strided(src.sizes(), src.strides(), host_options)
                                                          : at::empty(src.sizes(), host_options);
@@ -367,7 +411,7 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
     }
     if (waited) s.st.write_stall_ms += ms_since(t0);
     if (!s.error.empty()) throw Error(s.error);
-    e->tensor = t.detach();
+    e->tensor = region;
     s.shared[*e->key] = e;
     e->where = Where::kPending;
     e->path = options_.directory() + "/remat-offload-" + std::to_string(::getpid()) + "-" + std::to_string(s.store_id) +
@@ -542,9 +586,9 @@ at::Tensor OffloadStore::unpack(Handle& h) {
   std::unique_lock<std::mutex> lock(s.mu);
   if (e->track_version && e->version_counter.current_version() != e->version) {
     const std::string err = "[remat::offload] a tensor saved for backward (#" + std::to_string(e->id) + ", shape " +
-                            shape_str(e->meta.sizes) + ") was modified in place after it was saved (version " +
-                            std::to_string(e->version) + " then, " +
-                            std::to_string(e->version_counter.current_version()) +
+                            shape_str(e->where == Where::kKept ? e->meta.sizes : h.sizes_) +
+                            ") was modified in place after it was saved (version " + std::to_string(e->version) +
+                            " then, " + std::to_string(e->version_counter.current_version()) +
                             " now): its gradient would be wrong. Clone it before the in-place op.";
     fail_locked(err);
     throw Error(err);
@@ -672,7 +716,8 @@ at::Tensor OffloadStore::unpack(Handle& h) {
   } else if (e->read != Read::kReady) {
     e->ready = at::Tensor();
   }
-  return v;
+  if (e->where == Where::kKept) return v;
+  return v.as_strided(h.sizes_, h.strides_, h.offset_);  // the saved tensor within its region
 }
 
 void OffloadStore::release(const std::shared_ptr<Entry>& e) noexcept {

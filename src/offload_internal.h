@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -36,6 +37,9 @@ class OffloadStore {
     std::shared_ptr<OffloadStore> store_;
     std::shared_ptr<Entry> entry_;
     bool unpacked_ = false;
+    // The tensor within the entry's region (as_strided at unpack).
+    std::vector<int64_t> sizes_, strides_;
+    int64_t offset_ = 0;
   };
 
   /** Validates the options and the directory (throws remat::Error naming

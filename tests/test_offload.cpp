@@ -119,8 +119,8 @@ TEST(Offload, PrefetchDepthsAndWriterThreadsAllBitwise) {
       // Everything was on disk before backward (wait()): without prefetch
       // every unpack reads; with it, reads are handed to the prefetcher
       // (whether it is ahead, a hit, depends on scheduling: printed only).
-      if (depth == 0) {
-        EXPECT_EQ(st.prefetch_hits, 0);
+      if (depth == 0) {  // hits: only the second handle of a shared region
+        EXPECT_LE(st.prefetch_hits, st.tensors_shared);
         EXPECT_EQ(st.prefetches_issued, 0);
       } else {
         EXPECT_GT(st.prefetches_issued, 0) << "depth " << depth;
