@@ -173,6 +173,47 @@ TEST(Offload, ParametersSmallTensorsAndSharedTensorsAreNotWritten) {
   EXPECT_EQ(small.stats().files_created, 0);
 }
 
+TEST(Offload, ViewsOfOneBaseShareOneFileAndKeepTheirStrides) {
+  TempDir dir;
+  auto x = torch::randn({64, 96}, torch::requires_grad());
+  auto run = [&] {
+    auto base = x * 2;  // (64, 96), dense: what q and k are views of
+    auto q = base.narrow(1, 0, 32), k = base.narrow(1, 32, 32);
+    return torch::mm(q.t(), k).sum();  // mm saves q.t() and k: strided views of base
+  };
+  run().backward();
+  const auto want = x.grad().clone();
+  x.mutable_grad() = torch::Tensor();
+  torch::Tensor l;
+  remat::OffloadStats st;
+  {
+    OffloadScope scope(disk(dir));
+    l = run();
+    scope.wait();
+    st = scope.stats();
+  }
+  EXPECT_EQ(st.tensors_saved, 2);
+  EXPECT_EQ(st.tensors_shared, 1);
+  EXPECT_EQ(st.files_created, 1);
+  EXPECT_EQ(st.bytes_raw, 64 * 96 * 4) << "the base, once";
+  l.backward();
+  EXPECT_TRUE(torch::equal(x.grad(), want));
+  EXPECT_TRUE(dir.files().empty());
+
+  // The unpacked tensors have the strides of the saved ones.
+  auto store = remat::detail::OffloadStore::create(disk(dir));
+  auto base = torch::randn({64, 96});
+  auto v = base.narrow(1, 32, 32).t();  // (32, 64), strides (1, 96)
+  auto h = store->pack(v);
+  store->wait();
+  auto back = store->unpack(h);
+  EXPECT_EQ(back.sizes(), v.sizes());
+  EXPECT_EQ(back.strides(), v.strides());
+  EXPECT_TRUE(torch::equal(back, v));
+  h.reset();
+  EXPECT_TRUE(dir.files().empty());
+}
+
 TEST(Offload, GraphFreedWithoutBackwardRemovesFiles) {
   TempDir dir;
   Gpt m;
