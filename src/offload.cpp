@@ -293,6 +293,11 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
   Handle h;
   h.store_ = self_.lock();
   auto e = std::make_shared<Entry>();
+  e->refs = 1;
+  if (!t.defined()) {  // autograd never saves one through hooks; a direct caller may
+    h.entry_ = std::move(e);
+    return h;
+  }
   e->meta = meta_of(t);
   // NOTE [offload pipeline]: the region of storage to store, elements.
   int64_t begin = t.storage_offset(), end = begin;

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <thread>
 
 #include "../src/offload_internal.h"
 
@@ -131,6 +132,23 @@ TEST(Offload, PrefetchDepthsAndWriterThreadsAllBitwise) {
       EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
     }
   }
+}
+
+TEST(Offload, BackwardOnAnotherThread) {
+  TempDir dir;
+  Gpt m;
+  const auto ref = m.plain();
+  remat_test::zero_grads(*m.seq, m.x);
+  torch::Tensor l;
+  {
+    OffloadScope scope(disk(dir));
+    l = m.loss();
+  }
+  std::thread t([&] { l.backward(); });  // the hooks carry the store; no thread-local is read
+  t.join();
+  remat_test::expect_bitwise_equal(ref, remat_test::grads_of(*m.seq, m.x));
+  l = torch::Tensor();
+  EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
 }
 
 TEST(Offload, MaxInflightBytesBoundsPendingWrites) {
