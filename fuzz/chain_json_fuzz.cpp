@@ -26,7 +26,8 @@ bool same(const rp::Chain& a, const rp::Chain& b) {
     const rp::Stage& y = b.stages[i];
     if (x.name != y.name || x.forward_ms != y.forward_ms || x.backward_ms != y.backward_ms ||
         x.output_bytes != y.output_bytes || x.saved_bytes != y.saved_bytes ||
-        x.forward_tmp_bytes != y.forward_tmp_bytes || x.backward_tmp_bytes != y.backward_tmp_bytes)
+        x.forward_tmp_bytes != y.forward_tmp_bytes || x.backward_tmp_bytes != y.backward_tmp_bytes ||
+        x.backward_freed_bytes != y.backward_freed_bytes)
       return false;
   }
   return true;

@@ -69,6 +69,9 @@ rp::Chain fuzz_chain(FuzzedDataProvider& in, int max_stages) {
     s.saved_bytes = s.output_bytes + fuzz_bytes(in, unit, rough);
     if (in.ConsumeBool()) s.forward_tmp_bytes = fuzz_bytes(in, unit, rough);
     if (in.ConsumeBool()) s.backward_tmp_bytes = fuzz_bytes(in, unit, rough);
+    if (in.ConsumeBool()) {
+      s.backward_freed_bytes = std::min(fuzz_bytes(in, unit, rough), s.saved_bytes + s.output_bytes);
+    }
     c.stages.push_back(s);
   }
   return c;

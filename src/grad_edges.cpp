@@ -83,4 +83,33 @@ void accumulate_into(const at::Tensor& leaf, const at::Tensor& g) {
                                                         /*accumulate_grad=*/true);
 }
 
+namespace {
+
+struct SeedGrad final : torch::autograd::Node {
+  at::Tensor grad;
+  SeedGrad(at::Tensor g, torch::autograd::Edge next, const at::Tensor& dummy) : grad(std::move(g)) {
+    add_next_edge(std::move(next));
+    add_input_metadata(dummy);
+  }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&&) override {
+    torch::autograd::variable_list out{std::move(grad)};
+    grad = at::Tensor();
+    return out;
+  }
+  std::string name() const override { return "remat::SeedGrad"; }
+};
+
+}  // namespace
+
+torch::autograd::variable_list backward_releasing(at::Tensor out, at::Tensor g, bool keep_graph,
+                                                  const torch::autograd::edge_list& outputs) {
+  torch::autograd::Edge out_edge = torch::autograd::impl::gradient_edge(out);
+  out = at::Tensor();
+  const at::Tensor dummy = at::zeros({}, g.options());  // the seed's own (ignored) input
+  auto seed = c10::make_intrusive<SeedGrad>(std::move(g), std::move(out_edge), dummy);
+  return torch::autograd::Engine::get_default_engine().execute({torch::autograd::Edge(seed, 0)}, {dummy}, keep_graph,
+                                                               /*create_graph=*/false, /*accumulate_grad=*/false,
+                                                               outputs);
+}
+
 }  // namespace remat::detail

@@ -51,4 +51,13 @@ Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::
 /** Delivers g to leaf as a backward would (its hooks, then .grad). */
 void accumulate_into(const at::Tensor& leaf, const at::Tensor& g);
 
+/** A stage's inner backward from `out` with gradient `g`, capturing at
+ *  `outputs`, that holds neither: Engine::execute copies its `inputs` and
+ *  the caller's vector outlives the call, so a gradient passed there stays
+ *  alive through the whole backward. Here it goes in through a seed node
+ *  that lets go of it once handed on, and the caller's `out` is released
+ *  (only the graph keeps what it saved), as in one plain backward. */
+torch::autograd::variable_list backward_releasing(at::Tensor out, at::Tensor g, bool keep_graph,
+                                                  const torch::autograd::edge_list& outputs);
+
 }  // namespace remat::detail

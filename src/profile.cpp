@@ -122,9 +122,13 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
         tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
       }
       const double f_ms = ms_since(t0);
-      if (seen.insert(out.storage().unsafeGetStorageImpl()).second) saved_bytes += storage_bytes(out);
+      // An output no op saved is freed at the start of the runtime's stage
+      // backward (it keeps only what the graph saved); here it lives on as
+      // the next stage's input.
+      const bool out_saved_by_op = !seen.insert(out.storage().unsafeGetStorageImpl()).second;
+      if (!out_saved_by_op) saved_bytes += storage_bytes(out);
       double b_ms = 0;
-      int64_t b_tmp = 0;
+      int64_t b_tmp = 0, b_freed = 0;
       if (out.requires_grad()) {
         // NOTE [redirected gradient edges]: the stage's backward computes its
         // parameters' gradients (their cost is the stage's) but never reaches
@@ -133,16 +137,18 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
         const auto r = detail::redirect_gradient_edges(out, {in}, seq0);
         torch::autograd::edge_list outputs;
         for (uint32_t k = 0; k < r.sink->num_inputs(); ++k) outputs.push_back(r.edge(k));
-        memory::Probe probe;
+        memory::Probe probe;  // from the start of the backward: the saved set, out and g live
         auto t1 = Clock::now();
-        // Held until the probe is read, as .grad would hold them.
-        auto grads = torch::autograd::Engine::get_default_engine().execute(
-            {torch::autograd::impl::gradient_edge(out)}, {g}, /*keep_graph=*/false, /*create_graph=*/false,
-            /*accumulate_grad=*/false, outputs);
+        // As the runtime runs it (g freed once used); the gradients are
+        // held until the probe is read, as .grad would hold them.
+        auto grads = detail::backward_releasing(out, std::move(g), /*keep_graph=*/false, outputs);
         b_ms = ms_since(t1);
         const int64_t grad_in =
             r.target_input[0] >= 0 && grads[r.target_input[0]].defined() ? storage_bytes(grads[r.target_input[0]]) : 0;
-        b_tmp = std::max<int64_t>(0, probe.peak_bytes() - grad_in);
+        // The planner's backward peak: bytes before + |grad_i| + tmp - freed.
+        const int64_t above = probe.peak_bytes() - (out_saved_by_op ? 0 : storage_bytes(out)) - grad_in;
+        b_tmp = std::max<int64_t>(0, above);
+        b_freed = std::max<int64_t>(0, -above);
       }
       if (r >= options.warmup()) {
         forward_ms.push_back(f_ms);
@@ -152,6 +158,7 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
       stage.saved_bytes = saved_bytes;
       stage.forward_tmp_bytes = tmp_bytes;
       stage.backward_tmp_bytes = b_tmp;
+      stage.backward_freed_bytes = b_freed;
     }
     stage.forward_ms = median(forward_ms);
     stage.backward_ms = median(backward_ms);

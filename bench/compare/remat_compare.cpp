@@ -5,7 +5,8 @@
 // JSON object: per strategy the peak activation bytes (from the LD_PRELOAD
 // counter bench/preload when loaded, else remat::memory) and every step's
 // milliseconds; plain also gets forward and backward times.
-// Strategies: plain, block, seq:K, sqrt, opt:F (budget F x plain peak), select.
+// Strategies: plain, block, seq:K, useg:K (CheckpointedSequential running seq:K's
+// placement), sqrt, opt:F (budget F x plain peak), select.
 // Leaves out: the loss head and optimizer (the chain ends in .sum()).
 #include <dlfcn.h>
 #include <sys/resource.h>
@@ -96,6 +97,28 @@ Model build(const std::string& name) {
       for (auto blk : b) blk->attn->set_checkpointing(on ? std::optional(remat::CheckpointOptions()) : std::nullopt);
     };
     m.x = torch::randn({1, 128, 128});
+  } else if (name == "gpt-ref") {  // DESIGN.md's CPU reference: 8 blocks, d_model 512, 8 heads, T 512, batch 4
+    std::vector<remat::models::GptBlock> b;
+    for (int i = 0; i < 8; ++i) b.emplace_back(512, 8, 0.0);
+    add_blocks(m, b);
+    m.x = torch::randn({4, 512, 512});
+  } else if (name == "mlp-ref") {  // 24 x (Linear(1024, 1024) + GELU), batch 2048: ~0.4 GiB of activations
+    std::vector<MlpBlock> b;
+    for (int i = 0; i < 24; ++i) b.emplace_back(1024);
+    add_blocks(m, b);
+    m.x = torch::randn({2048, 1024});
+  } else if (name == "resnet-ref") {  // 3 stages x 2 residual blocks with BatchNorm, width 32, batch 100, 32x32
+    std::vector<remat::models::ResBlock> b;
+    int64_t in = 32;
+    for (int64_t stage = 0; stage < 3; ++stage) {
+      for (int i = 0; i < 2; ++i) {
+        const int64_t mid = int64_t{32} << stage;
+        b.emplace_back(in, mid, (stage > 0 && i == 0) ? 2 : 1, /*bottleneck=*/false);
+        in = mid;
+      }
+    }
+    add_blocks(m, b);
+    m.x = torch::randn({100, 32, 32, 32});
   } else if (name == "resnet") {  // RESNET = dict(width=16, batch=4, image=32), depth 18
     std::vector<remat::models::ResBlock> b;
     int64_t in = 16;
@@ -112,7 +135,7 @@ Model build(const std::string& name) {
     };
     m.x = torch::randn({4, 16, 32, 32});
   } else {
-    std::fprintf(stderr, "unknown model %s: use mlp, gpt or resnet\n", name.c_str());
+    std::fprintf(stderr, "unknown model %s: use mlp, gpt, resnet, mlp-ref, gpt-ref or resnet-ref\n", name.c_str());
     std::exit(2);
   }
   m.x.set_requires_grad(true);
@@ -260,10 +283,12 @@ int main(int argc, char** argv) {
         m.selective(false);
         return out;
       };
-    } else if (s == "sqrt" || s.rfind("opt:", 0) == 0) {
+    } else if (s == "sqrt" || s.rfind("opt:", 0) == 0 || s.rfind("useg:", 0) == 0) {
       auto opts = remat::SequentialOptions().measure_memory(false);
       if (s == "sqrt") {
         opts.algorithm("sqrt");
+      } else if (s.rfind("useg:", 0) == 0) {  // the planned runtime on seq:K's placement
+        opts.segments(std::stoi(s.substr(5)));
       } else {
         opts.memory_budget_bytes(static_cast<int64_t>(std::stod(s.substr(4)) * plain_peak));
       }

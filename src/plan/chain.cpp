@@ -45,6 +45,12 @@ void Chain::validate() const {
     check_size(*this, i, "saved_bytes", s.saved_bytes);
     check_size(*this, i, "forward_tmp_bytes", s.forward_tmp_bytes);
     check_size(*this, i, "backward_tmp_bytes", s.backward_tmp_bytes);
+    check_size(*this, i, "backward_freed_bytes", s.backward_freed_bytes);
+    if (s.backward_freed_bytes > s.saved_bytes + s.output_bytes)
+      throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": backward_freed_bytes (" +
+                  std::to_string(s.backward_freed_bytes) + ") > saved_bytes + output_bytes (" +
+                  std::to_string(s.saved_bytes + s.output_bytes) +
+                  "); a backward can free at most its saved set and the gradient at its output.");
     if (s.saved_bytes < s.output_bytes)
       throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": saved_bytes (" + std::to_string(s.saved_bytes) +
                   ") < output_bytes (" + std::to_string(s.output_bytes) +
@@ -67,6 +73,7 @@ void Chain::validate() const {
     add(s.saved_bytes);
     add(s.forward_tmp_bytes);
     add(s.backward_tmp_bytes);
+    add(s.backward_freed_bytes);
   }
 }
 

@@ -33,7 +33,10 @@ struct Slots {
   int M = 0;                // slots available besides a_0
   std::vector<int32_t> a;   // |a_j| (and |grad_j|), j in [0, L]
   std::vector<int32_t> sv;  // saved_bytes
-  std::vector<int32_t> ft, bt;
+  std::vector<int32_t> ft;
+  /** A backward's own peak: saved + |grad_{s+1}| + |grad_s| + tmp - freed,
+   *  rounded once (so rounding stays one-sided). */
+  std::vector<int32_t> bk;
   std::vector<double> f, b;  // ms
   /** |grad_{t+1}| while stages ..t wait for their backward; 0 for t = L-1
    *  (the loss gradient appears at backward(L-1)). */

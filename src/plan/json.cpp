@@ -90,6 +90,7 @@ Chain chain_from_json(std::string_view text) {
     stage.saved_bytes = get_bytes(s, "saved_bytes", path, true);
     stage.forward_tmp_bytes = get_bytes(s, "forward_tmp_bytes", path, false);
     stage.backward_tmp_bytes = get_bytes(s, "backward_tmp_bytes", path, false);
+    stage.backward_freed_bytes = get_bytes(s, "backward_freed_bytes", path, false);
     if (stage.saved_bytes < stage.output_bytes)
       field_error(path + "saved_bytes", "(" + std::to_string(stage.saved_bytes) + ") < output_bytes (" +
                                             std::to_string(stage.output_bytes) +
@@ -113,6 +114,7 @@ std::string chain_to_json(const Chain& chain, int indent) {
     o["saved_bytes"] = s.saved_bytes;
     if (s.forward_tmp_bytes) o["forward_tmp_bytes"] = s.forward_tmp_bytes;
     if (s.backward_tmp_bytes) o["backward_tmp_bytes"] = s.backward_tmp_bytes;
+    if (s.backward_freed_bytes) o["backward_freed_bytes"] = s.backward_freed_bytes;
     j["stages"].push_back(o);
   }
   return j.dump(indent);

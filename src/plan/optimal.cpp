@@ -56,7 +56,7 @@ double PersistentDp::work(int L, int M) {
 
 PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
   const int L = d_.L, M = d_.M;
-  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bt = d_.bt;
+  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bk = d_.bk;
   const auto &f = d_.f, &b = d_.b;
   const size_t width = width_;
   const size_t rows = static_cast<size_t>(L) * (L + 1) / 2;
@@ -71,7 +71,7 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
       const int D = d_.dst(t);
       // Option A (and the base case s == t).
       {
-        int lo = std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]);
+        int lo = std::max(D + sv[s] + ft[s], bk[s]);
         sat_[r] = d == 0 ? lo : std::max(lo, sv[s] + sat_[row(s + 1, t)]);
         const Cost fb = static_cast<Cost>(f[s] + b[s]);
         if (d == 0) {
@@ -114,13 +114,13 @@ Schedule PersistentDp::schedule(int m) const {
 /** The option the fill kept for (s, t, m): -1 for A (or the base), else s'.
  *  Same arithmetic in the same order as the fill, so the match is exact. */
 int PersistentDp::choice(int s, int t, int m) const {
-  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bt = d_.bt;
+  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bk = d_.bk;
   const auto &f = d_.f, &b = d_.b;
   const size_t width = width_;
   const Cost target = cost_[row(s, t) * width + m];
   const int D = d_.dst(t);
   if (s == t) return -1;
-  if (m >= std::max(D + sv[s] + ft[s], sv[s] + a[s + 1] + a[s] + bt[s]) && m - sv[s] >= 0 &&
+  if (m >= std::max(D + sv[s] + ft[s], bk[s]) && m - sv[s] >= 0 &&
       static_cast<Cost>(f[s] + b[s]) + cost_[row(s + 1, t) * width + (m - sv[s])] == target)
     return -1;
   Sweep sweep{d_, s, D};
@@ -158,7 +158,8 @@ namespace {
 int64_t gcd_sizes(const Chain& chain) {
   int64_t g = chain.input_bytes;
   for (const Stage& s : chain.stages)
-    for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.backward_tmp_bytes}) g = std::gcd(g, v);
+    for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.backward_tmp_bytes, s.backward_freed_bytes})
+      g = std::gcd(g, v);
   return g;
 }
 
@@ -187,7 +188,7 @@ struct MinPeak {
         const Stage& st = c.stages[s];
         const int64_t D = t == L - 1 ? 0 : A(t + 1);
         int64_t best = std::max(D + st.saved_bytes + st.forward_tmp_bytes,
-                                st.saved_bytes + A(s + 1) + A(s) + st.backward_tmp_bytes);
+                                st.saved_bytes + A(s + 1) + A(s) + st.backward_tmp_bytes - st.backward_freed_bytes);
         double best_ms = st.forward_ms + st.backward_ms;
         if (d > 0) {
           best = std::max(best, st.saved_bytes + need[row(s + 1, t)]);
@@ -282,7 +283,9 @@ internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up
   for (const Stage& st : chain.stages) {
     d.sv.push_back(slots(st.saved_bytes));
     d.ft.push_back(slots(st.forward_tmp_bytes));
-    d.bt.push_back(slots(st.backward_tmp_bytes));
+    const int k = static_cast<int>(d.sv.size()) - 1;
+    d.bk.push_back(slots(st.saved_bytes + chain.value_bytes(k + 1) + chain.value_bytes(k) + st.backward_tmp_bytes -
+                         st.backward_freed_bytes));
     d.f.push_back(st.forward_ms);
     d.b.push_back(st.backward_ms);
   }

@@ -143,7 +143,7 @@ void FullDp::fill_p(int c, int j) {
   Cost* out = &p_[r * width_];
   // base / A. From m = sat on, store-all of c..j fits: each stage runs forward
   // and backward once, which no option can beat, so the others stop there.
-  int lo = std::max(D + d_.sv[c] + d_.ft[c], d_.sv[c] + a[c + 1] + a[c] + d_.bt[c]);
+  int lo = std::max(D + d_.sv[c] + d_.ft[c], d_.bk[c]);
   const Cost fb = static_cast<Cost>(d_.f[c] + d_.b[c]);
   if (j == c) {
     p_sat_[r] = lo;
@@ -228,7 +228,7 @@ void FullDp::emit_p(std::vector<Op>& ops, int c, int j, int m) const {
   while (true) {
     const Cost target = p_[prow(c, j) * width_ + m];
     const int D = d_.dst(j);
-    const int lo = std::max(D + d_.sv[c] + d_.ft[c], d_.sv[c] + a[c + 1] + a[c] + d_.bt[c]);
+    const int lo = std::max(D + d_.sv[c] + d_.ft[c], d_.bk[c]);
     const Cost fb = static_cast<Cost>(d_.f[c] + d_.b[c]);
     if (j == c) {
       if (m < lo || fb != target) no_option();

@@ -83,7 +83,7 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
           cur += A(L);  // the loss gradient
         }
         const Stage& st = chain.stages[i];
-        during = cur + A(i) + st.backward_tmp_bytes;
+        during = cur + A(i) + st.backward_tmp_bytes - st.backward_freed_bytes;
         cur += A(i) - st.saved_bytes - A(i + 1);
         live_s[i] = 0;
         live_a[i + 1] = 0;

@@ -144,7 +144,8 @@ class Exhaustive {
         y.a &= ~(1u << i);  // a_{i+1}
         y.nb = i - 1;
         y.last_f = y.transient = -1;
-        relax(y, before + A(i) + st.backward_tmp_bytes, st.backward_ms, {OpKind::kBackward, i});
+        relax(y, before + A(i) + st.backward_tmp_bytes - st.backward_freed_bytes, st.backward_ms,
+              {OpKind::kBackward, i});
       }
     }
     return inf;

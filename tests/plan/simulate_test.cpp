@@ -48,6 +48,15 @@ TEST(Simulate, StoreAllHandChecked) {
   EXPECT_EQ(p.forwards_per_stage, (std::vector<int>{1, 1, 1}));
 }
 
+TEST(Simulate, BackwardFreedBytesLowerOnlyTheBackwardsPeak) {
+  rp::Chain c = small_chain();
+  c.stages[2].backward_freed_bytes = 50;  // e.g. grad_3 (40) and part of s_2 gone before B2 peaks
+  const auto p = rp::simulate(c, rp::Schedule{{FS(0), FS(1), FS(2), B(2), B(1), B(0)}});
+  // As StoreAllHandChecked, B2 during 302 - 50 = 252; what stays after it is unchanged.
+  EXPECT_EQ(p.op_bytes, (std::vector<int64_t>{135, 180, 241, 252, 210, 247}));
+  EXPECT_EQ(p.peak_bytes, 252);
+}
+
 TEST(Simulate, CheckpointedHandChecked) {
   const rp::Chain c = small_chain();
   // Keep only a_2 during the forward phase; recompute stages 0 and 1.
@@ -219,6 +228,16 @@ TEST(Chain, ValidateErrors) {
                  "[remat::plan] chain: stage 2 (\"s2\"): backward_tmp_bytes is negative (-3); sizes are bytes >= 0.");
   }
   c = small_chain();
+  c.stages[1].backward_freed_bytes = 71;  // saved 50 + output 20 = 70
+  try {
+    c.validate();
+    FAIL();
+  } catch (const rp::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] chain: stage 1 (\"s1\"): backward_freed_bytes (71) > saved_bytes + output_bytes (70); "
+                 "a backward can free at most its saved set and the gradient at its output.");
+  }
+  c = small_chain();
   c.stages[0].forward_ms = -1;
   try {
     c.validate();
@@ -251,9 +270,12 @@ TEST(Bytes, ParseAndFormat) {
 }
 
 TEST(Json, RoundTripAndFieldErrors) {
-  const rp::Chain c = small_chain();
+  rp::Chain c = small_chain();
+  c.stages[1].backward_freed_bytes = 30;
   const rp::Chain back = rp::chain_from_json(rp::chain_to_json(c));
   ASSERT_EQ(back.size(), 3);
+  EXPECT_EQ(back.stages[1].backward_freed_bytes, 30);
+  EXPECT_EQ(back.stages[2].backward_freed_bytes, 0);
   EXPECT_EQ(back.stages[2].backward_tmp_bytes, 2);
   EXPECT_EQ(back.stages[1].saved_bytes, 50);
   EXPECT_EQ(back.input_bytes, 100);

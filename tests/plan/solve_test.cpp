@@ -18,7 +18,7 @@ namespace rp = remat::plan;
 namespace {
 
 /** Heterogeneous random chain; sizes are multiples of unit_bytes in [1, max_units]. */
-rp::Chain random_chain(std::mt19937& rng, int L, int64_t unit_bytes, int max_units, bool tmps) {
+rp::Chain random_chain(std::mt19937& rng, int L, int64_t unit_bytes, int max_units, bool tmps, bool freed = false) {
   std::uniform_int_distribution<int> units(1, max_units), extra(0, max_units), tmp(0, max_units / 2);
   std::uniform_real_distribution<double> ms(0.1, 5.0);
   rp::Chain c;
@@ -33,6 +33,10 @@ rp::Chain random_chain(std::mt19937& rng, int L, int64_t unit_bytes, int max_uni
     if (tmps) {
       s.forward_tmp_bytes = tmp(rng) * unit_bytes;
       s.backward_tmp_bytes = tmp(rng) * unit_bytes;
+    }
+    if (freed) {  // what a runtime that frees as it goes has released when the backward peaks
+      std::uniform_int_distribution<int64_t> f(0, (s.saved_bytes + s.output_bytes) / unit_bytes);
+      s.backward_freed_bytes = f(rng) * unit_bytes;
     }
     c.stages.push_back(s);
   }
@@ -116,6 +120,34 @@ TEST(Optimal, EqualsExhaustiveSearchOnSmallChains) {
       "optimal == exhaustive over all schedules on %d (chain, budget) pairs, %d below the store-all "
       "peak; the persistent class is slower in %d of them (by up to %.1f%%)\n",
       compared, below_store_all, beats_persistent, 100 * most);
+}
+
+// backward_freed_bytes (the profiler's measure of what remat's runtime frees
+// inside a backward) enters the DP's rounded backward term once: optimal and
+// its persistent scope still equal the exhaustive searches.
+TEST(Optimal, EqualsExhaustiveSearchWithBackwardFreedBytes) {
+  std::mt19937 rng(20261201);
+  int compared = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const int L = 1 + trial % 7;
+    const rp::Chain c = random_chain(rng, L, 1, 12, trial % 2 == 0, /*freed=*/true);
+    const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
+    const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
+    const int64_t min_peak = all.min_peak_bytes();
+    ASSERT_EQ(rp::min_feasible_peak_bytes(c), min_peak) << "trial " << trial;
+    ASSERT_EQ(persistent.min_peak_bytes(), min_peak) << "trial " << trial;
+    const int64_t all_peak = rp::store_all(c).prediction.peak_bytes;
+    for (int k = 0; k <= 4; ++k) {
+      const int64_t budget = min_peak + (all_peak - min_peak) * k / 4;
+      const rp::Plan p = rp::optimal(c, budget);
+      const rp::Plan p_rotor = rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent);
+      ASSERT_NEAR(p.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
+      ASSERT_NEAR(p_rotor.prediction.time_ms, persistent.min_time_ms(budget), 1e-9) << "trial " << trial;
+      EXPECT_LE(p.prediction.peak_bytes, budget);
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 600);
 }
 
 // The same at L = 8 (the exhaustive search's limit) with a wider size range,

@@ -26,6 +26,12 @@ struct Stage {
   int64_t forward_tmp_bytes = 0;
   /** Extra bytes live only while the stage's backward runs. */
   int64_t backward_tmp_bytes = 0;
+  /** Bytes of the stage's saved set and of the gradient at its output that
+   *  its backward has already freed when it peaks (a runtime that lets the
+   *  graph free them as it goes, as remat's does); at most saved_bytes +
+   *  output_bytes. The backward's peak is the bytes before it + |grad_i| +
+   *  backward_tmp_bytes - backward_freed_bytes. Default 0. */
+  int64_t backward_freed_bytes = 0;
 };
 
 /** A chain of L >= 1 stages fed by a_0 (the chain input, owned by the caller). */
