@@ -368,13 +368,33 @@ CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq
     throw Error("[remat::CheckpointedSequential] memory_budget_bytes must be positive (or -1 for none), got " +
                 std::to_string(options_.memory_budget_bytes()) + ".");
   }
+  const double f = options_.memory_budget_fraction();
+  if (f != -1 && !(f > 0 && f <= 1)) {
+    throw Error(
+        "[remat::CheckpointedSequential] memory_budget_fraction must be in (0, 1] (of the chain's plain "
+        "peak), or -1 for none, got " +
+        std::to_string(f) + ".");
+  }
+  if (f != -1 && options_.memory_budget_bytes() > 0) {
+    throw Error(
+        "[remat::CheckpointedSequential] memory_budget_bytes and memory_budget_fraction are both set; give one "
+        "budget.");
+  }
   reset();
 }
 
 void CheckpointedSequentialImpl::reset() {
-  seq_ = register_module("seq", seq_);
+  // Registered under their own names, not under a "seq" child: swapping a
+  // model's Sequential for this wrapper keeps parameter names and the layout
+  // of saved weights, and parameters() lists each one once.
+  for (const auto& item : seq_->named_children()) register_module(item.key(), item.value());
   plans_.clear();
   last_ = nullptr;
+}
+
+void CheckpointedSequentialImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  seq_->train(on);
 }
 
 std::shared_ptr<torch::nn::Module> CheckpointedSequentialImpl::clone(const std::optional<c10::Device>& device) const {
@@ -394,7 +414,11 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   Entry e;
   e.chain = profile(seq_, x, options_.profile());
   ++profiles_;
-  const int64_t budget = options_.memory_budget_bytes();
+  int64_t budget = options_.memory_budget_bytes();
+  if (options_.memory_budget_fraction() > 0) {
+    const int64_t plain = plan::store_all(e.chain).prediction.peak_bytes;
+    budget = std::max<int64_t>(1, static_cast<int64_t>(options_.memory_budget_fraction() * static_cast<double>(plain)));
+  }
   if (options_.schedule()) {
     e.plan = {"explicit", *options_.schedule(), plan::simulate(e.chain, *options_.schedule())};
   } else if (options_.segments() > 0) {

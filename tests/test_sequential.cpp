@@ -593,6 +593,113 @@ TEST(CheckpointedSequential, RealModuleCallsMatchTheSchedule) {
   }
 }
 
+// ---- drop-in use inside a model (issue #11 item 4) ----
+
+/** A model as users write one: a Sequential body under "body", a head.
+ *  The body is called through a std::function so that it can be swapped at
+ *  run time (torch::nn::AnyModule cannot hold a Sequential). */
+struct BodyHead : torch::nn::Module {
+  torch::nn::Sequential seq;
+  std::function<torch::Tensor(const torch::Tensor&)> body;
+  remat::CheckpointedSequential ck{nullptr};
+  torch::nn::Linear head{nullptr};
+  explicit BodyHead(uint64_t seed) {
+    torch::manual_seed(seed);
+    for (int i = 0; i < 4; ++i) {
+      seq->push_back(torch::nn::Linear(32, 32));
+      seq->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
+      seq->push_back(torch::nn::GELU());
+    }
+    register_module("body", seq);
+    body = [s = seq](const torch::Tensor& x) mutable { return s->forward(x); };
+    head = register_module("head", torch::nn::Linear(32, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(body(x)); }
+  /** The documented swap: replace_module keeps the name, the wrapper keeps
+   *  the Sequential's module names under it. */
+  void checkpoint_body(const remat::SequentialOptions& o) {
+    ck = remat::CheckpointedSequential(seq, o);
+    replace_module("body", ck.ptr());
+    body = [c = ck](const torch::Tensor& x) mutable { return c->forward(x); };
+  }
+};
+
+std::vector<std::string> keys_of(const torch::OrderedDict<std::string, torch::Tensor>& d) { return d.keys(); }
+
+TEST(CheckpointedSequentialDropIn, ReplaceModuleKeepsNamesParametersOptimizerAndSavedWeights) {
+  auto plain = std::make_shared<BodyHead>(1);
+  auto ck = std::make_shared<BodyHead>(1);
+  const auto names = keys_of(ck->named_parameters());
+  const auto buffers = keys_of(ck->named_buffers());
+  std::vector<const c10::TensorImpl*> before;
+  for (auto& p : ck->parameters()) before.push_back(p.unsafeGetTensorImpl());
+  // The optimizer is built before the swap: it must step the same tensors.
+  torch::optim::Adam opt_plain(plain->parameters(), 1e-2), opt_ck(ck->parameters(), 1e-2);
+  ck->checkpoint_body(remat::SequentialOptions().segments(3));
+  EXPECT_EQ(keys_of(ck->named_parameters()), names);
+  EXPECT_EQ(names.front(), "body.0.weight");
+  EXPECT_EQ(keys_of(ck->named_buffers()), buffers);
+  std::vector<const c10::TensorImpl*> after;
+  for (auto& p : ck->parameters()) after.push_back(p.unsafeGetTensorImpl());
+  EXPECT_EQ(after, before) << "each parameter once, the same tensors";
+  torch::manual_seed(9);
+  auto x = torch::randn({16, 32});
+  for (int step = 0; step < 3; ++step) {
+    for (auto* m : {plain.get(), ck.get()}) {
+      auto& opt = m == plain.get() ? opt_plain : opt_ck;
+      opt.zero_grad();
+      m->forward(x).pow(2).mean().backward();
+      opt.step();
+    }
+  }
+  auto ps = plain->parameters(), cs = ck->parameters();
+  ASSERT_EQ(ps.size(), cs.size());
+  for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(torch::equal(ps[i], cs[i])) << names[i];
+  EXPECT_EQ(ck->ck->last_step().forwards_per_stage.size(), 12u) << "the checkpointed body ran its schedule";
+  // Weights saved from the plain model load into the checkpointed one, and back.
+  auto other = std::make_shared<BodyHead>(2);
+  other->checkpoint_body(remat::SequentialOptions().segments(2));
+  std::stringstream plain_file;
+  torch::save(plain, plain_file);
+  torch::load(other, plain_file);
+  for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(torch::equal(other->parameters()[i], ps[i])) << names[i];
+  auto fresh = std::make_shared<BodyHead>(3);  // plain again
+  std::stringstream ck_file;
+  torch::save(ck, ck_file);
+  torch::load(fresh, ck_file);
+  for (size_t i = 0; i < cs.size(); ++i) EXPECT_TRUE(torch::equal(fresh->parameters()[i], cs[i])) << names[i];
+}
+
+TEST(CheckpointedSequentialDropIn, ModeReachesTheWrappedSequential) {
+  auto seq = make_mlp(2, 8);
+  remat::CheckpointedSequential net(seq);
+  net->eval();
+  EXPECT_FALSE(seq->is_training());
+  for (auto& m : seq->children()) EXPECT_FALSE(m->is_training());
+  net->train();
+  EXPECT_TRUE(seq->is_training());
+}
+
+// ---- budgets (issue #11 item 3) ----
+
+TEST(CheckpointedSequential, BudgetAsAFractionOfThePlainPeak) {
+  auto seq = gpt_stack();
+  auto x = torch::randn({8, 64, 64}, torch::requires_grad());
+  for (double f : {1.0, 0.5, 0.3}) {
+    remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_fraction(f));
+    const auto& p = net->plan(x);
+    // The plain peak of the chain it profiled, and the plan of the byte
+    // budget the fraction stands for (the same profile: times too).
+    const int64_t plain = remat::plan::store_all(net->chain()).prediction.peak_bytes;
+    const int64_t budget = static_cast<int64_t>(f * static_cast<double>(plain));
+    EXPECT_LE(p.prediction.peak_bytes, budget) << f;
+    EXPECT_EQ(p.schedule, remat::plan::optimal(net->chain(), budget).schedule) << f;
+    if (f < 1.0) {
+      EXPECT_LT(p.prediction.peak_bytes, plain) << f;
+    }
+  }
+}
+
 // ---- errors ----
 
 TEST(CheckpointedSequentialErrors, BudgetBelowMinimum) {
@@ -631,6 +738,23 @@ TEST(CheckpointedSequentialErrors, BackwardTwiceAndBadOptions) {
     EXPECT_EQ(std::string(e.what()),
               "[remat::CheckpointedSequential] segments must be in [1, 4] (the number of modules), or 0 for none, "
               "got 9.");
+  }
+  try {
+    remat::CheckpointedSequential bad(seq, remat::SequentialOptions().memory_budget_fraction(1.5));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::CheckpointedSequential] memory_budget_fraction must be in (0, 1] (of the chain's plain peak), "
+              "or -1 for none, got 1.500000.");
+  }
+  try {
+    remat::CheckpointedSequential bad(
+        seq, remat::SequentialOptions().memory_budget_fraction(0.5).memory_budget_bytes(1 << 20));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::CheckpointedSequential] memory_budget_bytes and memory_budget_fraction are both set; give one "
+              "budget.");
   }
   try {
     remat::CheckpointedSequential bad(seq, remat::SequentialOptions().algorithm("fastest"));

@@ -9,6 +9,10 @@
 // in a plain run: parameter hooks fire once per backward, autograd::grad,
 // backward(inputs=), retain_graph and create_graph (higher-order gradients,
 // which recompute the chain whole with its graph) work.
+// Drop-in: the Sequential's modules are registered on the wrapper under
+// their own names ("0", "1", ...), so a model whose `body` Sequential becomes
+// a CheckpointedSequential keeps its parameter names ("body.0.weight") and
+// its saved weights load either way (docs/runtime.md).
 // Leaves out: stages with more than one tensor input or output.
 #pragma once
 
@@ -35,6 +39,11 @@ struct SequentialOptions {
    *  values, saved sets, gradients, temporaries); > 0 selects auto mode with
    *  `algorithm` (default optimal). Default -1: no budget. */
   TORCH_ARG(int64_t, memory_budget_bytes) = -1;
+  /** The budget as a fraction of the chain's plain peak (the store-all
+   *  prediction of the profiled chain, per input shape), in (0, 1]; like
+   *  memory_budget_bytes otherwise, and not together with it. Default -1:
+   *  none. */
+  TORCH_ARG(double, memory_budget_fraction) = -1;
   /** "optimal", "greedy", "sqrt", "store-all", "uniform:K", "revolve:S".
    *  Default "optimal" with a budget, else "sqrt". */
   TORCH_ARG(std::string, algorithm) = "";
@@ -72,6 +81,8 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options = SequentialOptions());
 
   void reset() override;
+  /** Also sets the wrapped Sequential's own mode (the plan depends on it). */
+  void train(bool on = true) override;
   /** A deep copy: its own Sequential (cloned), the same options; the
    *  original is left untouched. Plans are made again on first use. */
   std::shared_ptr<torch::nn::Module> clone(const std::optional<c10::Device>& device = std::nullopt) const override;
