@@ -9,6 +9,7 @@
 #include <remat/checkpoint.h>
 
 #include "dispatch.h"
+#include "offload_internal.h"
 #include "replay.h"
 #include "selective_state.h"
 #include "write_guard.h"
@@ -20,14 +21,30 @@
 
 #include <atomic>
 #include <iomanip>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <string>
 
 namespace remat {
 namespace {
 
 std::atomic<bool> g_early_stop_default{true}, g_debug_default{false};
+
+/** One offload store per distinct options, for the process: a kDisk store
+ *  starts threads, so regions and steps share it. */
+std::shared_ptr<detail::OffloadStore> store_for(const OffloadOptions& o) {
+  static std::mutex mu;
+  static auto* stores = new std::map<std::string, std::shared_ptr<detail::OffloadStore>>();  // never destroyed
+  const std::string key = to_string(o.target()) + "|" + o.directory() + "|" + std::to_string(o.min_bytes()) + "|" +
+                          std::to_string(o.prefetch_depth()) + "|" + std::to_string(o.max_inflight_bytes()) + "|" +
+                          to_string(o.codec()) + "|" + std::to_string(o.writer_threads());
+  std::lock_guard<std::mutex> lock(mu);
+  auto& s = (*stores)[key];
+  if (!s) s = detail::OffloadStore::create(o);
+  return s;
+}
 std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0}, g_writes_undone{0};
 
 /** Thrown by the recompute hook once every needed tensor exists. A
@@ -465,7 +482,12 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   f.recompute_fn = std::move(recompute);
   for (auto& p : state.parameters) f.parameters.emplace_back(p, p._version());
   // Inputs go through the hooks active now (an outer checkpoint's, say), so
-  // that a nested region does not pin its inputs in memory.
+  // that a nested region does not pin its inputs in memory; with
+  // offload(...) and no outer hooks, through an offload store.
+  std::optional<ScopedHooks> offload_inputs;
+  if (options.offload() && current_hooks() == nullptr) {
+    offload_inputs.emplace(detail::make_offload_hooks(store_for(*options.offload())));
+  }
   const bool outer = current_hooks() != nullptr;
   f.inputs.resize(inputs.size());
   for (size_t k = 0; k < inputs.size(); ++k) {
@@ -480,6 +502,7 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
       in.version = t._version();
     }
   }
+  offload_inputs.reset();
   // Aligned with input indices, undefined inputs included.
   for (const auto& t : inputs) f.input_impls.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
   std::vector<c10::Device> devices;

@@ -26,6 +26,7 @@
 
 #include <remat/error.h>
 #include <remat/hooks.h>
+#include <remat/offload.h>
 #include <remat/policy.h>
 
 namespace torch::nn {
@@ -75,6 +76,14 @@ struct CheckpointOptions {
    *  difference, in a determinism error. Default checkpoint_debug() (false
    *  unless changed: nothing recorded). */
   TORCH_ARG(bool, debug) = checkpoint_debug();
+  /** Offload the region's inputs (its checkpoints) to a target while the
+   *  rest is recomputed (the Unsloth scheme): the inputs are saved through
+   *  an offload store (docs/offload.md), one per distinct OffloadOptions in
+   *  the process, reused across regions and steps. Same as calling the
+   *  region inside an OffloadScope, without offloading anything else.
+   *  Ignored for a region nested in another (its inputs go through the
+   *  outer region). Default none. */
+  TORCH_ARG(std::optional<OffloadOptions>, offload);
 };
 
 /** Process-wide counters, for tests and telemetry. */
