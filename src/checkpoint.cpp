@@ -34,13 +34,18 @@ std::atomic<bool> g_early_stop_default{true}, g_debug_default{false};
 
 /** One offload store per distinct options, for the process: a kDisk store
  *  starts threads, so regions and steps share it. */
-std::shared_ptr<detail::OffloadStore> store_for(const OffloadOptions& o) {
-  static std::mutex mu;
+std::mutex g_stores_mu;
+std::map<std::string, std::shared_ptr<detail::OffloadStore>>& stores_map() {
   static auto* stores = new std::map<std::string, std::shared_ptr<detail::OffloadStore>>();  // never destroyed
+  return *stores;
+}
+
+std::shared_ptr<detail::OffloadStore> store_for(const OffloadOptions& o) {
+  auto* stores = &stores_map();
   const std::string key = to_string(o.target()) + "|" + o.directory() + "|" + std::to_string(o.min_bytes()) + "|" +
                           std::to_string(o.prefetch_depth()) + "|" + std::to_string(o.max_inflight_bytes()) + "|" +
                           to_string(o.codec()) + "|" + std::to_string(o.writer_threads());
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::mutex> lock(g_stores_mu);
   auto& s = (*stores)[key];
   if (!s) s = detail::OffloadStore::create(o);
   return s;
@@ -514,6 +519,7 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   scope_ = std::make_unique<ScopedHooks>(std::make_shared<ForwardFactory>(frame_));
   if (options.policy()) {
     f.selective = std::make_shared<SelectiveCache>(*options.policy());
+    if (options.offload()) f.selective->set_offload(store_for(*options.offload()));
     interceptor_ = f.selective->first_run();
   }
   if (options.policy() || options.debug()) {
@@ -545,6 +551,15 @@ Region::~Region() {
 
 void set_checkpoint_early_stop(bool enabled) { g_early_stop_default = enabled; }
 bool checkpoint_early_stop() { return g_early_stop_default.load(); }
+void wait_checkpoint_offloads() {
+  std::vector<std::shared_ptr<detail::OffloadStore>> all;
+  {
+    std::lock_guard<std::mutex> lock(g_stores_mu);
+    for (auto& [key, s] : stores_map()) all.push_back(s);
+  }
+  for (auto& s : all) s->wait();
+}
+
 void set_checkpoint_debug(bool enabled) { g_debug_default = enabled; }
 bool checkpoint_debug() { return g_debug_default.load(); }
 

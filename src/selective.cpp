@@ -236,13 +236,18 @@ class Recompute final : public dispatch::Interceptor {
     c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nin, nin);
     check(k, it->second, args);
     std::vector<c10::IValue> outs;
-    for (const auto& o : it->second.outputs) {
-      // A snapshot is written again by the recompute's own in-place op:
-      // when the entry must survive (retain_graph), hand out a copy.
-      if (it->second.snapshot && keep_) {
-        outs.push_back(o.isTensor() && o.toTensor().defined() ? c10::IValue(o.toTensor().clone()) : alias_of(o));
-      } else {
-        outs.push_back(alias_of(o));
+    // Offloaded: read back (a fresh tensor each time, so retain_graph needs
+    // no copy).
+    for (auto& h : it->second.offloaded) outs.emplace_back(c_->store_->unpack(h));
+    if (it->second.offloaded.empty()) {
+      for (const auto& o : it->second.outputs) {
+        // A snapshot is written again by the recompute's own in-place op:
+        // when the entry must survive (retain_graph), hand out a copy.
+        if (it->second.snapshot && keep_) {
+          outs.push_back(o.isTensor() && o.toTensor().defined() ? c10::IValue(o.toTensor().clone()) : alias_of(o));
+        } else {
+          outs.push_back(alias_of(o));
+        }
       }
     }
     if (!keep_) c_->cache_.erase(it);
@@ -336,6 +341,12 @@ std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* 
 }
 
 void SelectiveCache::save(const Key& key, Entry e) {
+  if (e.decision == OpDecision::kOffload && !store_) {
+    throw Error("[remat::checkpoint] the selective policy '" + policy_.description() + "' returned kOffload for " +
+                key.first +
+                ", but the region has no offload target; set one with CheckpointOptions().offload(OffloadOptions(...)) "
+                "or return kPreferSave.");
+  }
   e.versions.clear();
   size_t j = 0;
   for (auto& o : e.outputs) {
@@ -456,6 +467,19 @@ void SelectiveCache::end_first_run() {
   std::lock_guard<std::mutex> lock(mu_);
   records_.clear();
   producer_.clear();
+  // kOffload outputs leave memory now: the region's in-place writes into
+  // them (snapshots) are done, and backward needs them only in a recompute.
+  for (auto& [key, e] : cache_) {
+    if (e.decision != OpDecision::kOffload || !e.offloaded.empty()) continue;
+    bool tensors = !e.outputs.empty();
+    for (const auto& o : e.outputs) tensors = tensors && o.isTensor() && o.toTensor().defined();
+    if (!tensors) continue;  // a list or an undefined output stays in memory
+    for (auto& o : e.outputs) {
+      e.offloaded.push_back(store_->pack(o.toTensor()));
+      o = c10::IValue(at::Tensor());
+    }
+    e.versions.clear();
+  }
 }
 
 void SelectiveCache::clear() {
@@ -474,6 +498,7 @@ const char* to_string(OpDecision d) {
     case OpDecision::kPreferSave: return "kPreferSave";
     case OpDecision::kPreferRecompute: return "kPreferRecompute";
     case OpDecision::kMustRecompute: return "kMustRecompute";
+    case OpDecision::kOffload: return "kOffload";
   }
   return "?";
 }
@@ -532,6 +557,12 @@ Policy save_ops(std::vector<std::string> ops) {
                 [match](const OpCall& c) { return match(c) ? OpDecision::kPreferSave : OpDecision::kPreferRecompute; });
 }
 
+Policy offload_ops(std::vector<std::string> ops) {
+  const std::string d = "offload_ops(" + joined(ops) + ")";
+  auto match = op_matcher(std::move(ops), "offload_ops");
+  return Policy(d, [match](const OpCall& c) { return match(c) ? OpDecision::kOffload : OpDecision::kPreferRecompute; });
+}
+
 Policy save_matmuls() {
   auto match = op_matcher(matmul_ops(), "save_matmuls");
   return Policy("save_matmuls",
@@ -578,16 +609,20 @@ Policy any_of(std::vector<Policy> policies) {
   std::string d;
   for (const auto& p : policies) d += (d.empty() ? "" : ", ") + p.description();
   return Policy("any_of(" + d + ")", [policies = std::move(policies)](const OpCall& c) {
-    bool must_save = false, prefer_save = false;
+    bool must_save = false, prefer_save = false, offload = false;
     for (const auto& p : policies) {
       switch (p(c)) {
         case OpDecision::kMustRecompute: return OpDecision::kMustRecompute;
         case OpDecision::kMustSave: must_save = true; break;
         case OpDecision::kPreferSave: prefer_save = true; break;
+        case OpDecision::kOffload: offload = true; break;
         case OpDecision::kPreferRecompute: break;
       }
     }
-    return must_save ? OpDecision::kMustSave : prefer_save ? OpDecision::kPreferSave : OpDecision::kPreferRecompute;
+    // Kept in memory beats offloaded: a policy that keeps an output wins.
+    if (must_save) return OpDecision::kMustSave;
+    if (prefer_save) return OpDecision::kPreferSave;
+    return offload ? OpDecision::kOffload : OpDecision::kPreferRecompute;
   });
 }
 

@@ -21,6 +21,7 @@
 #pragma once
 
 #include "dispatch.h"
+#include "offload_internal.h"
 
 #include <ATen/core/ivalue.h>
 
@@ -100,6 +101,8 @@ class SelectiveCache {
   void end_first_run();
   /** Drops every cached output. */
   void clear();
+  /** Where kOffload outputs go when the first run ends (CheckpointOptions::offload). */
+  void set_offload(std::shared_ptr<OffloadStore> store) { store_ = std::move(store); }
   const Policy& policy() const { return policy_; }
 
  private:
@@ -113,6 +116,9 @@ class SelectiveCache {
     std::vector<InputMeta> inputs;
     OpDecision decision = OpDecision::kPreferSave;
     bool snapshot = false;  // values copied before an in-place op in the region wrote to them
+    // kOffload, once the first run ended: one handle per output (outputs
+    // then hold undefined placeholders; the store checks in-place writes).
+    std::vector<OffloadStore::Handle> offloaded;
   };
   struct Record {  // one op of the first run
     std::optional<c10::OperatorHandle> op;
@@ -130,6 +136,7 @@ class SelectiveCache {
   void snapshot_before_write(const at::Tensor& written);
   void on_tag(const at::Tensor& t, const std::string& name);
 
+  std::shared_ptr<OffloadStore> store_;
   Policy policy_;
   std::mutex mu_;
   std::map<Key, Entry> cache_;

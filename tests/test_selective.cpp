@@ -11,6 +11,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <filesystem>
+
+#include <unistd.h>
 
 using namespace remat_test;
 namespace pol = remat::policy;
@@ -624,6 +627,66 @@ TEST(CheckpointDebug, ProcessWideDefault) {
   EXPECT_EQ(off.find("[debug]"), std::string::npos) << off;
   EXPECT_EQ(back.find("[debug]"), std::string::npos) << back;
   EXPECT_NE(back.find("differs between the forward and the recomputation"), std::string::npos) << back;
+}
+
+// kOffload (issue #12): a policy's saved outputs go to the region's offload
+// target when its forward ends and come back in the recompute: gradients
+// bitwise as plain (dropout on), less held after the forward than keeping
+// them, no file left, and an offload policy without a target is an error.
+TEST(SelectiveOffload, OffloadedMatmulsComeBackBitwise) {
+  remat::memory::enable_tracking();
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("remat_sel_offload_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  torch::manual_seed(21);
+  remat_test::GptBlock block(64, 4, /*dropout=*/0.1);
+  auto x = torch::randn({4, 32, 64}, torch::requires_grad());
+  auto run = [&](std::optional<remat::CheckpointOptions> o, int64_t* held, remat::CheckpointStats* stats) {
+    block->zero_grad();
+    x.mutable_grad() = torch::Tensor();
+    remat::reset_checkpoint_stats();
+    torch::manual_seed(5);
+    const int64_t before = remat::memory::current_bytes();
+    auto y = o ? remat::checkpoint(*o, block, x) : block->forward(x);
+    auto loss = y.pow(2).mean();
+    y = torch::Tensor();
+    remat::wait_checkpoint_offloads();  // pending writes still hold their tensors
+    *held = remat::memory::current_bytes() - before;
+    loss.backward();
+    *stats = remat::checkpoint_stats();
+    std::vector<torch::Tensor> g{x.grad().clone()};
+    for (auto& p : block->parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  int64_t held_plain = 0, held_save = 0, held_off = 0;
+  remat::CheckpointStats s_plain, s_save, s_off;
+  const auto plain = run(std::nullopt, &held_plain, &s_plain);
+  const auto saved = run(remat::CheckpointOptions().policy(remat::policy::save_matmuls()), &held_save, &s_save);
+  const auto disk = remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir.string()).min_bytes(0);
+  const auto off =
+      run(remat::CheckpointOptions().policy(remat::policy::offload_ops(remat::policy::matmul_ops())).offload(disk),
+          &held_off, &s_off);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(torch::equal(plain[i], saved[i])) << i;
+    EXPECT_TRUE(torch::equal(plain[i], off[i])) << "grad " << i;
+  }
+  EXPECT_GT(s_off.ops_replayed, 0);
+  EXPECT_EQ(s_off.ops_replayed, s_save.ops_replayed) << "the same ops handed back, from disk";
+  EXPECT_TRUE(fs::is_empty(dir)) << "files left after backward";
+  std::printf("  held after forward: plain %s, save_matmuls %s, offload_ops(matmuls) to disk %s\n",
+              remat::format_bytes(held_plain).c_str(), remat::format_bytes(held_save).c_str(),
+              remat::format_bytes(held_off).c_str());
+  EXPECT_LT(held_off, held_save / 2);
+  fs::remove_all(dir);
+  auto no_target = remat::CheckpointOptions().policy(remat::policy::offload_ops({"aten::mm"}));
+  const std::string err = remat_test::error_of([&] {
+    remat::checkpoint(
+        no_target, [](const torch::Tensor& h) { return h.mm(h.t()).sum(); }, x[0]);
+  });
+  EXPECT_EQ(err,
+            "[remat::checkpoint] the selective policy 'offload_ops(aten::mm)' returned kOffload for aten::mm, but the "
+            "region has no offload target; set one with CheckpointOptions().offload(OffloadOptions(...)) or return "
+            "kPreferSave.");
 }
 
 }  // namespace

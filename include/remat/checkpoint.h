@@ -58,6 +58,11 @@ bool checkpoint_early_stop();
 void set_checkpoint_debug(bool enabled);
 bool checkpoint_debug();
 
+/** Waits until every pending write of the offload stores that
+ *  CheckpointOptions().offload(...) made is done (e.g. before measuring
+ *  memory); throws the first background error (a failed write). */
+void wait_checkpoint_offloads();
+
 struct CheckpointOptions {
   /** Replay the CPU RNG state (and that of CUDA devices holding inputs) in
    *  recompute, so dropout masks match the first run. Default true. */

@@ -31,11 +31,16 @@ namespace remat {
 
 /** What a policy decides for one op. kMust* are binding; kPrefer* say the
  *  same in eager execution but leave room for an automatic memory budget to
- *  override them. */
-enum class OpDecision { kMustSave, kPreferSave, kPreferRecompute, kMustRecompute };
+ *  override them. kOffload saves the output like kPreferSave, but when the
+ *  region's forward ends it moves to the region's offload target
+ *  (CheckpointOptions().offload(...), required) and comes back when backward
+ *  recomputes the region. */
+enum class OpDecision { kMustSave, kPreferSave, kPreferRecompute, kMustRecompute, kOffload };
 
-/** True for kMustSave and kPreferSave. */
-constexpr bool saves(OpDecision d) { return d == OpDecision::kMustSave || d == OpDecision::kPreferSave; }
+/** True for kMustSave, kPreferSave and kOffload. */
+constexpr bool saves(OpDecision d) {
+  return d == OpDecision::kMustSave || d == OpDecision::kPreferSave || d == OpDecision::kOffload;
+}
 
 /** "kMustSave" ... "kMustRecompute". */
 const char* to_string(OpDecision d);
@@ -98,6 +103,9 @@ Policy save_nothing();
  *  for one overload), kPreferRecompute otherwise. Throws remat::Error on a
  *  name without a namespace ("mm" instead of "aten::mm"). */
 Policy save_ops(std::vector<std::string> ops);
+/** kOffload for the named operators, kPreferRecompute otherwise: their
+ *  outputs go to the region's offload target instead of staying in memory. */
+Policy offload_ops(std::vector<std::string> ops);
 /** kMustRecompute for the named operators, kPreferRecompute otherwise; in
  *  any_of() it overrides other policies' saves. */
 Policy recompute_ops(std::vector<std::string> ops);
