@@ -341,7 +341,7 @@ std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* 
 }
 
 void SelectiveCache::save(const Key& key, Entry e) {
-  if (e.decision == OpDecision::kOffload && !store_) {
+  if (e.decision == OpDecision::kOffload && !store_ && !inspect_only_) {
     throw Error("[remat::checkpoint] the selective policy '" + policy_.description() + "' returned kOffload for " +
                 key.first +
                 ", but the region has no offload target; set one with CheckpointOptions().offload(OffloadOptions(...)) "
@@ -470,6 +470,7 @@ void SelectiveCache::end_first_run() {
   // kOffload outputs leave memory now: the region's in-place writes into
   // them (snapshots) are done, and backward needs them only in a recompute.
   for (auto& [key, e] : cache_) {
+    if (!store_) break;  // inspect_only
     if (e.decision != OpDecision::kOffload || !e.offloaded.empty()) continue;
     bool tensors = !e.outputs.empty();
     for (const auto& o : e.outputs) tensors = tensors && o.isTensor() && o.toTensor().defined();
@@ -680,6 +681,7 @@ ResidualRecorder::ResidualRecorder(std::optional<Policy> policy, std::vector<at:
   ensure_engine_installed();
   Impl& m = *impl_;
   m.grad.emplace(true);
+  m.cache.inspect_only();
   m.interceptor = m.cache.first_run();
   m.hooks.emplace(
       [&m](const at::Tensor& t) {

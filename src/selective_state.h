@@ -103,6 +103,8 @@ class SelectiveCache {
   void clear();
   /** Where kOffload outputs go when the first run ends (CheckpointOptions::offload). */
   void set_offload(std::shared_ptr<OffloadStore> store) { store_ = std::move(store); }
+  /** saved_residuals: kOffload outputs are recorded as saved, with no target. */
+  void inspect_only() { inspect_only_ = true; }
   const Policy& policy() const { return policy_; }
 
  private:
@@ -137,6 +139,7 @@ class SelectiveCache {
   void on_tag(const at::Tensor& t, const std::string& name);
 
   std::shared_ptr<OffloadStore> store_;
+  bool inspect_only_ = false;
   Policy policy_;
   std::mutex mu_;
   std::map<Key, Entry> cache_;

@@ -678,6 +678,11 @@ TEST(SelectiveOffload, OffloadedMatmulsComeBackBitwise) {
               remat::format_bytes(held_off).c_str());
   EXPECT_LT(held_off, held_save / 2);
   fs::remove_all(dir);
+  // Inspection needs no target: offloaded outputs count as what the policy keeps.
+  const auto r = remat::saved_residuals(remat::policy::offload_ops(remat::policy::matmul_ops()), block, x);
+  const auto r_save = remat::saved_residuals(remat::policy::save_matmuls(), block, x);
+  EXPECT_GT(r.policy_bytes, 0);
+  EXPECT_EQ(r.policy_bytes, r_save.policy_bytes);
   auto no_target = remat::CheckpointOptions().policy(remat::policy::offload_ops({"aten::mm"}));
   const std::string err = remat_test::error_of([&] {
     remat::checkpoint(
