@@ -46,7 +46,8 @@ void Chain::validate() const {
     check_size(*this, i, "forward_tmp_bytes", s.forward_tmp_bytes);
     check_size(*this, i, "backward_tmp_bytes", s.backward_tmp_bytes);
     check_size(*this, i, "backward_freed_bytes", s.backward_freed_bytes);
-    if (s.backward_freed_bytes > s.saved_bytes + s.output_bytes)
+    // Both >= 0 here: the difference cannot overflow where the sum could.
+    if (s.backward_freed_bytes - s.saved_bytes > s.output_bytes)
       throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": backward_freed_bytes (" +
                   std::to_string(s.backward_freed_bytes) + ") > saved_bytes + output_bytes (" +
                   std::to_string(s.saved_bytes + s.output_bytes) +
