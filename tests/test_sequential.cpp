@@ -739,23 +739,16 @@ TEST(CheckpointedSequentialErrors, BackwardTwiceAndBadOptions) {
               "[remat::CheckpointedSequential] segments must be in [1, 4] (the number of modules), or 0 for none, "
               "got 9.");
   }
-  try {
-    remat::CheckpointedSequential bad(seq, remat::SequentialOptions().memory_budget_fraction(1.5));
-    FAIL();
-  } catch (const remat::Error& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "[remat::CheckpointedSequential] memory_budget_fraction must be in (0, 1] (of the chain's plain peak), "
-              "or -1 for none, got 1.500000.");
-  }
-  try {
-    remat::CheckpointedSequential bad(
-        seq, remat::SequentialOptions().memory_budget_fraction(0.5).memory_budget_bytes(1 << 20));
-    FAIL();
-  } catch (const remat::Error& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "[remat::CheckpointedSequential] memory_budget_bytes and memory_budget_fraction are both set; give one "
-              "budget.");
-  }
+  EXPECT_EQ(
+      error_of([&] { remat::CheckpointedSequential(seq, remat::SequentialOptions().memory_budget_fraction(1.5)); }),
+      "[remat::CheckpointedSequential] memory_budget_fraction must be in (0, 1] (of the chain's plain peak), "
+      "or -1 for none, got 1.500000.");
+  EXPECT_EQ(error_of([&] {
+              remat::CheckpointedSequential(
+                  seq, remat::SequentialOptions().memory_budget_fraction(0.5).memory_budget_bytes(1 << 20));
+            }),
+            "[remat::CheckpointedSequential] memory_budget_bytes and memory_budget_fraction are both set; give one "
+            "budget.");
   try {
     remat::CheckpointedSequential bad(seq, remat::SequentialOptions().algorithm("fastest"));
     bad->forward(torch::randn({2, 4}, torch::requires_grad()));

@@ -79,6 +79,21 @@ void add_blocks(Model& m, const std::vector<Block>& blocks) {
   }
 }
 
+/** `stages` stages of 2 residual blocks, widths width << stage, stride 2
+ *  at the first block of every stage but the first. */
+std::vector<remat::models::ResBlock> res_blocks(int64_t stages, int64_t width) {
+  std::vector<remat::models::ResBlock> b;
+  int64_t in = width;
+  for (int64_t stage = 0; stage < stages; ++stage) {
+    for (int i = 0; i < 2; ++i) {
+      const int64_t mid = width << stage;
+      b.emplace_back(in, mid, (stage > 0 && i == 0) ? 2 : 1, /*bottleneck=*/false);
+      in = mid;
+    }
+  }
+  return b;
+}
+
 Model build(const std::string& name) {
   torch::manual_seed(0);
   Model m;
@@ -108,27 +123,10 @@ Model build(const std::string& name) {
     add_blocks(m, b);
     m.x = torch::randn({2048, 1024});
   } else if (name == "resnet-ref") {  // 3 stages x 2 residual blocks with BatchNorm, width 32, batch 100, 32x32
-    std::vector<remat::models::ResBlock> b;
-    int64_t in = 32;
-    for (int64_t stage = 0; stage < 3; ++stage) {
-      for (int i = 0; i < 2; ++i) {
-        const int64_t mid = int64_t{32} << stage;
-        b.emplace_back(in, mid, (stage > 0 && i == 0) ? 2 : 1, /*bottleneck=*/false);
-        in = mid;
-      }
-    }
-    add_blocks(m, b);
+    add_blocks(m, res_blocks(3, 32));
     m.x = torch::randn({100, 32, 32, 32});
   } else if (name == "resnet") {  // RESNET = dict(width=16, batch=4, image=32), depth 18
-    std::vector<remat::models::ResBlock> b;
-    int64_t in = 16;
-    for (int64_t stage = 0; stage < 4; ++stage) {
-      for (int i = 0; i < 2; ++i) {
-        const int64_t mid = int64_t{16} << stage;
-        b.emplace_back(in, mid, (stage > 0 && i == 0) ? 2 : 1, /*bottleneck=*/false);
-        in = mid;
-      }
-    }
+    const auto b = res_blocks(4, 16);
     add_blocks(m, b);
     m.selective = [b](bool on) {
       for (auto blk : b) blk->first->set_checkpointing(on ? std::optional(remat::CheckpointOptions()) : std::nullopt);
