@@ -12,11 +12,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iomanip>
+#include <iostream>
 #include <iterator>
+#include <limits>
+#include <map>
 #include <mutex>
 #include <ostream>
 #include <sstream>
@@ -29,6 +33,9 @@
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
+#include <remat/plan/error.h>
+#include <remat/plan/solve.h>
+#include <remat/profile.h>
 #include <remat/selective.h>
 
 #include <remat/sequential.h>
@@ -209,6 +216,26 @@ struct Trainer::Impl {
     auto logits = head(run_blocks(embed(x)));  // GPT (B, T, V), ResNet (B, classes)
     if (gpt) return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), y.reshape({-1}));
     return torch::cross_entropy_loss(logits.to(torch::kFloat), y);
+  }
+
+  /** Runs f with every Checkpointable of the model switched off (plain
+   *  forwards), then puts each switch back as it was. */
+  template <class F>
+  void with_switches_off(const std::shared_ptr<torch::nn::Module>& root, F&& f) {
+    std::vector<std::pair<Checkpointable*, std::optional<CheckpointOptions>>> saved;
+    for (auto& mod : root->modules(/*include_self=*/true)) {
+      if (auto* c = dynamic_cast<Checkpointable*>(mod.get())) {
+        saved.emplace_back(c, c->checkpointing_options());
+        c->set_checkpointing(std::nullopt);
+      }
+    }
+    struct PutBack {
+      decltype(saved)& s;
+      ~PutBack() {
+        for (auto& [c, o] : s) c->set_checkpointing(o);
+      }
+    } put_back{saved};
+    f();
   }
 
   std::string fingerprint() const {
@@ -443,6 +470,391 @@ std::vector<int> Trainer::auto_forwards_per_block() const {
   return impl_->auto_net->last_step().forwards_per_stage;
 }
 
+void Trainer::prepare() {
+  auto& m = *impl_;
+  m.module->train();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : m.module->parameters()) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  }
+  if (m.auto_net) {
+    // Plans for the step's input shape (and state) now; the data stream is
+    // put back, so the steps draw the batches they would have drawn.
+    const auto state = generator_state(m.data_gen).clone();
+    auto x = m.batch().first;
+    Bf16Autocast autocast(m.cfg.bf16);
+    m.auto_net->plan(m.embed(x));
+    set_generator_state(m.data_gen, state);
+  }
+}
+
+namespace {
+
+/** blocks_schedule (on the L-stage blocks chain) as a schedule of the chain
+ *  embed (stage 0) -> blocks (1..L) -> head + loss (L + 1): the embed's
+ *  output is the blocks' input, and the head runs (saving) and backwards
+ *  as soon as the last block's output first exists, before any recompute. */
+plan::Schedule around_blocks(const plan::Schedule& blocks_schedule, int blocks) {
+  using plan::Op;
+  using plan::OpKind;
+  plan::Schedule out;
+  out.ops.push_back({OpKind::kForwardSave, 0});
+  bool head_done = false;
+  for (const Op& op : blocks_schedule.ops) {
+    out.ops.push_back({op.kind, op.stage + 1});  // drop(j) shifts too: a_j of the blocks is a_{j+1} here
+    const bool last_block = (op.kind == OpKind::kForward || op.kind == OpKind::kForwardSave) && op.stage == blocks - 1;
+    if (last_block && !head_done) {
+      out.ops.push_back({OpKind::kForwardSave, blocks + 1});
+      out.ops.push_back({OpKind::kBackward, blocks + 1});
+      head_done = true;
+    }
+  }
+  out.ops.push_back({OpKind::kBackward, 0});
+  return out;
+}
+
+/** What remat::checkpoint around every block does, in the op model: each
+ *  block's forward keeps only its output, and before its backward the block
+ *  runs again, saving (its original output was freed by the next block's
+ *  backward). Not expressible on the blocks alone: their forward part ends
+ *  without saving, and only the head saves. */
+plan::Schedule per_block_schedule(int blocks) {
+  using plan::OpKind;
+  plan::Schedule s;
+  for (int i = 0; i < blocks; ++i) s.ops.push_back({OpKind::kForward, i});
+  for (int i = blocks - 1; i >= 0; --i) {
+    s.ops.push_back({OpKind::kDrop, i + 1});
+    s.ops.push_back({OpKind::kForwardSave, i});
+    s.ops.push_back({OpKind::kBackward, i});
+  }
+  return s;
+}
+
+}  // namespace
+
+StepPrediction Trainer::predict_step(int64_t cap_bytes) {
+  auto& m = *impl_;
+  if (!m.gpt) {
+    throw Error(
+        "[remat::train] predicting a step's peak needs the GPT (its embed -> blocks -> head chain); got --model " +
+        m.cfg.model + ". Use --model gpt, or measure ResNet steps with remat-train --batch N (the 'peak' column).");
+  }
+  m.module->train();
+  const auto state = generator_state(m.data_gen).clone();
+  auto [x, y] = m.batch();  // (B, T), (B, T): views of one (B, T + 1) window
+  set_generator_state(m.data_gen, state);
+  torch::nn::Sequential chain_seq;
+  chain_seq->push_back("embed", torch::nn::Functional([&m](const torch::Tensor& idx) { return m.embed(idx); }));
+  chain_seq->extend(*m.blocks);
+  const int64_t accum = m.cfg.grad_accum;
+  chain_seq->push_back(
+      "head_loss", torch::nn::Functional([&m, y = y, accum](const torch::Tensor& h) {
+        auto logits = m.head(h);  // (B, T, V)
+        auto l = torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), y.reshape({-1}));
+        return accum == 1 ? l : l / static_cast<double>(accum);
+      }));
+  const bool selective = m.cfg.checkpoint == Strategy::kSelective;
+  if (selective && m.cfg.policy == "attention") {
+    throw Error(
+        "[remat::train] predicting a step's peak models op policies only, not --policy attention (a module "
+        "switch); use --policy megatron, save_matmuls or save_nothing.");
+  }
+  const int L = static_cast<int>(m.blocks->size());
+  plan::Chain chain;
+  int64_t recomputed_bytes = 0;  // selective: what one block's policy leaves to recompute
+  m.with_switches_off(m.module, [&] {
+    Bf16Autocast autocast(m.cfg.bf16);
+    // One run per stage: the bytes are the same every run, only the times
+    // (which auto's choice among fitting schedules uses) get noisier.
+    chain = profile(chain_seq, x, ProfileOptions().repeats(1).warmup(0));
+    if (!selective) return;
+    torch::Tensor h;
+    {
+      torch::NoGradGuard no_grad;
+      h = m.embed(x);
+    }
+    h.requires_grad_(true);
+    auto run = [seq = m.blocks](const torch::Tensor& in) mutable { return seq->begin()->forward(in); };
+    const SavedResiduals r = saved_residuals(selective_policy(m.cfg.policy, true), run, h);
+    recomputed_bytes = std::max<int64_t>(0, r.recomputable_bytes - r.policy_bytes);
+  });
+  // NOTE [selective in the op model]: a switched-on block keeps what its
+  // policy saves; the rest is recomputed when its backward starts and lives
+  // through it (an upper bound: the runtime frees each tensor once used).
+  for (int i = 1; selective && i <= L; ++i) {
+    auto& st = chain.stages[static_cast<size_t>(i)];
+    st.saved_bytes = std::max(st.output_bytes, st.saved_bytes - recomputed_bytes);
+    st.backward_tmp_bytes += recomputed_bytes;
+  }
+  plan::Chain blocks;
+  blocks.input_bytes = chain.stages[0].output_bytes;
+  blocks.stages.assign(chain.stages.begin() + 1, chain.stages.begin() + 1 + L);
+
+  StepPrediction out;
+  for (const auto& p : m.module->parameters()) out.fixed_bytes += 4 * static_cast<int64_t>(p.nbytes());
+  auto whole = [&](const plan::Schedule& s) { return plan::simulate(chain, around_blocks(s, L)).peak_bytes; };
+  switch (m.cfg.checkpoint) {
+    case Strategy::kNone:
+    case Strategy::kSelective: out.peak_bytes = whole(plan::store_all(blocks).schedule); break;
+    case Strategy::kBlock: out.peak_bytes = whole(per_block_schedule(L)); break;
+    case Strategy::kSqrt: out.peak_bytes = whole(plan::sqrt_schedule(blocks).schedule); break;
+    case Strategy::kAuto: {
+      if (cap_bytes <= 0) {
+        out.auto_budget_bytes = m.cfg.memory_budget_bytes;
+        out.peak_bytes = whole(plan::optimal(blocks, out.auto_budget_bytes).schedule);
+        break;
+      }
+      // The blocks' budget: the cap less what embed and head add on top of
+      // the blocks' peak, found by correcting the budget by the excess (the
+      // addition barely depends on the schedule, so 1-2 rounds suffice).
+      const int64_t min_blocks = plan::min_feasible_peak_bytes(blocks);
+      int64_t budget = cap_bytes;
+      for (int round = 0; round < 8 && budget >= min_blocks; ++round) {
+        const int64_t peak = whole(plan::optimal(blocks, budget).schedule);
+        if (std::getenv("REMAT_FITS_DEBUG")) {
+          auto pl = plan::optimal(blocks, budget);
+          std::cerr << "DEBUG predict T=" << m.cfg.seq_len << " blocks peak " << pl.prediction.peak_bytes << " whole "
+                    << peak << " fw";
+          for (int f : pl.prediction.forwards_per_stage) std::cerr << " " << f;
+          std::cerr << "\n" << plan::to_string(pl.schedule.ops[0]) << "\n";
+        }
+        if (peak <= cap_bytes) {
+          out.auto_budget_bytes = budget;
+          out.peak_bytes = peak;
+          return out;
+        }
+        budget -= std::max<int64_t>(1, peak - cap_bytes);
+      }
+      // Nothing fits: the smallest whole-step peak the planner can reach.
+      out.auto_budget_bytes = min_blocks;
+      out.peak_bytes = whole(plan::min_memory(blocks).schedule);
+      break;
+    }
+  }
+  return out;
+}
+
+int64_t largest_fitting(int64_t cap_bytes, int64_t step, int64_t max_value, const std::function<int64_t(int64_t)>& peak,
+                        std::vector<FitProbe>* probes) {
+  if (step < 1) throw Error("[remat::train] the search step must be >= 1, got " + str(step) + ".");
+  const int64_t kmax = max_value / step;  // values are k * step, k in [1, kmax]
+  if (kmax < 1) return 0;
+  std::map<int64_t, int64_t> seen;  // k -> peak bytes
+  std::vector<int64_t> order;       // k, most recent last
+  auto eval = [&](int64_t k) {
+    if (auto it = seen.find(k); it != seen.end()) return it->second;
+    const int64_t p = peak(k * step);
+    seen.emplace(k, p);
+    order.push_back(k);
+    if (probes) probes->push_back({k * step, p});
+    return p;
+  };
+  if (eval(1) > cap_bytes) return 0;
+  int64_t lo = 1, hi = 0;  // peak(lo) fits; peak(hi) does not
+  while (hi == 0) {
+    if (lo == kmax) return lo * step;
+    // Doubling at most quadruples the peak (it is at most quadratic in T
+    // and linear in the batch): the probe stays under the cap's size.
+    const int64_t next = std::min(kmax, seen[lo] < cap_bytes / 4 ? 2 * lo : lo + std::max<int64_t>(1, lo / 4));
+    if (eval(next) <= cap_bytes) {
+      lo = next;
+    } else {
+      hi = next;
+    }
+  }
+  // Where the quadratic through the last three probes meets the cap, or -1.
+  auto guess = [&]() -> int64_t {
+    if (order.size() < 3) return -1;
+    double xs[3], ys[3];
+    for (int i = 0; i < 3; ++i) {
+      const int64_t k = order[order.size() - 3 + static_cast<size_t>(i)];
+      xs[i] = static_cast<double>(k);
+      ys[i] = static_cast<double>(seen[k]);
+    }
+    if (xs[0] == xs[1] || xs[1] == xs[2] || xs[0] == xs[2]) return -1;
+    // Newton form: y = y0 + d01 (x - x0) + d012 (x - x0)(x - x1).
+    const double d01 = (ys[1] - ys[0]) / (xs[1] - xs[0]), d12 = (ys[2] - ys[1]) / (xs[2] - xs[1]);
+    const double d012 = (d12 - d01) / (xs[2] - xs[0]);
+    const double a = d012, b = d01 - d012 * (xs[0] + xs[1]), c = ys[0] - d01 * xs[0] + d012 * xs[0] * xs[1];
+    const double target = static_cast<double>(cap_bytes) - c;
+    double x = -1;
+    if (std::abs(a) < 1e-12 * std::max(1.0, std::abs(b))) {
+      if (b > 0) x = target / b;
+    } else {
+      const double disc = b * b + 4 * a * target;
+      if (disc >= 0) {
+        const double r1 = (-b + std::sqrt(disc)) / (2 * a), r2 = (-b - std::sqrt(disc)) / (2 * a);
+        const double l = static_cast<double>(lo), h = static_cast<double>(hi);
+        x = (r1 >= l && r1 < h) ? r1 : r2;
+      }
+    }
+    if (!std::isfinite(x)) return -1;
+    const auto k = static_cast<int64_t>(std::floor(x));
+    return k > lo && k < hi ? k : -1;
+  };
+  auto probe = [&](int64_t k) {
+    if (eval(k) <= cap_bytes) {
+      lo = k;
+      return true;
+    }
+    hi = k;
+    return false;
+  };
+  while (hi - lo > 1) {
+    // A guess and its neighbour (an exact model ends the search there),
+    // then a bisection step: the bracket halves at least every 3 probes.
+    if (const int64_t g = guess(); g > 0) {
+      const int64_t n = probe(g) ? g + 1 : g - 1;
+      if (n > lo && n < hi) probe(n);
+    }
+    if (hi - lo > 1) probe(lo + (hi - lo) / 2);
+  }
+  return lo * step;
+}
+
+FitResult max_under(const TrainConfig& config, const FitOptions& options, std::ostream* log) {
+  const bool seq = options.dimension == FitDimension::kSeqLen;
+  const std::string flag = seq ? "--max-seq-len-under" : "--max-batch-under";
+  const std::string what = seq ? "--seq-len" : "--batch";
+  if (config.model != "gpt") {
+    throw Error("[remat::train] " + flag +
+                " needs --model gpt (it profiles the GPT's embed -> blocks -> head chain); got --model " +
+                config.model + ". For the ResNet, measure with remat-train --batch N and read the 'peak' column.");
+  }
+  if (options.cap_bytes <= 0) {
+    throw Error("[remat::train] " + flag + " must be a positive size (e.g. 1GiB), got " + str(options.cap_bytes) +
+                " bytes.");
+  }
+  if (options.step < 1) {
+    throw Error("[remat::train] --fit-step must be >= 1, got " + str(options.step) + ".");
+  }
+  if (!config.resume_path.empty()) {
+    throw Error("[remat::train] " + flag + " trains fresh models; drop --resume.");
+  }
+  int64_t max_value = options.max_value;
+  if (max_value <= 0) {
+    if (seq) {
+      std::error_code ec;
+      const auto size = std::filesystem::file_size(config.data_path, ec);
+      if (ec) {
+        throw Error("[remat::train] cannot read --data file '" + config.data_path + "': " + ec.message() +
+                    ". Pass an existing text file with --data.");
+      }
+      max_value = static_cast<int64_t>(size) - 2;  // a window needs seq_len + 1 tokens, load_text seq_len + 2
+    } else {
+      max_value = 65536;
+    }
+  }
+  auto config_at = [&](int64_t v, int64_t budget) {
+    TrainConfig c = config;
+    (seq ? c.seq_len : c.batch) = v;
+    c.save_path.clear();
+    if (c.checkpoint == Strategy::kAuto) c.memory_budget_bytes = budget;
+    return c;
+  };
+  std::map<int64_t, StepPrediction> predicted;
+  auto predict = [&](int64_t v) {
+    if (auto it = predicted.find(v); it != predicted.end()) return it->second;
+    Trainer t(config_at(v, options.cap_bytes));
+    const StepPrediction p = t.predict_step(options.cap_bytes);
+    if (log) {
+      *log << "  predict " << what << " " << v << ": peak " << format_bytes(p.peak_bytes)
+           << (p.peak_bytes <= options.cap_bytes ? " (fits)" : " (over)") << std::endl;
+    }
+    return predicted.emplace(v, p).first->second;
+  };
+  std::map<int64_t, int64_t> measured;
+  auto measure = [&](int64_t v) {
+    if (auto it = measured.find(v); it != measured.end()) return it->second;
+    Trainer t(config_at(v, predict(v).auto_budget_bytes));
+    t.prepare();
+    const int64_t peak = t.step().peak_bytes;
+    if (log) {
+      *log << "  measure " << what << " " << v << ": peak " << format_bytes(peak)
+           << (peak <= options.cap_bytes ? " (fits)" : " (over)") << std::endl;
+    }
+    measured.emplace(v, peak);
+    return peak;
+  };
+  auto too_small = [&](int64_t peak, const char* how) {
+    const std::string more = config.checkpoint == Strategy::kAuto    ? ""
+                             : config.checkpoint == Strategy::kBlock ? ", or use --checkpoint auto"
+                                                                     : ", or use --checkpoint block or auto";
+    return Error("[remat::train] " + flag + " " + format_bytes(options.cap_bytes) + ": even " + what + " " +
+                 str(options.step) + " " + how + " at " + format_bytes(peak) + " with --checkpoint " +
+                 std::string(to_string(config.checkpoint)) + ". Raise the cap, lower " +
+                 (seq ? "--batch" : "--seq-len") + ", --d-model or --layers" + more + ".");
+  };
+
+  FitResult r;
+  r.dimension = options.dimension;
+  r.cap_bytes = options.cap_bytes;
+  r.step = options.step;
+  r.value = largest_fitting(
+      options.cap_bytes, options.step, max_value, [&](int64_t v) { return predict(v).peak_bytes; }, &r.probes);
+  if (r.value == 0) throw too_small(predict(options.step).peak_bytes, "is predicted to peak");
+  r.predicted_value = r.value;
+  if (options.verify) {
+    r.measured_peak_bytes = measure(r.value);
+    while (r.measured_peak_bytes > options.cap_bytes) {
+      if (r.value <= options.step) throw too_small(r.measured_peak_bytes, "measures a peak");
+      r.value -= options.step;
+      r.measured_peak_bytes = measure(r.value);
+    }
+  }
+  // A conservative prediction leaves room the measurement shows: step up
+  // while answer + step measures under the cap too (a few times at most).
+  int ups = 0;
+  const bool stepped_down = r.value < r.predicted_value;  // then answer + step measured over already
+  while (r.value + options.step <= max_value) {
+    r.next_value = r.value + options.step;
+    r.next_predicted_peak_bytes = predict(r.next_value).peak_bytes;
+    if (!options.verify) break;
+    r.next_measured_peak_bytes = measure(r.next_value);
+    if (r.next_measured_peak_bytes > options.cap_bytes || ups == kFitMaxStepsUp || stepped_down) break;
+    ++ups;
+    r.value = r.next_value;
+    r.measured_peak_bytes = r.next_measured_peak_bytes;
+    r.next_value = 0;
+    r.next_measured_peak_bytes = -1;
+  }
+  r.at_max_value = r.value + options.step > max_value;
+  if (r.at_max_value) r.next_value = 0;
+  const StepPrediction& at = predict(r.value);
+  r.predicted_peak_bytes = at.peak_bytes;
+  r.auto_budget_bytes = at.auto_budget_bytes;
+  r.fixed_bytes = at.fixed_bytes;
+  return r;
+}
+
+std::string format_fit(const FitResult& r, const TrainConfig& config) {
+  const bool seq = r.dimension == FitDimension::kSeqLen;
+  const char* what = seq ? "seq_len" : "batch";
+  std::ostringstream os;
+  auto peaks = [&](int64_t v, int64_t predicted, int64_t measured) {
+    os << "  " << what << " " << v << ": predicted peak " << format_bytes(predicted);
+    if (measured >= 0) os << ", measured " << format_bytes(measured);
+    os << ((measured >= 0 ? measured : predicted) <= r.cap_bytes ? " (fits)" : " (over)") << "\n";
+  };
+  os << "max " << what << " under " << format_bytes(r.cap_bytes) << " with checkpoint " << to_string(config.checkpoint)
+     << ": " << r.value;
+  if (r.at_max_value)
+    os << " (the largest tried: the " << (seq ? "data's length" : "search's limit") << ", not the cap)";
+  if (r.value < r.predicted_value) os << " (predicted " << r.predicted_value << ", stepped down by measurement)";
+  if (r.value > r.predicted_value) os << " (predicted " << r.predicted_value << ", stepped up by measurement)";
+  os << "\n";
+  peaks(r.value, r.predicted_peak_bytes, r.measured_peak_bytes);
+  if (r.next_value > 0) peaks(r.next_value, r.next_predicted_peak_bytes, r.next_measured_peak_bytes);
+  if (config.checkpoint == Strategy::kAuto)
+    os << "  planner budget for the blocks: " << format_bytes(r.auto_budget_bytes) << "\n";
+  os << "  " << r.probes.size() << " predictions; the cap is on the step's peak above its start (activations, "
+     << "activation gradients, logits, temporaries); parameters, gradients and AdamW moments add "
+     << format_bytes(r.fixed_bytes) << " outside it\n";
+  return os.str();
+}
+
 std::string Trainer::explain_memory() {
   auto& m = *impl_;
   auto x = m.batch().first;
@@ -459,19 +871,8 @@ std::string Trainer::explain_memory() {
   std::optional<Policy> p;
   if (m.cfg.checkpoint == Strategy::kSelective && m.cfg.policy != "attention")
     p = selective_policy(m.cfg.policy, m.gpt);
-  {
-    // Plain forward of the block: the switch must not checkpoint it here.
-    std::vector<std::pair<Checkpointable*, std::optional<CheckpointOptions>>> saved;
-    for (auto& mod : block->modules(/*include_self=*/true)) {
-      if (auto* c = dynamic_cast<Checkpointable*>(mod.get())) {
-        saved.emplace_back(c, c->checkpointing_options());
-        c->set_checkpointing(std::nullopt);
-      }
-    }
-    const SavedResiduals r = p ? saved_residuals(*p, run, h) : saved_residuals(run, h);
-    for (auto& [c, o] : saved) c->set_checkpointing(o);
-    os << r.to_string();
-  }
+  // Plain forward of the block: the switch must not checkpoint it here.
+  m.with_switches_off(block, [&] { os << (p ? saved_residuals(*p, run, h) : saved_residuals(run, h)).to_string(); });
   os << describe_checkpointing(*m.module);
   return os.str();
 }

@@ -27,7 +27,8 @@ int fail(const std::string& what) {
 int main(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT or ResNet with activation checkpointing (remat)"};
   remat::models::TrainConfig cfg;
-  std::string checkpoint = "none", budget;
+  std::string checkpoint = "none", budget, seq_cap, batch_cap;
+  int64_t fit_step = 1;
   app.add_option("--model", cfg.model, "gpt (character level on --data) or resnet (synthetic images)")
       ->check(CLI::IsMember({"gpt", "resnet"}))
       ->capture_default_str();
@@ -52,6 +53,11 @@ int main(int argc, char** argv) {
   app.add_flag("--explain-memory", explain_memory,
                "print what one block saves for backward (op, name, shape, bytes; with the policy) and exit");
   app.add_option("--memory-budget", budget, "activation budget for --checkpoint auto, e.g. 512MiB, 2GiB, 1000000");
+  app.add_option("--max-seq-len-under", seq_cap,
+                 "GPT: find the longest --seq-len whose step peaks at or under this (e.g. 1GiB): predicted, then "
+                 "measured");
+  app.add_option("--max-batch-under", batch_cap, "GPT: the same for --batch");
+  app.add_option("--fit-step", fit_step, "granularity of --max-*-under (tokens or sequences)")->capture_default_str();
   app.add_option("--grad-accum", cfg.grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_option("--clip-norm", cfg.clip_norm, "max global gradient norm (0: off)")->capture_default_str();
   app.add_flag("--bf16", cfg.bf16, "forward under CPU autocast to bfloat16");
@@ -71,6 +77,31 @@ int main(int argc, char** argv) {
   try {
     cfg.checkpoint = remat::models::parse_strategy(checkpoint);
     if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
+    if (!seq_cap.empty() || !batch_cap.empty()) {
+      if (!seq_cap.empty() && !batch_cap.empty()) {
+        return fail(
+            "[remat::train] give one of --max-seq-len-under and --max-batch-under (the other value stays fixed).");
+      }
+      if (!budget.empty()) {
+        return fail(
+            "[remat::train] --memory-budget is chosen by --max-*-under for --checkpoint auto (the largest whose "
+            "whole step fits the cap); drop --memory-budget.");
+      }
+      remat::models::FitOptions fit;
+      fit.dimension = seq_cap.empty() ? remat::models::FitDimension::kBatch : remat::models::FitDimension::kSeqLen;
+      const std::string flag = seq_cap.empty() ? "--max-batch-under" : "--max-seq-len-under";
+      try {
+        fit.cap_bytes = remat::plan::parse_bytes(seq_cap.empty() ? batch_cap : seq_cap);
+      } catch (const remat::Error& e) {
+        return fail("[remat::train] " + flag + ": " + e.what());
+      }
+      fit.step = fit_step;
+      if (cfg.checkpoint == remat::models::Strategy::kAuto) cfg.memory_budget_bytes = fit.cap_bytes;
+      std::cout << remat::models::Trainer(cfg).summary() << "\n";
+      const auto r = remat::models::max_under(cfg, fit, &std::cout);
+      std::cout << remat::models::format_fit(r, cfg);
+      return 0;
+    }
     remat::models::Trainer trainer(cfg);
     if (explain_memory) {
       std::cout << trainer.summary() << "\n" << trainer.explain_memory();

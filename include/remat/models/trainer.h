@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <string>
@@ -91,13 +92,92 @@ struct TrainConfig {
   std::string resume_path;
 };
 
+/** What Trainer::predict_step() expects one step to peak at. */
+struct StepPrediction {
+  /** plan::simulate of the strategy's schedule on the profiled chain
+   *  embed -> blocks -> head + loss, bytes above the step's start: what
+   *  StepStats::peak_bytes measures once the gradients exist (step 2 on). */
+  int64_t peak_bytes = 0;
+  /** Strategy::kAuto: the planner budget the schedule was solved for; 0 otherwise. */
+  int64_t auto_budget_bytes = 0;
+  /** Parameters, their gradients and both AdamW moments, bytes: allocated
+   *  before the step, so outside peak_bytes (4 x the parameters' bytes). */
+  int64_t fixed_bytes = 0;
+};
+
+/** Which TrainConfig value max_under() searches. */
+enum class FitDimension {
+  kSeqLen,  ///< TrainConfig::seq_len, tokens
+  kBatch,   ///< TrainConfig::batch, sequences
+};
+
+struct FitOptions {
+  /** The cap, bytes: on StepStats::peak_bytes of a steady-state step. Required, > 0. */
+  int64_t cap_bytes = 0;
+  FitDimension dimension = FitDimension::kSeqLen;
+  /** Answers are multiples of step (tokens or sequences). Default 1. */
+  int64_t step = 1;
+  /** Largest value tried; 0: the data's limit (text bytes - 2) for seq_len,
+   *  65536 for batch. */
+  int64_t max_value = 0;
+  /** Measure one real step at the answer (stepping down while it exceeds the
+   *  cap) and at answer + step. Default true. */
+  bool verify = true;
+};
+
+/** max_under() steps up at most this many times past the prediction's answer. */
+inline constexpr int kFitMaxStepsUp = 4;
+
+/** One prediction max_under() made while searching. */
+struct FitProbe {
+  int64_t value = 0;
+  int64_t predicted_peak_bytes = 0;
+};
+
+struct FitResult {
+  FitDimension dimension = FitDimension::kSeqLen;
+  int64_t cap_bytes = 0;
+  int64_t step = 1;
+  /** The largest multiple of step whose step fits the cap: by prediction,
+   *  corrected by measurement when verified. */
+  int64_t value = 0;
+  /** The prediction's answer, before measurement stepped down or up. */
+  int64_t predicted_value = 0;
+  int64_t predicted_peak_bytes = 0;  ///< at value
+  int64_t measured_peak_bytes = -1;  ///< at value; -1 when not verified
+  int64_t next_value = 0;            ///< value + step
+  int64_t next_predicted_peak_bytes = 0;
+  int64_t next_measured_peak_bytes = -1;
+  /** True when value is max_value (the data or the limit, not the cap, stopped the search). */
+  bool at_max_value = false;
+  /** Strategy::kAuto: the planner budget at value (see predict_step). */
+  int64_t auto_budget_bytes = 0;
+  /** StepPrediction::fixed_bytes at value (not under the cap). */
+  int64_t fixed_bytes = 0;
+  /** Every prediction made, in order. */
+  std::vector<FitProbe> probes;
+};
+
+/** The search behind max_under(): the largest v in {step, 2 step, ...,
+ *  max_value} with peak(v) <= cap_bytes, for peak nondecreasing in v; 0 when
+ *  peak(step) > cap_bytes. Gallops up from step (doubling while peak stays
+ *  under cap / 4, so a probe never allocates far beyond the cap), then
+ *  bisects, guessing inside the bracket from a quadratic through the last
+ *  three probes every other time. Each call of peak is recorded in probes. */
+int64_t largest_fitting(int64_t cap_bytes, int64_t step, int64_t max_value, const std::function<int64_t(int64_t)>& peak,
+                        std::vector<FitProbe>* probes = nullptr);
+
 /** One optimizer step, as run() prints it. */
 struct StepStats {
   int64_t step = 0;          ///< 1-based index of the step just taken
   double loss = 0.0;         ///< mean loss over the micro-batches
   double step_ms = 0.0;      ///< wall time of forward, backward and update
   double items_per_s = 0.0;  ///< tokens (GPT) or images (ResNet) per second
-  int64_t peak_bytes = 0;    ///< peak CPU bytes above the step's start, over forward and backward
+  /** Peak CPU bytes above the step's start, over forward and backward (all
+   *  micro-batches): activations, logits, loss, activation gradients and
+   *  temporaries; from step 2 on not the parameter gradients, which stay
+   *  allocated between steps (step 1, or a step after prepare(), has them). */
+  int64_t peak_bytes = 0;
 };
 
 class Trainer {
@@ -133,6 +213,21 @@ class Trainer {
    *  Empty for the other strategies. */
   std::vector<int> auto_forwards_per_block() const;
   const TrainConfig& config() const;
+  /** Allocates the parameter gradients (zeros) and, with Strategy::kAuto,
+   *  profiles and plans on a batch, so that the next step() measures what
+   *  a later step would (no gradient allocation, no profiling). */
+  void prepare();
+  /** Predicts the peak of one step (GPT only): profiles the chain embed ->
+   *  blocks -> head + loss once (remat::profile, one run per stage) on a
+   *  batch, then plan::simulate's the strategy's schedule on it (none and
+   *  selective: store-all, the selective blocks profiled switched on; block:
+   *  every block recomputed before its backward; sqrt: plan::uniform, as
+   *  checkpoint_sequential runs; auto: plan::optimal on the blocks). For
+   *  kAuto with cap_bytes > 0 the budget is the largest found that keeps
+   *  the whole step's prediction <= cap_bytes (the blocks' budget minus what
+   *  embed and head add); with cap_bytes 0, config().memory_budget_bytes.
+   *  Throws remat::Error for the ResNet or an infeasible budget. */
+  StepPrediction predict_step(int64_t cap_bytes = 0);
   /** What one block saves for backward on a batch (remat::saved_residuals,
    *  with the selective policy when there is one), and the switch's state. */
   std::string explain_memory();
@@ -141,6 +236,20 @@ class Trainer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/** The longest seq_len (or largest batch) of config whose steady-state
+ *  step peaks at or under options.cap_bytes: largest_fitting() over
+ *  Trainer::predict_step() (a fresh Trainer per value, same seed), then,
+ *  with options.verify, one measured step (after prepare()) at the answer,
+ *  stepping down by options.step while it exceeds the cap, and one at
+ *  answer + step; when that fits too (a conservative prediction), steps up,
+ *  at most kFitMaxStepsUp times, until answer + step measures over the cap. Logs each probe and measurement to log (if
+ * not null). Throws remat::Error for the ResNet, a cap <= 0, a resume path, or a cap that even the smallest value
+ * exceeds (naming its peak and remedies). */
+FitResult max_under(const TrainConfig& config, const FitOptions& options, std::ostream* log = nullptr);
+
+/** "--max-seq-len-under 1.00 GiB, checkpoint block: seq_len 1536 ..." (several lines). */
+std::string format_fit(const FitResult& r, const TrainConfig& config);
 
 /** "step   3/20  loss 2.813402  12.3k tok/s  84.1 ms  peak 14.25 MiB". */
 std::string format_step(const StepStats& s, int64_t total_steps, std::string_view unit);
