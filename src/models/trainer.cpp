@@ -655,9 +655,12 @@ int64_t largest_fitting(int64_t cap_bytes, int64_t step, int64_t max_value, cons
   int64_t lo = 1, hi = 0;  // peak(lo) fits; peak(hi) does not
   while (hi == 0) {
     if (lo == kmax) return lo * step;
-    // Doubling at most quadruples the peak (it is at most quadratic in T
-    // and linear in the batch): the probe stays under the cap's size.
-    const int64_t next = std::min(kmax, seen[lo] < cap_bytes / 4 ? 2 * lo : lo + std::max<int64_t>(1, lo / 4));
+    // The peak is at most quadratic in the value (T; linear in the batch), so
+    // growing by sqrt(cap / peak) keeps the probe itself near the cap's size.
+    const double grow = std::clamp(
+        std::sqrt(static_cast<double>(cap_bytes) / static_cast<double>(std::max<int64_t>(1, seen[lo]))), 1.25, 2.0);
+    const int64_t next =
+        std::min(kmax, std::max(lo + 1, static_cast<int64_t>(std::floor(static_cast<double>(lo) * grow))));
     if (eval(next) <= cap_bytes) {
       lo = next;
     } else {
@@ -691,8 +694,9 @@ int64_t largest_fitting(int64_t cap_bytes, int64_t step, int64_t max_value, cons
       }
     }
     if (!std::isfinite(x)) return -1;
-    const auto k = static_cast<int64_t>(std::floor(x));
-    return k > lo && k < hi ? k : -1;
+    // Clamped into the bracket: a guess at lo means "lo is the answer",
+    // which lo + 1 confirms.
+    return std::clamp(static_cast<int64_t>(std::floor(std::clamp(x, -1.0, 9e18))), lo + 1, hi - 1);
   };
   auto probe = [&](int64_t k) {
     if (eval(k) <= cap_bytes) {

@@ -160,10 +160,11 @@ struct FitResult {
 
 /** The search behind max_under(): the largest v in {step, 2 step, ...,
  *  max_value} with peak(v) <= cap_bytes, for peak nondecreasing in v; 0 when
- *  peak(step) > cap_bytes. Gallops up from step (doubling while peak stays
- *  under cap / 4, so a probe never allocates far beyond the cap), then
- *  bisects, guessing inside the bracket from a quadratic through the last
- *  three probes every other time. Each call of peak is recorded in probes. */
+ *  peak(step) > cap_bytes. Gallops up from step by sqrt(cap / peak), within
+ *  [1.25, 2] (for a peak at most quadratic in the value, a probe then stays
+ *  near the cap's size), then bisects, each round first probing where a
+ *  quadratic through the last three probes meets the cap, and its
+ *  neighbour. Each call of peak is recorded in probes. */
 int64_t largest_fitting(int64_t cap_bytes, int64_t step, int64_t max_value, const std::function<int64_t(int64_t)>& peak,
                         std::vector<FitProbe>* probes = nullptr);
 
