@@ -18,9 +18,15 @@ torch::autograd::variable_list GradSink::apply(torch::autograd::variable_list&& 
   return std::move(in);
 }
 
-Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::Tensor>& targets, uint64_t seq0) {
+torch::autograd::variable_list DeliverHook::operator()(const torch::autograd::variable_list& grads) {
+  if (!target.defined()) return grads;
+  accumulate_into(target, grads.at(0));
+  return {at::Tensor()};
+}
+
+Redirected redirect_gradient_edges(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& targets,
+                                   uint64_t seq0) {
   Redirected r;
-  r.sink = c10::make_intrusive<GradSink>();
   r.target_input.assign(targets.size(), -1);
   // Gradient edge (node, input_nr) of each target -> target indices.
   std::map<std::pair<const torch::autograd::Node*, uint32_t>, std::vector<size_t>> wanted;
@@ -30,10 +36,12 @@ Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::
     wanted[{e.function.get(), e.input_nr}].push_back(k);
   }
   std::map<std::pair<const torch::autograd::Node*, uint32_t>, uint32_t> input_of;  // edge -> sink input
-  const auto& root = out.grad_fn();
-  if (!root) return r;
-  std::vector<torch::autograd::Node*> stack{root.get()};
-  std::unordered_set<torch::autograd::Node*> visited{root.get()};
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_set<torch::autograd::Node*> visited;
+  for (const auto& out : outs) {
+    if (out.defined() && out.grad_fn() && visited.insert(out.grad_fn().get()).second)
+      stack.push_back(out.grad_fn().get());
+  }
   while (!stack.empty()) {
     torch::autograd::Node* node = stack.back();
     stack.pop_back();
@@ -50,13 +58,21 @@ Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::
         if (it != input_of.end()) {
           nr = it->second;
         } else {
-          // The sink input takes the metadata the target's node expects.
+          // The sink's input takes the metadata the target's node expects.
+          auto sink = c10::make_intrusive<GradSink>();
           const auto& meta = next->input_metadata(e.input_nr);
-          nr = meta.was_default_constructed()
-                   ? r.sink->add_input_metadata(torch::autograd::Node::undefined_input())
-                   : r.sink->add_input_metadata(meta.options(), meta.shape_as_dim_vector(), meta.is_tensor_subclass(),
-                                                meta.is_nested_tensor(), meta.grad_dtype());
-          r.sink->add_next_edge(e);  // output nr leads where input nr was headed
+          if (meta.was_default_constructed()) {
+            sink->add_input_metadata(torch::autograd::Node::undefined_input());
+          } else {
+            sink->add_input_metadata(meta.options(), meta.shape_as_dim_vector(), meta.is_tensor_subclass(),
+                                     meta.is_nested_tensor(), meta.grad_dtype());
+          }
+          sink->add_next_edge(e);  // its output leads where its input was headed
+          auto hook = std::make_unique<DeliverHook>();
+          r.hooks.push_back(hook.get());
+          sink->add_tensor_pre_hook(std::move(hook));
+          nr = static_cast<uint32_t>(r.sinks.size());
+          r.sinks.push_back(std::move(sink));
           input_of.emplace(key, nr);
           if (hit != wanted.end()) {
             for (size_t t : hit->second) r.target_input[t] = nr;
@@ -86,14 +102,15 @@ void accumulate_into(const at::Tensor& leaf, const at::Tensor& g) {
 namespace {
 
 struct SeedGrad final : torch::autograd::Node {
-  at::Tensor grad;
-  SeedGrad(at::Tensor g, torch::autograd::Edge next, const at::Tensor& dummy) : grad(std::move(g)) {
-    add_next_edge(std::move(next));
+  std::vector<at::Tensor> grads;
+  SeedGrad(std::vector<at::Tensor> gs, torch::autograd::edge_list next, const at::Tensor& dummy)
+      : grads(std::move(gs)) {
+    set_next_edges(std::move(next));
     add_input_metadata(dummy);
   }
   torch::autograd::variable_list apply(torch::autograd::variable_list&&) override {
-    torch::autograd::variable_list out{std::move(grad)};
-    grad = at::Tensor();
+    torch::autograd::variable_list out = std::move(grads);
+    grads.clear();
     return out;
   }
   std::string name() const override { return "remat::SeedGrad"; }
@@ -101,12 +118,15 @@ struct SeedGrad final : torch::autograd::Node {
 
 }  // namespace
 
-torch::autograd::variable_list backward_releasing(at::Tensor out, at::Tensor g, bool keep_graph,
-                                                  const torch::autograd::edge_list& outputs) {
-  torch::autograd::Edge out_edge = torch::autograd::impl::gradient_edge(out);
-  out = at::Tensor();
-  const at::Tensor dummy = at::zeros({}, g.options());  // the seed's own (ignored) input
-  auto seed = c10::make_intrusive<SeedGrad>(std::move(g), std::move(out_edge), dummy);
+torch::autograd::variable_list backward_releasing(std::vector<at::Tensor> outs, std::vector<at::Tensor> gs,
+                                                  bool keep_graph, const torch::autograd::edge_list& outputs) {
+  torch::autograd::edge_list out_edges;
+  for (auto& out : outs) {
+    out_edges.push_back(torch::autograd::impl::gradient_edge(out));
+    out = at::Tensor();
+  }
+  const at::Tensor dummy = at::zeros({}, gs.at(0).options());  // the seed's own (ignored) input
+  auto seed = c10::make_intrusive<SeedGrad>(std::move(gs), std::move(out_edges), dummy);
   return torch::autograd::Engine::get_default_engine().execute({torch::autograd::Edge(seed, 0)}, {dummy}, keep_graph,
                                                                /*create_graph=*/false, /*accumulate_grad=*/false,
                                                                outputs);

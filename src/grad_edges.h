@@ -21,18 +21,33 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 namespace remat::detail {
 
-/** Receives redirected gradients: captured there by Engine::execute, or
- *  passed through to the original edges when run. */
+/** Receives one redirected gradient: captured there by Engine::execute, or
+ *  passed through to the original edge when run. One sink per target, so
+ *  that each gradient is ready (and can be delivered) as soon as it is
+ *  complete, not when the last of the stage's is. */
 struct GradSink : torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& in) override;
   std::string name() const override { return "remat::GradSink"; }
 };
 
+/** NOTE [early delivery]: a tensor pre-hook on a sink. While `target` is
+ *  set, the gradient captured at the sink goes straight to the target leaf
+ *  (its hooks, then .grad, through accumulate_into) and the capture gets an
+ *  undefined tensor instead: a stage's parameter gradients then land in
+ *  .grad one by one during the stage's inner backward, as in a plain run,
+ *  instead of all being held until it ends. */
+struct DeliverHook : torch::autograd::FunctionPreHook {
+  at::Tensor target;
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override;
+};
+
 struct Redirected {
-  c10::intrusive_ptr<GradSink> sink;
+  std::vector<c10::intrusive_ptr<GradSink>> sinks;  // one per distinct redirected edge
+  std::vector<DeliverHook*> hooks;                  // owned by their sinks
   /** Per target: the sink input its gradient arrives at, or -1 when the
    *  graph does not reach it. */
   std::vector<int64_t> target_input;
@@ -40,24 +55,32 @@ struct Redirected {
    *  stage but not registered as its parameters), with their sink input. */
   std::vector<std::pair<at::Tensor, uint32_t>> other_leaves;
 
-  /** The edge at which a sink input is captured. */
-  torch::autograd::Edge edge(uint32_t input) const { return {sink, input}; }
+  /** The edge at which a gradient is captured (its sink's only input). */
+  torch::autograd::Edge edge(uint32_t input) const { return {sinks.at(input), 0}; }
+  uint32_t num_inputs() const { return static_cast<uint32_t>(sinks.size()); }
 };
 
-/** Redirects out's graph (see the NOTE). targets: tensors whose gradients
- *  are wanted (parameters, a stage's input); duplicates share an input. */
-Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::Tensor>& targets, uint64_t seq0);
+/** Redirects the graph of `outs` (see the NOTE). targets: tensors whose
+ *  gradients are wanted (parameters, a stage's inputs); duplicates share an
+ *  input; undefined ones are skipped (target_input -1). */
+Redirected redirect_gradient_edges(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& targets,
+                                   uint64_t seq0);
+inline Redirected redirect_gradient_edges(const at::Tensor& out, const std::vector<at::Tensor>& targets,
+                                          uint64_t seq0) {
+  return redirect_gradient_edges(std::vector<at::Tensor>{out}, targets, seq0);
+}
 
 /** Delivers g to leaf as a backward would (its hooks, then .grad). */
 void accumulate_into(const at::Tensor& leaf, const at::Tensor& g);
 
-/** A stage's inner backward from `out` with gradient `g`, capturing at
- *  `outputs`, that holds neither: Engine::execute copies its `inputs` and
- *  the caller's vector outlives the call, so a gradient passed there stays
- *  alive through the whole backward. Here it goes in through a seed node
- *  that lets go of it once handed on, and the caller's `out` is released
- *  (only the graph keeps what it saved), as in one plain backward. */
-torch::autograd::variable_list backward_releasing(at::Tensor out, at::Tensor g, bool keep_graph,
-                                                  const torch::autograd::edge_list& outputs);
+/** A stage's inner backward from `outs` with gradients `gs` (aligned),
+ *  capturing at `outputs`, that holds neither: Engine::execute copies its
+ *  `inputs` and the caller's vector outlives the call, so a gradient passed
+ *  there stays alive through the whole backward. Here they go in through a
+ *  seed node that lets go of them once handed on, and the caller's outputs
+ *  are released (only the graph keeps what it saved), as in one plain
+ *  backward. */
+torch::autograd::variable_list backward_releasing(std::vector<at::Tensor> outs, std::vector<at::Tensor> gs,
+                                                  bool keep_graph, const torch::autograd::edge_list& outputs);
 
 }  // namespace remat::detail

@@ -24,6 +24,7 @@
 
 #include "grad_edges.h"
 #include "replay.h"
+#include "values.h"
 
 namespace remat {
 namespace {
@@ -64,7 +65,10 @@ class Restore {
 
 }  // namespace
 
-plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, const ProfileOptions& options) {
+namespace detail {
+
+plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x, const ProfileOptions& options,
+                           Values* result) {
   torch::nn::Sequential seq = seq_in;
   if (seq->size() == 0) throw Error("[remat::profile] the Sequential is empty; add modules before profiling.");
   if (options.repeats() < 1 || options.warmup() < 0) {
@@ -72,7 +76,7 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
                 std::to_string(options.repeats()) + ", warmup=" + std::to_string(options.warmup()) + ".");
   }
   // NOTE [RNG regions and threads]: the RNG state is put back at the end.
-  detail::RngRegionLock rng_lock(true);
+  RngRegionLock rng_lock(true);
   Restore restore(seq);
   c10::AutoGradMode grad_on(true);
   // No autocast cache while profiling: a cast cached here would keep its
@@ -86,19 +90,26 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
   } no_autocast_cache;
 
   plan::Chain chain;
-  chain.input_bytes = storage_bytes(x);
-  at::Tensor h = x.detach();
+  // Tensors of the chain input live through the whole step: counted once,
+  // in input_bytes, and never again in a boundary that passes them on.
+  chain.input_bytes = x.bytes();
+  Values h = x.detached();
   for (size_t i = 0; i < seq->size(); ++i) {
     auto& module = *(seq->begin() + static_cast<std::ptrdiff_t>(i));
     plan::Stage stage;
     stage.name = std::to_string(i) + ":" + module.ptr()->name();
+    const std::string who = "[remat::profile] stage " + stage.name;
     std::vector<double> forward_ms, backward_ms;
-    at::Tensor out;
+    Values out;
     for (int r = 0; r < options.warmup() + options.repeats(); ++r) {
-      at::Tensor in = h.detach();
-      if (in.is_floating_point() || in.is_complex()) in.requires_grad_(true);
+      Values in = h.detached();
+      std::unordered_set<const c10::StorageImpl*> seen;
+      for (auto& t : in.ts) {
+        if (!t.defined()) continue;
+        if (differentiable(t)) t.requires_grad_(true);
+        seen.insert(t.storage().unsafeGetStorageImpl());
+      }
       // Distinct storages saved for backward, minus parameters and the input.
-      std::unordered_set<const c10::StorageImpl*> seen{in.storage().unsafeGetStorageImpl()};
       int64_t saved_bytes = 0;
       int64_t tmp_bytes = 0;
       uint64_t seq0 = 0;
@@ -106,7 +117,7 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
       {
         SavedTensorsHooks count(
             [&](const at::Tensor& t) {
-              if (!detail::is_parameter_like(t) && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
+              if (!is_parameter_like(t) && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
                 saved_bytes += storage_bytes(t);
               }
               // Detached: an op's output kept as is would hold its own
@@ -118,35 +129,68 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
         memory::Probe probe;
         seq0 = at::sequence_number::peek();
         t0 = Clock::now();
-        out = module.forward<at::Tensor>(in);
+        out = run_module(module, in, who);
         tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
       }
       const double f_ms = ms_since(t0);
       // An output no op saved is freed at the start of the runtime's stage
       // backward (it keeps only what the graph saved); here it lives on as
-      // the next stage's input.
-      const bool out_saved_by_op = !seen.insert(out.storage().unsafeGetStorageImpl()).second;
-      if (!out_saved_by_op) saved_bytes += storage_bytes(out);
+      // the next stage's input. A tensor passed on unchanged from the
+      // stage's input is freed by neither, but belongs to the output (and
+      // so to the saved set, which includes it) unless it is the chain's
+      // input, counted once in input_bytes.
+      std::unordered_set<const c10::StorageImpl*> chain_input;
+      for (const auto& t : x.ts) {
+        if (t.defined()) chain_input.insert(t.storage().unsafeGetStorageImpl());
+      }
+      std::unordered_set<const c10::StorageImpl*> passed;
+      int64_t out_unsaved = 0, out_passed = 0;
+      for (const auto& t : out.ts) {
+        if (!t.defined()) continue;
+        const auto* st = t.storage().unsafeGetStorageImpl();
+        const bool from_input = std::any_of(in.ts.begin(), in.ts.end(), [&](const at::Tensor& u) {
+          return u.defined() && u.storage().unsafeGetStorageImpl() == st;
+        });
+        if (from_input) {
+          if (!chain_input.count(st) && passed.insert(st).second) out_passed += storage_bytes(t);
+        } else if (seen.insert(st).second) {
+          out_unsaved += storage_bytes(t);
+        }
+      }
+      saved_bytes += out_unsaved + out_passed;
       double b_ms = 0;
       int64_t b_tmp = 0, b_freed = 0;
-      if (out.requires_grad()) {
-        // NOTE [redirected gradient edges]: the stage's backward computes its
-        // parameters' gradients (their cost is the stage's) but never reaches
-        // the real parameters: no .grad written, no user or DDP hook fired.
-        at::Tensor g = at::ones_like(out);
-        const auto r = detail::redirect_gradient_edges(out, {in}, seq0);
-        torch::autograd::edge_list outputs;
-        for (uint32_t k = 0; k < r.sink->num_inputs(); ++k) outputs.push_back(r.edge(k));
-        memory::Probe probe;  // from the start of the backward: the saved set, out and g live
+      std::vector<at::Tensor> roots, seeds;
+      for (const auto& t : out.ts) {
+        // A tensor with no history (an input passed on) has no backward.
+        if (t.defined() && t.requires_grad() && t.grad_fn()) {
+          roots.push_back(t);
+          seeds.push_back(at::ones_like(t));
+        }
+      }
+      // NOTE [redirected gradient edges]: the stage's backward computes its
+      // parameters' gradients (their cost is the stage's) but never reaches
+      // the real parameters: no .grad written, no user or DDP hook fired.
+      Redirected red;
+      torch::autograd::edge_list outputs;
+      if (!roots.empty()) {
+        red = redirect_gradient_edges(roots, in.ts, seq0);
+        for (uint32_t k = 0; k < red.num_inputs(); ++k) outputs.push_back(red.edge(k));
+      }
+      if (!outputs.empty()) {  // else: it reaches no input and no leaf
+        memory::Probe probe;   // from the start of the backward: the saved set, out and g live
         auto t1 = Clock::now();
         // As the runtime runs it (g freed once used); the gradients are
         // held until the probe is read, as .grad would hold them.
-        auto grads = detail::backward_releasing(out, std::move(g), /*keep_graph=*/false, outputs);
+        auto grads = backward_releasing(std::move(roots), std::move(seeds), /*keep_graph=*/false, outputs);
         b_ms = ms_since(t1);
-        const int64_t grad_in =
-            r.target_input[0] >= 0 && grads[r.target_input[0]].defined() ? storage_bytes(grads[r.target_input[0]]) : 0;
+        int64_t grad_in = 0;
+        for (size_t k = 0; k < in.size(); ++k) {
+          const int64_t nr = red.target_input[k];
+          if (nr >= 0 && grads[nr].defined()) grad_in += storage_bytes(grads[nr]);
+        }
         // The planner's backward peak: bytes before + |grad_i| + tmp - freed.
-        const int64_t above = probe.peak_bytes() - (out_saved_by_op ? 0 : storage_bytes(out)) - grad_in;
+        const int64_t above = probe.peak_bytes() - out_unsaved - grad_in;
         b_tmp = std::max<int64_t>(0, above);
         b_freed = std::max<int64_t>(0, -above);
       }
@@ -154,7 +198,7 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
         forward_ms.push_back(f_ms);
         backward_ms.push_back(b_ms);
       }
-      stage.output_bytes = storage_bytes(out);
+      stage.output_bytes = out.bytes(&x);
       stage.saved_bytes = saved_bytes;
       stage.forward_tmp_bytes = tmp_bytes;
       stage.backward_tmp_bytes = b_tmp;
@@ -163,10 +207,22 @@ plan::Chain profile(const torch::nn::Sequential& seq_in, const at::Tensor& x, co
     stage.forward_ms = median(forward_ms);
     stage.backward_ms = median(backward_ms);
     chain.stages.push_back(stage);
-    h = out.detach();
+    h = out.detached();
   }
+  if (result) *result = Values(h.kind, std::vector<at::Tensor>(h.size()));
   chain.validate();
   return chain;
+}
+
+}  // namespace detail
+
+plan::Chain profile(const torch::nn::Sequential& seq, const at::Tensor& x, const ProfileOptions& options) {
+  return detail::profile_values(seq, detail::Values(x), options);
+}
+
+plan::Chain profile(const torch::nn::Sequential& seq, const std::vector<at::Tensor>& xs,
+                    const ProfileOptions& options) {
+  return detail::profile_values(seq, detail::Values(detail::Values::Kind::kVector, xs), options);
 }
 
 std::string chain_to_json(const plan::Chain& chain) { return plan::chain_to_json(chain); }

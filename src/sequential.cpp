@@ -24,6 +24,7 @@
 
 #include <cstdio>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/SequenceNumber.h>
@@ -38,21 +39,28 @@
 
 #include "grad_edges.h"
 #include "replay.h"
+#include "values.h"
 
 namespace remat {
 namespace detail {
 
 namespace ta = torch::autograd;
 
-struct Execution {
+struct Execution : std::enable_shared_from_this<Execution> {
   /** What the forward part leaves; restored for each further backward. */
   struct State {
-    std::vector<at::Tensor> a;       // boundary values a_0..a_L (detached)
-    std::vector<at::Tensor> leaf;    // s_i: stage input leaf ...
-    std::vector<at::Tensor> out;     // ... and output with its graph
+    std::vector<Values> a;           // boundary values a_0..a_L (detached)
+    std::vector<Values> leaf;        // s_i: stage input leaves ...
+    std::vector<Values> out;         // ... and outputs with their graph
     std::vector<Redirected> edges;   // ... whose gradient edges lead to a sink
     std::vector<bool> from_forward;  // the graph was made by the forward part
     std::vector<int> runs;
+  };
+  /** A boundary tensor's metadata for the node that receives its gradient. */
+  struct Meta {
+    bool defined = false;
+    at::TensorOptions options;
+    std::vector<int64_t> sizes;
   };
 
   std::shared_ptr<CheckpointedSequentialImpl> owner;
@@ -64,31 +72,47 @@ struct Execution {
   State st;
   std::optional<State> kept;  // retain_graph: the state after the forward part
   bool backward_started = false;
-  at::Tensor grad;                                                           // gradient at the current boundary
-  std::vector<std::vector<at::Tensor>> params;                               // per stage: requires grad, distinct
-  std::vector<ta::Node*> nodes;                                              // per stage (owned by the graph)
-  std::vector<std::pair<at::TensorOptions, std::vector<int64_t>>> out_meta;  // a_1..a_L
-  std::vector<std::optional<ReplayState>> first_run;                         // per stage
-  at::Tensor input;                                                          // x as given (attached), for create_graph
+  std::vector<at::Tensor> grads;                      // gradients at the current boundary's tensors
+  std::vector<std::vector<at::Tensor>> params;        // per stage: requires grad, distinct
+  std::vector<ta::Node*> nodes;                       // per stage (owned by the graph)
+  std::vector<std::vector<Meta>> out_meta;            // a_1..a_L
+  std::vector<std::optional<ReplayState>> first_run;  // per stage
+  Values input;                                       // x as given (attached), for create_graph
   bool preserve_rng = true;
-  bool input_requires_grad = false;
+  std::vector<bool> input_requires_grad;  // per tensor of x
   std::unique_ptr<memory::Probe> probe;
   int64_t input_bytes = 0;
+  // NOTE [early delivery]: per stage and parameter, whether this backward
+  // lets the stage's inner backward deliver the gradient itself (set by
+  // begin_backward); the outer edges invalidated meanwhile, with their node.
+  std::vector<std::vector<char>> deliver;
+  std::vector<std::pair<c10::intrusive_ptr<ta::Node>, std::vector<std::pair<size_t, ta::Edge>>>> detached_edges;
+  ta::Node* running = nullptr;  // the node whose apply runs
   // create_graph: per stage, the node's outputs computed by node L-1.
   bool higher_order = false;
   std::vector<ta::variable_list> higher_order_grads;
 
-  at::Tensor run_stage(int i, const at::Tensor& in) {
+  std::string who(int i) const { return "[remat::CheckpointedSequential] stage " + std::to_string(i); }
+
+  Values run_stage(int i, const Values& in) {
     auto& m = *(seq->begin() + i);
     if (st.runs[i]++ == 0) {
       RngRegionLock rng_lock(preserve_rng);  // NOTE [RNG regions and threads]
-      first_run[i] = ReplayState::capture(preserve_rng, {in.device()}, m.ptr()->buffers());
-      at::Tensor y = m.forward<at::Tensor>(in);
-      out_meta[i] = {y.options(), y.sizes().vec()};
+      first_run[i] = ReplayState::capture(preserve_rng, {device_of(in)}, m.ptr()->buffers());
+      Values y = run_module(m, in, who(i));
+      out_meta[i].clear();
+      for (const auto& t : y.ts) out_meta[i].push_back(t.defined() ? Meta{true, t.options(), t.sizes().vec()} : Meta{});
       return y;
     }
     ReplayGuard replay(*first_run[i], /*enable_grad=*/false);
-    return m.forward<at::Tensor>(in);
+    return run_module(m, in, who(i));
+  }
+
+  static c10::Device device_of(const Values& v) {
+    for (const auto& t : v.ts) {
+      if (t.defined()) return t.device();
+    }
+    return c10::Device(c10::kCPU);
   }
 
   void need(bool ok, const plan::Op& op, const char* what) const {
@@ -98,54 +122,165 @@ struct Execution {
     }
   }
 
-  /** Stage i's backward: dL/da_i into `grad` (when wanted) and the wanted
-   *  parameter gradients into param_grads (aligned with params[i]). */
+  /** Stage i's backward: dL/da_i into `grads` (each tensor when wanted) and
+   *  the wanted parameter gradients into param_grads (aligned with
+   *  params[i]). want: the node's outputs (a_i's tensors, then params[i]). */
   void stage_backward(int i, const std::vector<bool>& want, ta::variable_list& param_grads) {
-    at::Tensor o = std::move(st.out[i]);
-    at::Tensor in = std::move(st.leaf[i]);
+    Values o = std::move(st.out[i]);
+    Values in = std::move(st.leaf[i]);
     Redirected r = std::move(st.edges[i]);
-    st.out[i] = at::Tensor();
-    st.leaf[i] = at::Tensor();
+    st.out[i] = Values();
+    st.leaf[i] = Values();
     st.edges[i] = Redirected();
     const bool retain = kept.has_value() && st.from_forward[i];
-    at::Tensor g = std::move(grad);
-    grad = at::Tensor();
-    if (!o.requires_grad() || !g.defined()) return;
-    if (o.unsafeGetTensorImpl() == in.unsafeGetTensorImpl()) {  // identity stage
-      if (want[0]) grad = g;
-      return;
+    std::vector<at::Tensor> g = std::move(grads);
+    const size_t n_in = in.size();
+    grads.assign(n_in, at::Tensor());
+    // Tensors passed through unchanged (a mask) take their gradient to the
+    // input directly; the rest are the inner backward's roots.
+    std::vector<at::Tensor> roots, seeds;
+    for (size_t k = 0; k < o.size() && k < g.size(); ++k) {
+      if (!o[k].defined() || !o[k].requires_grad() || !g[k].defined()) continue;
+      if (o[k].grad_fn() == nullptr) {
+        size_t j = 0;
+        while (j < n_in && !(in[j].defined() && in[j].unsafeGetTensorImpl() == o[k].unsafeGetTensorImpl())) ++j;
+        if (j < n_in) {
+          if (want[j]) grads[j] = grads[j].defined() ? grads[j] + g[k] : g[k];
+        } else {
+          accumulate_into(o[k], g[k]);  // a leaf returned as is, not this stage's input
+        }
+        continue;
+      }
+      roots.push_back(std::move(o[k]));
+      seeds.push_back(std::move(g[k]));
     }
-    // Sink inputs to capture: the input (target 0), wanted parameters, and
-    // leaves used but not registered (delivered to them afterwards).
+    g.clear();
+    o = Values();
+    if (roots.empty()) return;
+    // Sink inputs to capture: the inputs (targets 0..n_in-1), wanted
+    // parameters, and leaves used but not registered (delivered to them
+    // afterwards).
     ta::edge_list outputs;
-    std::vector<int> slot;  // -1: input, k >= 0: parameter k, <= -2: other leaf
-    if (want[0] && r.target_input[0] >= 0) {
-      outputs.push_back(r.edge(r.target_input[0]));
-      slot.push_back(-1);
+    std::vector<int> slot;  // k < n_in: input k, n_in + k: parameter k, < 0: other leaf -1-k
+    const int ni = static_cast<int>(n_in);
+    for (int j = 0; j < ni; ++j) {
+      if (want[j] && r.target_input[j] >= 0) {
+        outputs.push_back(r.edge(r.target_input[j]));
+        slot.push_back(j);
+      }
     }
+    // Parameters delivered during the inner backward (NOTE [early
+    // delivery]): their hooks are armed for this call only.
+    struct Disarm {
+      std::vector<DeliverHook*> hooks;
+      ~Disarm() {
+        for (auto* h : hooks) h->target = at::Tensor();
+      }
+    } armed;
+    std::vector<size_t> early;
     for (size_t k = 0; k < params[i].size(); ++k) {
-      if (want[1 + k] && r.target_input[1 + k] >= 0) {
-        outputs.push_back(r.edge(r.target_input[1 + k]));
-        slot.push_back(static_cast<int>(k));
+      if (want[n_in + k] && r.target_input[n_in + k] >= 0) {
+        // Only onto an existing .grad (added in place): a first gradient
+        // becomes .grad as it is, and the engine may take it over only
+        // from the node's outputs (here it would be copied: +1 gradient).
+        if (deliver[i][k] && params[i][k].grad().defined()) {
+          DeliverHook* h = r.hooks[r.target_input[n_in + k]];
+          h->target = params[i][k];
+          armed.hooks.push_back(h);
+          early.push_back(n_in + k);
+        }
+        outputs.push_back(r.edge(r.target_input[n_in + k]));
+        slot.push_back(ni + static_cast<int>(k));
       }
     }
     for (size_t k = 0; k < r.other_leaves.size(); ++k) {
       outputs.push_back(r.edge(r.other_leaves[k].second));
-      slot.push_back(-2 - static_cast<int>(k));
+      slot.push_back(-1 - static_cast<int>(k));
     }
     if (outputs.empty()) return;
-    // Only the graph's own references keep the stage's output and the
-    // gradient at it alive during the inner backward: the output unless an
-    // op saved it, the gradient until the stage's last op has used it.
-    st.a[i + 1] = at::Tensor();
-    ta::variable_list got = backward_releasing(std::move(o), std::move(g), retain, outputs);
+    // Only the graph's own references keep the stage's outputs and the
+    // gradients at them alive during the inner backward: an output unless
+    // an op saved it, a gradient until the stage's last op has used it.
+    st.a[i + 1].clear();
+    if (!early.empty()) detach_edges(early);
+    ta::variable_list got = backward_releasing(std::move(roots), std::move(seeds), retain, outputs);
     for (size_t k = 0; k < got.size(); ++k) {
-      if (slot[k] == -1) {
-        grad = std::move(got[k]);
+      if (slot[k] >= ni) {
+        param_grads[slot[k] - ni] = std::move(got[k]);
       } else if (slot[k] >= 0) {
-        param_grads[slot[k]] = std::move(got[k]);
+        at::Tensor& gj = grads[slot[k]];
+        gj = gj.defined() && got[k].defined() ? gj + got[k] : (gj.defined() ? gj : std::move(got[k]));
       } else {
-        accumulate_into(r.other_leaves[-2 - slot[k]].first, got[k]);
+        accumulate_into(r.other_leaves[-1 - slot[k]].first, got[k]);
+      }
+    }
+  }
+
+  /** The running node's edges at `outputs` stop leading anywhere until this
+   *  backward ends: their gradients were delivered already, and the engine
+   *  would otherwise call the parameter's hooks again with an undefined
+   *  gradient. Put back by a callback at the end of the backward (so the
+   *  graph is whole for a retained second backward). */
+  void detach_edges(const std::vector<size_t>& outputs) {
+    auto node = c10::intrusive_ptr<ta::Node>::reclaim_copy(running);
+    std::vector<std::pair<size_t, ta::Edge>> saved;
+    for (size_t k : outputs) {
+      saved.emplace_back(k, node->next_edge(k));
+      node->next_edges()[k] = ta::Edge();
+    }
+    if (detached_edges.empty()) {
+      // Once per backward. The callback holds the execution: its nodes let
+      // go of it as they finish (retain_graph=false), before the callback.
+      ta::Engine::get_default_engine().queue_callback([self = shared_from_this()] { self->restore_edges(); });
+    }
+    detached_edges.emplace_back(std::move(node), std::move(saved));
+  }
+
+  void restore_edges() {
+    for (auto& [node, saved] : detached_edges) {
+      for (auto& [k, e] : saved) node->next_edges()[k] = std::move(e);
+    }
+    detached_edges.clear();
+  }
+
+  /** Which parameter gradients the stages deliver themselves in this
+   *  backward (NOTE [early delivery]): those the backward accumulates into
+   *  .grad (a plain backward(), or backward(inputs=) naming them; not
+   *  autograd::grad, which captures them) and whose AccumulateGrad no other
+   *  edge of this backward's graph reaches (a parameter shared by two
+   *  stages, or tied to a head outside the chain, gets one summed
+   *  gradient from the engine, as before). */
+  void plan_delivery() {
+    deliver.assign(L, {});
+    const auto* info = ta::get_current_graph_task_exec_info();
+    const auto* graph = ta::get_current_graph_task_nodes_in_graph();
+    std::unordered_map<const ta::Node*, int> incoming;  // our parameters' accumulators
+    for (int i = 0; i < L; ++i) {
+      for (size_t k = 0; k < params[i].size(); ++k) {
+        const auto& e = nodes[i]->next_edge(nodes[i]->num_outputs() - params[i].size() + k);
+        if (e.is_valid()) incoming.emplace(e.function.get(), 0);
+      }
+    }
+    if (info && graph) {
+      for (const ta::Node* n : *graph) {
+        for (const auto& e : n->next_edges()) {
+          auto it = incoming.find(e.function.get());
+          if (it != incoming.end()) ++it->second;
+        }
+      }
+    }
+    for (int i = 0; i < L; ++i) {
+      deliver[i].assign(params[i].size(), 0);
+      if (!info || !graph) continue;
+      for (size_t k = 0; k < params[i].size(); ++k) {
+        const auto& e = nodes[i]->next_edge(nodes[i]->num_outputs() - params[i].size() + k);
+        if (!e.is_valid()) continue;
+        bool accumulates = info->empty();
+        if (!accumulates) {
+          auto it = info->find(e.function.get());
+          accumulates = it != info->end() && it->second.needed_ && !it->second.captures_;
+        }
+        deliver[i][k] = accumulates && incoming[e.function.get()] == 1;
       }
     }
   }
@@ -154,44 +289,46 @@ struct Execution {
     const int i = op.stage;
     switch (op.kind) {
       case plan::OpKind::kForward: {
-        need(st.a[i].defined(), op, "its input is not live");
-        at::Tensor y;
+        need(!st.a[i].empty(), op, "its input is not live");
+        Values y;
         {
           at::NoGradGuard no_grad;
           y = run_stage(i, st.a[i]);
         }
-        st.a[i + 1] = y;
+        st.a[i + 1] = std::move(y);
         break;
       }
       case plan::OpKind::kForwardSave: {
-        need(st.a[i].defined(), op, "its input is not live");
+        need(!st.a[i].empty(), op, "its input is not live");
         c10::AutoGradMode grad_on(true);
-        at::Tensor in = st.a[i].detach();
-        if (i > 0 ? (in.is_floating_point() || in.is_complex()) : input_requires_grad) in.requires_grad_(true);
+        Values in = st.a[i].detached();
+        for (size_t k = 0; k < in.size(); ++k) {
+          if (i > 0 ? differentiable(in[k]) : input_requires_grad[k]) in[k].requires_grad_(true);
+        }
         const uint64_t seq0 = at::sequence_number::peek();
-        at::Tensor y = run_stage(i, in);
-        std::vector<at::Tensor> targets{in};
+        Values y = run_stage(i, in);
+        std::vector<at::Tensor> targets = in.ts;
         targets.insert(targets.end(), params[i].begin(), params[i].end());
-        st.edges[i] = redirect_gradient_edges(y, targets, seq0);
+        st.edges[i] = redirect_gradient_edges(y.ts, targets, seq0);
         st.from_forward[i] = in_forward_part;
-        st.leaf[i] = in;
-        st.out[i] = y;
-        st.a[i + 1] = y.detach();
+        st.leaf[i] = std::move(in);
+        st.a[i + 1] = y.detached();
+        st.out[i] = std::move(y);
         break;
       }
       case plan::OpKind::kBackward: {
-        need(st.out[i].defined(), op, "its saved set is not live");
+        need(!st.out[i].ts.empty(), op, "its saved set is not live");
         need(want != nullptr, op, "a backward of another stage comes first");
         stage_backward(i, *want, *param_grads);
-        st.a[i + 1] = at::Tensor();
+        st.a[i + 1].clear();
         break;
       }
-      case plan::OpKind::kDrop: st.a[i] = at::Tensor(); break;
+      case plan::OpKind::kDrop: st.a[i].clear(); break;
     }
   }
 
   /** The forward part: ops up to the first backward. Returns a_L. */
-  at::Tensor run_forward() {
+  Values run_forward() {
     in_forward_part = true;
     while (pc < schedule.ops.size() && schedule.ops[pc].kind != plan::OpKind::kBackward) {
       step(schedule.ops[pc], nullptr, nullptr);
@@ -199,7 +336,7 @@ struct Execution {
     }
     forward_end_pc = pc;
     in_forward_part = false;
-    need(st.out[L - 1].defined(), plan::Op{plan::OpKind::kForwardSave, L - 1}, "the forward part must end with it");
+    need(!st.out[L - 1].ts.empty(), plan::Op{plan::OpKind::kForwardSave, L - 1}, "the forward part must end with it");
     return st.a[L];
   }
 
@@ -215,6 +352,8 @@ struct Execution {
       pc = forward_end_pc;
     }
     backward_started = true;
+    restore_edges();  // a backward that failed left them detached
+    plan_delivery();
     if (ta::get_current_graph_task_keep_graph()) {
       if (!kept) kept = st;
     } else {
@@ -222,19 +361,30 @@ struct Execution {
     }
   }
 
+  /** The gradients node L-1 receives: one per tensor of a_L. A single
+   *  tensor result gets zeros when the engine passes none (as before); in
+   *  a vector or tuple an unused tensor contributes nothing. */
+  std::vector<at::Tensor> final_grads(ta::variable_list& in, const Values& y) const {
+    std::vector<at::Tensor> g(in.begin(), in.end());
+    if (y.kind == Values::Kind::kTensor && !g[0].defined()) g[0] = at::zeros_like(y[0]);
+    return g;
+  }
+
   /** Node i's work. */
-  ta::variable_list backward_stage(int i, ta::Node& node, ta::variable_list&& grads) {
+  ta::variable_list backward_stage(int i, ta::Node& node, ta::variable_list&& in_grads) {
     std::vector<bool> want(node.num_outputs());
     for (size_t k = 0; k < want.size(); ++k) want[k] = node.task_should_compute_output(k);
+    running = &node;
     if (i == L - 1) {
       higher_order = at::GradMode::is_enabled();  // create_graph
-      if (higher_order) return higher_order_backward(grads[0]);
+      if (higher_order) return higher_order_backward(in_grads);
       begin_backward();
-      grad = grads[0].defined() ? std::move(grads[0]) : at::zeros_like(st.a[L]);
+      grads = final_grads(in_grads, st.a[L]);
     } else if (higher_order) {
       return std::move(higher_order_grads[i]);
     } else {
-      grad = std::move(grads[0]);  // the only reference: freed inside the stage's backward
+      grads.assign(std::make_move_iterator(in_grads.begin()), std::make_move_iterator(in_grads.end()));
+      in_grads.clear();  // the only references: freed inside the stage's backward
     }
     ta::variable_list result(node.num_outputs());
     ta::variable_list param_grads(params[i].size());
@@ -246,9 +396,12 @@ struct Execution {
       ++pc;
     }
     need(done, plan::Op{plan::OpKind::kBackward, i}, "the schedule ends before it");
-    for (size_t k = 0; k < param_grads.size(); ++k) result[1 + k] = std::move(param_grads[k]);
-    if (want[0]) result[0] = grad;
-    grad = at::Tensor();
+    const size_t n_in = node.num_outputs() - params[i].size();
+    for (size_t k = 0; k < param_grads.size(); ++k) result[n_in + k] = std::move(param_grads[k]);
+    for (size_t j = 0; j < n_in && j < grads.size(); ++j) {
+      if (want[j]) result[j] = std::move(grads[j]);
+    }
+    grads.clear();
     if (i == 0) finish();
     return result;
   }
@@ -257,42 +410,51 @@ struct Execution {
    *  input, gradients with create_graph; node L-1 returns its share, the
    *  other nodes theirs (NOTE above). The forward part's state is left as
    *  it is, for a later ordinary backward. */
-  ta::variable_list higher_order_backward(const at::Tensor& grad_out) {
+  ta::variable_list higher_order_backward(ta::variable_list& grads_out) {
     const uint64_t seq0 = at::sequence_number::peek();
-    at::Tensor h = input;
+    Values h = input;
     for (int i = 0; i < L; ++i) {
       auto& m = *(seq->begin() + i);
       ReplayGuard replay(*first_run[i], /*enable_grad=*/true);
-      h = m.forward<at::Tensor>(h);
+      h = run_module(m, h, who(i));
     }
-    std::vector<at::Tensor> targets{input};
-    std::vector<std::pair<int, int>> where{{0, 0}};  // (stage, output index)
+    std::vector<at::Tensor> targets = input.ts;
+    std::vector<std::pair<int, int>> where;  // (stage, output index)
+    for (size_t j = 0; j < input.size(); ++j) where.emplace_back(0, static_cast<int>(j));
     for (int i = 0; i < L; ++i) {
+      const int n_in = static_cast<int>(nodes[i]->num_outputs() - params[i].size());
       for (size_t k = 0; k < params[i].size(); ++k) {
         targets.push_back(params[i][k]);
-        where.emplace_back(i, static_cast<int>(1 + k));
+        where.emplace_back(i, n_in + static_cast<int>(k));
       }
     }
     higher_order_grads.assign(L, {});
     for (int i = 0; i < L; ++i) higher_order_grads[i].resize(nodes[i]->num_outputs());
-    Redirected r = redirect_gradient_edges(h, targets, seq0);
+    Redirected r = redirect_gradient_edges(h.ts, targets, seq0);
     ta::edge_list outputs;
     std::vector<size_t> target_of;
     for (size_t t = 0; t < targets.size(); ++t) {
       const auto [stage, k] = where[t];
       if (r.target_input[t] < 0 || !nodes[stage]->task_should_compute_output(k)) continue;
-      if (t == 0 && !input_requires_grad) continue;
+      if (t < input.size() && !input_requires_grad[t]) continue;
       outputs.push_back(r.edge(r.target_input[t]));
       target_of.push_back(t);
     }
     const size_t n_targets = outputs.size();
     for (const auto& [leaf, nr] : r.other_leaves) outputs.push_back(r.edge(nr));
-    if (!outputs.empty()) {
-      at::Tensor g = grad_out.defined() ? grad_out : at::zeros_like(h);
+    std::vector<at::Tensor> g = final_grads(grads_out, h);
+    ta::edge_list roots;
+    ta::variable_list seeds;
+    for (size_t k = 0; k < h.size(); ++k) {
+      if (h[k].defined() && h[k].requires_grad() && g[k].defined()) {
+        roots.push_back(ta::impl::gradient_edge(h[k]));
+        seeds.push_back(g[k]);
+      }
+    }
+    if (!outputs.empty() && !roots.empty()) {
       ta::variable_list got = ta::Engine::get_default_engine().execute(
           // keep_graph: the higher-order backward runs through h's graph.
-          {ta::impl::gradient_edge(h)}, {g}, /*keep_graph=*/true, /*create_graph=*/true,
-          /*accumulate_grad=*/false, outputs);
+          roots, seeds, /*keep_graph=*/true, /*create_graph=*/true, /*accumulate_grad=*/false, outputs);
       for (size_t k = 0; k < n_targets; ++k) {
         const auto [stage, idx] = where[target_of[k]];
         higher_order_grads[stage][idx] = std::move(got[k]);
@@ -331,33 +493,64 @@ struct StageBackward : ta::Node {
   std::string name() const override { return "remat::CheckpointedSequentialBackward"; }
 };
 
-/** Everything that changes the chain's costs: dtype, device, sizes and
- *  layout of x, whether x and each parameter require grad, train/eval
- *  mode, and the autocast state. */
-std::vector<int64_t> plan_key(const at::Tensor& x, const torch::nn::Sequential& seq) {
-  std::vector<int64_t> key{static_cast<int64_t>(x.scalar_type()),
-                           static_cast<int64_t>(x.device().type()),
-                           x.device().index(),
-                           x.requires_grad(),
-                           x.is_contiguous(),
-                           x.is_contiguous(at::MemoryFormat::ChannelsLast),
-                           seq->is_training()};
+/** Everything that changes the chain's costs: kind, dtype, device, sizes
+ *  and layout of each input tensor, whether each and each parameter require
+ *  grad, train/eval mode, and the autocast state. */
+std::vector<int64_t> plan_key(const Values& x, const torch::nn::Sequential& seq) {
+  std::vector<int64_t> key{static_cast<int64_t>(x.kind), static_cast<int64_t>(x.size()), seq->is_training()};
   const AutocastState ac = AutocastState::capture();
   key.insert(key.end(), {ac.cpu_enabled, static_cast<int64_t>(ac.cpu_dtype), ac.cuda_enabled,
                          static_cast<int64_t>(ac.cuda_dtype)});
   for (const auto& m : seq->modules(/*include_self=*/false)) key.push_back(m->is_training());
   for (const auto& p : seq->parameters()) key.push_back(p.requires_grad());
-  key.push_back(-1);  // separates the flags from the sizes
-  for (auto s : x.sizes()) key.push_back(s);
+  for (const auto& t : x.ts) {
+    key.push_back(-1);  // separates the tensors
+    if (!t.defined()) continue;
+    key.insert(key.end(),
+               {static_cast<int64_t>(t.scalar_type()), static_cast<int64_t>(t.device().type()), t.device().index(),
+                t.requires_grad(), t.is_contiguous(), t.is_contiguous(at::MemoryFormat::ChannelsLast)});
+    key.push_back(-2);  // separates the flags from the sizes
+    for (auto d : t.sizes()) key.push_back(d);
+  }
   return key;
 }
 
 }  // namespace
 }  // namespace detail
 
+namespace {
+
+torch::nn::Sequential join(const std::vector<torch::nn::Sequential>& parts) {
+  if (parts.empty()) {
+    throw Error("[remat::CheckpointedSequential] no modules given; pass the Sequentials of the chain in order.");
+  }
+  torch::nn::Sequential seq;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    if (parts[p].is_empty()) {
+      throw Error("[remat::CheckpointedSequential] part " + std::to_string(p) +
+                  " is a null Sequential; construct it before building the chain.");
+    }
+    const auto names = parts[p]->named_children().keys();
+    for (size_t k = 0; k < parts[p]->size(); ++k) {
+      seq->push_back(std::to_string(p) + "_" + names[k], *(parts[p]->begin() + static_cast<std::ptrdiff_t>(k)));
+    }
+  }
+  return seq;
+}
+
+}  // namespace
+
+CheckpointedSequentialImpl::CheckpointedSequentialImpl(std::vector<torch::nn::Sequential> parts,
+                                                       SequentialOptions options)
+    : CheckpointedSequentialImpl(join(parts), std::move(options), /*own_children=*/false) {}
+
 CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options)
-    : seq_(std::move(seq)), options_(std::move(options)) {
-  if (seq_->size() == 0) {
+    : CheckpointedSequentialImpl(std::move(seq), std::move(options), /*own_children=*/true) {}
+
+CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options,
+                                                       bool own_children)
+    : seq_(std::move(seq)), options_(std::move(options)), own_children_(own_children) {
+  if (seq_.is_empty() || seq_->size() == 0) {
     throw Error("[remat::CheckpointedSequential] the Sequential is empty; add modules before wrapping it.");
   }
   if (options_.segments() < 0 || options_.segments() > static_cast<int>(seq_->size())) {
@@ -386,8 +579,11 @@ CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq
 void CheckpointedSequentialImpl::reset() {
   // Registered under their own names, not under a "seq" child: swapping a
   // model's Sequential for this wrapper keeps parameter names and the layout
-  // of saved weights, and parameters() lists each one once.
-  for (const auto& item : seq_->named_children()) register_module(item.key(), item.value());
+  // of saved weights, and parameters() lists each one once. A chain over
+  // several modules registers nothing: they stay registered where they are.
+  if (own_children_) {
+    for (const auto& item : seq_->named_children()) register_module(item.key(), item.value());
+  }
   plans_.clear();
   last_ = nullptr;
 }
@@ -398,6 +594,11 @@ void CheckpointedSequentialImpl::train(bool on) {
 }
 
 std::shared_ptr<torch::nn::Module> CheckpointedSequentialImpl::clone(const std::optional<c10::Device>& device) const {
+  if (!own_children_) {
+    throw Error(
+        "[remat::CheckpointedSequential] a chain over several modules does not own them and cannot be cloned; "
+        "clone the model that registers them, then build a new CheckpointedSequential over the clone's modules.");
+  }
   // Cloneable::clone would re-register the same Sequential in the copy and
   // then overwrite its parameters, changing the original: copy it deeply.
   auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq_->clone(device));
@@ -407,12 +608,14 @@ std::shared_ptr<torch::nn::Module> CheckpointedSequentialImpl::clone(const std::
   return copy;
 }
 
-const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(const at::Tensor& x) {
+const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(const detail::Values& x) {
   auto key = detail::plan_key(x, seq_);
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
   Entry e;
-  e.chain = profile(seq_, x, options_.profile());
+  detail::Values result;
+  e.chain = detail::profile_values(seq_, x, options_.profile(), &result);
+  e.result = std::make_shared<detail::Values>(std::move(result));
   ++profiles_;
   int64_t budget = options_.memory_budget_bytes();
   if (options_.memory_budget_fraction() > 0) {
@@ -441,7 +644,13 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
 
 const plan::Plan& CheckpointedSequentialImpl::plan(const at::Tensor& x) {
   std::lock_guard<std::mutex> lock(*mu_);
-  last_ = &entry_for(x);
+  last_ = &entry_for(detail::Values(x));
+  return last_->plan;
+}
+
+const plan::Plan& CheckpointedSequentialImpl::plan_values(const std::vector<at::Tensor>& xs) {
+  std::lock_guard<std::mutex> lock(*mu_);
+  last_ = &entry_for(detail::Values(detail::Values::Kind::kVector, xs));
   return last_->plan;
 }
 
@@ -458,10 +667,23 @@ const plan::Plan& CheckpointedSequentialImpl::plan() const { return last_entry()
 const plan::Chain& CheckpointedSequentialImpl::chain() const { return last_entry().chain; }
 
 at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
+  detail::Values y = run(detail::Values(x), /*want_tensor=*/true);
+  return y[0];
+}
+
+std::vector<at::Tensor> CheckpointedSequentialImpl::forward_values(const std::vector<at::Tensor>& xs) {
+  if (xs.empty()) {
+    throw Error("[remat::CheckpointedSequential] forward_values got no tensors; pass the first module's inputs.");
+  }
+  return run(detail::Values(detail::Values::Kind::kVector, xs), /*want_tensor=*/false).ts;
+}
+
+detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool want_tensor) {
   const int L = static_cast<int>(seq_->size());
   // Per stage: its parameters that require grad, each once.
   std::vector<std::vector<at::Tensor>> params(L);
-  bool any_grad = x.requires_grad();
+  bool any_grad = false;
+  for (const auto& t : x.ts) any_grad |= t.defined() && t.requires_grad();
   for (int i = 0; i < L; ++i) {
     std::unordered_set<const c10::TensorImpl*> seen;
     for (auto& p : (seq_->begin() + i)->ptr()->parameters()) {
@@ -469,7 +691,20 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
     }
     any_grad |= !params[i].empty();
   }
-  if (!at::GradMode::is_enabled() || !any_grad) return seq_->forward(x);  // nothing to save
+  auto check_result = [&](const detail::Values& y) {
+    if (want_tensor && y.kind != detail::Values::Kind::kTensor) {
+      throw Error("[remat::CheckpointedSequential] the last stage returns a " + y.describe() +
+                  "; call forward_values() for a chain whose result is not one tensor.");
+    }
+  };
+  if (!at::GradMode::is_enabled() || !any_grad) {  // nothing to save
+    detail::Values h = x;
+    for (int i = 0; i < L; ++i) {
+      h = detail::run_module(*(seq_->begin() + i), h, "[remat::CheckpointedSequential] stage " + std::to_string(i));
+    }
+    check_result(h);
+    return h;
+  }
 
   const Entry* entry;
   {
@@ -478,6 +713,8 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
     std::lock_guard<std::mutex> lock(*mu_);
     entry = last_ = &entry_for(x);
   }
+  // Checked before running anything: a wrong call changes no buffer or RNG.
+  check_result(*entry->result);
   auto exec = std::make_shared<detail::Execution>();
   exec->owner = std::static_pointer_cast<CheckpointedSequentialImpl>(shared_from_this());
   exec->seq = seq_;
@@ -493,41 +730,60 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& x) {
   exec->first_run.resize(L);
   exec->params = std::move(params);
   exec->preserve_rng = options_.preserve_rng_state();
-  exec->input_requires_grad = x.requires_grad();
+  for (const auto& t : x.ts) exec->input_requires_grad.push_back(t.defined() && t.requires_grad());
   exec->input = x;
   exec->input_bytes = entry->chain.input_bytes;
   if (options_.measure_memory()) {
     // Capture the RNG state once before measuring: stages that draw no random
     // numbers then share this copy instead of allocating inside the window.
-    detail::ReplayState::capture(exec->preserve_rng, {x.device()}, {});
+    detail::ReplayState::capture(exec->preserve_rng, {detail::Execution::device_of(x)}, {});
     exec->probe = std::make_unique<memory::Probe>();
   }
-  exec->st.a[0] = x.detach();
-  at::Tensor y = exec->run_forward().detach();  // shares a_L's storage
+  exec->st.a[0] = x.detached();
+  detail::Values y = exec->run_forward().detached();  // shares a_L's storages
 
-  // One node per stage, node i's first edge to node i-1 (node 0's to x).
+  // One node per stage. Node i's first edges lead to node i-1, one per
+  // tensor of a_i (node 0's to the tensors of x), then one per parameter.
+  namespace ta = torch::autograd;
   std::vector<c10::intrusive_ptr<detail::StageBackward>> nodes(L);
   for (int i = 0; i < L; ++i) {
     auto node = c10::make_intrusive<detail::StageBackward>();
     node->stage = i;
     node->exec = exec;
-    torch::autograd::edge_list edges;
+    ta::edge_list edges;
     if (i == 0) {
-      edges.push_back(x.requires_grad() ? torch::autograd::impl::gradient_edge(x) : torch::autograd::Edge());
+      for (const auto& t : x.ts) {
+        edges.push_back(t.defined() && t.requires_grad() ? ta::impl::gradient_edge(t) : ta::Edge());
+      }
     } else {
-      edges.emplace_back(nodes[i - 1], 0);
+      for (size_t k = 0; k < exec->out_meta[i - 1].size(); ++k) edges.emplace_back(nodes[i - 1], k);
     }
-    auto rest = torch::autograd::collect_next_edges(exec->params[i]);
+    auto rest = ta::collect_next_edges(exec->params[i]);
     edges.insert(edges.end(), rest.begin(), rest.end());
     node->set_next_edges(std::move(edges));
     if (i < L - 1) {
-      const auto& [opts, sizes] = exec->out_meta[i];
-      node->add_input_metadata(opts, c10::fromIntArrayRefSlow(sizes), false, false, std::nullopt);
+      for (const auto& m : exec->out_meta[i]) {
+        if (m.defined) {
+          node->add_input_metadata(m.options, c10::fromIntArrayRefSlow(m.sizes), false, false, std::nullopt);
+        } else {
+          node->add_input_metadata(ta::Node::undefined_input());
+        }
+      }
     }
     exec->nodes.push_back(node.get());
     nodes[i] = std::move(node);
   }
-  torch::autograd::create_gradient_edge(y, nodes[L - 1]);
+  // The result's tensors that carry a gradient get node L-1's inputs; the
+  // others (a mask, an integer tensor) only hold their place.
+  const detail::Values& last = exec->st.out[L - 1];
+  for (size_t k = 0; k < y.size(); ++k) {
+    if (y[k].defined() && last[k].defined() && last[k].requires_grad()) {
+      ta::create_gradient_edge(y[k], nodes[L - 1]);
+    } else {
+      nodes[L - 1]->add_input_metadata(ta::Node::undefined_input());
+    }
+  }
+  check_result(y);
   return y;
 }
 

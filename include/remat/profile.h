@@ -33,6 +33,12 @@ struct ProfileOptions {
  *  (temporaries: peak above what the op leaves behind). */
 plan::Chain profile(const torch::nn::Sequential& seq, const at::Tensor& x,
                     const ProfileOptions& options = ProfileOptions());
+/** The same for a chain whose first module takes a std::vector<at::Tensor>.
+ *  Every boundary may be a tensor, a vector or a tuple of 2 to 4 tensors;
+ *  its output_bytes counts each distinct storage once, except storages of
+ *  xs (counted in input_bytes). */
+plan::Chain profile(const torch::nn::Sequential& seq, const std::vector<at::Tensor>& xs,
+                    const ProfileOptions& options = ProfileOptions());
 
 /** The chain as the JSON that `remat-plan` reads. */
 std::string chain_to_json(const plan::Chain& chain);

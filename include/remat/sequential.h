@@ -13,7 +13,12 @@
 // their own names ("0", "1", ...), so a model whose `body` Sequential becomes
 // a CheckpointedSequential keeps its parameter names ("body.0.weight") and
 // its saved weights load either way (docs/runtime.md).
-// Leaves out: stages with more than one tensor input or output.
+// Several tensors: a stage may take and return a std::vector<at::Tensor> or
+// a std::tuple of 2 to 4 tensors (hidden state and mask, a skip tensor); the
+// planner counts every tensor at a boundary. forward_values() runs a chain
+// whose first module takes a vector. Several modules: the constructor that
+// takes {layer1, layer2, ...} plans them as one chain and registers none of
+// them, so they stay registered (and named) where they were.
 #pragma once
 
 #include <map>
@@ -74,11 +79,17 @@ struct StepReport {
 
 namespace detail {
 struct Execution;
+struct Values;
 }  // namespace detail
 
 class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSequentialImpl> {
  public:
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options = SequentialOptions());
+  /** One chain over the modules of several Sequentials, in order (e.g. a
+   *  ResNet's layer1..layer4). The modules stay registered where they are
+   *  (in the model that owns them): this wrapper registers none, so its
+   *  parameters() is empty and registering it adds nothing twice. */
+  CheckpointedSequentialImpl(std::vector<torch::nn::Sequential> parts, SequentialOptions options = SequentialOptions());
 
   void reset() override;
   /** Also sets the wrapped Sequential's own mode (the plan depends on it). */
@@ -86,13 +97,20 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   /** A deep copy: its own Sequential (cloned), the same options; the
    *  original is left untouched. Plans are made again on first use. */
   std::shared_ptr<torch::nn::Module> clone(const std::optional<c10::Device>& device = std::nullopt) const override;
-  /** Runs the schedule's forward part; backward runs the rest. */
+  /** Runs the schedule's forward part; backward runs the rest. The last
+   *  stage must return one tensor (else forward_values). */
   at::Tensor forward(const at::Tensor& x);
+  /** The same for a chain whose first module takes a std::vector<at::Tensor>;
+   *  returns the last stage's tensors (a vector or a tuple's elements, in
+   *  order). Tensors that are not floating point (masks, indices) carry no
+   *  gradient. */
+  std::vector<at::Tensor> forward_values(const std::vector<at::Tensor>& xs);
 
   /** The plan for the last input shape (profiling and solving if needed
    *  when given x). Throws if no forward has run and no x is given. */
   const plan::Plan& plan() const;
   const plan::Plan& plan(const at::Tensor& x);
+  const plan::Plan& plan_values(const std::vector<at::Tensor>& xs);
   /** The profiled chain for the last input shape. */
   const plan::Chain& chain() const;
   /** Per stage: name, forward runs, kept after forward, output and saved
@@ -118,12 +136,16 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   struct Entry {
     plan::Chain chain;
     plan::Plan plan;
+    std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
   };
-  const Entry& entry_for(const at::Tensor& x);  // with mu_ held
+  CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options, bool own_children);
+  const Entry& entry_for(const detail::Values& x);  // with mu_ held
   const Entry& last_entry() const;
+  detail::Values run(const detail::Values& x, bool want_tensor);
 
   torch::nn::Sequential seq_;
   SequentialOptions options_;
+  bool own_children_ = true;  // false: a chain over several modules
   // Guards plans_, last_, profiles_ and last_step_: one model may run
   // forward/backward on several threads at once (shared, not copied, by
   // the base class's copy in clone(), which this class overrides).
@@ -134,6 +156,18 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   int profiles_ = 0;
 };
 
-TORCH_MODULE(CheckpointedSequential);
+/** The module holder (as TORCH_MODULE would define it), plus the
+ *  constructor from a braced list of Sequentials:
+ *  `remat::CheckpointedSequential({layer1, layer2, layer3}, opts)`. */
+class CheckpointedSequential : public torch::nn::ModuleHolder<CheckpointedSequentialImpl> {
+ public:
+  using torch::nn::ModuleHolder<CheckpointedSequentialImpl>::ModuleHolder;
+  using Impl = CheckpointedSequentialImpl;
+  // The options are not optional here: with a braced list as the only
+  // argument, a copy of a holder built from the list would be as good a
+  // match, and an initializer_list constructor would capture `{nullptr}`.
+  CheckpointedSequential(std::vector<torch::nn::Sequential> parts, SequentialOptions options)
+      : ModuleHolder(std::make_shared<CheckpointedSequentialImpl>(std::move(parts), std::move(options))) {}
+};
 
 }  // namespace remat
