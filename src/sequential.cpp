@@ -82,6 +82,28 @@ struct Execution : std::enable_shared_from_this<Execution> {
   std::vector<bool> input_requires_grad;  // per tensor of x
   std::unique_ptr<memory::Probe> probe;
   int64_t input_bytes = 0;
+  // The chain's own bytes (StepReport::chain_peak_bytes): summed over the
+  // intervals where the chain runs (its forward part, each node's apply),
+  // so that what other code allocates in between is left out.
+  int64_t own = 0, own_peak = 0;
+  const CheckpointedSequentialImpl::Entry* entry = nullptr;  // the plan this execution runs
+
+  /** Counts one interval where the chain runs (when measuring). */
+  struct OwnInterval {
+    Execution& e;
+    std::optional<memory::Probe> p;
+    explicit OwnInterval(Execution& ex, int64_t received = 0) : e(ex) {
+      if (!e.probe) return;
+      e.own += received;  // gradients handed in by the engine become the chain's
+      e.own_peak = std::max(e.own_peak, e.own);
+      p.emplace();
+    }
+    ~OwnInterval() {
+      if (!p) return;
+      e.own_peak = std::max(e.own_peak, e.own + p->peak_bytes());
+      e.own += p->delta_bytes();
+    }
+  };
   // NOTE [early delivery]: per stage and parameter, whether this backward
   // lets the stage's inner backward deliver the gradient itself (set by
   // begin_backward); the outer edges invalidated meanwhile, with their node.
@@ -329,6 +351,8 @@ struct Execution : std::enable_shared_from_this<Execution> {
 
   /** The forward part: ops up to the first backward. Returns a_L. */
   Values run_forward() {
+    own = own_peak = input_bytes;
+    OwnInterval interval(*this);
     in_forward_part = true;
     while (pc < schedule.ops.size() && schedule.ops[pc].kind != plan::OpKind::kBackward) {
       step(schedule.ops[pc], nullptr, nullptr);
@@ -375,6 +399,12 @@ struct Execution : std::enable_shared_from_this<Execution> {
     std::vector<bool> want(node.num_outputs());
     for (size_t k = 0; k < want.size(); ++k) want[k] = node.task_should_compute_output(k);
     running = &node;
+    int64_t received = 0;
+    for (const auto& g : in_grads) {
+      if (g.defined()) received += static_cast<int64_t>(g.storage().nbytes());
+    }
+    std::optional<OwnInterval> interval;
+    interval.emplace(*this, received);
     if (i == L - 1) {
       higher_order = at::GradMode::is_enabled();  // create_graph
       if (higher_order) return higher_order_backward(in_grads);
@@ -402,7 +432,10 @@ struct Execution : std::enable_shared_from_this<Execution> {
       if (want[j]) result[j] = std::move(grads[j]);
     }
     grads.clear();
-    if (i == 0) finish();
+    if (i == 0) {
+      interval.reset();  // the chain's last interval ends before the report
+      finish();
+    }
     return result;
   }
 
@@ -467,11 +500,18 @@ struct Execution : std::enable_shared_from_this<Execution> {
   void finish() {
     StepReport report;
     report.forwards_per_stage = st.runs;
-    if (probe) report.measured_peak_bytes = probe->peak_bytes() + input_bytes;
+    if (probe) {
+      report.measured_peak_bytes = probe->peak_bytes() + input_bytes;
+      report.chain_peak_bytes = std::max(own_peak, own);  // node 0's interval is still open
+    }
     probe.reset();
     st = State();
     std::lock_guard<std::mutex> lock(*owner->mu_);
+    report.step_peak_bytes = owner->last_step_.step_peak_bytes;
+    report.outside_bytes = owner->last_step_.outside_bytes;
     owner->last_step_ = std::move(report);
+    owner->last_chain_entry_ = const_cast<CheckpointedSequentialImpl::Entry*>(entry);
+    ++owner->chain_steps_;
   }
 };
 
@@ -573,6 +613,22 @@ CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq
         "[remat::CheckpointedSequential] memory_budget_bytes and memory_budget_fraction are both set; give one "
         "budget.");
   }
+  const int64_t step = options_.step_memory_budget_bytes();
+  if (step == 0 || step < -1) {
+    throw Error("[remat::CheckpointedSequential] step_memory_budget_bytes must be positive (or -1 for none), got " +
+                std::to_string(step) + ".");
+  }
+  if (step > 0 && (f != -1 || options_.memory_budget_bytes() > 0 || options_.segments() > 0 || options_.schedule() ||
+                   !(options_.algorithm().empty() || options_.algorithm() == "optimal"))) {
+    throw Error(
+        "[remat::CheckpointedSequential] step_memory_budget_bytes plans the chain itself (algorithm optimal); "
+        "leave memory_budget_bytes, memory_budget_fraction, segments, schedule and algorithm unset with it.");
+  }
+  if (step > 0 && !options_.measure_memory()) {
+    throw Error(
+        "[remat::CheckpointedSequential] step_memory_budget_bytes needs the steps measured; leave "
+        "measure_memory on.");
+  }
   reset();
 }
 
@@ -621,6 +677,11 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   if (options_.memory_budget_fraction() > 0) {
     const int64_t plain = plan::store_all(e.chain).prediction.peak_bytes;
     budget = std::max<int64_t>(1, static_cast<int64_t>(options_.memory_budget_fraction() * static_cast<double>(plain)));
+  }
+  if (options_.step_memory_budget_bytes() > 0) {
+    // The first step of this shape runs the leanest schedule and measures
+    // what lies outside the chain; end_step() plans for what is left.
+    budget = plan::min_feasible_peak_bytes(e.chain);
   }
   if (options_.schedule()) {
     e.plan = {"explicit", *options_.schedule(), plan::simulate(e.chain, *options_.schedule())};
@@ -707,18 +768,29 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
   }
 
   const Entry* entry;
+  plan::Schedule schedule;
   {
     // Entries are never erased while the module lives (map nodes are
-    // stable), so the pointer stays valid after the lock is released.
+    // stable), so the pointer stays valid after the lock is released; the
+    // schedule is copied here (end_step may re-plan it meanwhile).
     std::lock_guard<std::mutex> lock(*mu_);
+    if (options_.step_memory_budget_bytes() > 0 && open_steps_ == 0) {
+      throw Error(
+          "[remat::CheckpointedSequential] step_memory_budget_bytes needs each training step measured: open "
+          "`auto step = net->begin_step();` before the model's forward and keep it until the step ends (after "
+          "the optimizer step).");
+    }
     entry = last_ = &entry_for(x);
+    if (!entry->step_error.empty()) throw Error(entry->step_error);
+    schedule = entry->plan.schedule;
   }
   // Checked before running anything: a wrong call changes no buffer or RNG.
   check_result(*entry->result);
   auto exec = std::make_shared<detail::Execution>();
   exec->owner = std::static_pointer_cast<CheckpointedSequentialImpl>(shared_from_this());
   exec->seq = seq_;
-  exec->schedule = entry->plan.schedule;
+  exec->schedule = std::move(schedule);
+  exec->entry = entry;
   exec->L = L;
   exec->st.a.resize(L + 1);
   exec->st.leaf.resize(L);
@@ -787,6 +859,65 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
   return y;
 }
 
+StepScope::StepScope(std::shared_ptr<CheckpointedSequentialImpl> owner, int64_t chain_steps)
+    : owner_(std::move(owner)), probe_(std::make_unique<memory::Probe>()), chain_steps_(chain_steps) {}
+
+StepScope::StepScope(StepScope&& other) noexcept
+    : owner_(std::move(other.owner_)), probe_(std::move(other.probe_)), chain_steps_(other.chain_steps_) {}
+
+StepScope::~StepScope() {
+  if (owner_) owner_->end_step(probe_->peak_bytes(), chain_steps_);
+}
+
+StepScope CheckpointedSequentialImpl::begin_step() {
+  std::lock_guard<std::mutex> lock(*mu_);
+  ++open_steps_;
+  return StepScope(std::static_pointer_cast<CheckpointedSequentialImpl>(shared_from_this()), chain_steps_);
+}
+
+void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps_before) {
+  std::lock_guard<std::mutex> lock(*mu_);
+  --open_steps_;
+  last_step_.step_peak_bytes = step_peak;
+  const int64_t budget = options_.step_memory_budget_bytes();
+  // A scope in which no step of the chain completed says nothing about it.
+  if (budget <= 0 || chain_steps_ == chain_steps_before || !last_chain_entry_) return;
+  Entry& e = *last_chain_entry_;
+  const int64_t chain_own = last_step_.chain_peak_bytes;
+  if (chain_own <= 0) return;
+  // Conservative: all of the step's peak above the chain's own peak is taken
+  // to coexist with the chain's peak.
+  const int64_t outside = std::max<int64_t>(0, step_peak - chain_own);
+  last_step_.outside_bytes = outside;
+  // Re-planned after each of the first two measured steps (the first one
+  // also allocates what persists after it, e.g. the optimizer's state), and
+  // afterwards only when a step goes over the budget.
+  const bool over = step_peak > budget;
+  if (++e.steps_measured > 2 && !over) return;
+  e.outside_bytes = over ? std::max(e.outside_bytes, outside) : outside;
+  // What the chain may measure, as a prediction: the prediction's error on
+  // this chain (predicted / measured on this step) carried over.
+  const double calibration =
+      std::clamp(static_cast<double>(e.plan.prediction.peak_bytes) / static_cast<double>(chain_own), 0.5, 2.0);
+  const int64_t left = budget - e.outside_bytes;
+  const int64_t chain_budget = static_cast<int64_t>(static_cast<double>(std::max<int64_t>(left, 0)) * calibration);
+  const int64_t lowest = plan::min_feasible_peak_bytes(e.chain);
+  if (chain_budget < lowest) {
+    e.step_error = "[remat::CheckpointedSequential] the step budget of " + format_bytes(budget) +
+                   " cannot be met: outside the chain the step holds " + format_bytes(e.outside_bytes) +
+                   " (measured: the step's peak " + format_bytes(step_peak) + " minus the chain's own " +
+                   format_bytes(chain_own) + "), and the chain needs at least " +
+                   format_bytes(static_cast<int64_t>(static_cast<double>(lowest) / calibration)) +
+                   "; raise step_memory_budget_bytes, or shrink what is outside the chain (batch, head).";
+    return;
+  }
+  auto solve = plan::parse_algorithm("optimal")
+                   .with_memory_slots(options_.memory_slots())
+                   .with_scope(options_.scope())
+                   .with_budget_bytes(chain_budget);
+  e.plan = plan::solve(e.chain, solve);
+}
+
 std::string CheckpointedSequentialImpl::explain() const {
   const Entry& e = last_entry();
   const auto& c = e.chain;
@@ -830,6 +961,20 @@ std::string CheckpointedSequentialImpl::explain() const {
        << "% of predicted)\n";
   } else {
     os << "measured peak: none yet (run a forward and backward step)\n";
+  }
+  if (last_step.chain_peak_bytes >= 0) {
+    os << "  of which the chain's own: " << format_bytes(last_step.chain_peak_bytes) << " ("
+       << (100.0 * static_cast<double>(last_step.chain_peak_bytes) /
+           static_cast<double>(std::max<int64_t>(1, p.prediction.peak_bytes)))
+       << "% of predicted); the rest was allocated outside it (head, loss) during its forward and backward\n";
+  }
+  if (last_step.step_peak_bytes >= 0) {
+    os << "step peak (last begin_step scope): " << format_bytes(last_step.step_peak_bytes);
+    if (options_.step_memory_budget_bytes() > 0) {
+      os << ", step budget " << format_bytes(options_.step_memory_budget_bytes());
+      if (last_step.outside_bytes >= 0) os << ", outside the chain " << format_bytes(last_step.outside_bytes);
+    }
+    os << "\n";
   }
   return os.str();
 }

@@ -6,6 +6,7 @@
 // schedule; the profiler's byte counts against the tensors at each boundary.
 #include "common.h"
 
+#include <optional>
 #include <tuple>
 
 #include <remat/plan/plan.h>
@@ -382,6 +383,135 @@ TEST(CheckpointedSequentialValues, TupleResultAndAMaskWithoutGradient) {
   auto plain = open->forward<std::tuple<Tensor, Tensor>>(std::vector<Tensor>{in.x, in.mask});
   std::get<0>(plain).sum().backward();
   expect_bitwise_equal(grads_of(*open, in.x), got);
+}
+
+// ---- whole-step budgets (issue #11 item 3) ----
+
+/** A small GPT: embedding, a chain of blocks, final LayerNorm and a head,
+ *  cross-entropy loss. */
+struct TinyGptImpl : torch::nn::Module {
+  TinyGptImpl(int64_t vocab, int64_t d, int64_t layers, uint64_t seed) {
+    torch::manual_seed(seed);
+    wte = register_module("wte", torch::nn::Embedding(vocab, d));
+    torch::nn::Sequential b;
+    for (int64_t i = 0; i < layers; ++i) b->push_back(GptBlock(d, 4));
+    blocks = register_module("blocks", b);
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    head = register_module("head", torch::nn::Linear(d, vocab));
+  }
+  Tensor loss(const Tensor& idx, const Tensor& target) {
+    Tensor h = wte(idx);
+    h = ck.is_empty() ? blocks->forward(h) : ck->forward(h);
+    auto logits = head(ln(h));
+    return torch::nn::functional::cross_entropy(logits.flatten(0, 1), target.flatten());
+  }
+  torch::nn::Embedding wte{nullptr};
+  torch::nn::Sequential blocks{nullptr};
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear head{nullptr};
+  remat::CheckpointedSequential ck{nullptr};  // over blocks, not registered
+};
+TORCH_MODULE(TinyGpt);
+
+TEST(CheckpointedSequentialStepBudget, TheWholeStepWithItsHeadStaysUnderTheBudget) {
+  remat::memory::enable_tracking();
+  const int64_t vocab = 512, d = 64, T = 64, B = 8;
+  torch::manual_seed(1);
+  auto idx = torch::randint(vocab, {B, T});
+  auto target = torch::randint(vocab, {B, T});
+  auto run_steps = [&](TinyGpt& m, int n, const std::function<void(int, int64_t)>& after) {
+    torch::optim::Adam opt(m->parameters(), 1e-3);
+    for (int s = 0; s < n; ++s) {
+      int64_t peak;
+      {
+        std::optional<remat::StepScope> step;
+        if (!m->ck.is_empty()) step.emplace(m->ck->begin_step());
+        remat::memory::Probe probe;
+        opt.zero_grad();
+        m->loss(idx, target).backward();
+        opt.step();
+        peak = probe.peak_bytes();
+      }
+      after(s, peak);
+    }
+  };
+  TinyGpt plain(vocab, d, 6, 3);
+  std::vector<int64_t> plain_peaks;
+  run_steps(plain, 3, [&](int, int64_t p) { plain_peaks.push_back(p); });
+  const int64_t plain_step = plain_peaks.back();  // steady state: optimizer state exists
+  const int64_t budget = plain_step * 6 / 10;
+  TinyGpt ck(vocab, d, 6, 3);
+  ck->ck = remat::CheckpointedSequential(ck->blocks, remat::SequentialOptions().step_memory_budget_bytes(budget));
+  run_steps(ck, 5, [&](int s, int64_t peak) {
+    const auto report = ck->ck->last_step();
+    std::printf("  step %d: step peak %s (budget %s, plain %s), chain's own %s, outside %s, prediction %s\n", s,
+                remat::format_bytes(peak).c_str(), remat::format_bytes(budget).c_str(),
+                remat::format_bytes(plain_step).c_str(), remat::format_bytes(report.chain_peak_bytes).c_str(),
+                remat::format_bytes(report.outside_bytes).c_str(),
+                remat::format_bytes(ck->ck->plan().prediction.peak_bytes).c_str());
+    EXPECT_EQ(report.step_peak_bytes, peak) << "the scope sees what the probe sees";
+    // After the two warm-up steps (the first runs the leanest schedule and
+    // allocates the optimizer's state), the step holds the budget.
+    if (s >= 2) EXPECT_LE(peak, budget * 1.02) << "step " << s << "\n" << ck->ck->explain();
+  });
+  // It used the room: the chain's plan is not the leanest one any more.
+  const int64_t leanest = remat::plan::min_feasible_peak_bytes(ck->ck->chain());
+  EXPECT_GT(ck->ck->plan().prediction.peak_bytes, leanest * 1.2) << remat::format_bytes(leanest);
+  const std::string text = ck->ck->explain();
+  EXPECT_NE(text.find("of which the chain's own: "), std::string::npos) << text;
+  EXPECT_NE(text.find("step peak (last begin_step scope): "), std::string::npos) << text;
+  EXPECT_NE(text.find(", outside the chain "), std::string::npos) << text;
+  // And the parameters followed the plain run's curve.
+  auto pp = plain->parameters(), cp = ck->parameters();
+  TinyGpt again(vocab, d, 6, 3);
+  run_steps(again, 5, [](int, int64_t) {});
+  auto ap = again->parameters();
+  for (size_t i = 0; i < cp.size(); ++i) EXPECT_TRUE(torch::equal(cp[i], ap[i])) << i;
+}
+
+TEST(CheckpointedSequentialStepBudget, Errors) {
+  auto seq = make_mlp(4, 16);
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  EXPECT_EQ(
+      error_of([&] { remat::CheckpointedSequential(seq, remat::SequentialOptions().step_memory_budget_bytes(0)); }),
+      "[remat::CheckpointedSequential] step_memory_budget_bytes must be positive (or -1 for none), got 0.");
+  EXPECT_EQ(error_of([&] {
+              remat::CheckpointedSequential(
+                  seq, remat::SequentialOptions().step_memory_budget_bytes(1 << 20).memory_budget_bytes(1 << 19));
+            }),
+            "[remat::CheckpointedSequential] step_memory_budget_bytes plans the chain itself (algorithm optimal); "
+            "leave memory_budget_bytes, memory_budget_fraction, segments, schedule and algorithm unset with it.");
+  EXPECT_EQ(error_of([&] {
+              remat::CheckpointedSequential(
+                  seq, remat::SequentialOptions().step_memory_budget_bytes(1 << 20).measure_memory(false));
+            }),
+            "[remat::CheckpointedSequential] step_memory_budget_bytes needs the steps measured; leave "
+            "measure_memory on.");
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().step_memory_budget_bytes(1 << 20));
+  EXPECT_EQ(error_of([&] { net->forward(x); }),
+            "[remat::CheckpointedSequential] step_memory_budget_bytes needs each training step measured: open "
+            "`auto step = net->begin_step();` before the model's forward and keep it until the step ends (after "
+            "the optimizer step).");
+  // A budget that the bytes outside the chain already fill: the step after
+  // the measured one says so, and runs nothing.
+  remat::CheckpointedSequential tight(seq, remat::SequentialOptions().step_memory_budget_bytes(4096));
+  {
+    auto step = tight->begin_step();
+    auto big = torch::ones({64, 1024});  // 256 KiB held outside the chain
+    (tight->forward(x).sum() + big.sum()).backward();
+  }
+  std::string msg;
+  {
+    auto step = tight->begin_step();
+    msg = error_of([&] { tight->forward(x); });
+  }
+  EXPECT_NE(msg.find("[remat::CheckpointedSequential] the step budget of 4.00 KiB cannot be met: outside the chain "
+                     "the step holds "),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("; raise step_memory_budget_bytes, or shrink what is outside the chain (batch, head)."),
+            std::string::npos)
+      << msg;
 }
 
 }  // namespace

@@ -13,6 +13,9 @@
 // their own names ("0", "1", ...), so a model whose `body` Sequential becomes
 // a CheckpointedSequential keeps its parameter names ("body.0.weight") and
 // its saved weights load either way (docs/runtime.md).
+// Budgets: for the chain (bytes, or a fraction of its plain peak), or for
+// the whole training step (step_memory_budget_bytes with begin_step()
+// scopes: what lies outside the chain is measured and subtracted).
 // Several tensors: a stage may take and return a std::vector<at::Tensor> or
 // a std::tuple of 2 to 4 tensors (hidden state and mask, a skip tensor); the
 // planner counts every tensor at a boundary. forward_values() runs a chain
@@ -34,6 +37,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <remat/memory.h>
 #include <remat/plan/solve.h>
 #include <remat/profile.h>
 
@@ -62,6 +66,16 @@ struct SequentialOptions {
   TORCH_ARG(plan::OptimalScope, scope) = plan::OptimalScope::kAuto;
   /** Replay each stage's RNG state when it is recomputed. Default true. */
   TORCH_ARG(bool, preserve_rng_state) = true;
+  /** Peak bytes allowed for the whole training step: everything a
+   *  begin_step() scope sees above the bytes live when it opened (the
+   *  model's other layers, the loss, gradients, the optimizer step; not
+   *  what was live before: parameters, optimizer state, .grad kept between
+   *  steps). The bytes outside the chain are measured on the first step of
+   *  each input shape, which runs the leanest schedule, and subtracted: the
+   *  chain is then planned for what is left. Needs measure_memory and every
+   *  step inside a begin_step() scope; not together with the chain budgets.
+   *  Default -1: none. */
+  TORCH_ARG(int64_t, step_memory_budget_bytes) = -1;
   /** Measure the peak of each step with remat::memory (allocations are
    *  counted from forward to the end of backward). Default true. */
   TORCH_ARG(bool, measure_memory) = true;
@@ -70,9 +84,21 @@ struct SequentialOptions {
 
 /** What one step did, for explain() and tests. */
 struct StepReport {
-  /** Peak bytes above the pre-forward baseline plus the input's bytes, i.e.
-   *  comparable to the prediction; -1 when not measured. */
+  /** Peak bytes above the pre-forward baseline plus the input's bytes, from
+   *  the chain's forward to the end of its backward: everything allocated
+   *  meanwhile, the model's head and loss included; -1 when not measured. */
   int64_t measured_peak_bytes = -1;
+  /** The chain's own peak, comparable to the prediction: the input's bytes
+   *  plus what the chain's forward part and its stage backwards allocate
+   *  and still hold (the gradient it receives included), without what other
+   *  code allocates between them; -1 when not measured. */
+  int64_t chain_peak_bytes = -1;
+  /** The whole step's peak, seen by the begin_step() scope that ended last
+   *  (above the bytes live when it opened); -1 without one. */
+  int64_t step_peak_bytes = -1;
+  /** With a step budget: the bytes outside the chain at its peak, as
+   *  measured (step peak minus the chain's own peak); -1 otherwise. */
+  int64_t outside_bytes = -1;
   /** Forward executions per stage in the step (the schedule's count). */
   std::vector<int> forwards_per_stage;
 };
@@ -81,6 +107,26 @@ namespace detail {
 struct Execution;
 struct Values;
 }  // namespace detail
+
+class CheckpointedSequentialImpl;
+
+/** One training step's memory scope (CheckpointedSequentialImpl::
+ *  begin_step()): measures the step's peak from its creation to its end
+ *  and reports it to the chain (last_step(), explain(), and the step
+ *  budget's planning). Movable, not copyable. */
+class StepScope {
+ public:
+  StepScope(StepScope&&) noexcept;
+  StepScope& operator=(StepScope&&) = delete;
+  ~StepScope();
+
+ private:
+  friend class CheckpointedSequentialImpl;
+  StepScope(std::shared_ptr<CheckpointedSequentialImpl> owner, int64_t chain_steps);
+  std::shared_ptr<CheckpointedSequentialImpl> owner_;
+  std::unique_ptr<memory::Probe> probe_;
+  int64_t chain_steps_ = 0;  // the owner's completed chain steps when it opened
+};
 
 class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSequentialImpl> {
  public:
@@ -122,6 +168,10 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     std::lock_guard<std::mutex> lock(*mu_);
     return last_step_;
   }
+  /** Opens one training step's scope: keep it until the step ends (after
+   *  backward and the optimizer step). Needed with step_memory_budget_bytes;
+   *  otherwise optional, for the step's peak in last_step() and explain(). */
+  StepScope begin_step();
   /** How many times a chain was profiled (once per input shape and state). */
   int profiles() const {
     std::lock_guard<std::mutex> lock(*mu_);
@@ -137,7 +187,14 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     plan::Chain chain;
     plan::Plan plan;
     std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
+    // Step budget: bytes outside the chain (measured), steps measured, and
+    // why the budget cannot be met (thrown by the next forward).
+    int64_t outside_bytes = -1;
+    int steps_measured = 0;
+    std::string step_error;
   };
+  friend class StepScope;
+  void end_step(int64_t step_peak, int64_t chain_steps_before);
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options, bool own_children);
   const Entry& entry_for(const detail::Values& x);  // with mu_ held
   const Entry& last_entry() const;
@@ -154,6 +211,9 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   const Entry* last_ = nullptr;
   StepReport last_step_;
   int profiles_ = 0;
+  Entry* last_chain_entry_ = nullptr;  // the plan the last completed step ran
+  int open_steps_ = 0;                 // begin_step() scopes alive
+  int64_t chain_steps_ = 0;            // forward+backward steps completed
 };
 
 /** The module holder (as TORCH_MODULE would define it), plus the
