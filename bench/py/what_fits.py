@@ -31,8 +31,24 @@ def to_bytes(text):
     return int(float(num) * UNITS[unit])
 
 
-def mib(b):
-    return f"{b / (1 << 20):.1f}"
+def size(b):
+    """As remat's format_bytes prints it (remat-train's output has 3 digits)."""
+    return f"{b / (1 << 30):.2f} GiB" if b >= 1 << 30 else f"{b / (1 << 20):.2f} MiB"
+
+
+def load_csv(path):
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            row = {"strategy": r["strategy"],
+                   "seq_len": {"value": int(r["max_seq_len"]),
+                               "at": (0, int(r["predicted_bytes"]), int(r["measured_bytes"])),
+                               "next": (0, int(r["next_predicted_bytes"]), int(r["next_measured_bytes"]))}}
+            if r["max_batch"]:
+                row["batch"] = {"value": int(r["max_batch"]),
+                                "at": (0, int(r["batch_predicted_bytes"]), int(r["batch_measured_bytes"]))}
+            rows.append(row)
+    return rows
 
 
 def parse(out, what):
@@ -48,7 +64,8 @@ def parse(out, what):
     r["budget"] = to_bytes(budget.group(1)) if budget else 0
     fixed = re.search(r"AdamW moments add ([\d.]+ \w+)", out)
     r["fixed"] = to_bytes(fixed.group(1)) if fixed else 0
-    r["stepped_down"] = "stepped down" in out
+    moved = re.search(r"\(predicted (\d+), stepped (down|up) by measurement\)", out)
+    r["predicted_value"] = int(moved.group(1)) if moved else r["value"]
     return r
 
 
@@ -66,9 +83,13 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "what_fits.png"))
     ap.add_argument("--csv", default="", help="also write the table here")
     ap.add_argument("--quick", action="store_true", help="toy model (smoke run only)")
+    ap.add_argument("--from-csv", default="", help="redraw the table and chart from a --csv of an earlier run")
     a = ap.parse_args()
     if a.quick:
         a.layers, a.d_model, a.heads, a.batch, a.cap, a.batch_seq_len = 2, 64, 2, 2, "8MiB", 64
+    if a.from_csv:
+        report(a, load_csv(a.from_csv))
+        return
     if not os.path.exists(a.exe):
         raise SystemExit(f"{a.exe} not found; build remat-train first (or pass --exe)")
     model = ["--model", "gpt", "--layers", str(a.layers), "--d-model", str(a.d_model), "--heads", str(a.heads),
@@ -89,11 +110,20 @@ def main():
                 raise SystemExit(f"remat-train failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
             row[what] = parse(p.stdout, what)
             r = row[what]
-            print(f"  {label:22s} max {what} {r['value']:6d}  predicted {mib(r['at'][1])} MiB, measured "
-                  f"{mib(r['at'][2])} MiB; at {r['next'][0]}: {mib(r['next'][1])} / {mib(r['next'][2])} MiB  "
+            print(f"  {label:22s} max {what} {r['value']:6d}  predicted {size(r['at'][1])}, measured "
+                  f"{size(r['at'][2])}; at {r['next'][0]}: {size(r['next'][1])} / {size(r['next'][2])}  "
                   f"({r['predictions']} predictions, {time.time() - t0:.0f} s)", flush=True)
         rows.append(row)
+    fixed = rows[0]["seq_len"]["fixed"]
+    print(f"\ncap {a.cap} on the step's peak above its start; parameters, gradients and AdamW moments add "
+          f"{size(fixed)} at the plain answer's seq_len (outside the cap).")
+    auto = next(r for r in rows if r["strategy"].startswith("auto"))
+    print(f"auto's planner budget for the blocks at its answer: {size(auto['seq_len']['budget'])}")
+    report(a, rows)
 
+
+def report(a, rows):
+    """Prints the markdown table, writes --csv and the chart."""
     head = (f"| strategy | max seq_len (batch {a.batch}) | predicted / measured peak | at +{a.seq_step}: "
             f"predicted / measured |")
     sep = "|---|---:|---:|---:|"
@@ -103,19 +133,14 @@ def main():
     lines = [head, sep]
     for row in rows:
         s = row["seq_len"]
-        line = (f"| {row['strategy']} | {s['value']} | {mib(s['at'][1])} / {mib(s['at'][2])} MiB | "
-                f"{mib(s['next'][1])} / {mib(s['next'][2])} MiB |")
+        line = (f"| {row['strategy']} | {s['value']} | {size(s['at'][1])} / {size(s['at'][2])} | "
+                f"{size(s['next'][1])} / {size(s['next'][2])} |")
         if "batch" in row:
             b = row["batch"]
-            line += f" {b['value']} | {mib(b['at'][1])} / {mib(b['at'][2])} MiB |"
+            line += f" {b['value']} | {size(b['at'][1])} / {size(b['at'][2])} |"
         lines.append(line)
-    fixed = rows[0]["seq_len"]["fixed"]
     print()
     print("\n".join(lines))
-    print(f"\ncap {a.cap} on the step's peak above its start; parameters, gradients and AdamW moments add "
-          f"{mib(fixed)} MiB at the plain answer's seq_len (outside the cap).")
-    auto = next(r for r in rows if r["strategy"].startswith("auto"))
-    print(f"auto's planner budget for the blocks at its answer: {mib(auto['seq_len']['budget'])} MiB")
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.writer(f)
@@ -143,7 +168,7 @@ def main():
         for bar, r in zip(bars, rows):
             at = r[what]["at"]
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                    f" {r[what]['value']}  ({mib(at[2])} MiB measured)", va="center", fontsize=8)
+                    f" {r[what]['value']}  ({size(at[2])} measured)", va="center", fontsize=8)
         ax.set_xlim(0, max(vals) * 1.45)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10)
