@@ -254,6 +254,7 @@ int main(int argc, char** argv) {
     bool sweep = false;
     std::string note;
     int64_t peak = -1, predicted = -1;
+    double predicted_ms = -1;  // the plan's predicted step time
     std::vector<double> ms, fwd_ms, bwd_ms;
   };
   std::vector<Run> runs;
@@ -294,6 +295,7 @@ int main(int argc, char** argv) {
         auto net = std::make_shared<remat::CheckpointedSequential>(m.seq, opts);
         const auto& plan = (*net)->plan(m.x);
         r.predicted = plan.prediction.peak_bytes;
+        r.predicted_ms = plan.prediction.time_ms;
         nets.push_back(net);
         r.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
       } catch (const remat::Error& e) {
@@ -343,10 +345,11 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < runs.size(); ++i) {
     const auto& r = runs[i];
     std::printf(
-        "  {\"name\": \"%s\", \"peak\": %lld, \"predicted\": %lld, \"note\": \"%s\", \"ms\": %s, \"fwd_ms\": %s, "
-        "\"bwd_ms\": %s}%s\n",
-        r.name.c_str(), (long long)r.peak, (long long)r.predicted, r.note.c_str(), json_list(r.ms).c_str(),
-        json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(), i + 1 < runs.size() ? "," : "");
+        "  {\"name\": \"%s\", \"peak\": %lld, \"predicted\": %lld, \"predicted_ms\": %.3f, \"note\": \"%s\", "
+        "\"ms\": %s, \"fwd_ms\": %s, \"bwd_ms\": %s}%s\n",
+        r.name.c_str(), (long long)r.peak, (long long)r.predicted, r.predicted_ms, r.note.c_str(),
+        json_list(r.ms).c_str(), json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(),
+        i + 1 < runs.size() ? "," : "");
   }
   std::printf(" ]}\n");
   return 0;

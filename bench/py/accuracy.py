@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Cost-model accuracy at reference sizes (issue #11 item 2).
+
+For each model (mlp-ref, gpt-ref, resnet-ref of bench/compare/remat_compare,
+DESIGN.md's CPU reference shapes) runs CheckpointedSequential with the
+optimal plan at budgets of 1.0, 0.5 and 0.25 of the plain peak, interleaved
+with plain, and prints per budget: predicted vs measured peak (measured =
+the step's tracked peak above the level before it, plus the chain input,
+which the prediction includes) and predicted vs measured step time (median
+of the timed steps). Targets: peak within 5%, time within 10%.
+
+  python3 bench/py/accuracy.py --build build [--quick] [--steps 3]
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+
+def run(build, model, strategies, steps, warmup):
+    cmd = [f"{build}/bench/remat_compare", "--model", model, "--strategies", ",".join(strategies),
+           "--steps", str(steps), "--warmup", str(warmup)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--quick", action="store_true", help="toy sizes (mlp, gpt, resnet): a smoke run only")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--models", default="")
+    a = ap.parse_args()
+    models = a.models.split(",") if a.models else (["mlp", "gpt", "resnet"] if a.quick else
+                                                    ["mlp-ref", "gpt-ref", "resnet-ref"])
+    fractions = ["1.0", "0.5", "0.25"]
+    print("| model | budget | predicted MB | measured MB | measured / predicted | predicted s | measured s "
+          "| measured / predicted | plain s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst_peak = worst_time = 0.0
+    for model in models:
+        res = run(a.build, model, ["plain"] + [f"opt:{f}" for f in fractions], a.steps, a.warmup)
+        plain = next(r for r in res["runs"] if r["name"] == "plain")
+        plain_s = statistics.median(plain["ms"]) / 1e3
+        for r in res["runs"]:
+            if r["name"] == "plain":
+                continue
+            if r["predicted"] < 0:
+                print(f"| {model} | {r['name'][4:]} | {r['note']} | | | | | | |")
+                continue
+            measured = r["peak"] + res["input_bytes"]
+            peak_ratio = measured / r["predicted"]
+            t = statistics.median(r["ms"]) / 1e3
+            time_ratio = t / (r["predicted_ms"] / 1e3)
+            worst_peak = max(worst_peak, abs(peak_ratio - 1))
+            worst_time = max(worst_time, abs(time_ratio - 1))
+            print(f"| {model} | {r['name'][4:]} | {r['predicted'] / 1e6:.1f} | {measured / 1e6:.1f} | "
+                  f"{peak_ratio:.3f} | {r['predicted_ms'] / 1e3:.2f} | {t:.2f} | {time_ratio:.3f} | {plain_s:.2f} |")
+        sys.stdout.flush()
+    print(f"\nworst peak error {100 * worst_peak:.1f}% (target 5%), worst time error {100 * worst_time:.1f}% "
+          f"(target 10%)")
+
+
+if __name__ == "__main__":
+    main()
