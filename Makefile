@@ -5,7 +5,7 @@ BUILD ?= build
 JOBS ?= 2
 TORCH_PREFIX = $(shell $(VENV)/bin/python -c "import torch.utils; print(torch.utils.cmake_prefix_path)" 2>/dev/null)
 
-.PHONY: setup configure build test demo bench clean
+.PHONY: setup configure build test demo bench bench-quick clean
 setup:
 	@bash scripts/setup.sh
 
@@ -23,10 +23,17 @@ demo: build
 	@$(BUILD)/examples/remat_demo
 
 # bench: remat (C++) against torch.utils.checkpoint (Python) on the same
-# LibTorch, ~10 minutes (docs/BENCHMARKS.md). The in-process C++ benchmarks
-# still run on their own: $(BUILD)/bench/remat_bench, $(BUILD)/bench/plan/remat_plan_bench.
+# LibTorch at the reference CPU sizes (DESIGN.md: GPT 8 x d_model 512, T 512,
+# batch 4; MLP 24 x 1024, batch 2048; ResNet 3 stages, width 32, batch 100),
+# 2 rounds of 3 timed steps, ~35-45 minutes on the 2 shared cores
+# (docs/BENCHMARKS.md). bench-quick: the toy sizes, every strategy, ~7
+# minutes, for smoke runs. The in-process C++ benchmarks still run on their
+# own: $(BUILD)/bench/remat_bench, $(BUILD)/bench/plan/remat_plan_bench.
 bench: build
 	@$(VENV)/bin/python bench/py/run_all.py --build $(BUILD)
+
+bench-quick: build
+	@$(VENV)/bin/python bench/py/run_all.py --build $(BUILD) --quick
 
 clean:
 	rm -rf $(BUILD)

@@ -13,10 +13,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Shapes shared with bench/compare/models.h; change both together.
+# Shapes shared with build() in bench/compare/remat_compare.cpp; change both together.
 MLP = dict(blocks=24, width=256, batch=128)
 GPT = dict(blocks=16, d_model=128, heads=4, seq_len=128, batch=1)
-RESNET = dict(width=16, batch=4, image=32)  # depth 18: stages of 2 basic blocks
+RESNET = dict(width=16, batch=4, image=32, stages=4)  # depth 18: stages of 2 basic blocks
+# The reference sizes (`make bench`; remat_compare's mlp-ref, gpt-ref, resnet-ref).
+MLP_REF = dict(blocks=24, width=1024, batch=2048)
+GPT_REF = dict(blocks=8, d_model=512, heads=8, seq_len=512, batch=4)  # DESIGN.md's CPU reference
+RESNET_REF = dict(width=32, batch=100, image=32, stages=3)  # 3 stages x 2 basic blocks
 
 
 class MlpBlock(nn.Module):
@@ -108,20 +112,21 @@ class ResBlock(nn.Module):
 
 
 def build(name, seed=0):
-    """(blocks, x) for 'mlp', 'gpt' or 'resnet'; x requires grad."""
+    """(blocks, x) for 'mlp', 'gpt', 'resnet' or their reference sizes 'mlp-ref',
+    'gpt-ref', 'resnet-ref'; x requires grad."""
     torch.manual_seed(seed)
-    if name == "mlp":
-        c = MLP
+    if name in ("mlp", "mlp-ref"):
+        c = MLP if name == "mlp" else MLP_REF
         seq = nn.Sequential(*[MlpBlock(c["width"]) for _ in range(c["blocks"])])
         x = torch.randn(c["batch"], c["width"])
-    elif name == "gpt":
-        c = GPT
+    elif name in ("gpt", "gpt-ref"):
+        c = GPT if name == "gpt" else GPT_REF
         seq = nn.Sequential(*[GptBlock(c["d_model"], c["heads"]) for _ in range(c["blocks"])])
         x = torch.randn(c["batch"], c["seq_len"], c["d_model"])
-    elif name == "resnet":
-        c = RESNET
+    elif name in ("resnet", "resnet-ref"):
+        c = RESNET if name == "resnet" else RESNET_REF
         blocks, cin = [], c["width"]
-        for stage in range(4):  # ResNet-18: two basic blocks per stage
+        for stage in range(c["stages"]):  # two basic blocks per stage (4 stages: ResNet-18)
             mid = c["width"] << stage
             for i in range(2):
                 blocks.append(ResBlock(cin, mid, 2 if stage > 0 and i == 0 else 1))
@@ -129,5 +134,5 @@ def build(name, seed=0):
         seq = nn.Sequential(*blocks)
         x = torch.randn(c["batch"], c["width"], c["image"], c["image"])
     else:
-        raise ValueError(f"unknown model {name!r}: use mlp, gpt or resnet")
+        raise ValueError(f"unknown model {name!r}: use mlp, gpt, resnet, mlp-ref, gpt-ref or resnet-ref")
     return seq, x.requires_grad_(True)

@@ -35,18 +35,48 @@ def pareto(points):
     return out
 
 
+def spread(r):
+    """Each round's time / plain, 'lo-hi' (one value with one round)."""
+    rx = r.get("round_x") or []
+    if not rx:
+        return ""
+    return f"{min(rx):.3f}" if len(rx) == 1 else f"{min(rx):.3f}-{max(rx):.3f}"
+
+
 def main_table(model, d):
-    L = [f"| tool | strategy | peak MiB | peak / plain | step ms | time / plain | steps |",
-         "|---|---|---:|---:|---:|---:|---:|"]
+    L = [f"| tool | strategy | peak MiB | peak / plain | step ms | time / plain | per round | steps |",
+         "|---|---|---:|---:|---:|---:|---|---:|"]
     for lang, tool in (("cpp", "remat"), ("py", "PyTorch")):
         for r in d[lang]["runs"]:
             if r["name"].startswith("seq:"):
                 continue
             if r["peak"] < 0:
-                L.append(f"| {tool} | {name_of(lang, r['name'])} | {r['note']} | | | | |")
+                L.append(f"| {tool} | {name_of(lang, r['name'])} | {r['note']} | | | | | |")
                 continue
             L.append(f"| {tool} | {name_of(lang, r['name'])} | {mib(r['peak'])} | {r['peak_x']:.3f} | "
-                     f"{r['median_ms']:.1f} | {r['time_x']:.3f} | {len(r['ms'])} |")
+                     f"{r['median_ms']:.1f} | {r['time_x']:.3f} | {spread(r)} | {len(r['ms'])} |")
+    return "\n".join(L)
+
+
+def pairs_of(d):
+    """(remat strategy, PyTorch strategy) on the same schedule, both measured."""
+    c = {r["name"]: r for r in d["cpp"]["runs"] if r["ms"]}
+    p = {r["name"]: r for r in d["py"]["runs"] if r["ms"]}
+    cand = [("plain", "plain"), ("block", "nonreentrant")] + [(k, k) for k in c if k.startswith("seq:")]
+    return [(c[a], p[b]) for a, b in cand if a in c and b in p]
+
+
+def side_table(d):
+    """remat and PyTorch side by side on the same schedule: absolute ms, the
+    recompute's added ms over the own plain, and remat ms / PyTorch ms."""
+    L = ["| schedule | remat MiB | PyTorch MiB | remat ms | PyTorch ms | remat added ms | PyTorch added ms | "
+         "remat / PyTorch ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    pc = next(r for r in d["cpp"]["runs"] if r["name"] == "plain")["median_ms"]
+    pp = next(r for r in d["py"]["runs"] if r["name"] == "plain")["median_ms"]
+    for a, b in pairs_of(d):
+        lab = "per block" if a["name"] == "block" else a["name"].replace("seq:", "checkpoint_sequential k=")
+        L.append(f"| {lab} | {mib(a['peak'])} | {mib(b['peak'])} | {a['median_ms']:.1f} | {b['median_ms']:.1f} | "
+                 f"{a['median_ms'] - pc:+.1f} | {b['median_ms'] - pp:+.1f} | {a['median_ms'] / b['median_ms']:.3f} |")
     return "\n".join(L)
 
 
@@ -77,7 +107,7 @@ def targets(res):
     for m, d in M.items():
         c = {r["name"]: r for r in d["cpp"]["runs"]}
         p = {r["name"]: r for r in d["py"]["runs"]}
-        pairs = [("plain", "plain"), ("block", "nonreentrant")] + [(k, k) for k in c if k.startswith("seq:")]
+        pairs = [(a["name"], b["name"]) for a, b in pairs_of(d)]
         slower = [(a, c[a]["median_ms"] / p[b]["median_ms"]) for a, b in pairs if c[a]["median_ms"] > p[b]["median_ms"]]
         rx = [(a, c[a]["time_x"] / p[b]["time_x"]) for a, b in pairs[1:]]
         worst_rx = max(rx, key=lambda t: t[1])
@@ -86,19 +116,19 @@ def targets(res):
                      if slower else f"faster or equal on all {len(pairs)}") +
                     f"; worst ratio-to-own-plain remat/PyTorch {worst_rx[1]:.3f} ({worst_rx[0]})"))
     # 3. per-call overhead <= half of PyTorch's.
-    o = res["overhead_us"]
+    o = res.get("overhead_us") or {"cpp": {"checkpoint": 0, "plain": 0}, "py": {}}
     oc = o["cpp"]["checkpoint"] - o["cpp"]["plain"]
-    for v in ("nonreentrant", "reentrant"):
+    for v in [v for v in ("nonreentrant", "reentrant") if v in o["py"]]:
         op = o["py"][v] - o["py"]["plain"]
         out.append((f"per-call overhead <= 1/2 of PyTorch ({v})", "Linear(16,16)", oc <= op / 2,
                     f"remat {oc:.1f} us vs PyTorch {op:.1f} us (ratio {oc / op:.2f})"))
-    # 4. planner at 0.15 on GPT, <= 1.6x; dominates checkpoint_sequential.
-    g = {r["name"]: r for r in M["gpt"]["cpp"]["runs"]}
-    r15 = g["opt:0.15"]
-    if r15["peak"] > 0:
+    # 4. planner at 0.15 on GPT, <= 1.6x (where that budget ran); dominates checkpoint_sequential.
+    g = {r["name"]: r for r in M["gpt"]["cpp"]["runs"]} if "gpt" in M else {}
+    r15 = g.get("opt:0.15")
+    if r15 is not None and r15["peak"] > 0:
         out.append(("planner: 0.15 of plain on GPT at <= 1.6x", "gpt", r15["peak_x"] <= 0.1505 and r15["time_x"] <= 1.6,
                     f"peak {r15['peak_x']:.3f}, time {r15['time_x']:.3f}x"))
-    else:
+    elif r15 is not None:
         out.append(("planner: 0.15 of plain on GPT at <= 1.6x", "gpt", False, r15["note"]))
     for m, d in M.items():
         c = d["cpp"]["runs"]
@@ -123,7 +153,8 @@ def chart(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     M = res["models"]
-    fig, axes = plt.subplots(1, len(M), figsize=(5.2 * len(M), 4.6))
+    fig, axes = plt.subplots(1, len(M), figsize=(5.2 * len(M), 4.6), squeeze=False)
+    axes = axes[0]
     for ax, (m, d) in zip(axes, M.items()):
         for lang, color, tool in (("cpp", "tab:blue", "remat"), ("py", "tab:orange", "PyTorch")):
             runs = [r for r in d[lang]["runs"] if r["peak"] > 0 and r["ms"]]
@@ -143,7 +174,9 @@ def chart(res, path):
             ax.step([t for _, t, _ in front], [p for p, _, _ in front], where="post", color=color, linewidth=1.2,
                     label=f"{tool} frontier")
         ax.scatter([1], [1], marker="*", s=120, color="black", label="plain")
-        ax.set_title({"mlp": "deep MLP (24 blocks)", "gpt": "GPT stack (16 blocks)", "resnet": "ResNet-18 blocks"}[m])
+        base = m[:-4] if m.endswith("-ref") else m
+        kind = {"mlp": "deep MLP", "gpt": "GPT stack", "resnet": "ResNet blocks"}.get(base, base)
+        ax.set_title(f"{kind} ({d['cpp']['blocks']} blocks{', reference size' if m.endswith('-ref') else ''})")
         ax.set_xlabel("step time / plain (lower is better)")
         ax.set_ylabel("peak activation memory / plain")
         ax.set_ylim(0, 1.08)
@@ -157,25 +190,31 @@ def chart(res, path):
 
 def render(res, chart_path):
     mc = res["machine"]
+    st = res.get("settings")
     L = [f"Machine: {mc['nproc']} CPUs, {mc['cpu']}, torch {mc['torch']}, {mc['threads']} intra-op thread; "
-         f"wall {res.get('wall_s', 0):.0f} s.", ""]
+         f"wall {res.get('wall_s', 0):.0f} s" +
+         (f"; {res.get('size', '?')} sizes, {st['rounds']} rounds of {st['steps']} timed steps "
+          f"(k sweep {st['sweep_steps']}) after {st['warmup']} warm-up" if st else "") +
+         (f"; 1-min load average " + ", ".join(f"{x:.1f}" for x in res["load"]) if res.get("load") else "") + ".", ""]
     for m, d in res["models"].items():
         c = d["cpp"]
         L += [f"### {m}", "",
               f"{c['blocks']} blocks; plain peak remat {mib(c['plain_peak'])} MiB, PyTorch {mib(d['py']['plain_peak'])} MiB; "
               f"plain forward f = {c['f_ms']:.1f} ms, backward b = {c['b_ms']:.1f} ms (C++), "
               f"{d['py']['f_ms']:.1f} / {d['py']['b_ms']:.1f} ms (Python).", "",
-              main_table(m, d), "", "checkpoint_sequential, every k:", "", sweep_table(d), ""]
-    o = res["overhead_us"]
-    L += ["### per-call overhead (Linear(16,16) on (4,16), forward+backward, us per call)", "",
-          "| tool | plain | checkpoint | overhead |", "|---|---:|---:|---:|",
-          f"| remat (Google Benchmark) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint']:.1f} | {o['cpp']['checkpoint'] - o['cpp']['plain']:.1f} |",
-          f"| remat, preserve_rng_state(false) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint_no_rng']:.1f} | {o['cpp']['checkpoint_no_rng'] - o['cpp']['plain']:.1f} |",
-          f"| PyTorch non-reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['nonreentrant']:.1f} | {o['py']['nonreentrant'] - o['py']['plain']:.1f} |",
-          f"| PyTorch reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['reentrant']:.1f} | {o['py']['reentrant'] - o['py']['plain']:.1f} |", ""]
-    L += ["### RSS cross-check (GPT stack, one process per strategy)", "",
+              main_table(m, d), "", "remat and PyTorch on the same schedule (medians; added = over the own plain):", "",
+              side_table(d), "", "checkpoint_sequential, every k measured:", "", sweep_table(d), ""]
+    o = res.get("overhead_us")
+    if o is not None:
+        L += ["### per-call overhead (Linear(16,16) on (4,16), forward+backward, us per call)", "",
+              "| tool | plain | checkpoint | overhead |", "|---|---:|---:|---:|",
+              f"| remat (Google Benchmark) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint']:.1f} | {o['cpp']['checkpoint'] - o['cpp']['plain']:.1f} |",
+              f"| remat, preserve_rng_state(false) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint_no_rng']:.1f} | {o['cpp']['checkpoint_no_rng'] - o['cpp']['plain']:.1f} |",
+              f"| PyTorch non-reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['nonreentrant']:.1f} | {o['py']['nonreentrant'] - o['py']['plain']:.1f} |",
+              f"| PyTorch reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['reentrant']:.1f} | {o['py']['reentrant'] - o['py']['plain']:.1f} |", ""]
+    L += ["### RSS cross-check (toy GPT stack, 16 blocks, d_model 128, at both sizes; one process per strategy)", "",
           "| process | ru_maxrss growth MiB | preload peak + parameter grads MiB |", "|---|---:|---:|"]
-    for k, v in res["rss"].items():
+    for k, v in res.get("rss", {}).items():
         L.append(f"| {k} | {v['rss_delta_kib'] / 1024:.1f} | {(v['peak'] + v['param_bytes']) / 1048576:.1f} |")
     L.append("")
     if "compile" in res:

@@ -1,13 +1,20 @@
 """`make bench`: remat (C++) against PyTorch (Python) on the same LibTorch.
 
-For each model (mlp, gpt, resnet) runs the C++ worker (bench/compare/
+At the reference sizes by default (mlp-ref, gpt-ref, resnet-ref: DESIGN.md's
+CPU reference GPT stack and an MLP and a ResNet of the same order; a reduced
+strategy list, 2 rounds of 3 timed steps, ~35 minutes); with --quick at the
+toy sizes (mlp, gpt, resnet: every strategy and every k, 3 rounds, minutes).
+For each model runs the C++ worker (bench/compare/
 remat_compare) and the Python worker (worker.py) alternately, A B A B, for
 --rounds rounds, both under LD_PRELOAD of bench/preload's counter; pools the
 step times of all rounds (medians, ratios to the same process's plain run);
 then the per-call overhead (Google Benchmark vs timeit, alternately), an RSS
 cross-check (one process per strategy) and, with --compile, torch.compile at
 activation-memory budgets. Writes <build>/bench/compare/results.json and
-results.md, and docs/img/frontier.png; prints the tables and targets.
+results.md and docs/img/frontier.png (--quick: results-quick.json,
+results-quick.md, frontier-quick.png beside them; the docs' toy figures are
+kept); results.json is rewritten after every model, so a run stopped early
+keeps what it measured (--report-only renders it). Prints the tables and targets.
 Leaves out: multi-threaded runs (one intra-op thread throughout).
 """
 import argparse
@@ -20,8 +27,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-BLOCKS = {"mlp": 24, "gpt": 16, "resnet": 8}
+BLOCKS = {"mlp": 24, "gpt": 16, "resnet": 8, "mlp-ref": 24, "gpt-ref": 8, "resnet-ref": 6}
 BUDGETS = [0.5, 0.35, 0.25, 0.15]
+# Reference sizes: steps take seconds, so fewer strategies and 2-3 values of k.
+REF_BUDGETS = [0.5, 0.25]
+REF_SEQ = {"mlp-ref": [2, 4], "gpt-ref": [2, 4], "resnet-ref": [2, 3]}
+QUICK = dict(models="mlp,gpt,resnet", rounds=3, steps=7, sweep_steps=3, warmup=2, timeout=900)
+REF = dict(models="gpt-ref,resnet-ref,mlp-ref", rounds=2, steps=3, sweep_steps=3, warmup=1, timeout=3600)
 
 
 def run(cmd, env, timeout):
@@ -38,37 +50,44 @@ def med(v):
 
 
 def merge(outs):
-    """Pools the runs of several rounds: step times concatenated, last peak."""
+    """Pools the runs of several rounds: step times concatenated, last peak;
+    round_x: each round's median / that round's plain median."""
     d = json.loads(outs[0])
     by = {r["name"]: r for r in d["runs"]}
-    for o in outs[1:]:
-        for r in json.loads(o)["runs"]:
+    rounds = [{r["name"]: r for r in json.loads(o)["runs"]} for o in outs]
+    for rnd in rounds[1:]:
+        for n, r in rnd.items():
             for k in ("ms", "fwd_ms", "bwd_ms"):
-                by[r["name"]][k] += r[k]
+                by[n][k] += r[k]
     plain = by["plain"]
     for r in d["runs"]:
         r["median_ms"] = med(r["ms"])
         r["time_x"] = r["median_ms"] / plain["median_ms"] if r["ms"] else float("nan")
+        r["round_x"] = [med(rnd[r["name"]]["ms"]) / med(rnd["plain"]["ms"]) for rnd in rounds if rnd[r["name"]]["ms"]]
         r["peak_x"] = r["peak"] / plain["peak"] if r["peak"] > 0 else float("nan")
     d["f_ms"], d["b_ms"] = med(plain["fwd_ms"]), med(plain["bwd_ms"])
     return d
 
 
 def compare_model(model, a, env):
-    n = BLOCKS[model]
-    sweep = [f"seq:{k}" for k in range(1, n + 1)]
-    cpp = ["plain", "block", "select", "sqrt"] + [f"opt:{b}" for b in BUDGETS] + sweep
-    py = ["plain", "nonreentrant", "reentrant", "sac"] + sweep
-    if model == "mlp":
-        cpp.remove("select")
-    common = ["--model", model, "--steps", str(a.steps), "--sweep-steps", str(a.sweep_steps), "--warmup", "2",
-              "--threads", "1"]
+    if model in REF_SEQ:  # reference size: no selective in remat_compare, no reentrant
+        sweep = [f"seq:{k}" for k in REF_SEQ[model]]
+        cpp = ["plain", "block", "sqrt"] + [f"opt:{b}" for b in REF_BUDGETS] + sweep
+        py = ["plain", "nonreentrant", "sac"] + sweep
+    else:
+        sweep = [f"seq:{k}" for k in range(1, BLOCKS[model] + 1)]
+        cpp = ["plain", "block", "select", "sqrt"] + [f"opt:{b}" for b in BUDGETS] + sweep
+        py = ["plain", "nonreentrant", "reentrant", "sac"] + sweep
+        if model == "mlp":
+            cpp.remove("select")
+    common = ["--model", model, "--steps", str(a.steps), "--sweep-steps", str(a.sweep_steps), "--warmup",
+              str(a.warmup), "--threads", "1"]
     outs = {"cpp": [], "py": []}
     print(f"{model}: {a.rounds} rounds, C++ and Python alternately", flush=True)
     for _ in range(a.rounds):
-        outs["cpp"].append(run([a.compare, *common, "--strategies", ",".join(cpp)], env, 900))
+        outs["cpp"].append(run([a.compare, *common, "--strategies", ",".join(cpp)], env, a.timeout))
         outs["py"].append(run([sys.executable, os.path.join(HERE, "worker.py"), *common, "--strategies",
-                               ",".join(py)], env, 900))
+                               ",".join(py)], env, a.timeout))
     return {lang: merge(o) for lang, o in outs.items()}
 
 
@@ -86,7 +105,7 @@ def overhead(a, env):
 
 
 def rss(a, env):
-    """ru_maxrss growth of a process running one strategy on the GPT stack."""
+    """ru_maxrss growth of a process running one strategy on the toy GPT stack (both sizes)."""
     out = {}
     for lang, exe, strat in [("cpp", [a.compare], "plain"), ("py", [sys.executable, os.path.join(HERE, "worker.py")],
                                                                 "plain"),
@@ -110,21 +129,30 @@ def compile_runs(a, env):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=7, help="timed steps per round (main strategies)")
-    ap.add_argument("--sweep-steps", type=int, default=3, help="timed steps per round (checkpoint_sequential k)")
-    ap.add_argument("--models", default="mlp,gpt,resnet")
+    ap.add_argument("--quick", action="store_true", help="toy sizes, every strategy (smoke runs; minutes)")
+    ap.add_argument("--rounds", type=int, help="C++/Python alternations per model (2; --quick 3)")
+    ap.add_argument("--steps", type=int, help="timed steps per round, main strategies (3; --quick 7)")
+    ap.add_argument("--sweep-steps", type=int, help="timed steps per round, checkpoint_sequential k (3)")
+    ap.add_argument("--warmup", type=int, help="warm-up steps per strategy (1; --quick 2)")
+    ap.add_argument("--models", help="mlp-ref,gpt-ref,resnet-ref (--quick: mlp,gpt,resnet)")
     ap.add_argument("--compile", action="store_true", help="also torch.compile at budgets (minutes per budget)")
     ap.add_argument("--compile-budgets", default="1.0,0.5,0.15")
     ap.add_argument("--compile-only", action="store_true", help="only torch.compile, into results.json")
     ap.add_argument("--report-only", action="store_true", help="re-render results.json")
-    ap.add_argument("--chart", default=os.path.join(ROOT, "docs", "img", "frontier.png"))
+    ap.add_argument("--chart", help="docs/img/frontier.png (--quick: <build>/bench/compare/frontier-quick.png)")
     a = ap.parse_args()
+    for k, v in (QUICK if a.quick else REF).items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
     b = os.path.join(a.build, "bench")
     a.compare, a.overhead = os.path.join(b, "remat_compare"), os.path.join(b, "remat_overhead")
     outdir = os.path.join(b, "compare")
     os.makedirs(outdir, exist_ok=True)
-    path = os.path.join(outdir, "results.json")
+    suffix = "-quick" if a.quick else ""
+    path = os.path.join(outdir, f"results{suffix}.json")
+    if a.chart is None:
+        a.chart = os.path.join(outdir, "frontier-quick.png") if a.quick else os.path.join(ROOT, "docs", "img",
+                                                                                          "frontier.png")
     env = dict(os.environ, LD_PRELOAD=os.path.join(b, "libremat_preload.so"), OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
     if a.compile_only:  # add torch.compile to an earlier run's results
@@ -135,11 +163,17 @@ def main():
         res = json.load(open(path))
     else:
         t0 = time.time()
-        res = {"models": {}, "machine": machine()}
-        for m in a.models.split(","):
-            res["models"][m] = compare_model(m, a, env)
+        res = {"models": {}, "machine": machine(), "size": "quick" if a.quick else "reference",
+               "settings": dict(rounds=a.rounds, steps=a.steps, sweep_steps=a.sweep_steps, warmup=a.warmup),
+               "load": [os.getloadavg()[0]]}
+        # The short parts first, then one model at a time, saved after each.
         res["overhead_us"] = overhead(a, env)
         res["rss"] = rss(a, env)
+        for m in a.models.split(","):
+            res["models"][m] = compare_model(m, a, env)
+            res["load"].append(os.getloadavg()[0])
+            res["wall_s"] = time.time() - t0
+            json.dump(res, open(path, "w"), indent=1)
         if a.compile:
             res["compile"] = compile_runs(a, env)
         elif os.path.exists(path):  # keep an earlier torch.compile run
@@ -150,9 +184,9 @@ def main():
         json.dump(res, open(path, "w"), indent=1)
     import report
     md = report.render(res, a.chart)
-    open(os.path.join(outdir, "results.md"), "w").write(md)
+    open(os.path.join(outdir, f"results{suffix}.md"), "w").write(md)
     print(md)
-    print(f"wrote {path}, {os.path.join(outdir, 'results.md')}, {a.chart}")
+    print(f"wrote {path}, {os.path.join(outdir, f'results{suffix}.md')}, {a.chart}")
 
 
 def machine():
