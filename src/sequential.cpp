@@ -2,13 +2,16 @@
 // NOTE [planned execution]: forward runs the ops before the first backward
 // (kForward without grad, kForwardSave with grad on a detached input that
 // becomes a leaf) and returns a_L attached to a chain of autograd nodes, one
-// per stage: node i has an edge to node i-1 (node 0: to x) and one to each
-// parameter of stage i. Autograd calls node L-1 with dL/da_L; node i runs
-// the schedule's ops up to and including kBackward(i) (the recomputations
-// that precede it too) and returns dL/da_i and stage i's parameter
-// gradients as its outputs. So parameter gradients flow through autograd as
-// in a plain run: each parameter's hooks fire once per backward with its
-// whole gradient, as soon as its stage is done (DDP's Reducer overlaps), and
+// per stage: node i has an edge to node i-1 per tensor of a_i (node 0: to
+// the tensors of x; a boundary may hold a vector or tuple of tensors,
+// values.h) and one to each parameter of stage i. Autograd calls node L-1
+// with dL/da_L; node i runs the schedule's ops up to and including
+// kBackward(i) (the recomputations that precede it too) and returns dL/da_i
+// and stage i's parameter gradients as its outputs (or delivers them to
+// .grad itself as each is complete, NOTE [early delivery] in grad_edges.h).
+// So parameter gradients flow through autograd as in a plain run: each
+// parameter's hooks fire once per backward with its whole gradient, as soon
+// as it is complete (DDP's Reducer overlaps), and
 // autograd::grad or backward(inputs=) compute only what they are asked for
 // (a node skips what the engine says is not needed). The inner backward of
 // a stage captures its gradients at redirected edges (NOTE [redirected
