@@ -19,6 +19,7 @@ torch::autograd::variable_list GradSink::apply(torch::autograd::variable_list&& 
 }
 
 torch::autograd::variable_list DeliverHook::operator()(const torch::autograd::variable_list& grads) {
+  if (discard) return {at::Tensor()};
   if (!target.defined()) return grads;
   accumulate_into(target, grads.at(0));
   return {at::Tensor()};

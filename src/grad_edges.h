@@ -42,6 +42,9 @@ struct GradSink : torch::autograd::Node {
  *  instead of all being held until it ends. */
 struct DeliverHook : torch::autograd::FunctionPreHook {
   at::Tensor target;
+  /** The profiler's stand-in for delivery: the gradient is dropped as soon
+   *  as it is complete, as an early-delivered one is once added to .grad. */
+  bool discard = false;
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override;
 };
 

@@ -176,12 +176,16 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       if (!roots.empty()) {
         red = redirect_gradient_edges(roots, in.ts, seq0);
         for (uint32_t k = 0; k < red.num_inputs(); ++k) outputs.push_back(red.edge(k));
+        // Parameter gradients are dropped as soon as each is complete: the
+        // runtime adds each to the existing .grad at that moment (NOTE
+        // [early delivery]), so only one lives at a time, not the stage's all.
+        for (const auto& [leaf, nr] : red.other_leaves) red.hooks[nr]->discard = true;
       }
       if (!outputs.empty()) {  // else: it reaches no input and no leaf
         memory::Probe probe;   // from the start of the backward: the saved set, out and g live
         auto t1 = Clock::now();
-        // As the runtime runs it (g freed once used); the gradients are
-        // held until the probe is read, as .grad would hold them.
+        // As the runtime runs it (g freed once used); the input's gradients
+        // are held until the probe is read, as the next stage would hold them.
         auto grads = backward_releasing(std::move(roots), std::move(seeds), /*keep_graph=*/false, outputs);
         b_ms = ms_since(t1);
         int64_t grad_in = 0;
