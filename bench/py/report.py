@@ -43,18 +43,24 @@ def spread(r):
     return f"{min(rx):.3f}" if len(rx) == 1 else f"{min(rx):.3f}-{max(rx):.3f}"
 
 
+def paired(r):
+    """Mean over rounds of the round's median / that round's plain median (nan if none)."""
+    rx = r.get("round_x") or []
+    return sum(rx) / len(rx) if rx else float("nan")
+
+
 def main_table(model, d):
-    L = [f"| tool | strategy | peak MiB | peak / plain | step ms | time / plain | per round | steps |",
-         "|---|---|---:|---:|---:|---:|---|---:|"]
+    L = [f"| tool | strategy | peak MiB | peak / plain | step ms | time / plain | paired | per round | steps |",
+         "|---|---|---:|---:|---:|---:|---:|---|---:|"]
     for lang, tool in (("cpp", "remat"), ("py", "PyTorch")):
         for r in d[lang]["runs"]:
             if r["name"].startswith("seq:"):
                 continue
             if r["peak"] < 0:
-                L.append(f"| {tool} | {name_of(lang, r['name'])} | {r['note']} | | | | | |")
+                L.append(f"| {tool} | {name_of(lang, r['name'])} | {r['note']} | | | | | | |")
                 continue
             L.append(f"| {tool} | {name_of(lang, r['name'])} | {mib(r['peak'])} | {r['peak_x']:.3f} | "
-                     f"{r['median_ms']:.1f} | {r['time_x']:.3f} | {spread(r)} | {len(r['ms'])} |")
+                     f"{r['median_ms']:.1f} | {r['time_x']:.3f} | {paired(r):.3f} | {spread(r)} | {len(r['ms'])} |")
     return "\n".join(L)
 
 
@@ -68,15 +74,17 @@ def pairs_of(d):
 
 def side_table(d):
     """remat and PyTorch side by side on the same schedule: absolute ms, the
-    recompute's added ms over the own plain, and remat ms / PyTorch ms."""
+    recompute's added ms over the own plain, paired time / plain, remat ms / PyTorch ms."""
     L = ["| schedule | remat MiB | PyTorch MiB | remat ms | PyTorch ms | remat added ms | PyTorch added ms | "
-         "remat / PyTorch ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "remat paired x plain | PyTorch paired x plain | remat / PyTorch ms |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     pc = next(r for r in d["cpp"]["runs"] if r["name"] == "plain")["median_ms"]
     pp = next(r for r in d["py"]["runs"] if r["name"] == "plain")["median_ms"]
     for a, b in pairs_of(d):
         lab = "per block" if a["name"] == "block" else a["name"].replace("seq:", "checkpoint_sequential k=")
         L.append(f"| {lab} | {mib(a['peak'])} | {mib(b['peak'])} | {a['median_ms']:.1f} | {b['median_ms']:.1f} | "
-                 f"{a['median_ms'] - pc:+.1f} | {b['median_ms'] - pp:+.1f} | {a['median_ms'] / b['median_ms']:.3f} |")
+                 f"{a['median_ms'] - pc:+.1f} | {b['median_ms'] - pp:+.1f} | {paired(a):.3f} | {paired(b):.3f} | "
+                 f"{a['median_ms'] / b['median_ms']:.3f} |")
     return "\n".join(L)
 
 
