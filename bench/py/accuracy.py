@@ -33,10 +33,11 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--models", default="")
+    ap.add_argument("--fractions", default="1.0,0.5,0.25", help="budgets, of the plain peak")
     a = ap.parse_args()
     models = a.models.split(",") if a.models else (["mlp", "gpt", "resnet"] if a.quick else
                                                     ["mlp-ref", "gpt-ref", "resnet-ref"])
-    fractions = ["1.0", "0.5", "0.25"]
+    fractions = a.fractions.split(",")
     print("| model | budget | predicted MB | measured MB | measured / predicted | predicted s | measured s "
           "| measured / predicted | plain s |")
     print("|---|---|---|---|---|---|---|---|---|")
