@@ -91,16 +91,18 @@ def side_table(d):
 def sweep_table(d):
     c = {r["name"]: r for r in d["cpp"]["runs"] if r["name"].startswith("seq:")}
     p = {r["name"]: r for r in d["py"]["runs"] if r["name"].startswith("seq:")}
-    L = ["| k | remat peak / plain | remat time / plain | remat ms | PyTorch peak / plain | PyTorch time / plain | PyTorch ms |",
+    L = ["| k | remat peak / plain | remat time / plain (paired) | remat ms | PyTorch peak / plain | "
+         "PyTorch time / plain (paired) | PyTorch ms |",
          "|---:|---:|---:|---:|---:|---:|---:|"]
     for k in sorted(c, key=lambda s: int(s[4:])):
         a, b = c[k], p[k]
-        L.append(f"| {k[4:]} | {a['peak_x']:.3f} | {a['time_x']:.3f} | {a['median_ms']:.1f} | {b['peak_x']:.3f} | "
-                 f"{b['time_x']:.3f} | {b['median_ms']:.1f} |")
+        L.append(f"| {k[4:]} | {a['peak_x']:.3f} | {paired(a):.3f} | {a['median_ms']:.1f} | {b['peak_x']:.3f} | "
+                 f"{paired(b):.3f} | {b['median_ms']:.1f} |")
     return "\n".join(L)
 
 
 def targets(res):
+    """Time ratios here are paired (mean of per-round ratios): the load changes between rounds."""
     out = []
     M = res["models"]
     # 1. per-block cost <= 1 + f/(f+b) + 3%.
@@ -109,15 +111,15 @@ def targets(res):
         f, b = c["f_ms"], c["b_ms"]
         bound = 1 + f / (f + b) + 0.03
         blk = next(r for r in c["runs"] if r["name"] == "block")
-        out.append(("per-block cost <= 1 + f/(f+b) + 3%", m, blk["time_x"] <= bound,
-                    f"{blk['time_x']:.3f}x vs bound {bound:.3f}x (f {f:.1f} ms, b {b:.1f} ms)"))
+        out.append(("per-block cost <= 1 + f/(f+b) + 3%", m, paired(blk) <= bound,
+                    f"{paired(blk):.3f}x vs bound {bound:.3f}x (f {f:.1f} ms, b {b:.1f} ms)"))
     # 2. never slower than PyTorch on the same schedule (absolute medians, processes alternating).
     for m, d in M.items():
         c = {r["name"]: r for r in d["cpp"]["runs"]}
         p = {r["name"]: r for r in d["py"]["runs"]}
         pairs = [(a["name"], b["name"]) for a, b in pairs_of(d)]
         slower = [(a, c[a]["median_ms"] / p[b]["median_ms"]) for a, b in pairs if c[a]["median_ms"] > p[b]["median_ms"]]
-        rx = [(a, c[a]["time_x"] / p[b]["time_x"]) for a, b in pairs[1:]]
+        rx = [(a, paired(c[a]) / paired(p[b])) for a, b in pairs[1:]]
         worst_rx = max(rx, key=lambda t: t[1])
         out.append(("never slower than PyTorch on the same schedule (absolute ms)", m, not slower,
                     (f"slower on {len(slower)}/{len(pairs)}: " + ", ".join(f"{a} {x:.2f}x" for a, x in slower[:6])
@@ -134,15 +136,15 @@ def targets(res):
     g = {r["name"]: r for r in M["gpt"]["cpp"]["runs"]} if "gpt" in M else {}
     r15 = g.get("opt:0.15")
     if r15 is not None and r15["peak"] > 0:
-        out.append(("planner: 0.15 of plain on GPT at <= 1.6x", "gpt", r15["peak_x"] <= 0.1505 and r15["time_x"] <= 1.6,
-                    f"peak {r15['peak_x']:.3f}, time {r15['time_x']:.3f}x"))
+        out.append(("planner: 0.15 of plain on GPT at <= 1.6x", "gpt", r15["peak_x"] <= 0.1505 and paired(r15) <= 1.6,
+                    f"peak {r15['peak_x']:.3f}, time {paired(r15):.3f}x"))
     elif r15 is not None:
         out.append(("planner: 0.15 of plain on GPT at <= 1.6x", "gpt", False, r15["note"]))
     for m, d in M.items():
         c = d["cpp"]["runs"]
-        opts = [(r["peak_x"], r["time_x"]) for r in c if r["name"].startswith("opt:") and r["peak"] > 0]
+        opts = [(r["peak_x"], paired(r)) for r in c if r["name"].startswith("opt:") and r["peak"] > 0]
         for lang in ("cpp", "py"):
-            seqf = pareto([(r["peak_x"], r["time_x"], r["name"]) for r in d[lang]["runs"] if r["name"].startswith("seq:")])
+            seqf = pareto([(r["peak_x"], paired(r), r["name"]) for r in d[lang]["runs"] if r["name"].startswith("seq:")])
             miss = []
             for pk, t, lab in seqf:
                 cand = [ot for op, ot in opts if op <= pk * 1.01]
@@ -167,18 +169,18 @@ def chart(res, path):
         for lang, color, tool in (("cpp", "tab:blue", "remat"), ("py", "tab:orange", "PyTorch")):
             runs = [r for r in d[lang]["runs"] if r["peak"] > 0 and r["ms"]]
             seq = [r for r in runs if r["name"].startswith("seq:")]
-            ax.scatter([r["time_x"] for r in seq], [r["peak_x"] for r in seq], s=14, color=color, alpha=0.35,
+            ax.scatter([paired(r) for r in seq], [r["peak_x"] for r in seq], s=14, color=color, alpha=0.35,
                        label=f"{tool} checkpoint_sequential k")
             other = [r for r in runs if not r["name"].startswith("seq:") and r["name"] != "plain"]
             mk = "o" if lang == "cpp" else "s"
-            ax.scatter([r["time_x"] for r in other], [r["peak_x"] for r in other], s=40, color=color, marker=mk,
+            ax.scatter([paired(r) for r in other], [r["peak_x"] for r in other], s=40, color=color, marker=mk,
                        edgecolor="black", linewidth=0.5, label=f"{tool} per block / planner / selective")
             for r in other:
                 lab = {"block": "block", "select": "sel", "sqrt": "sqrt", "nonreentrant": "non-re", "reentrant": "re",
                        "sac": "SAC"}.get(r["name"], r["name"].replace("opt:", "opt "))
-                ax.annotate(lab, (r["time_x"], r["peak_x"]), fontsize=7, xytext=(3, 3), textcoords="offset points",
+                ax.annotate(lab, (paired(r), r["peak_x"]), fontsize=7, xytext=(3, 3), textcoords="offset points",
                             color=color)
-            front = pareto([(r["peak_x"], r["time_x"], r["name"]) for r in runs])
+            front = pareto([(r["peak_x"], paired(r), r["name"]) for r in runs])
             ax.step([t for _, t, _ in front], [p for p, _, _ in front], where="post", color=color, linewidth=1.2,
                     label=f"{tool} frontier")
         ax.scatter([1], [1], marker="*", s=120, color="black", label="plain")
