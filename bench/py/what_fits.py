@@ -16,12 +16,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-STRATEGIES = [  # (label, remat-train flags)
-    ("plain (none)", ["--checkpoint", "none"]),
-    ("per-block", ["--checkpoint", "block"]),
-    ("sqrt", ["--checkpoint", "sqrt"]),
-    ("auto (budget = cap)", ["--checkpoint", "auto"]),
-    ("selective (megatron)", ["--checkpoint", "selective", "--policy", "megatron"]),
+STRATEGIES = [  # (key, label, remat-train flags)
+    ("none", "plain (none)", ["--checkpoint", "none"]),
+    ("block", "per-block", ["--checkpoint", "block"]),
+    ("sqrt", "sqrt", ["--checkpoint", "sqrt"]),
+    ("auto", "auto (budget = cap)", ["--checkpoint", "auto"]),
+    ("selective", "selective (megatron)", ["--checkpoint", "selective", "--policy", "megatron"]),
 ]
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
@@ -40,6 +40,8 @@ def load_csv(path):
     rows = []
     with open(path) as f:
         for r in csv.DictReader(f):
+            if not r["max_seq_len"]:
+                continue
             row = {"strategy": r["strategy"],
                    "seq_len": {"value": int(r["max_seq_len"]),
                                "at": (0, int(r["predicted_bytes"]), int(r["measured_bytes"])),
@@ -83,6 +85,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "what_fits.png"))
     ap.add_argument("--csv", default="", help="also write the table here")
     ap.add_argument("--quick", action="store_true", help="toy model (smoke run only)")
+    ap.add_argument("--strategies", default="none,block,sqrt,auto,selective", help="comma-separated subset")
     ap.add_argument("--from-csv", default="", help="redraw the table and chart from a --csv of an earlier run")
     a = ap.parse_args()
     if a.quick:
@@ -97,7 +100,9 @@ def main():
     print(f"gpt {a.layers} blocks, d_model {a.d_model}, {a.heads} heads; cap {a.cap}; {a.threads} thread(s)",
           flush=True)
     rows = []
-    for label, flags in STRATEGIES:
+    for key, label, flags in STRATEGIES:
+        if key not in a.strategies.split(","):
+            continue
         row = {"strategy": label}
         questions = [("seq_len", ["--batch", str(a.batch), "--max-seq-len-under", a.cap, "--fit-step",
                                   str(a.seq_step)])]
@@ -116,9 +121,10 @@ def main():
         rows.append(row)
     fixed = rows[0]["seq_len"]["fixed"]
     print(f"\ncap {a.cap} on the step's peak above its start; parameters, gradients and AdamW moments add "
-          f"{size(fixed)} at the plain answer's seq_len (outside the cap).")
-    auto = next(r for r in rows if r["strategy"].startswith("auto"))
-    print(f"auto's planner budget for the blocks at its answer: {size(auto['seq_len']['budget'])}")
+          f"{size(fixed)} at the first row's seq_len (outside the cap).")
+    for r in rows:
+        if r["seq_len"]["budget"]:
+            print(f"{r['strategy']}: planner budget for the blocks at its answer: {size(r['seq_len']['budget'])}")
     report(a, rows)
 
 
@@ -138,6 +144,8 @@ def report(a, rows):
         if "batch" in row:
             b = row["batch"]
             line += f" {b['value']} | {size(b['at'][1])} / {size(b['at'][2])} |"
+        elif a.batch_seq_len > 0:
+            line += " not run | |"
         lines.append(line)
     print()
     print("\n".join(lines))
@@ -147,7 +155,7 @@ def report(a, rows):
             w.writerow(["strategy", "max_seq_len", "predicted_bytes", "measured_bytes", "next_predicted_bytes",
                         "next_measured_bytes", "max_batch", "batch_predicted_bytes", "batch_measured_bytes"])
             for row in rows:
-                s, b = row["seq_len"], row.get("batch", {"value": "", "at": ("", "", "")})
+                s, b = row["seq_len"], row.get("batch", {"value": "", "at": ("", "", "")})  # "": not run
                 w.writerow([row["strategy"], s["value"], s["at"][1], s["at"][2], s["next"][1], s["next"][2],
                             b["value"], b["at"][1], b["at"][2]])
     try:
@@ -163,9 +171,12 @@ def report(a, rows):
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 3.8), squeeze=False)
     labels = [r["strategy"] for r in rows]
     for ax, (what, title) in zip(axes[0], panels):
-        vals = [r[what]["value"] for r in rows]
-        bars = ax.barh(labels, vals, color=["#888888", "#4477aa", "#66ccee", "#228833", "#ccbb44"])
+        vals = [r[what]["value"] if what in r else 0 for r in rows]
+        bars = ax.barh(labels, vals, color=["#888888", "#4477aa", "#66ccee", "#228833", "#ccbb44"][:len(rows)])
         for bar, r in zip(bars, rows):
+            if what not in r:
+                ax.text(0, bar.get_y() + bar.get_height() / 2, " not run", va="center", fontsize=8)
+                continue
             at = r[what]["at"]
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
                     f" {r[what]['value']}  ({size(at[2])} measured)", va="center", fontsize=8)
