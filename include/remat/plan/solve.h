@@ -107,7 +107,12 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots = 500,
 OptimalScope optimal_scope(const Chain& chain, int64_t budget_bytes, int memory_slots = 500,
                            OptimalScope requested = OptimalScope::kAuto);
 
-/** Smallest peak over all valid schedules (exact, no discretization). */
+/** Smallest peak over persistent schedules (checkpoints kept until their
+ *  backward; exact, no discretization). A schedule that drops a checkpoint
+ *  and recomputes it later can peak lower on some chains with
+ *  backward_freed_bytes (found by fuzz/solve_fuzz), so over all schedules
+ *  this is an upper bound of the smallest peak; optimal() refuses budgets
+ *  below it in every scope. */
 int64_t min_feasible_peak_bytes(const Chain& chain);
 
 /** A schedule reaching min_feasible_peak_bytes (fastest among those the exact
