@@ -914,11 +914,17 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
                    "; raise step_memory_budget_bytes, or shrink what is outside the chain (batch, head).";
     return;
   }
-  auto solve = plan::parse_algorithm("optimal")
-                   .with_memory_slots(options_.memory_slots())
-                   .with_scope(options_.scope())
-                   .with_budget_bytes(chain_budget);
-  e.plan = plan::solve(e.chain, solve);
+  // Runs in StepScope's destructor: an error is kept for the next forward
+  // to throw, never thrown from here.
+  try {
+    auto solve = plan::parse_algorithm("optimal")
+                     .with_memory_slots(options_.memory_slots())
+                     .with_scope(options_.scope())
+                     .with_budget_bytes(chain_budget);
+    e.plan = plan::solve(e.chain, solve);
+  } catch (const std::exception& err) {
+    e.step_error = std::string("[remat::CheckpointedSequential] planning for the step budget failed: ") + err.what();
+  }
 }
 
 std::string CheckpointedSequentialImpl::explain() const {
