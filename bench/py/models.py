@@ -35,19 +35,24 @@ class MlpBlock(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """remat::models::CausalSelfAttention: (B, T, C) -> (B, T, C)."""
+    """remat::models::CausalSelfAttention: (B, T, C) -> (B, T, C). sdpa: the
+    attention core through F.scaled_dot_product_attention(is_causal=True)."""
 
-    def __init__(self, d_model, heads):
+    def __init__(self, d_model, heads, sdpa=False):
         super().__init__()
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.heads = heads
+        self.sdpa = sdpa
 
     def forward(self, x):
         B, T, C = x.shape
         hd = C // self.heads
         qkv = self.qkv(x).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
         q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
         att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # (B, H, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(future, float("-inf"))
@@ -71,11 +76,11 @@ class Mlp(nn.Module):
 class GptBlock(nn.Module):
     """remat::models::GptBlock: x = x + attn(ln1(x)); x = x + mlp(ln2(x))."""
 
-    def __init__(self, d_model, heads):
+    def __init__(self, d_model, heads, sdpa=False):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.ln2 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads)
+        self.attn = CausalSelfAttention(d_model, heads, sdpa)
         self.mlp = Mlp(d_model)
 
     def forward(self, x):

@@ -38,12 +38,13 @@ Policy megatron_policy() { return policy::save_names({"attn_qkv", "attn_out", "m
 
 // --- GPT ---------------------------------------------------------------------
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout)
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa)
     : qkv(register_module("qkv", torch::nn::Linear(d_model, 3 * d_model))),
       proj(register_module("proj", torch::nn::Linear(d_model, d_model))),
       attn_drop(register_module("attn_drop", torch::nn::Dropout(dropout))),
       resid_drop(register_module("resid_drop", torch::nn::Dropout(dropout))),
-      heads_(heads) {}
+      heads_(heads),
+      sdpa_(sdpa) {}
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   return checkpointed([this](const torch::Tensor& h) { return attend(h); }, x);
@@ -51,9 +52,15 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
 
 torch::Tensor CausalSelfAttentionImpl::attend(const torch::Tensor& x) {  // (B, T, C)
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads_;
-  auto qkv_out = checkpoint_name(linear(qkv, x), "attn_qkv");                        // (B, T, 3C)
-  auto qkv_bthd = qkv_out.view({B, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});      // (3, B, H, T, hd)
-  auto q = qkv_bthd[0], k = qkv_bthd[1], v = qkv_bthd[2];                            // (B, H, T, hd)
+  auto qkv_out = checkpoint_name(linear(qkv, x), "attn_qkv");                    // (B, T, 3C)
+  auto qkv_bthd = qkv_out.view({B, T, 3, heads_, hd}).permute({2, 0, 3, 1, 4});  // (3, B, H, T, hd)
+  auto q = qkv_bthd[0], k = qkv_bthd[1], v = qkv_bthd[2];                        // (B, H, T, hd)
+  if (sdpa_) {
+    const double p = is_training() ? attn_drop->options.p() : 0.0;
+    auto ctx = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);  // (B, H, T, hd)
+    auto y = checkpoint_name(ctx, "attn_context").transpose(1, 2).reshape({B, T, C});               // (B, T, C)
+    return resid_drop(checkpoint_name(linear(proj, y), "attn_out"));                                // (B, T, C)
+  }
   auto att = checkpoint_name(torch::matmul(q, k.transpose(-2, -1)), "attn_scores");  // (B, H, T, T)
   att = att * (1.0 / std::sqrt(static_cast<double>(hd)));
   auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);  // (T, T)
@@ -77,10 +84,10 @@ torch::Tensor MlpImpl::transform(const torch::Tensor& x) {                      
   return drop(checkpoint_name(linear(proj, h), "mlp_out"));                                    // (B, T, C)
 }
 
-GptBlockImpl::GptBlockImpl(int64_t d_model, int64_t heads, double dropout)
+GptBlockImpl::GptBlockImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa)
     : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
       ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
-      attn(register_module("attn", CausalSelfAttention(d_model, heads, dropout))),
+      attn(register_module("attn", CausalSelfAttention(d_model, heads, dropout, sdpa))),
       mlp(register_module("mlp", Mlp(d_model, dropout))) {}
 
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
@@ -110,7 +117,7 @@ GptImpl::GptImpl(const GptConfig& c) : config_(c) {
   wpe = register_module("wpe", torch::nn::Embedding(c.seq_len, c.d_model));
   drop = register_module("drop", torch::nn::Dropout(c.dropout));
   blocks = register_module("blocks", torch::nn::Sequential());
-  for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c.d_model, c.heads, c.dropout));
+  for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c.d_model, c.heads, c.dropout, c.sdpa));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
 
   // GPT-2 initialisation.

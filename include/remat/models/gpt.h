@@ -4,8 +4,10 @@
 // output head tied to the token embedding. The blocks are a
 // torch::nn::Sequential so any checkpoint strategy can wrap them:
 //   logits = head(blocks->forward(embed(idx)))
-// Leaves out: KV cache and generation, weight-decay groups, fused or
-// flash attention (plain matmul + softmax keeps every activation visible).
+// Attention is explicit by default (plain matmul + softmax keeps every
+// activation visible); GptConfig::sdpa switches it to
+// at::scaled_dot_product_attention (flash or memory-efficient kernels on CUDA).
+// Leaves out: KV cache and generation, weight-decay groups.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,9 @@ struct GptConfig {
   int64_t layers = 8;
   /** Dropout probability on embeddings, attention weights and residual branches. */
   double dropout = 0.0;
+  /** Attention through at::scaled_dot_product_attention (is_causal) instead
+   *  of the explicit scores/softmax. Default false. */
+  bool sdpa = false;
 };
 
 /** Megatron-style selective recompute for these blocks (Korthikanti et al.
@@ -46,10 +51,13 @@ Policy megatron_policy();
 
 /** Causal multi-head self-attention: (B, T, C) -> (B, T, C). Names (for
  *  selective policies): attn_qkv, attn_scores, attn_probs, attn_context,
- *  attn_out. Checkpointable (remat::enable_checkpointing). */
+ *  attn_out (with sdpa: attn_qkv, attn_context, attn_out; the scores never
+ *  exist as a tensor). Checkpointable (remat::enable_checkpointing). */
 class CausalSelfAttentionImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
-  CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout);
+  /** sdpa: at::scaled_dot_product_attention(q, k, v, is_causal) with the
+   *  attention dropout as its dropout_p (0 in eval mode). */
+  CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa = false);
   torch::Tensor forward(const torch::Tensor& x);
   /** forward() without the switch. */
   torch::Tensor attend(const torch::Tensor& x);
@@ -58,6 +66,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public remat::Checkpoi
 
  private:
   int64_t heads_;
+  bool sdpa_;
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -77,7 +86,7 @@ TORCH_MODULE(Mlp);
  *  Checkpointable, as are its attn and mlp. */
 class GptBlockImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
-  GptBlockImpl(int64_t d_model, int64_t heads, double dropout);
+  GptBlockImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa = false);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor body(const torch::Tensor& x);
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};

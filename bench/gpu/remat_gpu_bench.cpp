@@ -1,0 +1,485 @@
+// remat_gpu_bench: the C++ (remat) half of the GPU benchmark that
+// bench/gpu/check.sh runs next to bench/gpu/gpu_bench.py (Python PyTorch).
+// The reference GPU workload of DESIGN.md: a stack of remat::models::GptBlock
+// (d_model 2048, 16 heads, T 2048, batch 8, 24 blocks, dropout 0) under bf16
+// autocast, with explicit attention and with SDPA; the input is a float32
+// (B, T, C) tensor that requires grad and the stack ends in .sum(), as in
+// bench/py/models.py. Strategies:
+//   plain    no checkpointing
+//   block    remat::checkpoint per block
+//   matmuls  remat::checkpoint per block with policy::save_matmuls()
+//   auto     CheckpointedSequential, budget = --budget-gib minus the bytes
+//            live before the step (parameters, gradients, input)
+// Per strategy and attention: peak device memory of one step (the caching
+// allocator's allocated bytes, what torch.cuda.max_memory_allocated reads;
+// remat::memory on CPU), the median of --steps device-synchronized step times
+// after --warmup steps, tokens/s, and the largest batch whose step peak stays
+// within --budget-gib (doubling, then bisection; at most --search-probes
+// steps). Work that would start after --time-limit-s is skipped and says so.
+// Prints one JSON object on stdout (and to --json PATH).
+// Leaves out: embeddings, the loss head and the optimizer step.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+#include <remat/models/gpt.h>
+#include <remat/remat.h>
+#include <remat/sequential.h>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double secs_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string arg(int argc, char** argv, const std::string& key, const std::string& dflt) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (argv[i] == key) return argv[i + 1];
+  }
+  return dflt;
+}
+bool flag(int argc, char** argv, const std::string& key) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i] == key) return true;
+  }
+  return false;
+}
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, sep);) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+std::string quoted(const std::string& s) {
+  std::string o = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    o += (c == '\n' || c == '\t') ? ' ' : c;
+  }
+  return o + "\"";
+}
+std::string num(double v) {
+  char b[48];
+  std::snprintf(b, sizeof b, "%.4f", v);
+  return b;
+}
+
+// --- device memory and synchronization ------------------------------------------
+struct Device {
+  torch::Device device{torch::kCPU};
+  bool cuda() const { return device.is_cuda(); }
+  c10::DeviceIndex index() const { return device.has_index() ? device.index() : 0; }
+  void sync() const {
+    if (cuda()) at::accelerator::synchronizeDevice(index());
+  }
+  int64_t current() const {
+    if (!cuda()) return remat::memory::current_bytes();
+    return at::accelerator::getDeviceStats(index()).allocated_bytes[0].current;
+  }
+  int64_t peak() const {
+    if (!cuda()) return remat::memory::peak_bytes();
+    return at::accelerator::getDeviceStats(index()).allocated_bytes[0].peak;
+  }
+  void reset_peak() const {
+    if (cuda()) {
+      at::accelerator::resetPeakStats(index());
+    } else {
+      remat::memory::reset_peak();
+    }
+  }
+  void empty_cache() const {
+    if (cuda()) at::accelerator::emptyCache();
+  }
+  std::string meter() const {
+    return cuda() ? "caching allocator allocated_bytes (= torch.cuda.max_memory_allocated)" : "remat::memory (CPU)";
+  }
+};
+
+/** bf16 autocast on the device while it lives, as Python's torch.autocast
+ *  (the cast cache is cleared when the outermost one ends). */
+class Autocast {
+ public:
+  Autocast(c10::DeviceType t, bool on) : t_(t), on_(on) {
+    if (!on_) return;
+    was_ = at::autocast::is_autocast_enabled(t_);
+    dtype_ = at::autocast::get_autocast_dtype(t_);
+    at::autocast::set_autocast_enabled(t_, true);
+    at::autocast::set_autocast_dtype(t_, at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  ~Autocast() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(t_, was_);
+    at::autocast::set_autocast_dtype(t_, dtype_);
+  }
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
+
+ private:
+  c10::DeviceType t_;
+  bool on_, was_ = false;
+  at::ScalarType dtype_ = at::kBFloat16;
+};
+
+struct Config {
+  int64_t d_model, heads, seq_len, batch, blocks;
+};
+
+using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
+
+struct Model {
+  torch::nn::Sequential seq;
+  std::vector<remat::models::GptBlock> blocks;
+};
+
+Model build(const Config& c, bool sdpa, const Device& dev) {
+  torch::manual_seed(0);
+  Model m;
+  for (int64_t i = 0; i < c.blocks; ++i) {
+    m.blocks.emplace_back(c.d_model, c.heads, 0.0, sdpa);
+    m.seq->push_back(m.blocks.back());
+  }
+  m.seq->to(dev.device);
+  m.seq->train();
+  return m;
+}
+
+bool is_oom(const std::exception& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) return true;
+  const std::string w = e.what();
+  return w.find("out of memory") != std::string::npos || w.find("CUDA out of memory") != std::string::npos;
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, std::min(s.find('\n'), size_t{300})); }
+
+struct Bench {
+  Config c;
+  Device dev;
+  bool autocast;
+  double budget_bytes;
+  Clock::time_point start;
+  double time_limit_s;
+
+  bool out_of_time() const { return secs_since(start) > time_limit_s; }
+
+  torch::Tensor input(int64_t batch) const {
+    torch::manual_seed(1);
+    return torch::randn({batch, c.seq_len, c.d_model}, torch::TensorOptions().device(dev.device)).requires_grad_(true);
+  }
+
+  static void zero_grads(Model& m) {
+    for (auto& p : m.seq->parameters()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+  }
+
+  /** One forward + backward; seconds between device synchronizations. */
+  double step(Model& m, const Fn& f, const torch::Tensor& x) const {
+    zero_grads(m);
+    dev.sync();
+    auto t0 = Clock::now();
+    torch::Tensor loss;
+    {
+      Autocast ac(dev.device.type(), autocast);
+      loss = f(x).sum();
+    }
+    loss.backward();
+    dev.sync();
+    return secs_since(t0);
+  }
+
+  /** Peak bytes of one step (absolute: parameters, gradients and input
+   *  included) and the bytes live before it. */
+  std::pair<int64_t, int64_t> peak_of(Model& m, const Fn& f, const torch::Tensor& x) const {
+    zero_grads(m);
+    dev.sync();
+    dev.reset_peak();
+    const int64_t base = dev.current();
+    step(m, f, x);
+    return {dev.peak(), base};
+  }
+};
+
+/** The strategy's step function for the given model (and batch, for auto:
+ *  a CheckpointedSequential planned for it). Throws remat::Error when auto
+ *  has no feasible plan. */
+struct Strategy {
+  std::string name;
+  Fn fn;
+  std::shared_ptr<remat::CheckpointedSequential> net;
+  int64_t predicted = -1;
+  std::string note;
+};
+
+Strategy make(const std::string& name, Model& m, const Bench& b, const torch::Tensor& x) {
+  Strategy s;
+  s.name = name;
+  if (name == "plain") {
+    s.fn = [&m](const torch::Tensor& in) { return m.seq->forward(in); };
+  } else if (name == "block") {
+    s.fn = [&m](const torch::Tensor& in) {
+      torch::Tensor h = in;
+      for (auto& blk : m.blocks) h = remat::checkpoint(blk, h);
+      return h;
+    };
+  } else if (name == "matmuls") {
+    s.fn = [&m](const torch::Tensor& in) {
+      const auto opts = remat::CheckpointOptions().policy(remat::policy::save_matmuls());
+      torch::Tensor h = in;
+      for (auto& blk : m.blocks)
+        h = remat::checkpoint(
+            opts, [&blk](const torch::Tensor& t) { return blk->forward(t); }, h);
+      return h;
+    };
+  } else if (name == "auto") {
+    // Activation budget: the fixed budget less what is live before the step.
+    Bench::zero_grads(m);
+    b.dev.sync();
+    const int64_t live = b.dev.current();
+    const int64_t act = static_cast<int64_t>(b.budget_bytes) - live;
+    if (act <= 0) throw remat::Error("[remat_gpu_bench] nothing of the budget is left for activations");
+    s.net = std::make_shared<remat::CheckpointedSequential>(
+        m.seq, remat::SequentialOptions().memory_budget_bytes(act).measure_memory(!b.dev.cuda()));
+    {
+      Autocast ac(b.dev.device.type(), b.autocast);  // the plan is per autocast state
+      s.predicted = (*s.net)->plan(x).prediction.peak_bytes;
+    }
+    auto net = s.net;
+    s.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
+    s.note = "activation budget " + std::to_string(act) + " bytes";
+  } else {
+    std::fprintf(stderr, "remat_gpu_bench: unknown strategy %s (plain, block, matmuls, auto)\n", name.c_str());
+    std::exit(2);
+  }
+  return s;
+}
+
+struct Result {
+  std::string attention, strategy, note;
+  int64_t peak = -1, base = -1, predicted = -1;
+  double median_ms = -1;
+  std::vector<double> ms;
+  int64_t max_batch = -1;       // largest batch within the budget (-1: not searched)
+  int64_t max_batch_peak = -1;  // its peak bytes
+  std::string search_note;
+  std::vector<std::pair<int64_t, int64_t>> probes;  // (batch, peak or -1 for OOM/infeasible)
+};
+
+/** Peak of one step at this batch, -1 if it runs out of memory or has no plan. */
+int64_t probe(Model& m, const std::string& name, const Bench& b, int64_t batch, std::string& why) {
+  try {
+    auto x = b.input(batch);
+    auto s = make(name, m, b, x);
+    return b.peak_of(m, s.fn, x).first;
+  } catch (const std::exception& e) {
+    why = is_oom(e) ? "out of memory" : first_line(e.what());
+    Bench::zero_grads(m);
+    b.dev.sync();
+    b.dev.empty_cache();
+    return -1;
+  }
+}
+
+void search(Model& m, const Bench& b, Result& r, int max_probes, int64_t max_batch) {
+  auto fits = [&](int64_t batch) {
+    std::string why;
+    const int64_t p = probe(m, r.strategy, b, batch, why);
+    r.probes.emplace_back(batch, p);
+    if (p >= 0 && p <= b.budget_bytes) {
+      if (batch > r.max_batch) r.max_batch = batch, r.max_batch_peak = p;
+      return true;
+    }
+    return false;
+  };
+  int64_t lo = 0, hi = -1;  // lo fits (0: none yet), hi does not (-1: none yet)
+  // Start from the reference batch's measurement when it has one.
+  int64_t bt = 1;
+  if (r.peak >= 0 && r.peak <= b.budget_bytes) {
+    lo = b.c.batch, r.max_batch = lo, r.max_batch_peak = r.peak;
+    bt = 2 * lo;
+  } else if (r.peak >= 0 || r.note == "out of memory") {
+    hi = b.c.batch;
+    bt = std::max<int64_t>(1, b.c.batch / 2);
+  }
+  int used = 0;
+  while (used < max_probes && !b.out_of_time()) {
+    if (lo > 0 && hi >= 0) {  // bisection
+      if (hi - lo <= 1) break;
+      const int64_t mid = lo + (hi - lo) / 2;
+      ++used;
+      if (fits(mid)) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+      continue;
+    }
+    if (hi >= 0 && hi <= 1) break;  // batch 1 does not fit
+    if (bt > max_batch) break;
+    ++used;
+    if (fits(bt)) {
+      lo = bt;
+      if (hi < 0) bt *= 2;  // doubling up
+    } else {
+      hi = bt;
+      if (lo == 0) bt = std::max<int64_t>(1, bt / 2);  // halving down
+    }
+  }
+  if (hi >= 0 && lo > 0 && hi - lo > 1) r.search_note = "between " + std::to_string(lo) + " and " + std::to_string(hi);
+  if (hi < 0 && lo > 0) r.search_note = "at least " + std::to_string(lo) + " (search capped)";
+  if (lo == 0 && hi == 1) r.max_batch = 0, r.search_note = "batch 1 does not fit";
+  if (b.out_of_time()) r.search_note += (r.search_note.empty() ? "" : "; ") + std::string("time limit reached");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = flag(argc, argv, "--quick");
+  const std::string device = arg(argc, argv, "--device", "cuda");
+  Config c{std::stoll(arg(argc, argv, "--d-model", quick ? "64" : "2048")),
+           std::stoll(arg(argc, argv, "--heads", quick ? "4" : "16")),
+           std::stoll(arg(argc, argv, "--seq-len", quick ? "64" : "2048")),
+           std::stoll(arg(argc, argv, "--batch", quick ? "2" : "8")),
+           std::stoll(arg(argc, argv, "--blocks", quick ? "4" : "24"))};
+  const auto attentions = split(arg(argc, argv, "--attention", "explicit,sdpa"), ',');
+  const auto strategies = split(arg(argc, argv, "--strategies", "plain,block,matmuls,auto"), ',');
+  const auto searched = split(arg(argc, argv, "--search", "plain,block,matmuls,auto"), ',');
+  const int steps = std::stoi(arg(argc, argv, "--steps", quick ? "2" : "5"));
+  const int warmup = std::stoi(arg(argc, argv, "--warmup", quick ? "1" : "2"));
+  const int max_probes = std::stoi(arg(argc, argv, "--search-probes", "6"));
+  const int64_t max_batch = std::stoll(arg(argc, argv, "--max-batch", "256"));
+  const double budget_gib = std::stod(arg(argc, argv, "--budget-gib", quick ? "0.05" : "40"));
+  const bool autocast = arg(argc, argv, "--autocast", "bf16") == "bf16";
+  const std::string json_path = arg(argc, argv, "--json", "");
+  torch::set_num_threads(std::stoi(arg(argc, argv, "--threads", quick ? "1" : "8")));
+
+  Device dev;
+  if (device == "cuda") {
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr, "remat_gpu_bench: --device cuda but torch::cuda::is_available() is false\n");
+      return 3;
+    }
+    dev.device = torch::Device(torch::kCUDA, 0);
+  } else if (device != "cpu") {
+    std::fprintf(stderr, "remat_gpu_bench: --device must be cuda or cpu\n");
+    return 2;
+  }
+  remat::memory::enable_tracking();
+  Bench b{c,
+          dev,
+          autocast,
+          budget_gib * double(int64_t{1} << 30),
+          Clock::now(),
+          std::stod(arg(argc, argv, "--time-limit-s", "170"))};
+
+  std::vector<Result> results;
+  for (const auto& attention : attentions) {
+    if (attention != "explicit" && attention != "sdpa") {
+      std::fprintf(stderr, "remat_gpu_bench: --attention takes explicit and/or sdpa\n");
+      return 2;
+    }
+    Model m = build(c, attention == "sdpa", dev);
+    auto x = b.input(c.batch);
+    struct Live {
+      Result r;
+      Strategy s;
+    };
+    std::vector<Live> live;
+    for (const auto& name : strategies) {
+      Live l;
+      l.r.attention = attention;
+      l.r.strategy = name;
+      if (b.out_of_time()) {
+        l.r.note = "skipped: time limit";
+        results.push_back(l.r);
+        continue;
+      }
+      try {
+        l.s = make(name, m, b, x);
+        l.r.predicted = l.s.predicted;
+        l.r.note = l.s.note;
+        for (int i = 0; i < warmup; ++i) b.step(m, l.s.fn, x);
+        auto [peak, base] = b.peak_of(m, l.s.fn, x);
+        l.r.peak = peak, l.r.base = base;
+      } catch (const std::exception& e) {
+        l.r.note = (is_oom(e) ? std::string("out of memory") : "failed: " + first_line(e.what()));
+        l.s.fn = nullptr;
+        Bench::zero_grads(m);
+        dev.sync();
+        dev.empty_cache();
+      }
+      live.push_back(std::move(l));
+    }
+    // Timed steps interleaved (A B C A B C ...), so drifts hit all alike.
+    for (int i = 0; i < steps && !b.out_of_time(); ++i) {
+      for (auto& l : live) {
+        if (l.s.fn) l.r.ms.push_back(1e3 * b.step(m, l.s.fn, x));
+      }
+    }
+    for (auto& l : live) {
+      if (!l.r.ms.empty()) {
+        auto v = l.r.ms;
+        std::sort(v.begin(), v.end());
+        l.r.median_ms = v[v.size() / 2];
+      }
+      l.s = Strategy();  // release auto's net before the search
+      dev.empty_cache();
+      if (std::find(searched.begin(), searched.end(), l.r.strategy) != searched.end()) {
+        if (b.out_of_time()) {
+          l.r.search_note = "skipped: time limit";
+        } else {
+          search(m, b, l.r, max_probes, max_batch);
+        }
+      }
+      results.push_back(l.r);
+    }
+    x = torch::Tensor();
+    m = Model();
+    dev.empty_cache();
+  }
+
+  int64_t params = 0;
+  {
+    Model m0 = build({c.d_model, c.heads, c.seq_len, c.batch, 1}, false, Device());
+    for (auto& p : m0.seq->parameters()) params += p.numel();
+    params *= c.blocks;
+  }
+  std::ostringstream o;
+  o << "{\"lang\": \"cpp\", \"torch\": " << quoted(TORCH_VERSION) << ", \"device\": " << quoted(device)
+    << ", \"meter\": " << quoted(dev.meter()) << ", \"autocast\": " << quoted(autocast ? "bf16" : "off")
+    << ", \"d_model\": " << c.d_model << ", \"heads\": " << c.heads << ", \"seq_len\": " << c.seq_len
+    << ", \"batch\": " << c.batch << ", \"blocks\": " << c.blocks << ", \"params\": " << params
+    << ", \"budget_bytes\": " << static_cast<int64_t>(b.budget_bytes) << ", \"elapsed_s\": " << num(secs_since(b.start))
+    << ",\n \"runs\": [\n";
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    const double tok_s = r.median_ms > 0 ? double(c.batch * c.seq_len) / (r.median_ms / 1e3) : -1;
+    o << "  {\"attention\": " << quoted(r.attention) << ", \"strategy\": " << quoted(r.strategy)
+      << ", \"peak_bytes\": " << r.peak << ", \"base_bytes\": " << r.base << ", \"predicted_bytes\": " << r.predicted
+      << ", \"median_ms\": " << num(r.median_ms) << ", \"tokens_per_s\": " << num(tok_s) << ", \"ms\": [";
+    for (size_t k = 0; k < r.ms.size(); ++k) o << (k ? ", " : "") << num(r.ms[k]);
+    o << "], \"max_batch\": " << r.max_batch << ", \"max_batch_peak_bytes\": " << r.max_batch_peak
+      << ", \"search_note\": " << quoted(r.search_note) << ", \"probes\": [";
+    for (size_t k = 0; k < r.probes.size(); ++k) {
+      o << (k ? ", " : "") << "[" << r.probes[k].first << ", " << r.probes[k].second << "]";
+    }
+    o << "], \"note\": " << quoted(r.note) << "}" << (i + 1 < results.size() ? "," : "") << "\n";
+  }
+  o << " ]}\n";
+  std::fputs(o.str().c_str(), stdout);
+  if (!json_path.empty()) std::ofstream(json_path) << o.str();
+  return 0;
+}
