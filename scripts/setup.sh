@@ -6,7 +6,7 @@ set -euo pipefail
 VENV="${REMAT_VENV:-$HOME/.cache/remat/venv}"
 TORCH_VERSION="${REMAT_TORCH_VERSION:-2.13.0}"
 
-pkgs=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev
+pkgs=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev libgloo-dev
       libbenchmark-dev nlohmann-json3-dev libcli11-dev pkg-config libzstd-dev liblz4-dev)
 . "$(dirname "$0")/apt-missing.sh"
 apt_install_missing setup "${pkgs[@]}"

@@ -142,7 +142,7 @@ struct Trainer::Impl {
   std::shared_ptr<torch::nn::Module> module;
   std::function<torch::Tensor(const torch::Tensor&)> embed, head;
   torch::nn::Sequential blocks{nullptr};
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // AdamW, or SGD (TrainConfig::optimizer)
   at::Generator data_gen;
   torch::Tensor tokens;   // (N) int64 ids of the text (GPT)
   int64_t vocab = 0;      // distinct bytes of the text (GPT)
@@ -150,6 +150,7 @@ struct Trainer::Impl {
   int64_t steps_done = 0;
   int64_t params = 0;
   remat::CheckpointedSequential auto_net{nullptr};
+  StepHooks hooks;
 
   void load_text() {
     std::ifstream in(cfg.data_path, std::ios::binary);
@@ -181,14 +182,18 @@ struct Trainer::Impl {
     torch::NoGradGuard no_grad;
     if (gpt) {
       const int64_t T = cfg.seq_len;
-      auto start = torch::randint(tokens.size(0) - T - 1, {cfg.batch, 1}, data_gen, torch::kLong);  // (B, 1)
-      auto chunk = tokens.index({start + torch::arange(T + 1, torch::kLong)});                      // (B, T + 1)
+      // The global batch's starts (data_world * B, 1), then this rank's rows.
+      auto start = torch::randint(tokens.size(0) - T - 1, {cfg.batch * cfg.data_world, 1}, data_gen, torch::kLong)
+                       .slice(0, cfg.data_rank * cfg.batch, (cfg.data_rank + 1) * cfg.batch);  // (B, 1)
+      auto chunk = tokens.index({start + torch::arange(T + 1, torch::kLong)});                 // (B, T + 1)
       return {chunk.slice(1, 0, T), chunk.slice(1, 1, T + 1)};
     }
     const int64_t S = cfg.image_size;
-    auto x = torch::randn({cfg.batch, 3, S, S}, data_gen, torch::kFloat);  // (B, 3, S, S)
-    auto pooled = torch::adaptive_avg_pool2d(x, {4, 4}).flatten(1);        // (B, 48)
-    auto y = torch::matmul(pooled, teacher.t()).argmax(1);                 // (B)
+    auto x = torch::randn({cfg.batch * cfg.data_world, 3, S, S}, data_gen, torch::kFloat)
+                 .slice(0, cfg.data_rank * cfg.batch, (cfg.data_rank + 1) * cfg.batch)
+                 .contiguous();                                      // (B, 3, S, S)
+    auto pooled = torch::adaptive_avg_pool2d(x, {4, 4}).flatten(1);  // (B, 48)
+    auto y = torch::matmul(pooled, teacher.t()).argmax(1);           // (B)
     return {x, y};
   }
 
@@ -246,6 +251,7 @@ struct Trainer::Impl {
     } else {
       os << " classes=" << cfg.classes;
     }
+    if (cfg.optimizer != "adamw") os << " optimizer=" << cfg.optimizer;
     return os.str();
   }
 };
@@ -284,6 +290,13 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
   positive("--grad-accum", c.grad_accum);
   positive("--seq-len", c.seq_len);
   positive("--image-size", c.image_size);
+  if (c.optimizer != "adamw" && c.optimizer != "sgd") {
+    throw Error("[remat::train] --optimizer '" + c.optimizer + "' is not one of adamw, sgd.");
+  }
+  if (c.data_world < 1 || c.data_rank < 0 || c.data_rank >= c.data_world) {
+    throw Error("[remat::train] data rank " + str(c.data_rank) + " of " + str(c.data_world) +
+                " processes is out of range; ranks run from 0 to world size - 1.");
+  }
   if (!(c.lr > 0.0)) throw Error("[remat::train] --lr must be positive, got " + std::to_string(c.lr) + ".");
   if (c.clip_norm < 0.0) {
     throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) +
@@ -336,8 +349,12 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     }
   }
   for (auto& p : m.module->parameters()) m.params += p.numel();
-  m.optimizer = std::make_unique<torch::optim::AdamW>(m.module->parameters(),
-                                                      torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
+  if (c.optimizer == "sgd") {
+    m.optimizer = std::make_unique<torch::optim::SGD>(m.module->parameters(), torch::optim::SGDOptions(c.lr));
+  } else {
+    m.optimizer = std::make_unique<torch::optim::AdamW>(m.module->parameters(),
+                                                        torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
+  }
   if (c.checkpoint == Strategy::kAuto) {
     m.auto_net =
         remat::CheckpointedSequential(m.blocks, remat::SequentialOptions().memory_budget_bytes(c.memory_budget_bytes));
@@ -358,6 +375,8 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
 
 Trainer::~Trainer() = default;
 
+void Trainer::set_step_hooks(StepHooks hooks) { impl_->hooks = std::move(hooks); }
+
 StepStats Trainer::step(memory::Timeline* timeline) {
   auto& m = *impl_;
   m.module->train();
@@ -369,8 +388,11 @@ StepStats Trainer::step(memory::Timeline* timeline) {
     memory::Probe probe;
     for (int64_t k = 0; k < m.cfg.grad_accum; ++k) {
       auto [x, y] = m.batch();
+      const bool sync = k + 1 == m.cfg.grad_accum;
       const double f0 = timeline ? timeline->now_us() : 0.0;
+      if (sync && m.hooks.before_forward) m.hooks.before_forward();
       auto l = m.loss_of(x, y);
+      if (m.hooks.before_backward) m.hooks.before_backward(l, sync);
       const double b0 = timeline ? timeline->now_us() : 0.0;
       (m.cfg.grad_accum == 1 ? l : l / static_cast<double>(m.cfg.grad_accum)).backward();
       if (timeline) {
@@ -593,7 +615,8 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
   blocks.stages.assign(chain.stages.begin() + 1, chain.stages.begin() + 1 + L);
 
   StepPrediction out;
-  for (const auto& p : m.module->parameters()) out.fixed_bytes += 4 * static_cast<int64_t>(p.nbytes());
+  const int64_t copies = m.cfg.optimizer == "sgd" ? 2 : 4;  // parameters, gradients (and AdamW's two moments)
+  for (const auto& p : m.module->parameters()) out.fixed_bytes += copies * static_cast<int64_t>(p.nbytes());
   auto whole = [&](const plan::Schedule& s) { return plan::simulate(chain, around_blocks(s, L)).peak_bytes; };
   switch (m.cfg.checkpoint) {
     case Strategy::kNone:

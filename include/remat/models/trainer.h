@@ -16,6 +16,9 @@
 #include <string_view>
 #include <vector>
 
+namespace at {
+class Tensor;
+}  // namespace at
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
@@ -58,9 +61,12 @@ struct TrainConfig {
   int64_t batch = 8;
   /** Optimizer steps run() goes up to (counting resumed steps). */
   int64_t steps = 20;
-  /** AdamW learning rate. */
+  /** "adamw" (default) or "sgd" (plain, no momentum: each update is
+   *  lr x the gradient, so parameters compare runs' gradients directly). */
+  std::string optimizer = "adamw";
+  /** Learning rate. */
   double lr = 1e-3;
-  /** AdamW decoupled weight decay. */
+  /** AdamW decoupled weight decay (not used by sgd). */
   double weight_decay = 0.01;
   /** GPT dropout probability. */
   double dropout = 0.0;
@@ -90,6 +96,26 @@ struct TrainConfig {
   std::string save_path;
   /** Checkpoint to resume from in the constructor ("" = fresh start). */
   std::string resume_path;
+  /** Data parallel sharding, as DistributedSampler: each micro-batch is
+   *  rows [data_rank * batch, (data_rank + 1) * batch) of a global batch of
+   *  batch * data_world drawn from the data generator, so data_world
+   *  processes with batch B train on the same data as one with batch
+   *  data_world * B. Defaults 0 and 1 (one process). */
+  int64_t data_rank = 0;
+  int64_t data_world = 1;
+};
+
+/** What a data-parallel driver adds around each step (remat-train --nproc
+ *  sets them to remat::parallel::DataParallel's calls; the trainer itself
+ *  knows nothing of processes). Each may be empty. */
+struct StepHooks {
+  /** Before the forward of a micro-batch whose backward synchronises (the
+   *  last of the step). */
+  std::function<void()> before_forward;
+  /** After a micro-batch's forward, before its backward: loss, and whether
+   *  this backward synchronises (false for the earlier micro-batches of a
+   *  grad_accum step, whose gradients accumulate locally). */
+  std::function<void(const at::Tensor& loss, bool sync)> before_backward;
 };
 
 /** What Trainer::predict_step() expects one step to peak at. */
@@ -100,8 +126,8 @@ struct StepPrediction {
   int64_t peak_bytes = 0;
   /** Strategy::kAuto: the planner budget the schedule was solved for; 0 otherwise. */
   int64_t auto_budget_bytes = 0;
-  /** Parameters, their gradients and both AdamW moments, bytes: allocated
-   *  before the step, so outside peak_bytes (4 x the parameters' bytes). */
+  /** Parameters, their gradients and both AdamW moments (sgd: none), bytes: allocated
+   *  before the step, so outside peak_bytes (4 x the parameters' bytes; sgd 2 x). */
   int64_t fixed_bytes = 0;
 };
 
@@ -191,6 +217,8 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
+  /** Hooks run by every later step() (see StepHooks). */
+  void set_step_hooks(StepHooks hooks);
   /** One optimizer step (grad_accum micro-batches). With a timeline, adds
    *  "forward", "backward" and "optimizer" spans to it. */
   StepStats step(memory::Timeline* timeline = nullptr);

@@ -1,0 +1,387 @@
+// remat::parallel: process groups on c10d and gradient synchronisation
+// through c10d::Reducer, as Python's DistributedDataParallel sets them up
+// (torch/nn/parallel/distributed.py: one bucket in the first step, rebuilt
+// in the order gradients became ready, rank 0's state broadcast at start).
+#include <remat/parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <torch/nn/module.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <remat/error.h>
+
+#include "backends.h"
+
+namespace remat::parallel {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string seconds(std::chrono::milliseconds t) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f s", static_cast<double>(t.count()) / 1e3);
+  return buf;
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return first_line(c->what_without_backtrace());
+  return first_line(e.what());
+}
+
+void validate(const InitOptions& o) {
+  if (o.world_size() < 1) {
+    throw Error("[remat::parallel] world_size " + std::to_string(o.world_size()) +
+                " must be at least 1 (the number of processes).");
+  }
+  if (o.rank() < 0 || o.rank() >= o.world_size()) {
+    throw Error("[remat::parallel] rank " + std::to_string(o.rank()) + " is outside [0, " +
+                std::to_string(o.world_size()) + "): give each of the world_size processes its own rank.");
+  }
+  if (o.file_store().empty()) {
+    if (o.master_port() < 1 || o.master_port() > 65535) {
+      throw Error("[remat::parallel] master_port " + std::to_string(o.master_port()) +
+                  " is not a TCP port; pick one in 1..65535 that is free on the master (e.g. 29500).");
+    }
+    if (o.master_addr().empty()) {
+      throw Error("[remat::parallel] master_addr is empty; give the host rank 0 runs on (127.0.0.1 on one machine).");
+    }
+  }
+  if (o.timeout().count() <= 0) {
+    throw Error("[remat::parallel] timeout " + std::to_string(o.timeout().count()) +
+                " ms must be positive (the default is 300 s).");
+  }
+  if (o.device() != c10::kCPU && o.device() != c10::kCUDA) {
+    throw Error(std::string("[remat::parallel] device ") + c10::DeviceTypeName(o.device()) +
+                " has no backend here; use kCPU (Gloo) or kCUDA (NCCL).");
+  }
+}
+
+c10::intrusive_ptr<c10d::Store> make_store(const InitOptions& o) {
+  if (!o.file_store().empty()) {
+    try {
+      auto store = c10::make_intrusive<c10d::FileStore>(o.file_store(), o.world_size());
+      store->setTimeout(o.timeout());
+      return store;
+    } catch (const std::exception& e) {
+      throw Error("[remat::parallel] rank " + std::to_string(o.rank()) + " could not open the FileStore '" +
+                  o.file_store() + "': " + message_of(e) +
+                  ". Give a path in a writable folder that every rank sees, unused by another group.");
+    }
+  }
+  c10d::TCPStoreOptions t;
+  t.port = static_cast<std::uint16_t>(o.master_port());
+  t.isServer = o.rank() == 0;
+  t.numWorkers = static_cast<std::size_t>(o.world_size());
+  t.waitWorkers = true;
+  t.timeout = o.timeout();
+  const std::string where = o.master_addr() + ":" + std::to_string(o.master_port());
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(o.master_addr(), t);
+  } catch (const std::exception& e) {
+    if (o.rank() == 0) {
+      throw Error("[remat::parallel] rank 0 could not serve the TCPStore on " + where + " (or not every one of the " +
+                  std::to_string(o.world_size()) + " ranks joined within " + seconds(o.timeout()) +
+                  "): " + message_of(e) +
+                  ". Pick a free master_port (--master-port), and start every rank with the same world size.");
+    }
+    throw Error("[remat::parallel] rank " + std::to_string(o.rank()) + " could not reach the TCPStore at " + where +
+                " within " + seconds(o.timeout()) + ": " + message_of(e) +
+                ". Check that rank 0 runs and that master_addr and master_port (--master-addr, --master-port) are "
+                "the same on every rank.");
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+bool is_loopback(const std::string& addr) { return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0; }
+
+#ifndef REMAT_WITH_NCCL
+c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int,
+                                            std::chrono::milliseconds) {
+  throw Error(
+      "[remat::parallel] this remat was built without NCCL (a CPU LibTorch, or REMAT_CUDA=OFF); build with a CUDA "
+      "LibTorch and REMAT_CUDA=ON, or use device kCPU (Gloo).");
+}
+#endif
+
+}  // namespace detail
+
+int ProcessGroup::rank() const { return pg_ ? pg_->getRank() : 0; }
+int ProcessGroup::world_size() const { return pg_ ? pg_->getSize() : 1; }
+
+void ProcessGroup::barrier() const {
+  if (!pg_) throw Error("[remat::parallel] barrier on a ProcessGroup that was not joined; use init_process_group().");
+  c10d::BarrierOptions b;
+  b.timeout = timeout_;
+  b.device = c10::Device(device_ == c10::kCUDA ? c10::kCUDA : c10::kCPU);
+  pg_->barrier(b)->wait();
+}
+
+void ProcessGroup::all_reduce_sum(at::Tensor& t) const {
+  if (!pg_) throw Error("[remat::parallel] all_reduce_sum on a ProcessGroup that was not joined.");
+  std::vector<at::Tensor> ts{t};
+  pg_->allreduce(ts)->wait();
+}
+
+ProcessGroup init_process_group(const InitOptions& options) {
+  validate(options);
+  auto store = make_store(options);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("remat/0", store);
+  ProcessGroup g;
+  g.device_ = options.device();
+  g.timeout_ = options.timeout();
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(prefixed, options.rank(), options.world_size());
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  try {
+    gloo = detail::make_gloo(prefixed, options.rank(), options.world_size(), options.timeout(),
+                             options.file_store().empty() ? options.master_addr() : "127.0.0.1");
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error("[remat::parallel] rank " + std::to_string(options.rank()) + " could not connect the Gloo group of " +
+                std::to_string(options.world_size()) + " within " + seconds(options.timeout()) + ": " + message_of(e) +
+                ". Start every rank, or set GLOO_SOCKET_IFNAME to an interface the ranks share.");
+  }
+  pg->setBackend(c10::kCPU, c10d::ProcessGroup::GLOO, gloo);
+  pg->setDefaultBackend(c10d::ProcessGroup::GLOO);
+  if (options.device() == c10::kCUDA) {
+    auto nccl = detail::make_nccl(prefixed, options.rank(), options.world_size(), options.timeout());
+    pg->setBackend(c10::kCUDA, c10d::ProcessGroup::NCCL, nccl);
+    pg->setDefaultBackend(c10d::ProcessGroup::NCCL);
+  }
+  pg->setGroupName("0");
+  g.pg_ = std::move(pg);
+  return g;
+}
+
+// --- DataParallel ----------------------------------------------------------
+
+namespace {
+
+/** The state the comm hook records into (the hook is owned by the Reducer;
+ *  its future callbacks run on the backend's threads). */
+struct Recorder {
+  std::mutex mu;
+  struct Launch {
+    Clock::time_point start, done;
+    bool finished = false;
+    int64_t bytes = 0;
+  };
+  std::vector<Launch> current;  // this backward's buckets
+  CommStats last;               // the last complete backward
+
+  void begin() {
+    std::lock_guard<std::mutex> lock(mu);
+    current.clear();
+  }
+  size_t launch(int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    current.push_back({Clock::now(), {}, false, bytes});
+    return current.size() - 1;
+  }
+  void done(size_t k) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (k >= current.size()) return;
+    current[k].done = Clock::now();
+    current[k].finished = true;
+  }
+  /** Folds this backward's buckets into `last` (after the Reducer waited on every one). */
+  void finish() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (current.empty()) return;
+    CommStats s;
+    Clock::time_point last_launch = current.front().start, last_done = current.front().start;
+    for (const auto& l : current) {
+      last_launch = std::max(last_launch, l.start);
+      if (l.finished) last_done = std::max(last_done, l.done);
+    }
+    double overlapped = 0.0;
+    for (const auto& l : current) {
+      ++s.buckets;
+      s.bytes += l.bytes;
+      if (!l.finished) continue;
+      s.allreduce_ms += std::chrono::duration<double, std::milli>(l.done - l.start).count();
+      overlapped +=
+          std::max(0.0, std::chrono::duration<double, std::milli>(std::min(l.done, last_launch) - l.start).count());
+    }
+    s.exposed_ms = std::max(0.0, std::chrono::duration<double, std::milli>(last_done - last_launch).count());
+    s.overlap = s.allreduce_ms > 0.0 ? overlapped / s.allreduce_ms : 0.0;
+    last = s;
+    current.clear();
+  }
+};
+
+/** c10d's default averaging all-reduce (AllReduceCommHook: divide, sum),
+ *  timed, with a failed all-reduce turned into an error that says which
+ *  rank and bucket, and what to look at. */
+class TimedAllReduce final : public c10d::CommHookInterface {
+ public:
+  TimedAllReduce(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<Recorder> rec, std::chrono::milliseconds t)
+      : pg_(std::move(pg)), rec_(std::move(rec)), timeout_(t) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor& buf = bucket.getBufferRef();
+    buf.div_(pg_->getSize());
+    const size_t k = rec_->launch(static_cast<int64_t>(buf.numel()) * static_cast<int64_t>(buf.element_size()));
+    std::vector<at::Tensor> ts{buf};
+    c10d::AllreduceOptions o;
+    o.timeout = timeout_;
+    auto fut = pg_->allreduce(ts, o)->getFuture();
+    const int rank = pg_->getRank(), size = pg_->getSize();
+    const size_t index = bucket.getIndex();
+    std::shared_ptr<Recorder> rec = rec_;
+    const auto timeout = timeout_;
+    return fut->then(
+        [rec, k, rank, size, index, timeout](c10::ivalue::Future& f) -> c10::IValue {
+          rec->done(k);
+          if (f.hasError()) {
+            throw Error("[remat::parallel] rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                        ": the all-reduce of gradient bucket " + std::to_string(index) +
+                        " failed: " + first_line(f.tryRetrieveErrorMessage()) +
+                        ". A peer process probably exited or stopped answering (timeout " + seconds(timeout) +
+                        "); look at the other ranks' output.");
+          }
+          return f.value();
+        },
+        fut->elementType());
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return c10d::detail::parseCppCommHookResult(result);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::shared_ptr<Recorder> rec_;
+  std::chrono::milliseconds timeout_;
+};
+
+/** Buffer size of broadcast_coalesced, bytes (DDP's 250 MiB). */
+constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
+
+}  // namespace
+
+struct DataParallel::Impl {
+  std::shared_ptr<torch::nn::Module> module;
+  ProcessGroup group;
+  DataParallelOptions options;
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> buffers;
+  std::unique_ptr<c10d::Reducer> reducer;
+  std::shared_ptr<Recorder> rec = std::make_shared<Recorder>();
+  bool armed = false;  // prepare_for_backward called, its backward's stats not yet folded
+
+  void broadcast(std::vector<at::Tensor>& ts) const {
+    if (ts.empty() || group.world_size() == 1) return;
+    at::NoGradGuard no_grad;
+    c10d::broadcast_coalesced(group.c10d(), ts, kBroadcastBucketBytes, 0);
+  }
+};
+
+DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DataParallelOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  auto& m = *impl_;
+  if (!module) throw Error("[remat::parallel] DataParallel got a null module.");
+  if (!group.defined()) {
+    throw Error("[remat::parallel] DataParallel got a ProcessGroup that was not joined; use init_process_group().");
+  }
+  if (options.bucket_cap_bytes() <= 0 || options.first_bucket_cap_bytes() <= 0) {
+    throw Error("[remat::parallel] bucket_cap_bytes " + std::to_string(options.bucket_cap_bytes()) +
+                " and first_bucket_cap_bytes " + std::to_string(options.first_bucket_cap_bytes()) +
+                " must be positive (the defaults are 25 MiB and 1 MiB).");
+  }
+  m.module = std::move(module);
+  m.group = std::move(group);
+  m.options = options;
+  std::unordered_map<size_t, std::string> names;
+  for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    names[m.params.size()] = item.key();
+    m.params.push_back(item.value());
+  }
+  if (m.params.empty()) {
+    throw Error("[remat::parallel] the module has no parameter that requires grad: nothing to synchronise.");
+  }
+  for (const auto& b : m.module->buffers(/*recurse=*/true)) {
+    if (b.defined()) m.buffers.push_back(b);
+  }
+  const auto device = m.params.front().device();
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    if (m.params[i].device() != device) {
+      throw Error("[remat::parallel] parameter '" + names[i] + "' is on " + m.params[i].device().str() + ", '" +
+                  names[0] + "' on " + device.str() + ": DataParallel needs the whole module on one device.");
+    }
+  }
+  if (device.type() != m.group.device()) {
+    throw Error("[remat::parallel] the module is on " + device.str() + " but the group was made for " +
+                c10::DeviceTypeName(m.group.device()) + "; move the module, or join with InitOptions::device.");
+  }
+  // Every rank must hold the same parameter shapes (c10d's check, with its message).
+  c10d::verify_params_across_processes(m.group.c10d(), m.params, std::nullopt);
+  std::vector<at::Tensor> state = m.params;
+  state.insert(state.end(), m.buffers.begin(), m.buffers.end());
+  m.broadcast(state);
+  // As DDP without find_unused_parameters: one bucket in the first step,
+  // rebuilt in gradient-ready order (bucket_cap_bytes) from the second.
+  const std::vector<bool> sparse(m.params.size(), false);
+  auto assigned = c10d::compute_bucket_assignment_by_size(m.params, {std::numeric_limits<size_t>::max()}, sparse);
+  auto indices = std::get<0>(assigned);
+  std::reverse(indices.begin(), indices.end());
+  m.reducer = std::make_unique<c10d::Reducer>(
+      m.params, std::move(indices), m.group.c10d(), sparse, options.bucket_cap_bytes(),
+      options.find_unused_parameters(), /*gradient_as_bucket_view=*/false, std::move(names),
+      /*first_bucket_bytes_cap=*/options.first_bucket_cap_bytes(), /*skip_all_reduce_unused_params=*/false,
+      /*use_python_reducer=*/false, /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
+  m.reducer->register_comm_hook(std::make_unique<TimedAllReduce>(m.group.c10d(), m.rec, m.group.timeout()));
+}
+
+DataParallel::~DataParallel() = default;
+
+void DataParallel::prepare_for_forward() {
+  auto& m = *impl_;
+  if (m.armed) {
+    m.rec->finish();
+    m.armed = false;
+  }
+  if (at::GradMode::is_enabled()) {
+    m.reducer->prepare_for_forward();
+    m.reducer->rebuild_buckets();
+  }
+  if (m.options.broadcast_buffers()) m.broadcast(m.buffers);
+}
+
+void DataParallel::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  auto& m = *impl_;
+  m.rec->begin();
+  m.reducer->prepare_for_backward(m.options.find_unused_parameters() ? outputs : std::vector<at::Tensor>{});
+  m.armed = true;
+}
+
+CommStats DataParallel::last_stats() const {
+  auto& m = *impl_;
+  if (m.armed) {
+    m.rec->finish();
+    m.armed = false;
+  }
+  std::lock_guard<std::mutex> lock(m.rec->mu);
+  return m.rec->last;
+}
+
+const ProcessGroup& DataParallel::group() const { return impl_->group; }
+
+}  // namespace remat::parallel

@@ -1,0 +1,348 @@
+// remat::parallel: process groups and DataParallel on c10d (Gloo on CPU).
+// Multi-process tests spawn ddp_worker (one process per rank, a small GPT
+// under each checkpoint strategy) and compare the parameters after K steps
+// with one process training on the same data at world_size times the batch.
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <remat/checkpoint.h>
+#include <remat/error.h>
+#include <remat/parallel.h>
+#include <remat/sequential.h>
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using remat::parallel::DataParallel;
+using remat::parallel::InitOptions;
+
+/** A port nothing listens on right now (bound, read, closed). */
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+struct Proc {
+  pid_t pid = -1;
+  fs::path err;
+  int status = -1;  // exit code, or 128 + signal; -1 still running
+};
+
+Proc spawn(const std::vector<std::string>& args, const fs::path& err) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  Proc p;
+  p.err = err;
+  const int rc = posix_spawn(&p.pid, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  EXPECT_EQ(rc, 0) << "posix_spawn " << args[0];
+  return p;
+}
+
+/** Waits for every process until deadline; kills what is left (status -1). */
+void wait_all(std::vector<Proc>& ps, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (auto& p : ps) {
+    while (p.status == -1) {
+      int st = 0;
+      const pid_t r = ::waitpid(p.pid, &st, WNOHANG);
+      if (r == p.pid) {
+        p.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(p.pid, SIGKILL);
+        ::waitpid(p.pid, &st, 0);
+        break;  // status stays -1: it hung
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
+
+class Dir {
+ public:
+  Dir() {
+    path_ = fs::temp_directory_path() / ("remat_parallel_" + std::to_string(::getpid()) + "_" + std::to_string(n_++));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~Dir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+  static inline int n_ = 0;
+};
+
+/** Runs `world` ranks of ddp_worker; returns their statuses. */
+std::vector<Proc> run_ranks(const Dir& dir, const std::string& tag, int world, std::vector<std::string> extra,
+                            std::chrono::seconds limit = std::chrono::seconds(240)) {
+  const std::string port = std::to_string(free_port());
+  std::vector<Proc> ps;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> args{REMAT_DDP_WORKER, "--rank", std::to_string(r), "--world", std::to_string(world),
+                                  "--port",         port};
+    args.insert(args.end(), extra.begin(), extra.end());
+    if (r == 0) {
+      args.push_back("--out");
+      args.push_back((dir.path() / (tag + ".pt")).string());
+    }
+    ps.push_back(spawn(args, dir.path() / (tag + ".rank" + std::to_string(r) + ".err")));
+  }
+  wait_all(ps, limit);
+  return ps;
+}
+
+std::vector<at::Tensor> load_params(const fs::path& p) {
+  std::vector<at::Tensor> v;
+  torch::load(v, p.string());
+  return v;
+}
+
+double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0.0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    m = std::max(m, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return m;
+}
+
+/** 2 ranks at batch 2 against 1 rank at batch 4, same data and seed. */
+void expect_two_ranks_equal_one(const std::string& strategy, std::vector<std::string> extra = {}) {
+  Dir dir;
+  std::vector<std::string> common{"--strategy", strategy, "--steps", "3"};
+  common.insert(common.end(), extra.begin(), extra.end());
+  auto two_args = common;
+  two_args.insert(two_args.end(), {"--batch", "2"});
+  auto one_args = common;
+  one_args.insert(one_args.end(), {"--batch", "4"});
+  auto two = run_ranks(dir, "two", 2, two_args);
+  auto one = run_ranks(dir, "one", 1, one_args);
+  for (const auto& p : two) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  ASSERT_EQ(one[0].status, 0) << read_file(one[0].err);
+  const auto a = load_params(dir.path() / "two.pt");
+  const auto b = load_params(dir.path() / "one.pt");
+  const double d = max_abs_diff(a, b);
+  EXPECT_LE(d, 1e-6) << strategy;
+  // The last step's averaged gradients themselves, relative to their size:
+  // a rank's gradient alone, or a sum instead of a mean, is off by O(1).
+  const auto ga = load_params(dir.path() / "two.pt.grad");
+  const auto gb = load_params(dir.path() / "one.pt.grad");
+  double gmax = 0.0;
+  for (const auto& g : gb) gmax = std::max(gmax, g.abs().max().item<double>());
+  const double gd = max_abs_diff(ga, gb);
+  EXPECT_GT(gmax, 0.0);
+  EXPECT_LE(gd, 1e-5 * gmax) << strategy;
+  std::istringstream stats(read_file(dir.path() / "two.pt.stats"));
+  int64_t buckets = 0, bytes = 0;
+  double allreduce_ms = 0, exposed_ms = 0, overlap = -1;
+  stats >> buckets >> bytes >> allreduce_ms >> exposed_ms >> overlap;
+  int64_t param_bytes = 0;
+  for (const auto& t : a) param_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  EXPECT_GE(buckets, 3) << "rebuilt after step 1 into 16-64 KiB buckets";
+  EXPECT_EQ(bytes, param_bytes) << "every gradient reduced once in the last step";
+  EXPECT_GT(allreduce_ms, 0.0);
+  EXPECT_GE(overlap, 0.0);
+  EXPECT_LE(overlap, 1.0);
+  std::cout << "[" << strategy << "] 2 ranks vs 1: max |param diff| " << d << ", max |grad diff| " << gd
+            << " (max |grad| " << gmax << "), last step " << buckets << " buckets, " << allreduce_ms
+            << " ms all-reduce, " << exposed_ms << " ms exposed, overlap " << overlap << "\n";
+}
+
+TEST(DataParallelProcesses, TwoRanksEqualOneAtDoubleBatchPlain) { expect_two_ranks_equal_one("none"); }
+TEST(DataParallelProcesses, TwoRanksEqualOneAtDoubleBatchPerBlock) { expect_two_ranks_equal_one("block"); }
+TEST(DataParallelProcesses, TwoRanksEqualOneAtDoubleBatchSqrt) { expect_two_ranks_equal_one("sqrt"); }
+TEST(DataParallelProcesses, TwoRanksEqualOneAtDoubleBatchSelective) { expect_two_ranks_equal_one("selective"); }
+// CheckpointedSequential: its inner per-stage backwards hand each parameter
+// gradient to AccumulateGrad early (NOTE [early delivery]); the Reducer's
+// hooks must see every one exactly once (docs/parallel.md).
+TEST(DataParallelProcesses, TwoRanksEqualOneAtDoubleBatchAuto) { expect_two_ranks_equal_one("auto"); }
+// grad_accum 2: the first micro-batch's backward is not synchronised
+// (no_sync); the second reduces the accumulated sum.
+TEST(DataParallelProcesses, GradAccumulationSynchronisesOncePerStep) {
+  expect_two_ranks_equal_one("block", {"--grad-accum", "2"});
+}
+
+TEST(DataParallelProcesses, FileStoreRendezvous) {
+  Dir dir;
+  const std::string store = (dir.path() / "store").string();
+  auto ps = run_ranks(dir, "fs", 2, {"--file-store", store, "--steps", "1"});
+  for (const auto& p : ps) EXPECT_EQ(p.status, 0) << read_file(p.err);
+}
+
+TEST(DataParallelProcesses, ARankThatDiesMidStepFailsTheOthersWithAClearError) {
+  Dir dir;
+  const auto t0 = std::chrono::steady_clock::now();
+  // Rank 1 exits after its forward of step 2; rank 0 is then in backward's all-reduce.
+  auto ps = run_ranks(dir, "die", 2, {"--steps", "3", "--die-at-step", "2", "--timeout-ms", "20000"},
+                      std::chrono::seconds(120));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(ps[1].status, 7);
+  ASSERT_EQ(ps[0].status, 3) << "rank 0 must fail, not hang (-1) or succeed; stderr: " << read_file(ps[0].err);
+  const std::string err = read_file(ps[0].err);
+  EXPECT_NE(err.find("[remat::parallel] rank 0 of 2: the all-reduce of gradient bucket"), std::string::npos) << err;
+  EXPECT_NE(err.find("A peer process probably exited or stopped answering"), std::string::npos) << err;
+  EXPECT_LT(s, 60.0) << "within the 20 s timeout plus start-up";
+}
+
+// --- In-process: one rank, errors -----------------------------------------
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const remat::Error& e) {
+    return e.what();
+  }
+  return "(no remat::Error)";
+}
+
+TEST(ProcessGroup, BadValuesAreClearErrors) {
+  EXPECT_EQ(message_of([] { remat::parallel::init_process_group(InitOptions(0, 1).master_port(70000)); }),
+            "[remat::parallel] master_port 70000 is not a TCP port; pick one in 1..65535 that is free on the master "
+            "(e.g. 29500).");
+  EXPECT_EQ(message_of([] { remat::parallel::init_process_group(InitOptions(2, 2)); }),
+            "[remat::parallel] rank 2 is outside [0, 2): give each of the world_size processes its own rank.");
+  EXPECT_EQ(message_of([] { remat::parallel::init_process_group(InitOptions(0, 0)); }),
+            "[remat::parallel] world_size 0 must be at least 1 (the number of processes).");
+  EXPECT_EQ(
+      message_of([] { remat::parallel::init_process_group(InitOptions(0, 1).timeout(std::chrono::milliseconds(0))); }),
+      "[remat::parallel] timeout 0 ms must be positive (the default is 300 s).");
+}
+
+TEST(ProcessGroup, AnUnreachableStoreIsAClearErrorWithinTheTimeout) {
+  const int port = free_port();
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string m = message_of([&] {
+    remat::parallel::init_process_group(InitOptions(1, 2).master_port(port).timeout(std::chrono::milliseconds(2000)));
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string want =
+      "[remat::parallel] rank 1 could not reach the TCPStore at 127.0.0.1:" + std::to_string(port) + " within 2.0 s: ";
+  EXPECT_EQ(m.substr(0, want.size()), want) << m;
+  EXPECT_NE(m.find("Check that rank 0 runs and that master_addr and master_port (--master-addr, --master-port) are "
+                   "the same on every rank."),
+            std::string::npos)
+      << m;
+  EXPECT_LT(s, 15.0);
+}
+
+TEST(ProcessGroup, APortInUseIsAClearError) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = 0;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  const std::string m = message_of([&] {
+    remat::parallel::init_process_group(InitOptions(0, 1).master_port(port).timeout(std::chrono::milliseconds(2000)));
+  });
+  ::close(fd);
+  const std::string want = "[remat::parallel] rank 0 could not serve the TCPStore on 127.0.0.1:" + std::to_string(port);
+  EXPECT_EQ(m.substr(0, want.size()), want) << m;
+  EXPECT_NE(m.find("Pick a free master_port (--master-port)"), std::string::npos) << m;
+}
+
+torch::nn::Sequential mlp() {
+  torch::manual_seed(3);
+  return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::GELU(), torch::nn::Linear(32, 32),
+                               torch::nn::GELU(), torch::nn::Linear(32, 32), torch::nn::GELU(),
+                               torch::nn::Linear(32, 4));
+}
+
+// One rank: DataParallel divides by 1 and copies back, so gradients are
+// bitwise those of a plain run, with CheckpointedSequential's early delivery
+// (.grad allocated) as well, over several steps.
+TEST(DataParallel, OneRankGivesBitwiseThePlainGradients) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  EXPECT_EQ(group.rank(), 0);
+  EXPECT_EQ(group.world_size(), 1);
+  auto plain = mlp();
+  auto seq = mlp();
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(2));
+  DataParallel ddp(seq.ptr(), group);
+  torch::manual_seed(5);
+  for (int step = 0; step < 3; ++step) {
+    auto x = torch::randn({8, 16});
+    plain->forward(x).pow(2).sum().backward();
+    auto loss = ddp.forward([&] { return net->forward(x).pow(2).sum(); });
+    loss.backward();
+    const auto pp = plain->parameters(), qp = seq->parameters();
+    for (size_t i = 0; i < pp.size(); ++i) {
+      ASSERT_TRUE(qp[i].grad().defined());
+      EXPECT_TRUE(torch::equal(pp[i].grad(), qp[i].grad())) << "step " << step << " parameter " << i;
+    }
+    const auto s = ddp.last_stats();
+    EXPECT_EQ(s.buckets, step == 0 ? 1 : s.buckets);
+    EXPECT_GE(s.buckets, 1);
+  }
+}
+
+TEST(DataParallel, BadModulesAreClearErrors) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  auto frozen = torch::nn::Linear(4, 4);
+  for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  EXPECT_EQ(message_of([&] { DataParallel d(frozen.ptr(), group); }),
+            "[remat::parallel] the module has no parameter that requires grad: nothing to synchronise.");
+  EXPECT_EQ(message_of([&] { DataParallel d(frozen.ptr(), remat::parallel::ProcessGroup()); }),
+            "[remat::parallel] DataParallel got a ProcessGroup that was not joined; use init_process_group().");
+  EXPECT_EQ(message_of([&] {
+              DataParallel d(torch::nn::Linear(4, 4).ptr(), group,
+                             remat::parallel::DataParallelOptions().bucket_cap_bytes(0));
+            }),
+            "[remat::parallel] bucket_cap_bytes 0 and first_bucket_cap_bytes 1048576 must be positive (the defaults "
+            "are 25 MiB and 1 MiB).");
+}
+
+}  // namespace
