@@ -27,7 +27,7 @@
 # Environment: PYTHON (python3), BUILD_DIR (bench/gpu/build), DEPS_DIR
 # (bench/gpu/deps, from pack-deps.sh: used only for what the machine lacks;
 # CHECK_FORCE_DEPS=1 uses it for everything it holds), REMAT_CUDA (ON),
-# CHECK_DEADLINE_S (470), BUDGET_GIB (40), CPP_ARGS / PY_ARGS (extra bench
+# CHECK_DEADLINE_S (470), BUILD_TIMEOUT_S (300), BUDGET_GIB (40), CPP_ARGS / PY_ARGS (extra bench
 # arguments), COMPILE_BUDGET (0.5).
 # On the device tool: bash bench/gpu/pack-deps.sh here, then
 #   run(command="bash bench/gpu/check.sh", carry=["bench/gpu/deps"], timeout_s=540)
@@ -188,7 +188,7 @@ if ((need_pc)); then
     done
     carried_deps+=(zstd lz4)
     pkgconf_env=(env "PKG_CONFIG_PATH=$d/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}")
-    if ! command -v pkg-config >/dev/null; then
+    if ((force)) || ! command -v pkg-config >/dev/null; then
       # A stand-in that answers CMake's FindPkgConfig from the .pc files above.
       cat >"$d/bin/pkg-config" <<EOF
 #!/usr/bin/env bash
@@ -277,7 +277,15 @@ else
     "-DCMAKE_PREFIX_PATH=$prefix_path" "-DREMAT_CUDA=$cuda_opt" -DREMAT_BUILD_EXAMPLES=OFF
     -DREMAT_BUILD_BENCH=ON -DREMAT_INSTALL=OFF -DTORCH_CUDA_ARCH_LIST=9.0 -DCMAKE_CUDA_ARCHITECTURES=90
     "${pkgconf_arg[@]}")
-  [[ -n $nvcc ]] && cfg+=("-DCMAKE_CUDA_COMPILER=$nvcc" "-DCUDAToolkit_ROOT=$(dirname "$(dirname "$(readlink -f "$nvcc")")")")
+  if [[ -n $nvcc ]]; then
+    # The toolkit's root: where its headers are (nvcc may be a wrapper script elsewhere).
+    for r in "$(dirname "$(dirname "$(readlink -f "$nvcc")")")" "${CUDA_HOME:-/nonexistent}" /usr/local/cuda; do
+      if [[ -x $r/bin/nvcc && ( -f $r/include/cuda_runtime.h || -f $r/targets/x86_64-linux/include/cuda_runtime.h ) ]]; then
+        cfg+=("-DCMAKE_CUDA_COMPILER=$r/bin/nvcc" "-DCUDAToolkit_ROOT=$r" "-DCUDA_TOOLKIT_ROOT_DIR=$r")
+        break
+      fi
+    done
+  fi
   [[ -n $gtest_dir ]] && cfg+=("-DGTest_DIR=$gtest_dir")
   if ! run_phase configure "$(budget 90 240)" "$out/build.log" "${pkgconf_env[@]}" "${cfg[@]}" -DREMAT_BUILD_TESTS=$tests; then
     if [[ $tests == ON ]]; then
@@ -290,7 +298,7 @@ else
   if grep -q "^REMAT_BUILD_TESTS:BOOL=$tests" "$build/CMakeCache.txt" 2>/dev/null && [[ -f $build/CMakeCache.txt ]] &&
     [[ ${phases[-1]} == configure*"|ok|"* ]]; then
     [[ $tests == ON ]] && targets+=(test_cuda)
-    if run_phase build "$(budget 300 150)" "$out/build.log" cmake --build "$build" -j"$jobs" --target "${targets[@]}"; then
+    if run_phase build "$(budget "${BUILD_TIMEOUT_S:-300}" 150)" "$out/build.log" cmake --build "$build" -j"$jobs" --target "${targets[@]}"; then
       built=1
     fi
     grep -m1 "remat: CUDA paths" "$out/build.log" | sed 's/^-- /[check] /'

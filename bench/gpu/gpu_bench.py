@@ -113,7 +113,10 @@ class Bench:
         torch.manual_seed(0)
         a = self.a
         seq = torch.nn.Sequential(*[models.GptBlock(a.d_model, a.heads, sdpa) for _ in range(a.blocks)])
-        return seq.to(self.device).train()
+        seq = seq.to(self.device).train()
+        for p in seq.parameters():  # gradients exist from the start, so every measured step has them live
+            p.grad = torch.zeros_like(p)
+        return seq
 
     def input(self, batch):
         torch.manual_seed(1)
@@ -272,7 +275,6 @@ def main():
         sys.exit("gpu_bench.py: --device cuda but torch.cuda.is_available() is False")
     device = torch.device(a.device)
     b = Bench(a, device)
-    searched = set(a.search.split(",")) if a.search not in ("", "none") else set()
     results = []
     for attention in a.attention.split(","):
         if attention not in ("explicit", "sdpa"):
@@ -312,14 +314,31 @@ def main():
             if r["ms"]:
                 r["median_ms"] = sorted(r["ms"])[len(r["ms"]) // 2]
                 r["tokens_per_s"] = a.batch * a.seq_len / (r["median_ms"] / 1e3)
-            if r["strategy"] in searched and not r["note"].startswith("skipped"):
+            results.append(r)
+        fn = live = None  # the strategies' closures hold the model
+        del seq, x
+        b.meter.empty()
+    # Largest batches, after every timing: first for the first two strategies
+    # of --search on every attention, then for the rest, while time is left.
+    order = [s for s in a.search.split(",") if s] if a.search not in ("", "none") else []
+    for first in (True, False):
+        for attention in a.attention.split(","):
+            todo = [r for r in results if r["attention"] == attention and r["strategy"] in order
+                    and (order.index(r["strategy"]) < 2) == first and not r["note"].startswith("skipped")]
+            if not todo:
+                continue
+            if b.out_of_time():
+                for r in todo:
+                    r["search_note"] = "skipped: time limit"
+                continue
+            seq = b.build(attention == "sdpa")
+            for r in todo:
                 if b.out_of_time():
                     r["search_note"] = "skipped: time limit"
                 else:
                     b.search(seq, r)
-            results.append(r)
-        del seq, x, live
-        b.meter.empty()
+            del seq
+            b.meter.empty()
     params = sum(p.numel() for p in models.GptBlock(a.d_model, a.heads).parameters()) * a.blocks
     out = dict(lang="py", torch=torch.__version__, device=a.device, meter=b.meter.name, autocast=a.autocast,
                d_model=a.d_model, heads=a.heads, seq_len=a.seq_len, batch=a.batch, blocks=a.blocks, params=params,

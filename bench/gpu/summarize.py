@@ -30,7 +30,10 @@ def lines(path):
 
 
 def gib(b):
-    return f"{b / GIB:.2f}" if isinstance(b, (int, float)) and b >= 0 else "-"
+    """Bytes as GiB with 2 decimals, or MiB below 1 GiB (toy sizes)."""
+    if not isinstance(b, (int, float)) or b < 0:
+        return "-"
+    return f"{b / GIB:.2f} GiB" if b >= GIB / 2 else f"{b / (1 << 20):.1f} MiB"
 
 
 def main():
@@ -62,8 +65,8 @@ def main():
                    f"{b0['batch']}, {b0['blocks']} blocks, autocast {b0['autocast']}, device {b0['device']}; "
                    f"forward + backward of the stack (.sum() loss), no optimizer. Peak: allocated bytes of one "
                    f"step (parameters, gradients and input included). Step: median of the timed steps. "
-                   f"Largest batch: peak within {gib(b0['budget_bytes'])} GiB.", ""]
-        md += ["| attention | side | strategy | peak GiB | step ms | tokens/s | largest batch | note |",
+                   f"Largest batch: peak within {gib(b0['budget_bytes'])}.", ""]
+        md += ["| attention | side | strategy | peak | step ms | tokens/s | largest batch | note |",
                "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
         for attention in ("explicit", "sdpa"):
             for side, b, r in runs:
@@ -77,7 +80,7 @@ def main():
                 tok = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s", -1) > 0 else "-"
                 note = r.get("note", "")
                 if r.get("predicted_bytes", -1) >= 0:
-                    note = (note + "; " if note else "") + f"plan predicted {gib(r['predicted_bytes'])} GiB activations"
+                    note = (note + "; " if note else "") + f"plan predicted {gib(r['predicted_bytes'])} of activations"
                 md.append(f"| {attention} | {side} | {r['strategy']} | {gib(r.get('peak_bytes', -1))} | {ms} | {tok} "
                           f"| {mbs} | {note.replace('|', '/')} |")
     else:
