@@ -102,10 +102,11 @@ struct Slot {
   size_t input_index = 0;  // kInput
   at::Tensor ref;          // kRef
   uint32_t ref_version = 0;
-  TensorMeta meta;       // kRecompute
-  at::Tensor value;      // kRecompute: filled by recompute, moved out by unpack
-  bool alive = true;     // false once the node that saved it is released
-  int unpacked_in = -2;  // graph task that last took its value (kRecompute)
+  TensorMeta meta;                    // kRecompute
+  at::Tensor value;                   // kRecompute: filled by recompute, moved out by unpack
+  std::optional<c10::Stream> stream;  // kRecompute: where the re-run produced value (NOTE [recompute streams])
+  bool alive = true;                  // false once the node that saved it is released
+  int unpacked_in = -2;               // graph task that last took its value (kRecompute)
 };
 
 struct SavedInput {
@@ -247,6 +248,8 @@ struct Frame : std::enable_shared_from_this<Frame> {
         slots[i].unpacked_in = task;
         at::Tensor t = std::move(s.value);
         s.value = at::Tensor();
+        use_on_current_stream(t, s.stream);  // NOTE [recompute streams]
+        s.stream.reset();
         return t;
       }
     }
@@ -323,6 +326,7 @@ struct Frame : std::enable_shared_from_this<Frame> {
     if (s.kind != SlotKind::kRecompute || !s.alive || s.value.defined()) return;
     check(k, s.meta, t);
     s.value = t.detach();
+    s.stream = stream_of(t);
     if (--needed == 0 && options.early_stop()) throw StopRecompute{};
   }
 
@@ -353,6 +357,31 @@ struct Frame : std::enable_shared_from_this<Frame> {
 };
 
 namespace {
+
+// NOTE [hooks on autograd's device threads]: a backward through CUDA tensors
+// runs each CUDA node on autograd's worker thread for that GPU, not on the
+// thread that called backward(); remat's hook stack is thread-local and that
+// thread's stack is empty. What keeps checkpoints right there:
+// - the unpack needs no thread-local: a ForwardHook carries its Frame (a
+//   shared_ptr), and the Frame carries everything a re-run needs (inputs,
+//   fn, RNG and autocast state, options);
+// - the re-run happens on the unpacking thread (the device thread), and
+//   everything it sets up is set up there: the recompute hooks pushed on
+//   that thread's stack (so its saves refill the frame), grad mode,
+//   autocast and is_recomputing() (thread-locals of that thread, put back
+//   when it ends), RNG states (process-wide generators, under the RNG lock);
+// - the re-run runs on the stream the engine made current for the node
+//   (NOTE [recompute streams] in replay.h).
+// Not covered: tensors saved on a device thread by an inner backward with
+// create_graph inside a region (autograd::grad inside fn on CUDA) see the
+// device thread's empty stack and are kept as autograd keeps them (correct,
+// not checkpointed); and when such an inner backward unpacks a slot of a
+// region that preserves RNG state (its own re-run inside the forward, or a
+// nested region's) on the device thread, it waits for the RNG lock that the
+// calling thread holds until its region's forward ends, while that thread
+// waits for the backward: a deadlock. Higher-order autograd through CUDA
+// regions needs preserve_rng_state(false) on them (docs/gpu.md); on CPU the
+// backward runs on the calling thread, which re-enters the lock.
 
 /** Saves handles during the first forward. */
 class ForwardHook final : public SavedHook {

@@ -29,6 +29,10 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#ifdef REMAT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <remat/error.h>
 
@@ -266,7 +270,127 @@ void acquire() {
 }
 void release() { state().users.fetch_sub(1, std::memory_order_relaxed); }
 
+// NOTE [CUDA memory statistics]: the CUDA caching allocator keeps, per
+// device, the bytes allocated to tensors now and their peak since its last
+// resetPeakStats. remat reads those (no wrapper: every CUDA allocation is
+// counted, always). A Probe needs the peak over its own life, so it resets
+// the allocator's peak when it starts, after keeping what it read: the
+// segments of the CPU counter (NOTE [counting allocator]) with the open
+// segment's maximum = max(open_floor, the allocator's peak now), and
+// `floor` = the highest peak read before a reset, for peak_bytes(device).
+// Only remat's resets are known: a reset from elsewhere (Python's
+// torch.cuda.reset_peak_memory_stats in the same process) lowers what
+// Probes and peak_bytes(device) see from then on.
+
+[[noreturn]] void unsupported_device(const char* fn, c10::Device d) {
+  if (d.is_cuda()) {
+    throw Error(std::string("[remat::memory] ") + fn + "(" + d.str() +
+                "): this remat was built without CUDA (REMAT_WITH_CUDA is off: it was configured against a "
+                "CPU-only LibTorch, or with -DREMAT_CUDA=OFF), so it cannot read the CUDA caching allocator. "
+                "Configure remat against a CUDA LibTorch with -DREMAT_CUDA=ON (docs/gpu.md).");
+  }
+  throw Error(std::string("[remat::memory] ") + fn + "(" + d.str() +
+              "): remat measures CPU and CUDA devices only, got " + c10::DeviceTypeName(d.type()) + ".");
+}
+
+#ifdef REMAT_WITH_CUDA
+struct CudaSegments {
+  std::mutex mu;
+  int64_t floor = 0;       // highest allocator peak read before a reset (since reset_peak(device))
+  int64_t open_floor = 0;  // the open segment's maximum beyond the allocator's peak (merged segments)
+  uint64_t open_id = 0;
+  std::map<uint64_t, int64_t> closed;  // segment -> maximum, for live probes
+  std::map<uint64_t, int> starts;      // start segment -> live probes
+};
+
+CudaSegments& cuda_segments(c10::DeviceIndex i) {
+  static std::mutex* mu = new std::mutex();  // never destroyed, as state()
+  static auto* all = new std::map<c10::DeviceIndex, std::unique_ptr<CudaSegments>>();
+  std::lock_guard<std::mutex> lock(*mu);
+  auto& p = (*all)[i];
+  if (!p) p = std::make_unique<CudaSegments>();
+  return *p;
+}
+
+c10::DeviceIndex cuda_index(const char* fn, c10::Device d) {
+  const int n = c10::cuda::device_count();
+  const int i = d.has_index() ? d.index() : (n > 0 ? c10::cuda::current_device() : 0);
+  if (n == 0 || i >= n) {
+    throw Error(std::string("[remat::memory] ") + fn + "(" + d.str() + "): no such CUDA device (" + std::to_string(n) +
+                " visible); pass a device index below " + std::to_string(n) + ".");
+  }
+  return static_cast<c10::DeviceIndex>(i);
+}
+
+struct CudaNow {
+  int64_t current, peak;
+};
+
+CudaNow cuda_read(c10::DeviceIndex i) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(i);
+  const auto& a = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+  return {a.current, a.peak};
+}
+
+/** Closes the open segment (c.mu held): keeps its maximum for live probes and
+ *  peak_bytes(device), then resets the allocator's peak to its current. */
+CudaNow cuda_close_segment(CudaSegments& c, c10::DeviceIndex i) {
+  const CudaNow now = cuda_read(i);
+  const int64_t open_max = std::max(c.open_floor, now.peak);
+  c.floor = std::max(c.floor, open_max);
+  if (!c.starts.empty()) c.closed[c.open_id] = open_max;
+  c10::cuda::CUDACachingAllocator::resetPeakStats(i);
+  c.open_floor = now.current;
+  ++c.open_id;
+  return now;
+}
+#endif
+
 }  // namespace
+
+bool built_with_cuda() {
+#ifdef REMAT_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t current_bytes(c10::Device device) {
+  if (device.is_cpu()) return current_bytes();
+#ifdef REMAT_WITH_CUDA
+  if (device.is_cuda()) return cuda_read(cuda_index("current_bytes", device)).current;
+#endif
+  unsupported_device("current_bytes", device);
+}
+
+int64_t peak_bytes(c10::Device device) {
+  if (device.is_cpu()) return peak_bytes();
+#ifdef REMAT_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::DeviceIndex i = cuda_index("peak_bytes", device);
+    CudaSegments& c = cuda_segments(i);
+    std::lock_guard<std::mutex> lock(c.mu);
+    return std::max({c.floor, c.open_floor, cuda_read(i).peak});
+  }
+#endif
+  unsupported_device("peak_bytes", device);
+}
+
+void reset_peak(c10::Device device) {
+  if (device.is_cpu()) return reset_peak();
+#ifdef REMAT_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::DeviceIndex i = cuda_index("reset_peak", device);
+    CudaSegments& c = cuda_segments(i);
+    std::lock_guard<std::mutex> lock(c.mu);
+    const CudaNow now = cuda_close_segment(c, i);
+    c.floor = now.current;
+    return;
+  }
+#endif
+  unsupported_device("reset_peak", device);
+}
 
 void enable_tracking() {
   ensure_installed();
@@ -294,7 +418,25 @@ void reset_peak() {
 
 int64_t allocation_count() { return state().count.load(std::memory_order_relaxed); }
 
-Probe::Probe() {
+Probe::Probe() : Probe(c10::Device(c10::kCPU)) {}
+
+Probe::Probe(c10::Device device) : device_(device) {
+  if (!device.is_cpu()) {
+#ifdef REMAT_WITH_CUDA
+    if (device.is_cuda()) {
+      const c10::DeviceIndex i = cuda_index("Probe", device);
+      device_ = c10::Device(c10::kCUDA, i);
+      CudaSegments& c = cuda_segments(i);
+      std::lock_guard<std::mutex> lock(c.mu);
+      const CudaNow now = cuda_close_segment(c, i);
+      start_ = c.open_id;
+      ++c.starts[start_];
+      baseline_bytes_ = now.current;
+      return;
+    }
+#endif
+    unsupported_device("Probe", device);
+  }
   acquire();
   State& s = state();
   std::lock_guard<std::mutex> lock(s.probes_mu);
@@ -309,6 +451,31 @@ Probe::Probe() {
 }
 
 Probe::~Probe() {
+#ifdef REMAT_WITH_CUDA
+  if (device_.is_cuda()) {
+    CudaSegments& c = cuda_segments(device_.index());
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto it = c.starts.find(start_);
+    if (--it->second == 0) {
+      c.starts.erase(it);
+      // As for the CPU below; the open segment's maximum is open_floor.
+      auto cur = c.closed.lower_bound(start_);
+      if (cur != c.closed.begin()) {
+        auto prev = std::prev(cur);
+        if (cur != c.closed.end() && cur->first == start_) {
+          prev->second = std::max(prev->second, cur->second);
+          c.closed.erase(cur);
+        } else if (start_ == c.open_id && cur == c.closed.end()) {
+          c.open_floor = std::max(c.open_floor, prev->second);
+          c.closed.erase(prev);
+        }
+      }
+      const uint64_t oldest = c.starts.empty() ? c.open_id + 1 : c.starts.begin()->first;
+      c.closed.erase(c.closed.begin(), c.closed.lower_bound(oldest));
+    }
+    return;
+  }
+#endif
   State& s = state();
   {
     std::lock_guard<std::mutex> lock(s.probes_mu);
@@ -339,6 +506,15 @@ Probe::~Probe() {
 }
 
 int64_t Probe::peak_bytes() const {
+#ifdef REMAT_WITH_CUDA
+  if (device_.is_cuda()) {
+    CudaSegments& c = cuda_segments(device_.index());
+    std::lock_guard<std::mutex> lock(c.mu);
+    int64_t top = std::max({c.open_floor, cuda_read(device_.index()).peak, baseline_bytes_});
+    for (auto it = c.closed.lower_bound(start_); it != c.closed.end(); ++it) top = std::max(top, it->second);
+    return top - baseline_bytes_;
+  }
+#endif
   State& s = state();
   std::lock_guard<std::mutex> lock(s.probes_mu);
   int64_t top = std::max(s.open_max.load(std::memory_order_relaxed), baseline_bytes_);
@@ -346,7 +522,12 @@ int64_t Probe::peak_bytes() const {
   return top - baseline_bytes_;
 }
 
-int64_t Probe::delta_bytes() const { return state().current.load(std::memory_order_relaxed) - baseline_bytes_; }
+int64_t Probe::delta_bytes() const {
+#ifdef REMAT_WITH_CUDA
+  if (device_.is_cuda()) return cuda_read(device_.index()).current - baseline_bytes_;
+#endif
+  return state().current.load(std::memory_order_relaxed) - baseline_bytes_;
+}
 
 Timeline::Timeline(size_t max_samples) {
   acquire();

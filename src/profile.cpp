@@ -12,6 +12,7 @@
 #include <ATen/Context.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
@@ -39,28 +40,38 @@ double median(std::vector<double> v) {
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
+/** Waits for the device's queued work (CUDA kernels run asynchronously: a
+ *  stage is timed from a synchronized start to a synchronized end). */
+void synchronize(c10::Device d) {
+  if (!d.is_cpu()) c10::impl::VirtualGuardImpl(d.type()).synchronizeDevice(d.index());
+}
+
 int64_t storage_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.storage().nbytes()); }
 
-/** Puts back buffers and the CPU RNG state. */
+/** Puts back buffers and the RNG states (CPU, and the CUDA devices of the
+ *  chain or in use: NOTE [RNG devices] in replay.h). */
 class Restore {
  public:
-  explicit Restore(torch::nn::Sequential& seq) : buffers_(seq->buffers()) {
+  Restore(torch::nn::Sequential& seq, c10::Device device) : buffers_(seq->buffers()) {
     for (auto& b : buffers_) buffer_values_.push_back(b.detach().clone());
-    auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng_ = gen.get_state();
+    for (const auto& d : detail::rng_devices({device}, detail::cuda_devices_in_use())) {
+      at::Generator gen = at::globalContext().defaultGenerator(d);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng_.emplace_back(gen, gen.get_state());
+    }
   }
   ~Restore() {
     at::NoGradGuard g;
     for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(buffer_values_[i]);
-    auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng_);
+    for (auto& [gen, state] : rng_) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
   }
 
  private:
   std::vector<at::Tensor> buffers_, buffer_values_;
-  at::Tensor rng_;
+  std::vector<std::pair<at::Generator, at::Tensor>> rng_;
 };
 
 }  // namespace
@@ -77,7 +88,9 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
   }
   // NOTE [RNG regions and threads]: the RNG state is put back at the end.
   RngRegionLock rng_lock(true);
-  Restore restore(seq);
+  // A CUDA chain is measured in CUDA bytes (the caching allocator's).
+  const c10::Device mem_device = memory_device(x.ts, seq->parameters());
+  Restore restore(seq, mem_device);
   c10::AutoGradMode grad_on(true);
   // No autocast cache while profiling: a cast cached here would keep its
   // grad_fn edges redirected to this profile's sink (NOTE [redirected
@@ -126,12 +139,14 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
               return t.detach();
             },
             [](const at::Tensor& t) { return t; });
-        memory::Probe probe;
+        memory::Probe probe(mem_device);
         seq0 = at::sequence_number::peek();
+        synchronize(mem_device);
         t0 = Clock::now();
         out = run_module(module, in, who);
         tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
       }
+      synchronize(mem_device);
       const double f_ms = ms_since(t0);
       // An output no op saved is freed at the start of the runtime's stage
       // backward (it keeps only what the graph saved); here it lives on as
@@ -181,12 +196,14 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
         // [early delivery]), so only one lives at a time, not the stage's all.
         for (const auto& [leaf, nr] : red.other_leaves) red.hooks[nr]->discard = true;
       }
-      if (!outputs.empty()) {  // else: it reaches no input and no leaf
-        memory::Probe probe;   // from the start of the backward: the saved set, out and g live
+      if (!outputs.empty()) {             // else: it reaches no input and no leaf
+        memory::Probe probe(mem_device);  // from the start of the backward: the saved set, out and g live
+        synchronize(mem_device);
         auto t1 = Clock::now();
         // As the runtime runs it (g freed once used); the input's gradients
         // are held until the probe is read, as the next stage would hold them.
         auto grads = backward_releasing(std::move(roots), std::move(seeds), /*keep_graph=*/false, outputs);
+        synchronize(mem_device);
         b_ms = ms_since(t1);
         int64_t grad_in = 0;
         for (size_t k = 0; k < in.size(); ++k) {

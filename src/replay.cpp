@@ -1,12 +1,17 @@
 // Replay of a first run's RNG, autocast and buffer state (see replay.h).
 #include "replay.h"
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <remat/checkpoint.h>
 
@@ -62,6 +67,76 @@ void AutocastState::apply() const {
   at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
 }
 
+namespace {
+
+/** Device types whose default generator at::globalContext() can hand out
+ *  (Context::getAcceleratorHooksInterface); CPU is handled apart. */
+bool has_default_generator(c10::DeviceType t) {
+  switch (t) {
+    case c10::kCUDA:
+    case c10::kXPU:
+    case c10::kMPS:
+    case c10::kPrivateUse1:
+    case c10::kMTIA:
+    case c10::kHIP:
+    case c10::kHPU: return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+std::vector<c10::Device> rng_devices(const std::vector<c10::Device>& inputs, const std::vector<c10::Device>& in_use) {
+  std::vector<c10::Device> out{c10::Device(c10::kCPU)};
+  auto add = [&out](const c10::Device& d) {
+    if (!has_default_generator(d.type())) return;
+    if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
+  };
+  for (const auto& d : inputs) add(d);
+  for (const auto& d : in_use) add(d);
+  return out;
+}
+
+std::vector<c10::Device> cuda_devices_in_use() {
+  std::vector<c10::Device> out;
+  if (!at::hasCUDA()) return out;  // CPU build, or no GPU: nothing to ask
+  const auto& hooks = at::detail::getCUDAHooks();
+  const int n = hooks.deviceCount();
+  for (int i = 0; i < n; ++i) {
+    const auto idx = static_cast<c10::DeviceIndex>(i);
+    if (hooks.hasPrimaryContext(idx)) out.emplace_back(c10::kCUDA, idx);
+  }
+  return out;
+}
+
+std::optional<c10::Stream> stream_of(const at::Tensor& t) {
+  if (!t.defined()) return std::nullopt;
+  const c10::Device d = t.device();
+  if (d.is_cpu() || d.is_meta() || !c10::impl::hasDeviceGuardImpl(d.type())) return std::nullopt;
+  return c10::impl::VirtualGuardImpl(d.type()).getStream(d);
+}
+
+void use_on_current_stream(const at::Tensor& t, const std::optional<c10::Stream>& produced_on) {
+  if (!produced_on || !t.defined()) return;
+  const c10::Device d = t.device();
+  const c10::impl::VirtualGuardImpl impl(d.type());
+  const c10::Stream now = impl.getStream(d);
+  if (now == *produced_on) return;
+  c10::Event ready(d.type());
+  ready.record(*produced_on);
+  ready.block(now);
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), now);
+}
+
+c10::Device memory_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters) {
+  for (const auto* ts : {&inputs, &parameters}) {
+    for (const auto& t : *ts) {
+      if (t.defined() && t.is_cuda()) return t.device();
+    }
+  }
+  return c10::Device(c10::kCPU);
+}
+
 ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Device>& devices,
                                  std::vector<at::Tensor> buffers) {
   ReplayState r;
@@ -69,11 +144,7 @@ ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Devic
   r.buffers = std::move(buffers);
   for (const auto& b : r.buffers) r.buffer_values.push_back(b.detach().clone());
   if (!preserve_rng) return r;
-  std::vector<c10::Device> gens{c10::Device(c10::kCPU)};
-  for (const auto& d : devices) {
-    if (!d.is_cpu() && std::find(gens.begin(), gens.end(), d) == gens.end()) gens.push_back(d);
-  }
-  for (const auto& d : gens) {
+  for (const auto& d : rng_devices(devices, cuda_devices_in_use())) {
     at::Generator gen = at::globalContext().defaultGenerator(d);
     at::Tensor state;
     {

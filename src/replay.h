@@ -3,12 +3,14 @@
 // CheckpointedSequential, and the test for tensors that need no recompute.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/Stream.h>
 
 namespace remat::detail {
 
@@ -24,6 +26,46 @@ struct AutocastState {
   void apply() const;
 };
 
+/** NOTE [RNG devices]: the generators a region's RNG state covers, as
+ *  torch.utils.checkpoint picks them and a little more: the CPU generator
+ *  always; the default generator of every device of the region's inputs
+ *  that has one (CUDA and the other accelerators; meta and other
+ *  generator-less device types are skipped, not an error); and every CUDA
+ *  device already in use, i.e. with a primary context (`in_use`, from
+ *  cuda_devices_in_use()), which covers the current device and a region
+ *  that draws on a device none of its inputs lives on (torch.randn(...,
+ *  device="cuda") inside fn). Not covered: a device first initialized
+ *  inside the region (its generator is at its initial state then, but a
+ *  manual_seed before would not be replayed). Order: CPU, inputs' devices
+ *  in order, then `in_use`; no duplicates. A pure function, so the CPU
+ *  build tests the same code path with made-up device lists. */
+std::vector<c10::Device> rng_devices(const std::vector<c10::Device>& inputs, const std::vector<c10::Device>& in_use);
+/** CUDA devices with a primary context; empty when CUDA is not available
+ *  (always in a CPU build: at::hasCUDA() is false there). */
+std::vector<c10::Device> cuda_devices_in_use();
+
+/** NOTE [recompute streams]: the autograd engine runs a node's backward
+ *  (and so the unpack that triggers a re-run) with the stream of the node's
+ *  forward current (Engine::evaluate_function guards onto Node::stream()),
+ *  on the CPU thread of the backward's caller or on autograd's device
+ *  thread for that GPU. The re-run therefore runs on the stream the
+ *  backward runs on, with no guard of remat's. When a region's forward used
+ *  several streams, a tensor re-run for one node may be unpacked by a node
+ *  on another stream: stream_of() records where it was produced, and
+ *  use_on_current_stream() makes the current stream wait for that one (an
+ *  event) and tells the caching allocator the storage is used there
+ *  (recordDataPtrOnStream), as autograd's InputBuffer does for gradients.
+ *  Device-generic (c10::Event, VirtualGuardImpl): CPU and meta tensors
+ *  have no stream and cost nothing. */
+std::optional<c10::Stream> stream_of(const at::Tensor& t);
+void use_on_current_stream(const at::Tensor& t, const std::optional<c10::Stream>& produced_on);
+
+/** The device a chain's memory is measured on (the profiler,
+ *  CheckpointedSequential): the first CUDA device among `inputs`, else
+ *  among `parameters`, else the CPU. A CUDA chain is then planned and
+ *  measured in CUDA bytes (remat::memory::Probe(device)). */
+c10::Device memory_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters);
+
 /** What a first run looked like: RNG states of its devices (shared with
  *  the previous capture on this thread when unchanged), autocast state, and
  *  the module buffers with their values before the first run (a re-run
@@ -33,7 +75,7 @@ struct ReplayState {
   AutocastState autocast;
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> buffer_values;  // clones, taken at capture
-  /** Captures the CPU generator and those of the devices in `devices`. */
+  /** Captures the generators of rng_devices(devices, cuda_devices_in_use()). */
   static ReplayState capture(bool preserve_rng, const std::vector<c10::Device>& devices,
                              std::vector<at::Tensor> buffers);
 };

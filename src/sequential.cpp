@@ -99,7 +99,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
       if (!e.probe) return;
       e.own += received;  // gradients handed in by the engine become the chain's
       e.own_peak = std::max(e.own_peak, e.own);
-      p.emplace();
+      p.emplace(e.probe->device());
     }
     ~OwnInterval() {
       if (!p) return;
@@ -812,7 +812,8 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
     // Capture the RNG state once before measuring: stages that draw no random
     // numbers then share this copy instead of allocating inside the window.
     detail::ReplayState::capture(exec->preserve_rng, {detail::Execution::device_of(x)}, {});
-    exec->probe = std::make_unique<memory::Probe>();
+    // A CUDA chain is measured in CUDA bytes (the caching allocator's).
+    exec->probe = std::make_unique<memory::Probe>(detail::memory_device(x.ts, seq_->parameters()));
   }
   exec->st.a[0] = x.detached();
   detail::Values y = exec->run_forward().detached();  // shares a_L's storages
@@ -863,7 +864,9 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
 }
 
 StepScope::StepScope(std::shared_ptr<CheckpointedSequentialImpl> owner, int64_t chain_steps)
-    : owner_(std::move(owner)), probe_(std::make_unique<memory::Probe>()), chain_steps_(chain_steps) {}
+    : owner_(std::move(owner)),
+      probe_(std::make_unique<memory::Probe>(detail::memory_device({}, owner_->sequential()->parameters()))),
+      chain_steps_(chain_steps) {}
 
 StepScope::StepScope(StepScope&& other) noexcept
     : owner_(std::move(other.owner_)), probe_(std::move(other.probe_)), chain_steps_(other.chain_steps_) {}

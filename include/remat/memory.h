@@ -1,17 +1,28 @@
-// Memory telemetry: a counting wrapper around LibTorch's CPU allocator.
-// current/peak bytes of CPU tensor storage allocated while counting is on
-// (after enable_tracking(), or while a Probe or Timeline lives), any number
-// of threads. Costs one atomic load per allocation while counting is off.
-// Leaves out: the CUDA caching allocator (this build is CPU-only; see docs),
-// and allocations made while counting was off (never counted, so frees of
-// them are not either).
+// Memory telemetry: a counting wrapper around LibTorch's CPU allocator, and
+// the CUDA caching allocator's statistics per device.
+// CPU: current/peak bytes of CPU tensor storage allocated while counting is
+// on (after enable_tracking(), or while a Probe or Timeline lives), any
+// number of threads. Costs one atomic load per allocation while counting is
+// off. CUDA (built with REMAT_WITH_CUDA, docs/gpu.md): the overloads taking
+// a c10::Device read the caching allocator's allocated bytes of that device
+// (always counted: no enable_tracking() needed).
+// Leaves out: CPU allocations made while counting was off (never counted, so
+// frees of them are not either); Timeline records CPU bytes only; devices
+// other than CPU and CUDA.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
+
 namespace remat::memory {
+
+/** True when this remat was built with its CUDA paths (REMAT_WITH_CUDA: cmake
+ *  -DREMAT_CUDA=AUTO or ON against a CUDA LibTorch). Says nothing about
+ *  whether a GPU is present at run time. */
+bool built_with_cuda();
 
 /** Wraps the CPU allocator (once, chaining to whatever allocator is
  *  installed) and counts every allocation from now on; idempotent,
@@ -36,12 +47,36 @@ void reset_peak();
 /** Number of tracked allocations so far (for tests and benchmarks). */
 int64_t allocation_count();
 
+/** Device-aware forms. For a CPU device they are the functions above. For a
+ *  CUDA device (index -1: the current one) they read the CUDA caching
+ *  allocator's statistics of that device: bytes allocated to tensors (all
+ *  memory pools; c10::CachingDeviceAllocator::DeviceStats::allocated_bytes,
+ *  aggregate), not the larger reserved (cached) bytes. peak_bytes(d) is the
+ *  highest value since the process started or the last reset_peak(d);
+ *  reset_peak(d) also resets the caching allocator's own peak statistics
+ *  (torch.cuda.reset_peak_memory_stats), and so does every CUDA Probe
+ *  (below). Throw remat::Error: for a CUDA device in a build without CUDA
+ *  (the message names the remedy: configure remat with -DREMAT_CUDA=ON
+ *  against a CUDA LibTorch), for a CUDA device that does not exist, and for
+ *  other device types. */
+int64_t current_bytes(c10::Device device);
+int64_t peak_bytes(c10::Device device);
+void reset_peak(c10::Device device);
+
 /** Scoped probe: the peak above the bytes live when it was created, seen
  *  while it lives. Nested probes and other threads' probes are independent;
- *  any number may live at once. Allocations are counted while it lives. */
+ *  any number may live at once. Allocations are counted while it lives.
+ *  A probe of a CUDA device reads that device's caching allocator (all
+ *  threads and streams allocating there); to see the peak over its life it
+ *  resets the allocator's peak statistics when it starts (remat keeps what
+ *  it read, so peak_bytes(device) and other probes are unaffected). */
 class Probe {
  public:
+  /** Probes the CPU allocator. */
   Probe();
+  /** Probes `device`: CPU or CUDA (index -1: the current device); throws
+   *  remat::Error as current_bytes(device) does. */
+  explicit Probe(c10::Device device);
   ~Probe();
   Probe(const Probe&) = delete;
   Probe& operator=(const Probe&) = delete;
@@ -51,8 +86,11 @@ class Probe {
   int64_t peak_bytes() const;
   /** current - baseline (may be negative if memory was freed). */
   int64_t delta_bytes() const;
+  /** The device it probes (CUDA with its index resolved). */
+  c10::Device device() const { return device_; }
 
  private:
+  c10::Device device_;
   uint64_t start_;  // first allocator segment it reads
   int64_t baseline_bytes_;
 };
