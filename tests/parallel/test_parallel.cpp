@@ -13,11 +13,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <torch/nn/modules/activation.h>
@@ -28,6 +31,7 @@
 
 #include <remat/checkpoint.h>
 #include <remat/error.h>
+#include <remat/models/trainer.h>
 #include <remat/parallel.h>
 #include <remat/sequential.h>
 
@@ -227,6 +231,79 @@ TEST(DataParallelProcesses, ARankThatDiesMidStepFailsTheOthersWithAClearError) {
   EXPECT_NE(err.find("[remat::parallel] rank 0 of 2: the all-reduce of gradient bucket"), std::string::npos) << err;
   EXPECT_NE(err.find("A peer process probably exited or stopped answering"), std::string::npos) << err;
   EXPECT_LT(s, 60.0) << "within the 20 s timeout plus start-up";
+}
+
+// --- remat-train --nproc ----------------------------------------------------
+
+/** Runs remat-train with args; returns (exit code, stdout + stderr). */
+std::pair<int, std::string> train(const Dir& dir, const std::string& args) {
+  const std::string out = (dir.path() / "train.out").string();
+  const int st = std::system((std::string(REMAT_TRAIN_EXE) + " " + args + " >" + out + " 2>&1").c_str());
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, read_file(out)};
+}
+
+std::vector<at::Tensor> trained_params(const remat::models::TrainConfig& base, const fs::path& checkpoint) {
+  auto c = base;
+  c.resume_path = checkpoint.string();
+  remat::models::Trainer t(c);
+  std::vector<at::Tensor> v;
+  for (const auto& p : t.module()->parameters()) v.push_back(p.detach().clone());
+  return v;
+}
+
+TEST(RematTrainNproc, TwoRanksTrainAsOneAtDoubleBatch) {
+  Dir dir;
+  const std::string model =
+      " --layers 2 --d-model 32 --heads 2 --seq-len 32 --steps 3 --optimizer sgd --lr 0.05"
+      " --checkpoint sqrt --threads 1";
+  auto [rc2, out2] = train(dir, "--nproc 2 --master-port " + std::to_string(free_port()) + " --batch 2" + model +
+                                    " --save " + (dir.path() / "two.pt").string());
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("data parallel over 2 processes (Gloo), global batch 4"), std::string::npos) << out2;
+  for (const char* line : {"[rank 0/2] step 3/3", "[rank 1/2] step 3/3", "[rank 0/2] saved step 3 to "}) {
+    EXPECT_NE(out2.find(line), std::string::npos) << line << "\n" << out2;
+  }
+  EXPECT_NE(out2.find(" tok/s "), std::string::npos) << "per-rank throughput";
+  EXPECT_NE(out2.find("all-reduce "), std::string::npos) << out2;
+  EXPECT_EQ(out2.find("[rank 1/2] saved"), std::string::npos) << "only rank 0 saves";
+  auto [rc1, out1] = train(dir, "--batch 4" + model + " --save " + (dir.path() / "one.pt").string());
+  ASSERT_EQ(rc1, 0) << out1;
+  remat::models::TrainConfig c;
+  c.layers = 2;
+  c.d_model = 32;
+  c.heads = 2;
+  c.seq_len = 32;
+  c.optimizer = "sgd";
+  c.threads = 1;
+  const auto two = trained_params(c, dir.path() / "two.pt");
+  const auto one = trained_params(c, dir.path() / "one.pt");
+  remat::models::Trainer fresh(c);
+  std::vector<at::Tensor> init;
+  for (const auto& p : fresh.module()->parameters()) init.push_back(p.detach());
+  EXPECT_LE(max_abs_diff(two, one), 1e-6);
+  EXPECT_GT(max_abs_diff(one, init), 1e-4) << "three SGD steps at lr 0.05 moved the parameters";
+}
+
+TEST(RematTrainNproc, BadFlagsAreClearErrors) {
+  Dir dir;
+  auto [rc, out] = train(dir, "--nproc 2 --master-port 70000 --steps 1");
+  EXPECT_EQ(rc, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::parallel] master_port 70000 is not a TCP port; pick one in 1..65535 that is "
+            "free on the master (e.g. 29500).\n");
+  std::tie(rc, out) = train(dir, "--nproc 2 --rank 0 --world-size 2 --steps 1");
+  EXPECT_EQ(rc, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] give --nproc (ranks started here) or --rank with --world-size (one "
+            "rank, started by you), not both.\n");
+  const int port = free_port();
+  std::tie(rc, out) = train(dir, "--rank 1 --world-size 2 --master-port " + std::to_string(port) +
+                                     " --dist-timeout 2 --steps 1 --layers 1 --d-model 16 --heads 2 --seq-len 16");
+  EXPECT_EQ(rc, 2);
+  const std::string want =
+      "remat-train: error: [remat::parallel] rank 1 could not reach the TCPStore at 127.0.0.1:" + std::to_string(port) +
+      " within 2.0 s: ";
+  EXPECT_NE(out.find(want), std::string::npos) << out;
 }
 
 // --- In-process: one rank, errors -----------------------------------------

@@ -1,25 +1,153 @@
 // remat-train: trains a GPT (character level on a text file) or a ResNet
 // (synthetic images) under one checkpoint strategy and prints a line per step.
-// This file only parses flags; the loop is remat::models::Trainer.
+// This file parses flags and starts ranks; the loop is remat::models::Trainer.
+// --nproc N runs N data-parallel ranks here (remat::parallel, Gloo); --rank,
+// --world-size and --master-addr/--master-port start one rank of a multi-host run.
 // Leaves out: evaluation, sampling text, learning-rate schedules.
 #include <CLI/CLI.hpp>
 
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <iostream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 
 #include <remat/error.h>
 #include <remat/models/trainer.h>
+#include <remat/parallel.h>
 #include <remat/plan/error.h>
+
+extern char** environ;
 
 namespace {
 
 int fail(const std::string& what) {
   std::cerr << "remat-train: error: " << what.substr(0, what.find('\n')) << "\n";
   return 2;
+}
+
+/** One line, written at once (ranks share the terminal). */
+void say(const std::string& line) {
+  const std::string l = line + "\n";
+  std::fwrite(l.data(), 1, l.size(), stdout);
+  std::fflush(stdout);
+}
+
+/** --nproc N: runs this program N times as ranks 0..N-1 on 127.0.0.1 (the
+ *  same flags, plus --rank, --world-size and the master's address), waits
+ *  for all, and returns the first failure's exit code. When a rank fails,
+ *  the others get grace_s to fail on their own (a peer's exit is an error
+ *  there within the group timeout) before they are killed. */
+int launch(int argc, char** argv, const std::vector<std::string>& extra, int nproc, int port, double grace_s) {
+  std::vector<std::string> base;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i > 0 && (a == "--nproc" || a == "--master-port" || a == "--master-addr")) {
+      ++i;  // replaced below
+      continue;
+    }
+    if (a.rfind("--nproc=", 0) == 0 || a.rfind("--master-port=", 0) == 0 || a.rfind("--master-addr=", 0) == 0) continue;
+    base.push_back(a);
+  }
+  base[0] = "/proc/self/exe";
+  base.insert(base.end(), extra.begin(), extra.end());
+  std::vector<pid_t> pids;
+  for (int r = 0; r < nproc; ++r) {
+    auto args = base;
+    for (const std::string& a :
+         {std::string("--rank"), std::to_string(r), std::string("--world-size"), std::to_string(nproc),
+          std::string("--master-addr"), std::string("127.0.0.1"), std::string("--master-port"), std::to_string(port)}) {
+      args.push_back(a);
+    }
+    std::vector<char*> cargs;
+    for (auto& a : args) cargs.push_back(a.data());
+    cargs.push_back(nullptr);
+    pid_t pid = -1;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, cargs.data(), environ) != 0) {
+      for (pid_t p : pids) ::kill(p, SIGKILL);
+      return fail("[remat::train] could not start rank " + std::to_string(r) + " of --nproc " + std::to_string(nproc) +
+                  ".");
+    }
+    pids.push_back(pid);
+  }
+  int first_failure = 0;
+  std::vector<bool> done(pids.size(), false);
+  size_t left = pids.size();
+  auto deadline = std::chrono::steady_clock::time_point::max();
+  while (left > 0) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (done[r]) continue;
+      int st = 0;
+      if (::waitpid(pids[r], &st, WNOHANG) != pids[r]) continue;
+      done[r] = true;
+      --left;
+      const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      if (code != 0 && first_failure == 0) {
+        first_failure = code;
+        std::cerr << "remat-train: rank " << r << " exited with status " << code << "\n";
+        deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                          std::chrono::duration<double>(grace_s));
+      }
+    }
+    if (left > 0 && std::chrono::steady_clock::now() > deadline) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (done[r]) continue;
+        std::cerr << "remat-train: rank " << r << " still running after rank failure; killing it\n";
+        ::kill(pids[r], SIGKILL);
+        ::waitpid(pids[r], nullptr, 0);
+        done[r] = true;
+        --left;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return first_failure;
+}
+
+/** One rank of a data-parallel run: joins the group, synchronises the
+ *  gradients through remat::parallel::DataParallel, prints a line per step
+ *  with this rank's throughput and the step's all-reduce. Rank 0 saves. */
+void run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init) {
+  cfg.data_rank = init.rank();
+  cfg.data_world = init.world_size();
+  if (init.rank() != 0) cfg.save_path.clear();
+  remat::models::Trainer trainer(cfg);
+  const std::string tag = "[rank " + std::to_string(init.rank()) + "/" + std::to_string(init.world_size()) + "] ";
+  auto group = remat::parallel::init_process_group(init);
+  remat::parallel::DataParallel ddp(trainer.module(), group);
+  remat::models::StepHooks hooks;
+  hooks.before_forward = [&] { ddp.prepare_for_forward(); };
+  hooks.before_backward = [&](const at::Tensor& loss, bool sync) {
+    if (sync) ddp.prepare_for_backward({loss});
+  };
+  trainer.set_step_hooks(hooks);
+  if (init.rank() == 0)
+    say(trainer.summary() + "; data parallel over " + std::to_string(init.world_size()) +
+        " processes (Gloo), global batch " + std::to_string(cfg.batch * init.world_size()));
+  const char* unit = cfg.model == "gpt" ? "tok" : "img";
+  while (trainer.steps_done() < cfg.steps) {
+    const auto s = trainer.step();
+    const auto c = ddp.last_stats();
+    char comm[160];
+    std::snprintf(comm, sizeof comm, "  all-reduce %.1f ms in %lld buckets (%.1f ms exposed, %.0f%% overlapped)",
+                  c.allreduce_ms, static_cast<long long>(c.buckets), c.exposed_ms, 100.0 * c.overlap);
+    say(tag + remat::models::format_step(s, cfg.steps, unit) + comm);
+  }
+  if (!cfg.save_path.empty()) {
+    trainer.save(cfg.save_path);
+    say(tag + "saved step " + std::to_string(trainer.steps_done()) + " to " + cfg.save_path);
+  }
 }
 
 }  // namespace
@@ -65,6 +193,24 @@ int main(int argc, char** argv) {
   app.add_option("--threads", cfg.threads, "torch intra-op threads")->capture_default_str();
   app.add_option("--save", cfg.save_path, "write a checkpoint here at the end (atomically)");
   app.add_option("--resume", cfg.resume_path, "continue from a checkpoint written by --save");
+  app.add_option("--optimizer", cfg.optimizer, "adamw or sgd")
+      ->check(CLI::IsMember({"adamw", "sgd"}))
+      ->capture_default_str();
+  int nproc = 1, rank = -1, world_size = 1, master_port = 29500;
+  std::string master_addr = "127.0.0.1";
+  double dist_timeout_s = 300.0;
+  app.add_option("--nproc", nproc,
+                 "data parallel: run N processes on this machine (ranks 0..N-1 on 127.0.0.1, Gloo), each with "
+                 "--batch sequences: the global batch is N x --batch")
+      ->capture_default_str();
+  app.add_option("--rank", rank, "multi-host: this process's rank in 0..--world-size-1 (start one per rank)");
+  app.add_option("--world-size", world_size, "multi-host: the number of processes in all")->capture_default_str();
+  app.add_option("--master-addr", master_addr, "address of rank 0's store (every rank the same)")
+      ->capture_default_str();
+  app.add_option("--master-port", master_port, "port of rank 0's store (every rank the same)")->capture_default_str();
+  app.add_option("--dist-timeout", dist_timeout_s,
+                 "seconds a rank waits for its peers (store, all-reduce) before failing")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -76,6 +222,41 @@ int main(int argc, char** argv) {
   }
   try {
     cfg.checkpoint = remat::models::parse_strategy(checkpoint);
+    const bool distributed = nproc > 1 || world_size > 1 || rank >= 0;
+    if (nproc < 1) return fail("[remat::train] --nproc must be at least 1, got " + std::to_string(nproc) + ".");
+    if (distributed && (!seq_cap.empty() || !batch_cap.empty() || explain_memory)) {
+      return fail("[remat::train] --max-*-under and --explain-memory run in one process; drop --nproc/--rank.");
+    }
+    if (nproc > 1 && rank >= 0) {
+      return fail(
+          "[remat::train] give --nproc (ranks started here) or --rank with --world-size (one rank, "
+          "started by you), not both.");
+    }
+    if (!(dist_timeout_s > 0.0)) {
+      return fail("[remat::train] --dist-timeout must be positive, got " + std::to_string(dist_timeout_s) + ".");
+    }
+    if (nproc > 1) {
+      if (master_port < 1 || master_port > 65535) {
+        return fail("[remat::parallel] master_port " + std::to_string(master_port) +
+                    " is not a TCP port; pick one in 1..65535 that is free on the master (e.g. 29500).");
+      }
+      // The cores are shared: without --threads, each rank gets its share.
+      std::vector<std::string> extra;
+      if (app.count("--threads") == 0) {
+        const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+        extra = {"--threads", std::to_string(std::max(1u, hw / static_cast<unsigned>(nproc)))};
+      }
+      return launch(argc, argv, extra, nproc, master_port, dist_timeout_s + 10.0);
+    }
+    if (distributed) {
+      if (rank < 0) return fail("[remat::train] --world-size " + std::to_string(world_size) + " needs --rank.");
+      if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
+      run_rank(cfg, remat::parallel::InitOptions(rank, world_size)
+                        .master_addr(master_addr)
+                        .master_port(master_port)
+                        .timeout(std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1e3))));
+      return 0;
+    }
     if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
     if (!seq_cap.empty() || !batch_cap.empty()) {
       if (!seq_cap.empty() && !batch_cap.empty()) {
