@@ -150,11 +150,16 @@ say "tools: cmake $(cmake --version 2>/dev/null | head -1 | awk '{print $3}'), g
 force=${CHECK_FORCE_DEPS:-0}
 prefixes=()
 dep_dirs=/usr:/usr/local:/opt
+pkg_dirs=()  # -D<Name>_DIR=... for the packages found below (CMake may not search there itself)
 has_cmake_pkg() {  # has_cmake_pkg NAME: a NAMEConfig.cmake under a system prefix
-  local d
+  local d f
   IFS=: read -ra ds <<<"$dep_dirs"
   for d in "${ds[@]}"; do
-    find "$d" -maxdepth 5 \( -name "$1Config.cmake" -o -name "$1-config.cmake" \) -print -quit 2>/dev/null | grep -q . && return 0
+    f=$(find "$d" -maxdepth 6 \( -name "$1Config.cmake" -o -name "$1-config.cmake" \) -print -quit 2>/dev/null)
+    if [[ -n $f ]]; then
+      pkg_dirs+=("-D$1_DIR=$(dirname "$f")")
+      return 0
+    fi
   done
   return 1
 }
@@ -234,11 +239,16 @@ EOF
 fi
 ((${#carried_deps[@]})) && say "using carried dependencies ($deps): ${carried_deps[*]}"
 
+has_gtest_files() {  # headers and a library where FindGTest looks
+  [[ -f /usr/include/gtest/gtest.h || -f /usr/local/include/gtest/gtest.h ]] || return 1
+  compgen -G "/usr/lib/*/libgtest.*" >/dev/null || compgen -G "/usr/lib*/libgtest.*" >/dev/null ||
+    compgen -G "/usr/local/lib*/libgtest.*" >/dev/null
+}
 tests=OFF gtest_dir=""
 if [[ ! -f $repo/tests/test_cuda.cpp ]]; then
   missing+=("tests/test_cuda.cpp (not in this tree): no CUDA tests to run")
-elif ((force == 0)) && has_cmake_pkg GTest; then
-  tests=ON
+elif ((force == 0)) && { has_cmake_pkg GTest || has_gtest_files; }; then
+  tests=ON  # GTestConfig, or FindGTest on the headers and libraries
 elif [[ -f $deps/googletest/CMakeLists.txt && -n $gen && -n $cxx ]]; then
   tests=build  # from the carried sources, below
 else
@@ -275,7 +285,7 @@ else
   for p in "${prefixes[@]}"; do prefix_path+=";$p"; done
   cfg=(cmake -S "$repo" -B "$build" -G "$gen" -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=$cxx"
     "-DCMAKE_PREFIX_PATH=$prefix_path" "-DREMAT_CUDA=$cuda_opt" -DREMAT_BUILD_EXAMPLES=OFF
-    -DREMAT_BUILD_BENCH=ON -DREMAT_INSTALL=OFF -DTORCH_CUDA_ARCH_LIST=9.0 -DCMAKE_CUDA_ARCHITECTURES=90
+    -DREMAT_BUILD_BENCH=ON -DREMAT_INSTALL=OFF -DTORCH_CUDA_ARCH_LIST=9.0
     "${pkgconf_arg[@]}")
   if [[ -n $nvcc ]]; then
     # The toolkit's root: where its headers are (nvcc may be a wrapper script elsewhere).
@@ -287,6 +297,7 @@ else
     done
   fi
   [[ -n $gtest_dir ]] && cfg+=("-DGTest_DIR=$gtest_dir")
+  cfg+=("${pkg_dirs[@]}")
   if ! run_phase configure "$(budget 90 240)" "$out/build.log" "${pkgconf_env[@]}" "${cfg[@]}" -DREMAT_BUILD_TESTS=$tests; then
     if [[ $tests == ON ]]; then
       say "configure with tests failed; again without them"
