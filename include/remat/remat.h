@@ -1,7 +1,8 @@
 // remat: gradient (activation) checkpointing for LibTorch. Umbrella header:
 // the whole public API of remat::remat (checkpoint, hooks, memory, profile,
 // CheckpointedSequential, the planner). The models and trainer behind
-// remat-train are a separate library (remat::models, <remat/models/*.h>).
+// remat-train are a separate library (remat::models, <remat/models/*.h>), and
+// so is data parallel on c10d (remat::parallel, <remat/parallel.h>).
 #pragma once
 
 #include <remat/checkpoint.h>
