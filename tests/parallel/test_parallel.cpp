@@ -27,7 +27,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
-#include <torch/torch.h>
+#include <torch/utils.h>
 
 #include <remat/checkpoint.h>
 #include <remat/error.h>
@@ -158,12 +158,15 @@ double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tens
 /** 2 ranks at batch 2 against 1 rank at batch 4, same data and seed. */
 void expect_two_ranks_equal_one(const std::string& strategy, std::vector<std::string> extra = {}) {
   Dir dir;
+  // A FileStore per run (no port to collide with tests running beside it).
   std::vector<std::string> common{"--strategy", strategy, "--steps", "3"};
   common.insert(common.end(), extra.begin(), extra.end());
   auto two_args = common;
   two_args.insert(two_args.end(), {"--batch", "2"});
   auto one_args = common;
   one_args.insert(one_args.end(), {"--batch", "4"});
+  two_args.insert(two_args.end(), {"--file-store", (dir.path() / "two.store").string()});
+  one_args.insert(one_args.end(), {"--file-store", (dir.path() / "one.store").string()});
   auto two = run_ranks(dir, "two", 2, two_args);
   auto one = run_ranks(dir, "one", 1, one_args);
   for (const auto& p : two) ASSERT_EQ(p.status, 0) << read_file(p.err);
@@ -211,10 +214,9 @@ TEST(DataParallelProcesses, GradAccumulationSynchronisesOncePerStep) {
   expect_two_ranks_equal_one("block", {"--grad-accum", "2"});
 }
 
-TEST(DataParallelProcesses, FileStoreRendezvous) {
+TEST(DataParallelProcesses, TcpStoreRendezvous) {
   Dir dir;
-  const std::string store = (dir.path() / "store").string();
-  auto ps = run_ranks(dir, "fs", 2, {"--file-store", store, "--steps", "1"});
+  auto ps = run_ranks(dir, "tcp", 2, {"--steps", "1"});
   for (const auto& p : ps) EXPECT_EQ(p.status, 0) << read_file(p.err);
 }
 
