@@ -24,14 +24,17 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
+#ifdef REMAT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <remat/models/gpt.h>
 #include <remat/remat.h>
@@ -77,33 +80,25 @@ std::string num(double v) {
 }
 
 // --- device memory and synchronization ------------------------------------------
+// Memory through remat::memory's device-aware forms: on CUDA the caching
+// allocator's allocated bytes (what torch.cuda.max_memory_allocated reads),
+// on CPU remat's counting allocator.
 struct Device {
   torch::Device device{torch::kCPU};
   bool cuda() const { return device.is_cuda(); }
-  c10::DeviceIndex index() const { return device.has_index() ? device.index() : 0; }
   void sync() const {
-    if (cuda()) at::accelerator::synchronizeDevice(index());
+    if (cuda()) torch::cuda::synchronize(device.index());
   }
-  int64_t current() const {
-    if (!cuda()) return remat::memory::current_bytes();
-    return at::accelerator::getDeviceStats(index()).allocated_bytes[0].current;
-  }
-  int64_t peak() const {
-    if (!cuda()) return remat::memory::peak_bytes();
-    return at::accelerator::getDeviceStats(index()).allocated_bytes[0].peak;
-  }
-  void reset_peak() const {
-    if (cuda()) {
-      at::accelerator::resetPeakStats(index());
-    } else {
-      remat::memory::reset_peak();
-    }
-  }
+  int64_t current() const { return remat::memory::current_bytes(device); }
+  int64_t peak() const { return remat::memory::peak_bytes(device); }
+  void reset_peak() const { remat::memory::reset_peak(device); }
   void empty_cache() const {
-    if (cuda()) at::accelerator::emptyCache();
+#ifdef REMAT_WITH_CUDA
+    if (cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
   }
   std::string meter() const {
-    return cuda() ? "caching allocator allocated_bytes (= torch.cuda.max_memory_allocated)" : "remat::memory (CPU)";
+    return cuda() ? "remat::memory, CUDA caching allocator (= torch.cuda.max_memory_allocated)" : "remat::memory (CPU)";
   }
 };
 
@@ -157,6 +152,18 @@ Model build(const Config& c, bool sdpa, const Device& dev) {
   // Gradients exist from the start, so every measured step has them live.
   for (auto& p : m.seq->parameters()) p.mutable_grad() = torch::zeros_like(p);
   return m;
+}
+
+/** Moves an idle model to host memory (gradients dropped), so that it costs
+ *  the device nothing and need not be initialised again. */
+void park(Model& m) {
+  for (auto& p : m.seq->parameters()) p.mutable_grad() = torch::Tensor();
+  m.seq->to(torch::kCPU);
+}
+/** Back on the device, with zero gradients as after build(). */
+void unpark(Model& m, const Device& dev) {
+  m.seq->to(dev.device);
+  for (auto& p : m.seq->parameters()) p.mutable_grad() = torch::zeros_like(p);
 }
 
 bool is_oom(const std::exception& e) {
@@ -254,7 +261,7 @@ Strategy make(const std::string& name, Model& m, const Bench& b, const torch::Te
     const int64_t act = static_cast<int64_t>(b.budget_bytes) - live;
     if (act <= 0) throw remat::Error("[remat_gpu_bench] nothing of the budget is left for activations");
     s.net = std::make_shared<remat::CheckpointedSequential>(
-        m.seq, remat::SequentialOptions().memory_budget_bytes(act).measure_memory(!b.dev.cuda()));
+        m.seq, remat::SequentialOptions().memory_budget_bytes(act).measure_memory(false));
     {
       Autocast ac(b.dev.device.type(), b.autocast);  // the plan is per autocast state
       s.predicted = (*s.net)->plan(x).prediction.peak_bytes;
@@ -388,6 +395,7 @@ int main(int argc, char** argv) {
           std::stod(arg(argc, argv, "--time-limit-s", "170"))};
 
   std::vector<Result> results;
+  std::map<std::string, Model> parked;  // per attention, in host memory between phases
   for (const auto& attention : attentions) {
     if (attention != "explicit" && attention != "sdpa") {
       std::fprintf(stderr, "remat_gpu_bench: --attention takes explicit and/or sdpa\n");
@@ -441,6 +449,10 @@ int main(int argc, char** argv) {
     }
     live.clear();
     x = torch::Tensor();
+    if (dev.cuda()) {  // on CPU a parked model would count in the next one's peaks: built again instead
+      park(m);
+      parked[attention] = m;
+    }
     m = Model();
     dev.empty_cache();
   }
@@ -461,7 +473,14 @@ int main(int argc, char** argv) {
         for (auto* r : todo) r->search_note = "skipped: time limit";
         continue;
       }
-      Model m = build(c, attention == "sdpa", dev);
+      Model m;
+      if (parked.count(attention)) {
+        m = parked[attention];
+        parked.erase(attention);
+        unpark(m, dev);
+      } else {
+        m = build(c, attention == "sdpa", dev);
+      }
       for (auto* r : todo) {
         if (b.out_of_time()) {
           r->search_note = "skipped: time limit";
@@ -469,10 +488,15 @@ int main(int argc, char** argv) {
           search(m, b, *r, max_probes, max_batch);
         }
       }
+      if (dev.cuda()) {
+        park(m);
+        parked[attention] = m;
+      }
       m = Model();
       dev.empty_cache();
     }
   }
+  parked.clear();
 
   int64_t params = 0;
   {
