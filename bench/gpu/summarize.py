@@ -44,14 +44,17 @@ def main():
     torch_info = dict(ln.split(" ", 1) for ln in lines(os.path.join(work, "torch.txt")) if " " in ln)
     benches = {k: load(os.path.join(work, f"{k}.json")) for k in ("cpp", "py", "py_compile")}
     results = dict(elapsed_s=int(elapsed), torch=torch_info, phases=phases, missing=missing, bench=benches)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-
     md = ["# bench/gpu/check.sh", ""]
     md.append(f"torch {torch_info.get('version', '?')} (CUDA {torch_info.get('cuda', '?')}), "
               f"GPU {torch_info.get('gpu', '?').replace('_', ' ')}; {elapsed} s in all.")
     md += ["", "| phase | status | s | detail |", "| --- | --- | ---: | --- |"]
     md += [f"| {p['name']} | {p['status']} | {p['seconds']} | {p['detail'].replace('|', '/')} |" for p in phases]
+    tests = [ln for ln in lines(os.path.join(out, "tests.log"))
+             if ln.startswith(("[  PASSED  ]", "[  SKIPPED ]", "[  FAILED  ]")) and "test" in ln and "," not in ln[:14]]
+    tests = [ln for ln in tests if ln[13:14].isdigit()]
+    results["tests"] = tests
+    if tests:
+        md += ["", "test_cuda: " + " ".join(t.replace(", listed below:", "").strip() for t in tests)]
     if missing:
         md += ["", "Missing on this machine:", ""] + [f"- {m}" for m in missing]
     runs = []
@@ -85,6 +88,8 @@ def main():
                           f"| {mbs} | {note.replace('|', '/')} |")
     else:
         md += ["", "No benchmark figures (see the phases above)."]
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
 
