@@ -394,6 +394,23 @@ int main(int argc, char** argv) {
           Clock::now(),
           std::stod(arg(argc, argv, "--time-limit-s", "170"))};
 
+  // The SDPA path against the explicit one: one block, the same weights,
+  // float32 without autocast, a small input on the device.
+  double sdpa_max_diff = -1;
+  {
+    torch::manual_seed(0);
+    remat::models::GptBlock e(c.d_model, c.heads, 0.0, false), s(c.d_model, c.heads, 0.0, true);
+    {
+      torch::NoGradGuard g;
+      auto pe = e->parameters(), ps = s->parameters();
+      for (size_t i = 0; i < pe.size(); ++i) ps[i].copy_(pe[i]);
+    }
+    e->to(dev.device), s->to(dev.device);
+    auto xs =
+        torch::randn({2, std::min<int64_t>(c.seq_len, 128), c.d_model}, torch::TensorOptions().device(dev.device));
+    torch::NoGradGuard g;
+    sdpa_max_diff = (e->forward(xs) - s->forward(xs)).abs().max().item<double>();
+  }
   std::vector<Result> results;
   std::map<std::string, Model> parked;  // per attention, in host memory between phases
   for (const auto& attention : attentions) {
@@ -509,6 +526,7 @@ int main(int argc, char** argv) {
     << ", \"meter\": " << quoted(dev.meter()) << ", \"autocast\": " << quoted(autocast ? "bf16" : "off")
     << ", \"d_model\": " << c.d_model << ", \"heads\": " << c.heads << ", \"seq_len\": " << c.seq_len
     << ", \"batch\": " << c.batch << ", \"blocks\": " << c.blocks << ", \"params\": " << params
+    << ", \"sdpa_vs_explicit_max_abs_diff\": " << sdpa_max_diff
     << ", \"budget_bytes\": " << static_cast<int64_t>(b.budget_bytes) << ", \"elapsed_s\": " << num(secs_since(b.start))
     << ",\n \"runs\": [\n";
   for (size_t i = 0; i < results.size(); ++i) {

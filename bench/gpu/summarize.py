@@ -69,6 +69,9 @@ def main():
                    f"forward + backward of the stack (.sum() loss), no optimizer. Peak: allocated bytes of one "
                    f"step (parameters, gradients and input included). Step: median of the timed steps. "
                    f"Largest batch: peak within {gib(b0['budget_bytes'])}.", ""]
+        if benches.get("cpp") and benches["cpp"].get("sdpa_vs_explicit_max_abs_diff", -1) >= 0:
+            md += [f"C++ GptBlock, SDPA against explicit attention (one block, float32, same weights): max |diff| "
+                   f"{benches['cpp']['sdpa_vs_explicit_max_abs_diff']:.3g}.", ""]
         md += ["| attention | side | strategy | peak | step ms | tokens/s | largest batch | note |",
                "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
         for attention in ("explicit", "sdpa"):
