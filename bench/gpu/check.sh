@@ -62,6 +62,7 @@ rm -rf "$work"
 mkdir -p "$work"
 : >"$out/check.log"
 exec > >(tee -a "$out/check.log") 2>&1
+tee_pid=$!
 
 elapsed() { echo $((SECONDS - t0)); }
 left() { echo $((deadline - (SECONDS - t0))); }
@@ -388,4 +389,6 @@ fi
 say "done in $(elapsed) s; results in $out"
 # torch.compile running out of its time is a skip, not a failure.
 fails=$(printf '%s\n' "${phases[@]}" | awk -F'|' '($2 == "failed" || $2 == "timeout") && !($1 == "bench-compile" && $2 == "timeout")' | wc -l)
+exec 1>&- 2>&-  # let tee write the last lines before the script ends
+wait "$tee_pid" 2>/dev/null
 exit $((fails > 0 ? 1 : 0))
