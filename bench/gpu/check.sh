@@ -3,7 +3,7 @@
 # the lent GPU machine (one H200, Python PyTorch with CUDA, no registry):
 #   0. preflight: Python torch (and its LibTorch, torch.utils.cmake_prefix_path),
 #      cmake, ninja, a C++ compiler, nvcc, GoogleTest, nlohmann-json, CLI11,
-#      zstd/lz4; says what is missing and what is skipped for it;
+#      zstd/lz4, gloo's headers; says what is missing and what is skipped;
 #   1. configure and build remat against that LibTorch with -DREMAT_CUDA=ON,
 #      only the targets needed (remat, remat_models, remat_gpu_bench, and
 #      test_cuda when tests/test_cuda.cpp and GoogleTest are there);
@@ -240,6 +240,15 @@ EOF
 fi
 ((${#carried_deps[@]})) && say "using carried dependencies ($deps): ${carried_deps[*]}"
 
+gloo_arg=()  # remat::parallel's configure needs gloo's headers (Debian: libgloo-dev)
+if ((force)) || [[ ! -f /usr/include/gloo/config.h && ! -f /usr/local/include/gloo/config.h ]]; then
+  if [[ -f $deps/gloo/include/gloo/config.h ]]; then
+    gloo_arg=("-DREMAT_GLOO_INCLUDE_DIR=$deps/gloo/include")
+    say "using carried gloo headers ($deps/gloo/include)"
+  else
+    missing+=("gloo's headers (Debian: libgloo-dev; carry them with pack-deps.sh): configure fails (src/parallel)")
+  fi
+fi
 has_gtest_files() {  # headers and a library where FindGTest looks
   [[ -f /usr/include/gtest/gtest.h || -f /usr/local/include/gtest/gtest.h ]] || return 1
   compgen -G "/usr/lib/*/libgtest.*" >/dev/null || compgen -G "/usr/lib*/libgtest.*" >/dev/null ||
@@ -298,7 +307,7 @@ else
     done
   fi
   [[ -n $gtest_dir ]] && cfg+=("-DGTest_DIR=$gtest_dir")
-  cfg+=("${pkg_dirs[@]}")
+  cfg+=("${pkg_dirs[@]}" "${gloo_arg[@]}")
   if ! run_phase configure "$(budget 90 240)" "$out/build.log" "${pkgconf_env[@]}" "${cfg[@]}" -DREMAT_BUILD_TESTS=$tests; then
     if [[ $tests == ON ]]; then
       say "configure with tests failed; again without them"

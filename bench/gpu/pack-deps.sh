@@ -10,7 +10,10 @@
 #                             pkg-config stand-in if the machine has none)
 #   googletest/               Debian's GoogleTest sources (check.sh builds
 #                             them when no GTest package is found)
-# About 6 MiB. Leaves out: LibTorch, CUDA and the compilers (the GPU machine
+#   gloo/include/gloo         Debian's libgloo-dev headers (remat::parallel
+#                             needs them to configure; kept apart so that
+#                             only its gloo.cpp sees them)
+# About 7 MiB. Leaves out: LibTorch, CUDA and the compilers (the GPU machine
 # has them).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -41,6 +44,8 @@ for lib in libzstd liblz4; do
   fi
 done
 copy /usr/src/googletest "$dst"
+mkdir -p "$dst/gloo/include"
+copy /usr/include/gloo "$dst/gloo/include"
 echo "pack-deps.sh: $(du -sh "$dst" | cut -f1) in $dst"
 if ((${#missing[@]})); then
   echo "pack-deps.sh: not found here (install them, or the GPU machine must have them): ${missing[*]}" >&2
