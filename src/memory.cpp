@@ -315,7 +315,12 @@ CudaSegments& cuda_segments(c10::DeviceIndex i) {
 c10::DeviceIndex cuda_index(const char* fn, c10::Device d) {
   const int n = c10::cuda::device_count();
   const int i = d.has_index() ? d.index() : (n > 0 ? c10::cuda::current_device() : 0);
-  if (n == 0 || i >= n) {
+  if (n == 0) {
+    throw Error(std::string("[remat::memory] ") + fn + "(" + d.str() +
+                "): no CUDA device is visible (c10::cuda::device_count() is 0); check the driver and "
+                "CUDA_VISIBLE_DEVICES, or measure the CPU.");
+  }
+  if (i >= n) {
     throw Error(std::string("[remat::memory] ") + fn + "(" + d.str() + "): no such CUDA device (" + std::to_string(n) +
                 " visible); pass a device index below " + std::to_string(n) + ".");
   }

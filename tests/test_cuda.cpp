@@ -94,6 +94,16 @@ TEST(CudaMemory, CpuBuildErrorsNameTheRemedy) {
   EXPECT_NE(error_of([] { remat::memory::Probe p(cuda(0)); }).find(remedy), std::string::npos);
 }
 
+TEST(CudaMemory, CudaBuildWithoutAGpuSaysSo) {
+  if (!remat::memory::built_with_cuda()) GTEST_SKIP() << "CPU build: see CpuBuildErrorsNameTheRemedy";
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is visible";
+  EXPECT_EQ(error_of([] { remat::memory::peak_bytes(cuda(0)); }),
+            "[remat::memory] peak_bytes(cuda:0): no CUDA device is visible (c10::cuda::device_count() is 0); check "
+            "the driver and CUDA_VISIBLE_DEVICES, or measure the CPU.");
+  EXPECT_NE(error_of([] { remat::memory::Probe p(c10::Device(c10::kCUDA)); }).find("Probe(cuda): no CUDA device"),
+            std::string::npos);
+}
+
 TEST(CudaMemory, OtherDeviceTypesAreErrors) {
   EXPECT_EQ(error_of([] { remat::memory::peak_bytes(c10::Device(c10::kMeta)); }),
             "[remat::memory] peak_bytes(meta): remat measures CPU and CUDA devices only, got META.");
