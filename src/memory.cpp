@@ -280,7 +280,9 @@ void release() { state().users.fetch_sub(1, std::memory_order_relaxed); }
 // `floor` = the highest peak read before a reset, for peak_bytes(device).
 // Only remat's resets are known: a reset from elsewhere (Python's
 // torch.cuda.reset_peak_memory_stats in the same process) lowers what
-// Probes and peak_bytes(device) see from then on.
+// Probes and peak_bytes(device) see from then on. Reading and resetting are
+// two calls: an allocation another thread makes and frees between them
+// raises no recorded peak (the CPU counter has no such gap).
 
 [[noreturn]] void unsupported_device(const char* fn, c10::Device d) {
   if (d.is_cuda()) {
