@@ -1,6 +1,7 @@
 // The profiler: measures a chain of modules on a sample batch and produces
 // the planner's Chain (per stage: forward/backward time, output, saved and
-// temporary bytes). Leaves out: CUDA timing (CPU wall clock only).
+// temporary bytes). A CUDA chain is measured in CUDA bytes, and its times
+// are wall clock with the device synchronized around each timed run.
 #pragma once
 
 #include <string>
