@@ -13,8 +13,9 @@ namespace remat::parallel::detail {
 
 /** ProcessGroupGloo on `store`. Binds the loopback interface when every
  *  rank is local (master_addr is a loopback address) and GLOO_SOCKET_IFNAME
- *  is unset; otherwise c10d's default device (GLOO_SOCKET_IFNAME, else the
- *  host name's address), as torch.distributed does. */
+ *  is unset; otherwise (another address, or "" for a FileStore, whose ranks
+ *  may be on several hosts) c10d's default device: GLOO_SOCKET_IFNAME, else
+ *  the host name's address, as torch.distributed does. */
 c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                             std::chrono::milliseconds timeout, const std::string& master_addr);
 

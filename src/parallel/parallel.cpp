@@ -149,7 +149,7 @@ ProcessGroup init_process_group(const InitOptions& options) {
   c10::intrusive_ptr<c10d::Backend> gloo;
   try {
     gloo = detail::make_gloo(prefixed, options.rank(), options.world_size(), options.timeout(),
-                             options.file_store().empty() ? options.master_addr() : "127.0.0.1");
+                             options.file_store().empty() ? options.master_addr() : std::string());
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
