@@ -15,6 +15,8 @@
 
 #include <remat/error.h>
 
+#include "replay.h"
+
 namespace remat {
 namespace {
 
@@ -59,6 +61,9 @@ struct RematEngine final : ta::Engine {
   }
   ta::variable_list execute(const ta::edge_list& roots, const ta::variable_list& inputs, bool keep_graph,
                             bool create_graph, bool accumulate_grad, const ta::edge_list& outputs) override {
+    // A backward started inside a region that holds the RNG lock may run on
+    // a device thread that needs it (NOTE [RNG lock lent to device threads]).
+    detail::RngLockLend lend;
     if (t_keep_leaf_grads == 0 || !accumulate_grad) {
       return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
     }
@@ -69,6 +74,10 @@ struct RematEngine final : ta::Engine {
       }
     } restore{leaf_grads(roots)};
     return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
+  }
+  void thread_init(int device, const std::shared_ptr<ta::ReadyQueue>& ready_queue, bool should_increment) override {
+    detail::mark_autograd_device_thread();
+    Engine::thread_init(device, ready_queue, should_increment);
   }
   // Device worker threads must stop before the base destructor runs.
   ~RematEngine() override { stop(); }

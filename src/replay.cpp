@@ -2,8 +2,10 @@
 #include "replay.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
@@ -156,21 +158,92 @@ ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Devic
   return r;
 }
 
-std::recursive_mutex& rng_region_mutex() {
-  static std::recursive_mutex* mu = new std::recursive_mutex();  // never destroyed
-  return *mu;
+namespace {
+
+/** The RNG region lock: recursive for its owner, and lendable to autograd's
+ *  device threads while the owner waits in Engine::execute (NOTE [RNG lock
+ *  lent to device threads] in replay.h). */
+struct RngLock {
+  std::mutex m;
+  std::condition_variable cv;
+  std::thread::id owner;
+  int depth = 0;      // the owner's holds
+  int lent = 0;       // the owner's Engine::execute calls in progress
+  int borrowers = 0;  // device-thread holds taken while lent
+};
+
+RngLock& rng_lock() {
+  static RngLock* l = new RngLock();  // never destroyed: device threads may outlive statics
+  return *l;
+}
+
+thread_local int t_borrowed = 0;  // this thread's borrowed holds
+thread_local bool t_device_thread = false;
+
+}  // namespace
+
+void lock_rng_regions() {
+  RngLock& l = rng_lock();
+  std::unique_lock<std::mutex> g(l.m);
+  const auto me = std::this_thread::get_id();
+  if (l.depth > 0 && l.owner == me) {
+    ++l.depth;
+    return;
+  }
+  if (t_borrowed > 0) {  // nested inside a borrowed hold
+    ++t_borrowed;
+    ++l.borrowers;
+    return;
+  }
+  l.cv.wait(g, [&] { return l.depth == 0 || (l.lent > 0 && t_device_thread); });
+  if (l.depth == 0) {
+    l.owner = me;
+    l.depth = 1;
+  } else {
+    ++t_borrowed;
+    ++l.borrowers;
+  }
+}
+
+void unlock_rng_regions() {
+  RngLock& l = rng_lock();
+  std::lock_guard<std::mutex> g(l.m);
+  if (t_borrowed > 0) {
+    --t_borrowed;
+    --l.borrowers;
+  } else if (--l.depth == 0) {
+    l.owner = std::thread::id();
+  }
+  l.cv.notify_all();
+}
+
+void mark_autograd_device_thread() { t_device_thread = true; }
+
+RngLockLend::RngLockLend() {
+  RngLock& l = rng_lock();
+  std::lock_guard<std::mutex> g(l.m);
+  lent_ = l.depth > 0 && l.owner == std::this_thread::get_id();
+  if (!lent_) return;
+  ++l.lent;
+  l.cv.notify_all();
+}
+
+RngLockLend::~RngLockLend() {
+  if (!lent_) return;
+  RngLock& l = rng_lock();
+  std::unique_lock<std::mutex> g(l.m);
+  // The owner goes on only once no device thread holds it on its behalf
+  // (or on another backward's: their replays restore the state they swap).
+  if (--l.lent == 0) l.cv.wait(g, [&] { return l.borrowers == 0; });
 }
 
 RngRegionLock::RngRegionLock(bool active) : held_(active) {
-  if (held_) rng_region_mutex().lock();
+  if (held_) lock_rng_regions();
 }
 
 RngRegionLock::~RngRegionLock() {
-  if (held_) rng_region_mutex().unlock();
+  if (held_) unlock_rng_regions();
 }
-
-void lock_rng_regions() { rng_region_mutex().lock(); }
-void unlock_rng_regions() { rng_region_mutex().unlock(); }
 
 ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
     : rng_lock_(!state.rng.empty()),

@@ -102,6 +102,31 @@ class RngRegionLock {
   bool held_;
 };
 
+/** NOTE [RNG lock lent to device threads]: a region's first run holds the
+ *  RNG lock until its forward ends. When fn itself runs a backward
+ *  (autograd::grad inside the region) on CUDA tensors, the engine runs it on
+ *  autograd's device thread while the calling thread waits in
+ *  Engine::execute; a replay there needs the lock, and would wait forever
+ *  for its own caller. So while the owner waits in Engine::execute
+ *  (RngLockLend, taken by remat's engine), autograd's device threads
+ *  (mark_autograd_device_thread(), from the engine's thread_init) may take
+ *  the lock too, and the owner goes on only once they have let go. The
+ *  owner draws nothing while it waits, and what a device thread runs under
+ *  the lock is a replay, which puts the generators back as it found them,
+ *  so the owner's first run draws what its replay will. Other threads still
+ *  wait for the owner. */
+void mark_autograd_device_thread();
+class RngLockLend {
+ public:
+  RngLockLend();
+  ~RngLockLend();
+  RngLockLend(const RngLockLend&) = delete;
+  RngLockLend& operator=(const RngLockLend&) = delete;
+
+ private:
+  bool lent_ = false;
+};
+
 /** For its lifetime: RNG, autocast and buffer values as captured (and grad
  *  mode on when asked: checkpoint re-runs must save), marks the thread as
  *  recomputing; then restores all and puts the buffers' current values back

@@ -8,7 +8,11 @@
 //   in a CPU build), and compare against a plain run on the GPU.
 #include "common.h"
 
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <optional>
+#include <thread>
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/StreamGuard.h>
@@ -123,6 +127,42 @@ TEST(CudaMemory, CpuDeviceFormsAreTheCpuCounter) {
   EXPECT_EQ(probe.peak_bytes(), 4000);
   EXPECT_EQ(remat::memory::peak_bytes(kCpu) - base, 4000);
   EXPECT_EQ(remat::memory::peak_bytes(kCpu), remat::memory::peak_bytes());
+}
+
+// NOTE [RNG lock lent to device threads]: the lock's rules, on CPU threads
+// standing in for autograd's device threads.
+TEST(RngLock, LentToDeviceThreadsOnlyWhileTheOwnerWaitsInExecute) {
+  using namespace std::chrono_literals;
+  remat::detail::lock_rng_regions();  // this thread: a region's first run
+  auto device_thread = [] {
+    remat::detail::mark_autograd_device_thread();
+    remat::detail::lock_rng_regions();
+    remat::detail::lock_rng_regions();  // a nested replay re-enters
+    remat::detail::unlock_rng_regions();
+    remat::detail::unlock_rng_regions();
+  };
+  // Not lent: a device thread waits for the owner like any other thread.
+  auto before = std::async(std::launch::async, device_thread);
+  EXPECT_EQ(before.wait_for(200ms), std::future_status::timeout) << "the lock must not be lent outside execute";
+  std::future<void> during, other;
+  std::atomic<bool> other_got{false};
+  {
+    remat::detail::RngLockLend lend;  // what remat's engine does around Engine::execute
+    EXPECT_EQ(before.wait_for(5s), std::future_status::ready) << "a waiting device thread is let in";
+    during = std::async(std::launch::async, device_thread);
+    EXPECT_EQ(during.wait_for(5s), std::future_status::ready) << "a device thread must not wait for its caller";
+    other = std::async(std::launch::async, [&] {
+      remat::detail::lock_rng_regions();
+      other_got = true;
+      remat::detail::unlock_rng_regions();
+    });
+    std::this_thread::sleep_for(200ms);
+    EXPECT_FALSE(other_got) << "other threads still wait for the owner";
+  }
+  EXPECT_FALSE(other_got);
+  remat::detail::unlock_rng_regions();
+  other.wait();
+  EXPECT_TRUE(other_got);
 }
 
 // --- GPU tests (skip without a CUDA device) --------------------------------
@@ -344,6 +384,36 @@ TEST(CudaOffload, HostOffloadGivesBitwiseGradientsAndFreesTheGpu) {
   std::printf("CUDA host offload: plain peak %lld, offloaded %lld bytes, %lld bytes sent\n",
               static_cast<long long>(plain_peak), static_cast<long long>(offload_peak),
               static_cast<long long>(st.bytes_raw));
+}
+
+// fn runs a backward of its own (a gradient penalty) on CUDA tensors inside
+// a region that preserves RNG state: that backward runs on autograd's device
+// thread and replays the nested region there, which needs the RNG lock the
+// calling thread holds (NOTE [RNG lock lent to device threads]). It used to
+// deadlock; gradients must equal a plain run's.
+TEST(CudaCheckpoint, GradInsideARegionOnTheDeviceThread) {
+  REQUIRE_CUDA();
+  auto run = [](bool checkpointing) {
+    torch::manual_seed(11);
+    auto lin = torch::nn::Linear(64, 64);
+    lin->to(torch::kCUDA);
+    auto x = torch::randn({32, 64}, torch::TensorOptions().device(torch::kCUDA).requires_grad(true));
+    auto inner = [lin](const torch::Tensor& a) mutable { return torch::dropout(lin->forward(a).tanh(), 0.2, true); };
+    auto fn = [&](const torch::Tensor& in) {
+      auto y = checkpointing ? remat::checkpoint(inner, in) : inner(in);
+      auto g = torch::autograd::grad({y.pow(2).sum()}, {in}, {}, true, true)[0];
+      return y.mean() + 0.1 * g.pow(2).mean();
+    };
+    torch::cuda::manual_seed_all(5);
+    auto loss = checkpointing ? remat::checkpoint(fn, x) : fn(x);
+    loss.backward();
+    torch::cuda::synchronize();
+    return std::vector<torch::Tensor>{x.grad(), lin->weight.grad(), lin->bias.grad()};
+  };
+  auto done = std::async(std::launch::async, [&] { return std::make_pair(run(false), run(true)); });
+  ASSERT_EQ(done.wait_for(std::chrono::seconds(120)), std::future_status::ready) << "deadlocked";
+  const auto [plain, ckpt] = done.get();
+  expect_bitwise_equal(plain, ckpt);
 }
 
 }  // namespace
