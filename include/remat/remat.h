@@ -2,7 +2,7 @@
 // the whole public API of remat::remat (checkpoint, hooks, memory, profile,
 // CheckpointedSequential, the planner). The models and trainer behind
 // remat-train are a separate library (remat::models, <remat/models/*.h>), and
-// so is data parallel on c10d (remat::parallel, <remat/parallel.h>).
+// so is data parallel on c10d (remat::parallel, <remat/parallel/data_parallel.h>).
 #pragma once
 
 #include <remat/checkpoint.h>

@@ -2,7 +2,7 @@
 // through c10d::Reducer, as Python's DistributedDataParallel sets them up
 // (torch/nn/parallel/distributed.py: one bucket in the first step, rebuilt
 // in the order gradients became ready, rank 0's state broadcast at start).
-#include <remat/parallel.h>
+#include <remat/parallel/data_parallel.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -17,7 +17,7 @@
 
 #include <remat/error.h>
 #include <remat/models/trainer.h>
-#include <remat/parallel.h>
+#include <remat/parallel/data_parallel.h>
 
 namespace {
 

@@ -32,7 +32,7 @@
 #include <remat/checkpoint.h>
 #include <remat/error.h>
 #include <remat/models/trainer.h>
-#include <remat/parallel.h>
+#include <remat/parallel/data_parallel.h>
 #include <remat/sequential.h>
 
 extern char** environ;

@@ -25,7 +25,7 @@
 
 #include <remat/error.h>
 #include <remat/models/trainer.h>
-#include <remat/parallel.h>
+#include <remat/parallel/data_parallel.h>
 #include <remat/plan/error.h>
 
 extern char** environ;
