@@ -14,6 +14,7 @@
 
 #include <torch/nn/module.h>
 #include <torch/serialize.h>
+#include <torch/types.h>
 
 #include <remat/error.h>
 #include <remat/models/trainer.h>
@@ -73,6 +74,10 @@ int main(int argc, char** argv) {
     trainer.set_step_hooks(hooks);
     while (trainer.steps_done() < cfg.steps) trainer.step();
     const auto stats = ddp.last_stats();
+    // The group's own collectives: a barrier, then a sum of rank + 1 over the ranks.
+    group.barrier();
+    at::Tensor sum = torch::full({2}, static_cast<double>(rank + 1));
+    group.all_reduce_sum(sum);
     if (!out.empty()) {
       std::vector<at::Tensor> params, grads;  // grads: the last step's, synchronised
       for (const auto& p : trainer.module()->parameters()) {
@@ -82,7 +87,7 @@ int main(int argc, char** argv) {
       torch::save(params, out);
       torch::save(grads, out + ".grad");
       std::ofstream(out + ".stats") << stats.buckets << " " << stats.bytes << " " << stats.allreduce_ms << " "
-                                    << stats.exposed_ms << " " << stats.overlap << "\n";
+                                    << stats.exposed_ms << " " << stats.overlap << " " << sum[0].item<double>() << "\n";
     }
   } catch (const std::exception& e) {
     const auto* c = dynamic_cast<const c10::Error*>(&e);

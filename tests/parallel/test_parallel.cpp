@@ -186,8 +186,9 @@ void expect_two_ranks_equal_one(const std::string& strategy, std::vector<std::st
   EXPECT_LE(gd, 1e-5 * gmax) << strategy;
   std::istringstream stats(read_file(dir.path() / "two.pt.stats"));
   int64_t buckets = 0, bytes = 0;
-  double allreduce_ms = 0, exposed_ms = 0, overlap = -1;
-  stats >> buckets >> bytes >> allreduce_ms >> exposed_ms >> overlap;
+  double allreduce_ms = 0, exposed_ms = 0, overlap = -1, rank_sum = 0;
+  stats >> buckets >> bytes >> allreduce_ms >> exposed_ms >> overlap >> rank_sum;
+  EXPECT_EQ(rank_sum, 3.0) << "ProcessGroup::all_reduce_sum of rank + 1 over 2 ranks (after a barrier)";
   int64_t param_bytes = 0;
   for (const auto& t : a) param_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   EXPECT_GE(buckets, 3) << "rebuilt after step 1 into 16-64 KiB buckets";
