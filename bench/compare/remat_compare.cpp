@@ -4,7 +4,7 @@
 // given strategies interleaved (A B C A B C ...) after warm-up, and prints one
 // JSON object: per strategy the peak activation bytes (from the LD_PRELOAD
 // counter bench/preload when loaded, else remat::memory) and every step's
-// milliseconds; plain also gets forward and backward times.
+// milliseconds and minor page faults; plain also gets forward and backward times.
 // Strategies: plain, block, seq:K, useg:K (CheckpointedSequential running seq:K's
 // placement), sqrt, opt:F (budget F x plain peak), select.
 // Leaves out: the loss head and optimizer (the chain ends in .sum()).
@@ -18,11 +18,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <remat/models/gpt.h>
@@ -152,18 +154,76 @@ void zero_grads(Model& m) {
   m.x.mutable_grad() = torch::Tensor();
 }
 
+// --op-profile 1: inclusive milliseconds per op and autograd node name
+// (RecordFunction, this thread only), summed per strategy over the timed
+// steps and printed to stderr: where one runtime's extra time goes.
+struct OpProfile {
+  struct Frame {
+    std::string name;
+    Clock::time_point t0;
+  };
+  static thread_local std::vector<Frame> stack;
+  static std::map<std::string, std::pair<double, long>>* current;  // ms, calls
+  std::map<std::string, std::map<std::string, std::pair<double, long>>> per_strategy;
+  at::CallbackHandle handle = 0;
+
+  void install() {
+    handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+                                            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+                                              if (current) stack.push_back({fn.name(), Clock::now()});
+                                              return nullptr;
+                                            },
+                                            [](const at::RecordFunction&, at::ObserverContext*) {
+                                              if (!current || stack.empty()) return;
+                                              auto& e = (*current)[stack.back().name];
+                                              e.first += ms_since(stack.back().t0);
+                                              e.second += 1;
+                                              stack.pop_back();
+                                            })
+                                            .needsInputs(false));
+  }
+  void print(int steps) const {
+    for (const auto& [strategy, ops] : per_strategy) {
+      std::vector<std::pair<double, std::string>> v;
+      for (const auto& [name, e] : ops) v.push_back({e.first / steps, name + " x" + std::to_string(e.second / steps)});
+      std::sort(v.rbegin(), v.rend());
+      std::fprintf(stderr, "== %s (inclusive ms per step)\n", strategy.c_str());
+      for (size_t k = 0; k < v.size() && k < 40; ++k)
+        std::fprintf(stderr, "%10.1f  %s\n", v[k].first, v[k].second.c_str());
+    }
+  }
+};
+thread_local std::vector<OpProfile::Frame> OpProfile::stack;
+std::map<std::string, std::pair<double, long>>* OpProfile::current = nullptr;
+
 struct Times {
   double fwd_ms, bwd_ms;
+  long faults;  // minor page faults during the step (glibc returning and re-taking memory)
 };
+
+long minor_faults() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
+
+// With --op-profile: where the step's forward and backward ops are summed.
+std::map<std::string, std::pair<double, long>>* g_fwd_ops = nullptr;
+std::map<std::string, std::pair<double, long>>* g_bwd_ops = nullptr;
 
 Times step(Model& m, const Fn& f) {
   zero_grads(m);
+  const long f0 = minor_faults();
+  OpProfile::current = g_fwd_ops;
   auto t0 = Clock::now();
   auto loss = f(m.x).sum();
   const double fwd = ms_since(t0);
+  OpProfile::current = g_bwd_ops;
   auto t1 = Clock::now();
   loss.backward();
-  return {fwd, ms_since(t1)};
+  const double bwd = ms_since(t1);
+  OpProfile::current = nullptr;
+  return {fwd, bwd, minor_faults() - f0};
 }
 
 // hold_output: the chain's output lives through backward, as in
@@ -235,6 +295,7 @@ int main(int argc, char** argv) {
   const auto strategies = split(arg(argc, argv, "--strategies", "plain,block"), ',');
   const bool rss_mode = arg(argc, argv, "--rss", "0") == "1";
   const bool hold_output = arg(argc, argv, "--hold-output", "1") == "1";
+  const bool op_profile = arg(argc, argv, "--op-profile", "0") == "1";
 
   Meter meter;
   // remat::memory's wrapper is installed in any case (profile() needs it), so
@@ -266,7 +327,7 @@ int main(int argc, char** argv) {
     std::string note;
     int64_t peak = -1, predicted = -1;
     double predicted_ms = -1;  // the plan's predicted step time
-    std::vector<double> ms, fwd_ms, bwd_ms;
+    std::vector<double> ms, fwd_ms, bwd_ms, faults;
   };
   std::vector<Run> runs;
   std::vector<std::shared_ptr<remat::CheckpointedSequential>> nets;
@@ -328,15 +389,24 @@ int main(int argc, char** argv) {
     for (int i = 0; i < warmup; ++i) step(m, r.fn);
     r.peak = peak_of(m, r.fn, meter, hold_output);
   }
+  OpProfile prof;
+  if (op_profile) prof.install();
   for (int s = 0; s < steps; ++s) {
     for (auto& r : runs) {
       if (!r.fn || (r.sweep && s >= sweep_steps)) continue;
+      if (op_profile) {
+        g_fwd_ops = &prof.per_strategy[r.name + " forward"];
+        g_bwd_ops = &prof.per_strategy[r.name + " backward"];
+      }
       auto t = step(m, r.fn);
+      g_fwd_ops = g_bwd_ops = nullptr;
       r.ms.push_back(t.fwd_ms + t.bwd_ms);
       r.fwd_ms.push_back(t.fwd_ms);
       r.bwd_ms.push_back(t.bwd_ms);
+      r.faults.push_back(static_cast<double>(t.faults));
     }
   }
+  if (op_profile) prof.print(sweep_steps < steps ? sweep_steps : steps);
   struct rusage ru1;
   getrusage(RUSAGE_SELF, &ru1);
   const long hwm_kib = std::max<long>(status_kib("VmHWM:"), 0);
@@ -357,9 +427,9 @@ int main(int argc, char** argv) {
     const auto& r = runs[i];
     std::printf(
         "  {\"name\": \"%s\", \"peak\": %lld, \"predicted\": %lld, \"predicted_ms\": %.3f, \"note\": \"%s\", "
-        "\"ms\": %s, \"fwd_ms\": %s, \"bwd_ms\": %s}%s\n",
+        "\"ms\": %s, \"fwd_ms\": %s, \"bwd_ms\": %s, \"faults\": %s}%s\n",
         r.name.c_str(), (long long)r.peak, (long long)r.predicted, r.predicted_ms, r.note.c_str(),
-        json_list(r.ms).c_str(), json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(),
+        json_list(r.ms).c_str(), json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(), json_list(r.faults).c_str(),
         i + 1 < runs.size() ? "," : "");
   }
   std::printf(" ]}\n");
