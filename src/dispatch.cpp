@@ -15,6 +15,7 @@ constexpr c10::DispatchKey kKey = c10::DispatchKey::Fake;
 
 thread_local Interceptor* t_current = nullptr;
 thread_local std::vector<std::string>* t_log = nullptr;
+thread_local uint64_t t_scopes = 0;
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   Interceptor* i = t_current;
@@ -49,6 +50,7 @@ void run_below(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
 }
 
 Interceptor* current() { return t_current; }
+uint64_t scopes_opened() { return t_scopes; }
 
 namespace {
 Interceptor* install_and_get() {
@@ -65,6 +67,7 @@ Scope::Scope(Interceptor* i, std::vector<std::string>* log)
       keys_(tls_included() | c10::DispatchKeySet(kKey), tls_excluded() - c10::DispatchKeySet(kKey)) {
   t_current = i;
   t_log = log;
+  ++t_scopes;
 }
 
 Scope::~Scope() {

@@ -47,6 +47,10 @@ void run_below(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
 /** The innermost interceptor of this thread, or nullptr. */
 Interceptor* current();
 
+/** How many Scopes this thread has opened so far (a layer that must see
+ *  every op tells from it whether another interceptor took over meanwhile). */
+uint64_t scopes_opened();
+
 /** Pushes an interceptor (nullptr masks the outer ones) and turns
  *  interception on for this thread; restores both when destroyed. With a
  *  log, the key of every op seen is appended to it (the debug mode). */

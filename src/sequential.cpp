@@ -40,6 +40,7 @@
 #include <remat/hooks.h>
 #include <remat/memory.h>
 
+#include "early_stop.h"
 #include "grad_edges.h"
 #include "replay.h"
 #include "values.h"
@@ -89,6 +90,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
   // intervals where the chain runs (its forward part, each node's apply),
   // so that what other code allocates in between is left out.
   int64_t own = 0, own_peak = 0;
+  int64_t ops_skipped = 0;                                   // by early stop, this step
   const CheckpointedSequentialImpl::Entry* entry = nullptr;  // the plan this execution runs
 
   /** Counts one interval where the chain runs (when measuring). */
@@ -131,6 +133,45 @@ struct Execution : std::enable_shared_from_this<Execution> {
     }
     ReplayGuard replay(*first_run[i], /*enable_grad=*/false);
     return run_module(m, in, who(i));
+  }
+
+  /** NOTE [early stop in planned recomputes]: a recompute in backward
+   *  whose output no later op reads (only its graph is needed). */
+  bool cut_allowed(int i) const {
+    if (in_forward_part || higher_order || !owner->options_.early_stop() || !entry || !entry->stops) return false;
+    for (size_t k = pc + 1; k < schedule.ops.size(); ++k) {
+      const plan::Op& op = schedule.ops[k];
+      if (op.kind == plan::OpKind::kBackward && op.stage == i) return true;
+      if (op.stage == i + 1 && (op.kind == plan::OpKind::kForward || op.kind == plan::OpKind::kForwardSave)) {
+        return false;
+      }
+    }
+    return false;
+  }
+
+  /** run_stage, cut short after the ops whose results backward reads (once
+   *  a full run recorded them). */
+  Values run_stage_cut(int i, const Values& in, uint64_t seq0) {
+    if (!early_stop_available()) return run_stage(i, in);
+    StopRecords& recs = *entry->stops;
+    if (auto rec = recs.get(i); rec && rec->usable) {
+      try {
+        StopReplay replay(rec);
+        Values y = run_stage(i, in);
+        ops_skipped += replay.skipped();
+        if (replay.diverged()) recs.disable(i);
+        return y;
+      } catch (const Diverged&) {
+        recs.disable(i);  // outputs were produced from ops that did not run: run it all again
+        --st.runs[i];
+      }
+      return run_stage(i, in);
+    }
+    if (!recs.wants_record(i)) return run_stage(i, in);
+    StopRecorder recorder;
+    Values y = run_stage(i, in);
+    recs.set(i, recorder.finish(y.ts, seq0));
+    return y;
   }
 
   static c10::Device device_of(const Values& v) {
@@ -331,7 +372,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
           if (i > 0 ? differentiable(in[k]) : input_requires_grad[k]) in[k].requires_grad_(true);
         }
         const uint64_t seq0 = at::sequence_number::peek();
-        Values y = run_stage(i, in);
+        Values y = cut_allowed(i) ? run_stage_cut(i, in, seq0) : run_stage(i, in);
         std::vector<at::Tensor> targets = in.ts;
         targets.insert(targets.end(), params[i].begin(), params[i].end());
         st.edges[i] = redirect_gradient_edges(y.ts, targets, seq0);
@@ -503,6 +544,8 @@ struct Execution : std::enable_shared_from_this<Execution> {
   void finish() {
     StepReport report;
     report.forwards_per_stage = st.runs;
+    report.recompute_ops_skipped = ops_skipped;
+    ops_skipped = 0;
     if (probe) {
       report.measured_peak_bytes = probe->peak_bytes() + input_bytes;
       report.chain_peak_bytes = std::max(own_peak, own);  // node 0's interval is still open
@@ -675,6 +718,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   detail::Values result;
   e.chain = detail::profile_values(seq_, x, options_.profile(), &result);
   e.result = std::make_shared<detail::Values>(std::move(result));
+  e.stops = std::make_shared<detail::StopRecords>(static_cast<int>(e.chain.stages.size()));
   ++profiles_;
   int64_t budget = options_.memory_budget_bytes();
   if (options_.memory_budget_fraction() > 0) {

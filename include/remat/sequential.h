@@ -66,6 +66,12 @@ struct SequentialOptions {
   TORCH_ARG(plan::OptimalScope, scope) = plan::OptimalScope::kAuto;
   /** Replay each stage's RNG state when it is recomputed. Default true. */
   TORCH_ARG(bool, preserve_rng_state) = true;
+  /** Cut a recompute right before its backward short after the last op
+   *  whose result backward reads (the later ops leave only their graph; as
+   *  remat::checkpoint's early stop does). The first such recompute of each
+   *  stage runs in full and records its ops; gradients are unchanged.
+   *  Default true. */
+  TORCH_ARG(bool, early_stop) = true;
   /** Peak bytes allowed for the whole training step: everything a
    *  begin_step() scope sees above the bytes live when it opened (the
    *  model's other layers, the loss, gradients, the optimizer step; not
@@ -101,11 +107,14 @@ struct StepReport {
   int64_t outside_bytes = -1;
   /** Forward executions per stage in the step (the schedule's count). */
   std::vector<int> forwards_per_stage;
+  /** Ops of recomputes that early stop produced without running them. */
+  int64_t recompute_ops_skipped = 0;
 };
 
 namespace detail {
 struct Execution;
 struct Values;
+class StopRecords;
 }  // namespace detail
 
 class CheckpointedSequentialImpl;
@@ -187,6 +196,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     plan::Chain chain;
     plan::Plan plan;
     std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
+    std::shared_ptr<detail::StopRecords> stops;    // early stop's per-stage records
     // Step budget: bytes outside the chain (measured), steps measured, and
     // why the budget cannot be met (thrown by the next forward).
     int64_t outside_bytes = -1;

@@ -1,0 +1,194 @@
+// CheckpointedSequential's early stop (NOTE [early stop in planned
+// recomputes], src/early_stop.h): a recompute right before its backward runs
+// only the ops whose results backward reads; gradients stay bitwise those
+// of a plain run; stages it cannot see into are never cut; a stage whose op
+// sequence changes falls back to a full run.
+#include "common.h"
+
+#include <atomic>
+
+#include <remat/sequential.h>
+
+using namespace remat_test;
+
+namespace {
+
+torch::nn::Sequential gpt_stack(uint64_t seed, double p = 0.0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential s;
+  for (int i = 0; i < 6; ++i) s->push_back(GptBlock(64, 4, p));
+  return s;
+}
+
+std::vector<torch::Tensor> plain_grads(torch::nn::Sequential& seq, torch::Tensor x, uint64_t rng_seed) {
+  torch::manual_seed(rng_seed);
+  return step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+}
+
+remat::StepReport run(remat::CheckpointedSequential& net, torch::nn::Sequential& seq, torch::Tensor x,
+                      uint64_t rng_seed, std::vector<torch::Tensor>* grads) {
+  torch::manual_seed(rng_seed);
+  *grads = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
+  return net->last_step();
+}
+
+// A GPT block's last ops (the MLP's second matmul, its bias and the residual
+// add) leave nothing that backward reads: from the second step on, each
+// recompute produces them without running them; gradients are bitwise the
+// plain run's, with dropout (RNG replayed) and without.
+TEST(CheckpointedSequentialEarlyStop, GptBlocksSkipTheirLastOpsBitwise) {
+  for (double p : {0.0, 0.1}) {
+    auto seq = gpt_stack(3, p);
+    auto x = torch::randn({2, 16, 64}, torch::requires_grad());
+    auto plain = plain_grads(seq, x, 5);
+    remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(6));
+    std::vector<torch::Tensor> got;
+    auto first = run(net, seq, x, 5, &got);
+    expect_bitwise_equal(plain, got);
+    EXPECT_EQ(first.recompute_ops_skipped, 0) << "the first recompute of each stage runs in full and records";
+    for (int s = 0; s < 2; ++s) {
+      auto r = run(net, seq, x, 5, &got);
+      expect_bitwise_equal(plain, got);
+      // 5 recomputed stages (the last one is kept), at least the final
+      // addmm and the residual add of each.
+      EXPECT_GE(r.recompute_ops_skipped, 5 * 2) << "p " << p;
+      EXPECT_EQ(r.forwards_per_stage, (std::vector<int>{2, 2, 2, 2, 2, 1}));
+    }
+    remat::CheckpointedSequential off(seq, remat::SequentialOptions().segments(6).early_stop(false));
+    for (int s = 0; s < 2; ++s) EXPECT_EQ(run(off, seq, x, 5, &got).recompute_ops_skipped, 0);
+    expect_bitwise_equal(plain, got);
+  }
+}
+
+struct LinearReluImpl : torch::nn::Module {
+  LinearReluImpl() : lin(register_module("lin", torch::nn::Linear(32, 32))) {}
+  torch::Tensor forward(torch::Tensor x) { return torch::relu(lin(x)); }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(LinearRelu);
+
+// A stage ending in an op that saves its own result (ReLU) has nothing to
+// skip after the last save.
+TEST(CheckpointedSequentialEarlyStop, StageEndingInASavingOpSkipsNothing) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 4; ++i) seq->push_back(LinearRelu());
+  auto x = torch::randn({8, 32}, torch::requires_grad());
+  auto plain = plain_grads(seq, x, 1);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(4));
+  std::vector<torch::Tensor> got;
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(run(net, seq, x, 1, &got).recompute_ops_skipped, 0);
+    expect_bitwise_equal(plain, got);
+  }
+}
+
+// Linear and GELU as stages of their own: each one's backward reads only
+// its input and weight, so their recomputes run no kernel at all.
+TEST(CheckpointedSequentialEarlyStop, SingleOpStagesRunNoKernel) {
+  auto seq = make_mlp(6, 48, 2, /*gelu=*/true);
+  auto x = torch::randn({16, 48}, torch::requires_grad());
+  auto plain = plain_grads(seq, x, 1);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(static_cast<int>(seq->size())));
+  std::vector<torch::Tensor> got;
+  run(net, seq, x, 1, &got);
+  auto r = run(net, seq, x, 1, &got);
+  expect_bitwise_equal(plain, got);
+  EXPECT_GT(r.recompute_ops_skipped, 0);
+}
+
+/** y = 2x through a custom Function that keeps x in saved_data (unseen by
+ *  saved-tensor hooks), then tanh: never cut. */
+struct KeepsInSavedData : torch::autograd::Function<KeepsInSavedData> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x) {
+    ctx->saved_data["x"] = x;
+    return x * 2;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    // Reads x: wrong if x had been produced without running.
+    auto x = ctx->saved_data["x"].toTensor();
+    return {g[0] * 2 + 0 * x.sum()};
+  }
+};
+
+struct CustomStageImpl : torch::nn::Module {
+  CustomStageImpl() : lin(register_module("lin", torch::nn::Linear(16, 16))) {}
+  torch::Tensor forward(torch::Tensor x) { return KeepsInSavedData::apply(lin(x)) + 1; }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(CustomStage);
+
+TEST(CheckpointedSequentialEarlyStop, StagesWithCustomFunctionsAreNeverCut) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 4; ++i) seq->push_back(CustomStage());
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  auto plain = plain_grads(seq, x, 1);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(4));
+  std::vector<torch::Tensor> got;
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(run(net, seq, x, 1, &got).recompute_ops_skipped, 0);
+    expect_bitwise_equal(plain, got);
+  }
+}
+
+/** Linear then tanh, plus one extra op at the end on some calls: its op
+ *  sequence changes between runs (control flow on outside state). */
+std::atomic<int> g_calls{0};
+std::atomic<int> g_extra_every{0};
+struct ChangingImpl : torch::nn::Module {
+  ChangingImpl() : lin(register_module("lin", torch::nn::Linear(16, 16))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = torch::tanh(lin(x)) * 3;  // tanh saves its result; the mul can be skipped
+    const int n = g_extra_every.load();
+    if (n > 0 && ++g_calls % n == 0) y = y + 0;  // an op the record does not have (after the cut)
+    return y;
+  }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(Changing);
+
+TEST(CheckpointedSequentialEarlyStop, AStageWhoseOpsChangeRunsInFullAndStaysCorrect) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 3; ++i) seq->push_back(Changing());
+  auto x = torch::randn({4, 16}, torch::requires_grad());
+  g_extra_every = 0;
+  auto plain = plain_grads(seq, x, 1);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(3));
+  std::vector<torch::Tensor> got;
+  run(net, seq, x, 1, &got);  // records
+  EXPECT_GT(run(net, seq, x, 1, &got).recompute_ops_skipped, 0);
+  expect_bitwise_equal(plain, got);
+  // Now every call adds an op: the recomputes diverge after the cut point,
+  // are run again in full, and their stages are never cut again.
+  g_extra_every = 1;
+  g_calls = 0;
+  auto plain_extra = plain_grads(seq, x, 1);
+  EXPECT_EQ(run(net, seq, x, 1, &got).recompute_ops_skipped, 0);
+  expect_bitwise_equal(plain_extra, got);
+  g_extra_every = 0;
+  EXPECT_EQ(run(net, seq, x, 1, &got).recompute_ops_skipped, 0);
+  expect_bitwise_equal(plain, got);
+}
+
+// Early stop never raises the peak: the planned runtime with it peaks no
+// higher than checkpoint_sequential on the same placement (also pinned,
+// for every strategy, in test_sequential).
+TEST(CheckpointedSequentialEarlyStop, PeakUnchanged) {
+  remat::memory::enable_tracking();
+  auto seq = gpt_stack(4);
+  auto x = torch::randn({4, 32, 64}, torch::requires_grad());
+  seq->forward(x).sum().backward();
+  remat::CheckpointedSequential on(seq, remat::SequentialOptions().segments(6));
+  remat::CheckpointedSequential off(seq, remat::SequentialOptions().segments(6).early_stop(false));
+  for (int s = 0; s < 2; ++s) {
+    on->forward(x).sum().backward();
+    off->forward(x).sum().backward();
+  }
+  EXPECT_GT(on->last_step().recompute_ops_skipped, 0);
+  EXPECT_LE(on->last_step().chain_peak_bytes, off->last_step().chain_peak_bytes);
+}
+
+}  // namespace
