@@ -23,6 +23,7 @@
 #include <remat/memory.h>
 #include <remat/plan/json.h>
 
+#include "early_stop.h"
 #include "grad_edges.h"
 #include "replay.h"
 #include "values.h"
@@ -77,6 +78,50 @@ class Restore {
 }  // namespace
 
 namespace detail {
+
+namespace {
+
+/** The stage's recompute as early stop cuts it (NOTE [early stop in planned
+ *  recomputes]): a recording run, then `repeats` timed ones; median ms, or
+ *  -1 when the stage is never cut (its forward time applies). */
+double cut_recompute_ms(torch::nn::AnyModule& module, const Values& h, const std::string& who, int repeats,
+                        const c10::Device& device) {
+  if (!early_stop_available()) return -1;
+  auto input = [&] {
+    Values in = h.detached();
+    for (auto& t : in.ts) {
+      if (t.defined() && differentiable(t)) t.requires_grad_(true);
+    }
+    return in;
+  };
+  std::shared_ptr<const StopRecord> rec;
+  {
+    Values in = input();
+    const uint64_t seq0 = at::sequence_number::peek();
+    StopRecorder recorder;
+    Values y = run_module(module, in, who);
+    rec = recorder.finish(y.ts, seq0);
+  }
+  if (!rec->usable) return -1;
+  std::vector<double> ms;
+  for (int r = 0; r < repeats; ++r) {
+    Values in = input();
+    try {
+      StopReplay replay(rec);
+      synchronize(device);
+      const auto t0 = Clock::now();
+      Values y = run_module(module, in, who);
+      synchronize(device);
+      ms.push_back(ms_since(t0));
+      if (replay.diverged()) return -1;
+    } catch (const Diverged&) {
+      return -1;
+    }
+  }
+  return median(ms);
+}
+
+}  // namespace
 
 plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x, const ProfileOptions& options,
                            Values* result) {
@@ -225,6 +270,7 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       stage.backward_tmp_bytes = b_tmp;
       stage.backward_freed_bytes = b_freed;
     }
+    if (options.recompute()) stage.recompute_ms = cut_recompute_ms(module, h, who, options.repeats(), mem_device);
     stage.forward_ms = median(forward_ms);
     stage.backward_ms = median(backward_ms);
     chain.stages.push_back(stage);

@@ -139,14 +139,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
    *  whose output no later op reads (only its graph is needed). */
   bool cut_allowed(int i) const {
     if (in_forward_part || higher_order || !owner->options_.early_stop() || !entry || !entry->stops) return false;
-    for (size_t k = pc + 1; k < schedule.ops.size(); ++k) {
-      const plan::Op& op = schedule.ops[k];
-      if (op.kind == plan::OpKind::kBackward && op.stage == i) return true;
-      if (op.stage == i + 1 && (op.kind == plan::OpKind::kForward || op.kind == plan::OpKind::kForwardSave)) {
-        return false;
-      }
-    }
-    return false;
+    return schedule.ops[pc].stage == i && plan::output_unread_until_backward(schedule, pc);
   }
 
   /** run_stage, cut short after the ops whose results backward reads (once
@@ -716,7 +709,9 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   if (it != plans_.end()) return it->second;
   Entry e;
   detail::Values result;
-  e.chain = detail::profile_values(seq_, x, options_.profile(), &result);
+  ProfileOptions popts = options_.profile();
+  if (!options_.early_stop()) popts.recompute(false);  // no cut recomputes to time
+  e.chain = detail::profile_values(seq_, x, popts, &result);
   e.result = std::make_shared<detail::Values>(std::move(result));
   e.stops = std::make_shared<detail::StopRecords>(static_cast<int>(e.chain.stages.size()));
   ++profiles_;

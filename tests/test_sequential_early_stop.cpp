@@ -7,6 +7,7 @@
 
 #include <atomic>
 
+#include <remat/plan/plan.h>
 #include <remat/sequential.h>
 
 using namespace remat_test;
@@ -189,6 +190,40 @@ TEST(CheckpointedSequentialEarlyStop, PeakUnchanged) {
   }
   EXPECT_GT(on->last_step().recompute_ops_skipped, 0);
   EXPECT_LE(on->last_step().chain_peak_bytes, off->last_step().chain_peak_bytes);
+}
+
+}  // namespace
+
+namespace {
+
+// The profiler times each stage's cut recompute (Stage::recompute_ms) where
+// early stop applies, and the planner counts it for recomputes right before
+// a backward; no time where the stage is never cut or early stop is off.
+TEST(CheckpointedSequentialEarlyStop, ProfilerTimesTheCutRecompute) {
+  auto seq = gpt_stack(5);
+  auto x = torch::randn({2, 16, 64}, torch::requires_grad());
+  const auto chain = remat::profile(seq, x);
+  for (const auto& s : chain.stages) EXPECT_GE(s.recompute_ms, 0) << s.name;
+  for (const auto& s : remat::profile(seq, x, remat::ProfileOptions().recompute(false)).stages) {
+    EXPECT_LT(s.recompute_ms, 0) << s.name;
+  }
+  torch::manual_seed(0);
+  torch::nn::Sequential custom;
+  for (int i = 0; i < 2; ++i) custom->push_back(CustomStage());
+  for (const auto& s : remat::profile(custom, torch::randn({4, 16})).stages) EXPECT_LT(s.recompute_ms, 0) << s.name;
+
+  remat::CheckpointedSequential on(seq, remat::SequentialOptions().segments(6));
+  remat::CheckpointedSequential off(seq, remat::SequentialOptions().segments(6).early_stop(false));
+  const auto& plan_on = on->plan(x);
+  for (const auto& s : off->plan(x).prediction.forwards_per_stage) EXPECT_GE(s, 1);
+  for (const auto& s : off->chain().stages) EXPECT_LT(s.recompute_ms, 0);
+  // The prediction is the simulator's on the profiled chain, cut recomputes included.
+  EXPECT_DOUBLE_EQ(plan_on.prediction.time_ms, remat::plan::simulate(on->chain(), plan_on.schedule).time_ms);
+  remat::plan::Chain full = on->chain();
+  for (auto& s : full.stages) s.recompute_ms = -1;
+  double cut = 0;
+  for (int i = 0; i + 1 < full.size(); ++i) cut += full.stages[i].forward_ms - on->chain().stages[i].recompute_ms;
+  EXPECT_NEAR(remat::plan::simulate(full, plan_on.schedule).time_ms - plan_on.prediction.time_ms, cut, 1e-9);
 }
 
 }  // namespace

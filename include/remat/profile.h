@@ -23,6 +23,10 @@ struct ProfileOptions {
   TORCH_ARG(int, repeats) = 3;
   /** Untimed runs first (allocator and kernel warm-up). Default 1. */
   TORCH_ARG(int, warmup) = 1;
+  /** Also time each stage's recompute as CheckpointedSequential's early
+   *  stop cuts it (Stage::recompute_ms; one recording run, then repeats
+   *  timed runs). Default true. */
+  TORCH_ARG(bool, recompute) = true;
 };
 
 /** Profiles seq on x (one stage per module). Runs forward and backward per

@@ -41,6 +41,7 @@ void Chain::validate() const {
     const Stage& s = stages[i];
     check_time(*this, i, "forward_ms", s.forward_ms);
     check_time(*this, i, "backward_ms", s.backward_ms);
+    if (!(s.recompute_ms < 0)) check_time(*this, i, "recompute_ms", s.recompute_ms);
     check_size(*this, i, "output_bytes", s.output_bytes);
     check_size(*this, i, "saved_bytes", s.saved_bytes);
     check_size(*this, i, "forward_tmp_bytes", s.forward_tmp_bytes);

@@ -86,6 +86,7 @@ Chain chain_from_json(std::string_view text) {
     else field_error(path + "name", "expected a string.");
     stage.forward_ms = get_ms(s, "forward_ms", path);
     stage.backward_ms = get_ms(s, "backward_ms", path);
+    if (s.contains("recompute_ms")) stage.recompute_ms = get_ms(s, "recompute_ms", path);
     stage.output_bytes = get_bytes(s, "output_bytes", path, true);
     stage.saved_bytes = get_bytes(s, "saved_bytes", path, true);
     stage.forward_tmp_bytes = get_bytes(s, "forward_tmp_bytes", path, false);
@@ -110,6 +111,7 @@ std::string chain_to_json(const Chain& chain, int indent) {
     o["name"] = s.name;
     o["forward_ms"] = s.forward_ms;
     o["backward_ms"] = s.backward_ms;
+    if (s.recompute_ms >= 0) o["recompute_ms"] = s.recompute_ms;
     o["output_bytes"] = s.output_bytes;
     o["saved_bytes"] = s.saved_bytes;
     if (s.forward_tmp_bytes) o["forward_tmp_bytes"] = s.forward_tmp_bytes;

@@ -23,6 +23,16 @@ std::string to_string(const Op& op) {
   return std::string(op_kind_name(op.kind)) + "(" + std::to_string(op.stage) + ")";
 }
 
+bool output_unread_until_backward(const Schedule& schedule, size_t k) {
+  const int i = schedule.ops[k].stage;
+  for (size_t n = k + 1; n < schedule.ops.size(); ++n) {
+    const Op& op = schedule.ops[n];
+    if (op.kind == OpKind::kBackward && op.stage == i) return true;
+    if (op.stage == i + 1 && (op.kind == OpKind::kForward || op.kind == OpKind::kForwardSave)) return false;
+  }
+  return false;
+}
+
 Prediction simulate(const Chain& chain, const Schedule& schedule) {
   chain.validate();
   const int L = chain.size();
@@ -63,7 +73,10 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
         cur += add;
         live_a[i + 1] = 1;
         if (op.kind == OpKind::kForwardSave) live_s[i] = 1;
-        p.time_ms += st.forward_ms;
+        p.time_ms += op.kind == OpKind::kForwardSave && st.recompute_ms >= 0 && backward_started &&
+                             output_unread_until_backward(schedule, k)
+                         ? st.recompute_ms
+                         : st.forward_ms;
         ++p.forward_executions;
         ++p.forwards_per_stage[i];
         break;

@@ -3,6 +3,8 @@
 // text. Leaves out the algorithms (solve_test.cpp) and the tool (cli_test.cpp).
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "remat/plan/plan.h"
 
 namespace rp = remat::plan;
@@ -299,4 +301,48 @@ TEST(Json, RoundTripAndFieldErrors) {
   EXPECT_EQ(err(R"({"input_bytes": 1, "stages": []})"),
             "[remat::plan] chain JSON: stages: empty; a chain needs at least one stage.");
   EXPECT_EQ(err("{\"input_bytes\": 1,").substr(0, 43), "[remat::plan] chain JSON: malformed: [json.");
+}
+
+// A forward_save after the first backward whose output nothing reads before
+// the stage's backward is a recompute the runtime cuts short: counted at
+// recompute_ms (when measured, >= 0); any other forward at forward_ms.
+TEST(Simulate, CutRecomputesCountAtRecomputeMs) {
+  rp::Chain c = small_chain();
+  for (auto& s : c.stages) s.recompute_ms = 0.25;
+  // F0 F1 FS2 B2 | FS1 B1 (cut) | FS0 B0 (cut)
+  auto p = rp::simulate(c, rp::Schedule{{F(0), F(1), FS(2), B(2), D(2), FS(1), B(1), D(1), FS(0), B(0)}});
+  EXPECT_DOUBLE_EQ(p.time_ms, 1 + 3 + 5 + 6 + 0.25 + 4 + 0.25 + 2);
+  // After B2, F0 then FS1 B1: F0's output is read (full time), FS1 is cut.
+  p = rp::simulate(c, rp::Schedule{{F(0), F(1), D(1), FS(2), B(2), D(2), F(0), FS(1), B(1), D(1), FS(0), B(0)}});
+  EXPECT_DOUBLE_EQ(p.time_ms, 1 + 3 + 5 + 6 + 1 + 0.25 + 4 + 0.25 + 2);
+  // A forward_save whose output feeds the next stage's forward_save (both
+  // kept for later backwards) runs in full.
+  rp::Chain c4 = c;
+  c4.stages.push_back({"s3", 7.0, 8.0, 10, 10, 0, 0});
+  c4.stages[3].recompute_ms = 0.25;
+  p = rp::simulate(
+      c4, rp::Schedule{{F(0), F(1), F(2), FS(3), B(3), D(3), D(2), FS(1), FS(2), B(2), B(1), D(1), FS(0), B(0)}});
+  EXPECT_DOUBLE_EQ(p.time_ms, 1 + 3 + 5 + 7 + 8 + 3 + 0.25 + 6 + 4 + 0.25 + 2);
+  EXPECT_FALSE(rp::output_unread_until_backward(rp::Schedule{{FS(1), FS(2), B(2), B(1)}}, 0));
+  EXPECT_TRUE(rp::output_unread_until_backward(rp::Schedule{{FS(1), FS(2), B(2), B(1)}}, 1));
+  // Unmeasured (< 0, the default): forward_ms everywhere, as before.
+  p = rp::simulate(small_chain(), rp::Schedule{{F(0), F(1), FS(2), B(2), D(2), FS(1), B(1), D(1), FS(0), B(0)}});
+  EXPECT_DOUBLE_EQ(p.time_ms, 1 + 3 + 5 + 6 + 3 + 4 + 1 + 2);
+}
+
+TEST(ChainJson, RecomputeMsRoundTripsAndIsOptional) {
+  rp::Chain c = small_chain();
+  c.stages[1].recompute_ms = 2.5;
+  const auto back = rp::chain_from_json(rp::chain_to_json(c));
+  EXPECT_DOUBLE_EQ(back.stages[1].recompute_ms, 2.5);
+  EXPECT_LT(back.stages[0].recompute_ms, 0);
+  EXPECT_EQ(rp::chain_to_json(small_chain()).find("recompute_ms"), std::string::npos);
+  c.stages[1].recompute_ms = std::nan("");
+  try {
+    c.validate();
+    ADD_FAILURE() << "no error";
+  } catch (const rp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("recompute_ms is nan; times are finite ms >= 0."), std::string::npos)
+        << e.what();
+  }
 }

@@ -32,6 +32,10 @@ struct Stage {
    *  output_bytes. The backward's peak is the bytes before it + |grad_i| +
    *  backward_tmp_bytes - backward_freed_bytes. Default 0. */
   int64_t backward_freed_bytes = 0;
+  /** (Last, so that positional initializers keep their meaning.) Time of a forward_save run after the first backward
+   * whose output no op reads before the stage's backward (a recompute that the runtime cuts short after the last op
+   * whose result backward reads), ms; < 0: forward_ms (the default; no cut measured). */
+  double recompute_ms = -1;
 };
 
 /** A chain of L >= 1 stages fed by a_0 (the chain input, owned by the caller). */

@@ -70,4 +70,10 @@ struct Prediction {
  *  an invalid schedule (see NOTE [Op semantics]). Validates the chain. */
 Prediction simulate(const Chain& chain, const Schedule& schedule);
 
+/** schedule.ops[k] is forward_save(i) and no op between it and backward(i)
+ *  runs stage i + 1, so nothing reads a_{i+1}: after the first backward,
+ *  the runtime cuts such a recompute short and simulate counts it at
+ *  Stage::recompute_ms. */
+bool output_unread_until_backward(const Schedule& schedule, size_t k);
+
 }  // namespace remat::plan
