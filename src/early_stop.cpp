@@ -80,6 +80,12 @@ bool keeps_saved_in_saved_variables(const ta::Node& node) {
          dynamic_cast<const ta::Error*>(&node) || dynamic_cast<const ta::DelayedError*>(&node);
 }
 
+/** empty_strided can stand in for it: dense and strided (not sparse,
+ *  quantized or nested). */
+bool producible(const at::Tensor& t) {
+  return !t.defined() || (t.layout() == c10::kStrided && !t.is_quantized() && !t.is_nested());
+}
+
 at::Tensor make(const StopRecord::Out& o) {
   return o.defined ? at::empty_strided(o.sizes, o.strides, o.options) : at::Tensor();
 }
@@ -134,9 +140,13 @@ struct StopRecorder::Impl final : dispatch::Interceptor {
         if (!ai->isWrite() || ret.alias_arg < 0) r.fakeable = false;
       } else if (v.isTensor()) {
         ret.outs.push_back(out_of(v.toTensor()));
+        if (!producible(v.toTensor())) r.fakeable = false;
       } else if (v.isTensorList()) {
         ret.kind = StopRecord::Ret::kList;
-        for (const at::Tensor& t : v.toTensorList()) ret.outs.push_back(out_of(t));
+        for (const at::Tensor& t : v.toTensorList()) {
+          ret.outs.push_back(out_of(t));
+          if (!producible(t)) r.fakeable = false;
+        }
       } else {
         r.fakeable = false;
         if (!v.isNone()) marker = idx;  // a number or flag: control flow may read it
