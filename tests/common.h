@@ -118,6 +118,20 @@ inline std::vector<torch::Tensor> step_grads(torch::nn::Module& m, torch::Tensor
   return grads_of(m, x);
 }
 
+/** 6 x GptBlock(64, 4 heads, dropout p): the chain tests' GPT stack. */
+inline torch::nn::Sequential six_gpt_blocks(uint64_t seed = 0, double p = 0.0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential s;
+  for (int i = 0; i < 6; ++i) s->push_back(GptBlock(64, 4, p));
+  return s;
+}
+
+/** step_grads of the plain Sequential, RNG seeded with rng_seed first. */
+inline std::vector<torch::Tensor> plain_step_grads(torch::nn::Sequential& seq, torch::Tensor x, uint64_t rng_seed) {
+  torch::manual_seed(rng_seed);
+  return step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+}
+
 /** The message of what fn throws ("" if nothing). */
 template <class F>
 std::string error_of(F&& fn) {

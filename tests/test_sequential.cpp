@@ -35,22 +35,10 @@ torch::nn::Sequential cnn(uint64_t seed = 0) {
   return s;
 }
 
-torch::nn::Sequential gpt_stack(uint64_t seed = 0, double p = 0.0) {
-  torch::manual_seed(seed);
-  torch::nn::Sequential s;
-  for (int i = 0; i < 6; ++i) s->push_back(GptBlock(64, 4, p));
-  return s;
-}
-
-std::vector<torch::Tensor> plain_grads(torch::nn::Sequential& seq, torch::Tensor x, uint64_t rng_seed) {
-  torch::manual_seed(rng_seed);
-  return step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
-}
-
 TEST(CheckpointedSequential, EveryAlgorithmBitwiseWithDropout) {
   auto seq = uneven_mlp(0.2);
   auto x = torch::randn({32, 64}, torch::requires_grad());
-  auto plain = plain_grads(seq, x, 5);
+  auto plain = plain_step_grads(seq, x, 5);
   auto chain = remat::profile(seq, x);
   const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
   const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
@@ -85,7 +73,7 @@ TEST(CheckpointedSequential, MultiLevelScheduleCreatesCheckpointsDuringRecompute
   // stages several times, keeping values made during recomputation.
   auto seq = make_mlp(12, 32);
   auto x = torch::randn({16, 32}, torch::requires_grad());
-  auto plain = plain_grads(seq, x, 0);
+  auto plain = plain_step_grads(seq, x, 0);
   auto chain = remat::profile(seq, x);
   remat::CheckpointedSequential net(
       seq, remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 11 / 10));
@@ -131,7 +119,7 @@ TEST(CheckpointedSequential, RunsAScheduleThatDropsACheckpointBeforeItsBackward)
     else seq->push_back(torch::nn::Tanh());
   }
   auto x = torch::randn({8, 24}, torch::requires_grad());
-  auto plain = plain_grads(seq, x, 0);
+  auto plain = plain_step_grads(seq, x, 0);
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().schedule(best.schedule));
   torch::manual_seed(0);
   auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
@@ -145,7 +133,7 @@ TEST(CheckpointedSequential, BatchNormStatisticsMoveOncePerStep) {
   auto x = torch::randn({4, 8, 12, 12}, torch::requires_grad());
   std::vector<torch::Tensor> start;
   for (auto& b : seq->buffers()) start.push_back(b.clone());
-  auto plain = plain_grads(seq, x, 0);
+  auto plain = plain_step_grads(seq, x, 0);
   std::vector<torch::Tensor> after_plain;
   for (auto& b : seq->buffers()) after_plain.push_back(b.clone());
   auto reset = [&] {
@@ -178,7 +166,7 @@ TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
   std::vector<MemoryCase> cases = {
       {"uneven MLP", [] { return uneven_mlp(); }, {512, 64}},
       {"CNN", [] { return cnn(); }, {16, 8, 24, 24}},
-      {"GPT blocks", [] { return gpt_stack(); }, {8, 64, 64}},
+      {"GPT blocks", [] { return six_gpt_blocks(); }, {8, 64, 64}},
   };
   for (auto& c : cases) {
     auto seq = c.make();
@@ -239,7 +227,7 @@ TEST(CheckpointedSequential, PeakNoHigherThanCheckpointSequentialForTheSamePlace
   std::vector<MemoryCase> cases = {
       {"uneven MLP", [] { return uneven_mlp(); }, {512, 64}},
       {"CNN", [] { return cnn(); }, {16, 8, 24, 24}},
-      {"GPT blocks", [] { return gpt_stack(); }, {8, 64, 64}},
+      {"GPT blocks", [] { return six_gpt_blocks(); }, {8, 64, 64}},
   };
   for (auto& c : cases) {
     auto seq = c.make();
@@ -309,9 +297,9 @@ TEST(CheckpointedSequential, ParameterGradientsLandOneByOneAsInTheHookRuntime) {
 }
 
 TEST(CheckpointedSequential, GptStackBitwiseAtTightBudget) {
-  auto seq = gpt_stack(1, 0.1);
+  auto seq = six_gpt_blocks(1, 0.1);
   auto x = torch::randn({2, 32, 64}, torch::requires_grad());
-  auto plain = plain_grads(seq, x, 9);
+  auto plain = plain_step_grads(seq, x, 9);
   auto chain = remat::profile(seq, x);
   remat::CheckpointedSequential net(
       seq, remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain)));
@@ -396,7 +384,7 @@ TEST(CheckpointedSequential, ParameterHooksFireOnceWithTheWholeGradient) {
     std::vector<torch::Tensor> plain, plain_seen;
     {
       HookLog log(*seq, clamp);
-      plain = plain_grads(seq, x, 5);
+      plain = plain_step_grads(seq, x, 5);
       for (int c : log.calls) ASSERT_EQ(c, 1);
       plain_seen = log.seen;
     }
@@ -460,7 +448,7 @@ TEST(CheckpointedSequential, ProfilingLeavesGradientsAndHooksAlone) {
 }
 
 TEST(CheckpointedSequential, AutogradGradComputesOnlyWhatIsAsked) {
-  auto seq = gpt_stack(4, 0.1);
+  auto seq = six_gpt_blocks(4, 0.1);
   auto x = torch::randn({2, 16, 64}, torch::requires_grad());
   torch::manual_seed(2);
   auto want = torch::autograd::grad({seq->forward(x).square().mean()}, {x})[0];
@@ -545,7 +533,7 @@ TEST(CheckpointedSequential, UnregisteredLeafInsideAStageGetsItsGradient) {
   auto x = torch::randn({4, 16}, torch::requires_grad());
   int calls = 0;
   w.register_hook([&calls](torch::Tensor) { ++calls; });
-  auto plain = plain_grads(seq, x, 0);
+  auto plain = plain_step_grads(seq, x, 0);
   auto plain_w = w.grad().clone();
   w.mutable_grad() = torch::Tensor();
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().algorithm("revolve:1"));
@@ -760,7 +748,7 @@ TEST(CheckpointedSequentialDropIn, ModeReachesTheWrappedSequential) {
 // ---- budgets (issue #11 item 3) ----
 
 TEST(CheckpointedSequential, BudgetAsAFractionOfThePlainPeak) {
-  auto seq = gpt_stack();
+  auto seq = six_gpt_blocks();
   auto x = torch::randn({8, 64, 64}, torch::requires_grad());
   for (double f : {1.0, 0.5, 0.3}) {
     remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_fraction(f));

@@ -14,18 +14,6 @@ using namespace remat_test;
 
 namespace {
 
-torch::nn::Sequential gpt_stack(uint64_t seed, double p = 0.0) {
-  torch::manual_seed(seed);
-  torch::nn::Sequential s;
-  for (int i = 0; i < 6; ++i) s->push_back(GptBlock(64, 4, p));
-  return s;
-}
-
-std::vector<torch::Tensor> plain_grads(torch::nn::Sequential& seq, torch::Tensor x, uint64_t rng_seed) {
-  torch::manual_seed(rng_seed);
-  return step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
-}
-
 remat::StepReport run(remat::CheckpointedSequential& net, torch::nn::Sequential& seq, torch::Tensor x,
                       uint64_t rng_seed, std::vector<torch::Tensor>* grads) {
   torch::manual_seed(rng_seed);
@@ -39,9 +27,9 @@ remat::StepReport run(remat::CheckpointedSequential& net, torch::nn::Sequential&
 // plain run's, with dropout (RNG replayed) and without.
 TEST(CheckpointedSequentialEarlyStop, GptBlocksSkipTheirLastOpsBitwise) {
   for (double p : {0.0, 0.1}) {
-    auto seq = gpt_stack(3, p);
+    auto seq = six_gpt_blocks(3, p);
     auto x = torch::randn({2, 16, 64}, torch::requires_grad());
-    auto plain = plain_grads(seq, x, 5);
+    auto plain = plain_step_grads(seq, x, 5);
     remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(6));
     std::vector<torch::Tensor> got;
     auto first = run(net, seq, x, 5, &got);
@@ -75,7 +63,7 @@ TEST(CheckpointedSequentialEarlyStop, StageEndingInASavingOpSkipsNothing) {
   torch::nn::Sequential seq;
   for (int i = 0; i < 4; ++i) seq->push_back(LinearRelu());
   auto x = torch::randn({8, 32}, torch::requires_grad());
-  auto plain = plain_grads(seq, x, 1);
+  auto plain = plain_step_grads(seq, x, 1);
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(4));
   std::vector<torch::Tensor> got;
   for (int s = 0; s < 3; ++s) {
@@ -89,7 +77,7 @@ TEST(CheckpointedSequentialEarlyStop, StageEndingInASavingOpSkipsNothing) {
 TEST(CheckpointedSequentialEarlyStop, SingleOpStagesRunNoKernel) {
   auto seq = make_mlp(6, 48, 2, /*gelu=*/true);
   auto x = torch::randn({16, 48}, torch::requires_grad());
-  auto plain = plain_grads(seq, x, 1);
+  auto plain = plain_step_grads(seq, x, 1);
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(static_cast<int>(seq->size())));
   std::vector<torch::Tensor> got;
   run(net, seq, x, 1, &got);
@@ -125,7 +113,7 @@ TEST(CheckpointedSequentialEarlyStop, StagesWithCustomFunctionsAreNeverCut) {
   torch::nn::Sequential seq;
   for (int i = 0; i < 4; ++i) seq->push_back(CustomStage());
   auto x = torch::randn({4, 16}, torch::requires_grad());
-  auto plain = plain_grads(seq, x, 1);
+  auto plain = plain_step_grads(seq, x, 1);
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(4));
   std::vector<torch::Tensor> got;
   for (int s = 0; s < 3; ++s) {
@@ -156,7 +144,7 @@ TEST(CheckpointedSequentialEarlyStop, AStageWhoseOpsChangeRunsInFullAndStaysCorr
   for (int i = 0; i < 3; ++i) seq->push_back(Changing());
   auto x = torch::randn({4, 16}, torch::requires_grad());
   g_extra_every = 0;
-  auto plain = plain_grads(seq, x, 1);
+  auto plain = plain_step_grads(seq, x, 1);
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(3));
   std::vector<torch::Tensor> got;
   run(net, seq, x, 1, &got);  // records
@@ -166,7 +154,7 @@ TEST(CheckpointedSequentialEarlyStop, AStageWhoseOpsChangeRunsInFullAndStaysCorr
   // are run again in full, and their stages are never cut again.
   g_extra_every = 1;
   g_calls = 0;
-  auto plain_extra = plain_grads(seq, x, 1);
+  auto plain_extra = plain_step_grads(seq, x, 1);
   EXPECT_EQ(run(net, seq, x, 1, &got).recompute_ops_skipped, 0);
   expect_bitwise_equal(plain_extra, got);
   g_extra_every = 0;
@@ -179,7 +167,7 @@ TEST(CheckpointedSequentialEarlyStop, AStageWhoseOpsChangeRunsInFullAndStaysCorr
 // for every strategy, in test_sequential).
 TEST(CheckpointedSequentialEarlyStop, PeakUnchanged) {
   remat::memory::enable_tracking();
-  auto seq = gpt_stack(4);
+  auto seq = six_gpt_blocks(4);
   auto x = torch::randn({4, 32, 64}, torch::requires_grad());
   seq->forward(x).sum().backward();
   remat::CheckpointedSequential on(seq, remat::SequentialOptions().segments(6));
@@ -200,7 +188,7 @@ namespace {
 // early stop applies, and the planner counts it for recomputes right before
 // a backward; no time where the stage is never cut or early stop is off.
 TEST(CheckpointedSequentialEarlyStop, ProfilerTimesTheCutRecompute) {
-  auto seq = gpt_stack(5);
+  auto seq = six_gpt_blocks(5);
   auto x = torch::randn({2, 16, 64}, torch::requires_grad());
   const auto chain = remat::profile(seq, x);
   for (const auto& s : chain.stages) EXPECT_GE(s.recompute_ms, 0) << s.name;
@@ -215,7 +203,7 @@ TEST(CheckpointedSequentialEarlyStop, ProfilerTimesTheCutRecompute) {
   remat::CheckpointedSequential on(seq, remat::SequentialOptions().segments(6));
   remat::CheckpointedSequential off(seq, remat::SequentialOptions().segments(6).early_stop(false));
   const auto& plan_on = on->plan(x);
-  for (const auto& s : off->plan(x).prediction.forwards_per_stage) EXPECT_GE(s, 1);
+  off->plan(x);  // profiles with early stop off: no cut to time
   for (const auto& s : off->chain().stages) EXPECT_LT(s.recompute_ms, 0);
   // The prediction is the simulator's on the profiled chain, cut recomputes included.
   EXPECT_DOUBLE_EQ(plan_on.prediction.time_ms, remat::plan::simulate(on->chain(), plan_on.schedule).time_ms);
