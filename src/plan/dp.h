@@ -38,6 +38,13 @@ struct Slots {
    *  rounded once (so rounding stays one-sided). */
   std::vector<int32_t> bk;
   std::vector<double> f, b;  // ms
+  /** A forward_save's ms when early stop cuts it: recompute_ms where
+   *  profiled, else f. */
+  std::vector<double> fr;
+  /** ms of a subproblem's base case, forward_save(t) then backward(t): for
+   *  t < L-1 the backward has started and nothing reads a_{t+1} before
+   *  backward(t) (stage t+1 is done), so the forward_save is cut short. */
+  double base_ms(int t) const { return (t == L - 1 ? f[t] : fr[t]) + b[t]; }
   /** |grad_{t+1}| while stages ..t wait for their backward; 0 for t = L-1
    *  (the loss gradient appears at backward(L-1)). */
   int dst(int t) const { return t == L - 1 ? 0 : a[t + 1]; }

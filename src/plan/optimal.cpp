@@ -13,6 +13,10 @@
 //  A: forward_save(s), P(s+1, t, m - saved_s), backward(s).
 //  B(s'): forward s..s'-1 keeping only a_{s'}, P(s', t, m - |a_{s'}|),
 //         drop(s'), P(s, s'-1, m).
+// Time: forward_ms per forward, backward_ms per backward, except the base case
+// (s == t < L-1), whose forward_save early stop cuts short: recompute_ms
+// (Slots::base_ms). No other forward_save of a schedule is cut (its output
+// feeds stage s+1's next forward), so the sums equal simulate()'s time.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -75,7 +79,8 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
         sat_[r] = d == 0 ? lo : std::max(lo, sv[s] + sat_[row(s + 1, t)]);
         const Cost fb = static_cast<Cost>(f[s] + b[s]);
         if (d == 0) {
-          for (int m = lo; m <= M; ++m) out[m] = fb;
+          const Cost base = static_cast<Cost>(d_.base_ms(s));
+          for (int m = lo; m <= M; ++m) out[m] = base;
         } else {
           const size_t rc = row(s + 1, t);
           lo = std::max(lo, need_[rc] + sv[s]);
@@ -84,7 +89,9 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
         }
       }
       // Option B(s2): checkpoint a_{s2}. From m = sat on, option A already
-      // gives the least possible time (each stage forward and backward once).
+      // gives the least possible time (each stage forward and backward once;
+      // stage t's forward_save is cut in every schedule, the others feed
+      // their successor and cannot be).
       const int hi = std::min(M, sat_[r] - 1);
       Sweep sweep{d_, s, D};
       for (int s2 = s + 1; s2 <= t; ++s2) {
@@ -189,7 +196,10 @@ struct MinPeak {
         const int64_t D = t == L - 1 ? 0 : A(t + 1);
         int64_t best = std::max(D + st.saved_bytes + st.forward_tmp_bytes,
                                 st.saved_bytes + A(s + 1) + A(s) + st.backward_tmp_bytes - st.backward_freed_bytes);
-        double best_ms = st.forward_ms + st.backward_ms;
+        // The base case's forward_save is cut short (recompute_ms) once the
+        // backward has started, as in simulate().
+        double best_ms = (d == 0 && t < L - 1 && st.recompute_ms >= 0 ? st.recompute_ms : st.forward_ms) +
+                         st.backward_ms;
         if (d > 0) {
           best = std::max(best, st.saved_bytes + need[row(s + 1, t)]);
           best_ms += time[row(s + 1, t)];
@@ -288,6 +298,7 @@ internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up
                          st.backward_freed_bytes));
     d.f.push_back(st.forward_ms);
     d.b.push_back(st.backward_ms);
+    d.fr.push_back(st.recompute_ms >= 0 ? st.recompute_ms : st.forward_ms);
   }
   return d;
 }

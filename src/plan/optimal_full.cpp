@@ -147,7 +147,8 @@ void FullDp::fill_p(int c, int j) {
   const Cost fb = static_cast<Cost>(d_.f[c] + d_.b[c]);
   if (j == c) {
     p_sat_[r] = lo;
-    for (int m = lo; m <= M; ++m) out[m] = fb;
+    const Cost base = static_cast<Cost>(d_.base_ms(c));
+    for (int m = lo; m <= M; ++m) out[m] = base;
   } else {
     const size_t rc = prow(c + 1, j);
     p_sat_[r] = std::max(lo, d_.sv[c] + p_sat_[rc]);
@@ -231,7 +232,7 @@ void FullDp::emit_p(std::vector<Op>& ops, int c, int j, int m) const {
     const int lo = std::max(D + d_.sv[c] + d_.ft[c], d_.bk[c]);
     const Cost fb = static_cast<Cost>(d_.f[c] + d_.b[c]);
     if (j == c) {
-      if (m < lo || fb != target) no_option();
+      if (m < lo || static_cast<Cost>(d_.base_ms(c)) != target) no_option();
       ops.push_back({OpKind::kForwardSave, c});
       ops.push_back({OpKind::kBackward, c});
       return;

@@ -123,7 +123,13 @@ class Exhaustive {
           relax(y, cur + A(i + 1) + st.forward_tmp_bytes, st.forward_ms, {OpKind::kForward, i});
           y.s |= 1u << i;
           y.last_f = y.transient = -1;
-          relax(y, cur + st.saved_bytes + st.forward_tmp_bytes, st.forward_ms, {OpKind::kForwardSave, i});
+          // Once backward has started, a forward_save of the next stage to
+          // backward is followed by its backward with nothing reading its
+          // output (stage i+1 is done): early stop cuts it to recompute_ms.
+          // Any other forward_save leaves a_{i+1} to a later forward.
+          const bool cut = !forward_phase && i == x.nb && st.recompute_ms >= 0;
+          relax(y, cur + st.saved_bytes + st.forward_tmp_bytes, cut ? st.recompute_ms : st.forward_ms,
+                {OpKind::kForwardSave, i});
         }
         for (int j = 1; j <= L_; ++j) {  // drops
           if (!live_a(x, j) || live_s(x, j - 1) || live_s(x, j)) continue;

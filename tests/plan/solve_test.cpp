@@ -122,6 +122,45 @@ TEST(Optimal, EqualsExhaustiveSearchOnSmallChains) {
       compared, below_store_all, beats_persistent, 100 * most);
 }
 
+// Early stop's cut recomputes (Stage::recompute_ms, a forward_save followed by
+// its own backward once backward has started) enter the DPs' base case: both
+// scopes still equal the exhaustive searches, which price each op on its own
+// (tests/plan/exhaustive.h), and the DP prefers the schedules whose
+// recomputes are cut (here recompute_ms is 5-40% of forward_ms).
+TEST(Optimal, EqualsExhaustiveSearchWithCutRecomputes) {
+  std::mt19937 rng(20261202);
+  std::uniform_real_distribution<double> share(0.05, 0.4);
+  int compared = 0, changed = 0;
+  for (int trial = 0; trial < 140; ++trial) {
+    const int L = 2 + trial % 6;
+    rp::Chain c = random_chain(rng, L, 1, 12, trial % 2 == 0);
+    const rp::Chain uncut = c;
+    for (auto& s : c.stages)
+      if (trial % 4 != 3 || s.name != "s0") s.recompute_ms = std::round(s.forward_ms * share(rng) * 100) / 100;
+    const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
+    const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
+    const int64_t min_peak = all.min_peak_bytes(), all_peak = rp::store_all(c).prediction.peak_bytes;
+    for (int k = 0; k < 6; ++k) {
+      const int64_t budget = min_peak + (all_peak - min_peak) * k / 6;
+      const rp::Plan p_all = rp::optimal(c, budget, 500, rp::OptimalScope::kAll);
+      const rp::Plan p_rotor = rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent);
+      ASSERT_NEAR(p_all.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
+      ASSERT_NEAR(p_rotor.prediction.time_ms, persistent.min_time_ms(budget), 1e-9)
+          << "trial " << trial << " budget " << budget;
+      EXPECT_LE(p_all.prediction.peak_bytes, budget);
+      EXPECT_EQ(p_all.optimality_gap_ms, 0) << "trial " << trial;
+      // The plan's time is simulate()'s, cut included.
+      EXPECT_DOUBLE_EQ(p_all.prediction.time_ms, rp::simulate(c, p_all.schedule).time_ms);
+      changed += p_all.schedule != rp::optimal(uncut, budget, 500, rp::OptimalScope::kAll).schedule;
+      ++compared;
+    }
+  }
+  // Pricing the cut changes the chosen schedule on part of the sample.
+  EXPECT_GT(changed, 0);
+  std::printf("with cut recomputes: optimal == exhaustive on %d (chain, budget) pairs; %d schedules differ from "
+              "the uncut DP's\n", compared, changed);
+}
+
 // backward_freed_bytes (the profiler's measure of what remat's runtime frees
 // inside a backward) enters the DP's rounded backward term once: optimal and
 // its persistent scope still equal the exhaustive searches.
