@@ -198,8 +198,8 @@ struct MinPeak {
                                 st.saved_bytes + A(s + 1) + A(s) + st.backward_tmp_bytes - st.backward_freed_bytes);
         // The base case's forward_save is cut short (recompute_ms) once the
         // backward has started, as in simulate().
-        double best_ms = (d == 0 && t < L - 1 && st.recompute_ms >= 0 ? st.recompute_ms : st.forward_ms) +
-                         st.backward_ms;
+        double best_ms =
+            (d == 0 && t < L - 1 && st.recompute_ms >= 0 ? st.recompute_ms : st.forward_ms) + st.backward_ms;
         if (d > 0) {
           best = std::max(best, st.saved_bytes + need[row(s + 1, t)]);
           best_ms += time[row(s + 1, t)];

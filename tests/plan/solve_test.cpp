@@ -157,8 +157,10 @@ TEST(Optimal, EqualsExhaustiveSearchWithCutRecomputes) {
   }
   // Pricing the cut changes the chosen schedule on part of the sample.
   EXPECT_GT(changed, 0);
-  std::printf("with cut recomputes: optimal == exhaustive on %d (chain, budget) pairs; %d schedules differ from "
-              "the uncut DP's\n", compared, changed);
+  std::printf(
+      "with cut recomputes: optimal == exhaustive on %d (chain, budget) pairs; %d schedules differ from "
+      "the uncut DP's\n",
+      compared, changed);
 }
 
 // backward_freed_bytes (the profiler's measure of what remat's runtime frees
