@@ -368,6 +368,24 @@ int main(int argc, char** argv) {
         const auto& plan = (*net)->plan(m.x);
         r.predicted = plan.prediction.peak_bytes;
         r.predicted_ms = plan.prediction.time_ms;
+        // Which schedule, and what the DP would pick if it priced every
+        // forward at forward_ms (its choice before recompute_ms entered the
+        // base case), timed with the cut counted: stderr, for BENCHMARKS.
+        auto counts = [](const remat::plan::Prediction& p) {
+          std::string out;
+          for (int f : p.forwards_per_stage) out += std::to_string(f);
+          return out;
+        };
+        std::fprintf(stderr, "%s: forwards per stage %s, predicted %.0f ms", s.c_str(), counts(plan.prediction).c_str(),
+                     plan.prediction.time_ms);
+        if (s.rfind("opt:", 0) == 0) {
+          remat::plan::Chain uncut = (*net)->chain();
+          for (auto& st : uncut.stages) st.recompute_ms = -1;
+          const auto old = remat::plan::optimal(uncut, static_cast<int64_t>(std::stod(s.substr(4)) * plain_peak));
+          const auto timed = remat::plan::simulate((*net)->chain(), old.schedule);
+          std::fprintf(stderr, "; uncut DP: %s, %.0f ms with the cut counted", counts(timed).c_str(), timed.time_ms);
+        }
+        std::fprintf(stderr, "\n");
         nets.push_back(net);
         r.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
       } catch (const remat::Error& e) {

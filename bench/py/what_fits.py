@@ -2,7 +2,8 @@
 each checkpoint strategy trains the GPT with, one remat-train process per
 strategy and question (--max-seq-len-under / --max-batch-under). Each answer
 is a prediction (profiled chain + plan::simulate, or the planner for auto)
-verified by one measured training step at the answer and at answer + step.
+verified by one measured training step at the answer and at answer + step
+(offload, which the op model leaves out, is searched by measured steps).
 Writes a markdown table, a CSV and a PNG (docs/img/what_fits.png).
 Leaves out: timing (the figures are bytes and lengths; see make bench).
 """
@@ -12,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,6 +24,8 @@ STRATEGIES = [  # (key, label, remat-train flags)
     ("sqrt", "sqrt", ["--checkpoint", "sqrt"]),
     ("auto", "auto (budget = cap)", ["--checkpoint", "auto"]),
     ("selective", "selective (megatron)", ["--checkpoint", "selective", "--policy", "megatron"]),
+    # Not modeled (its bytes in flight follow the disk): remat-train searches it by measurement.
+    ("offload", "offload (disk, measured)", ["--checkpoint", "offload", "--offload-dir", "{offload_dir}"]),
 ]
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
@@ -58,8 +62,12 @@ def parse(out, what):
     m = re.search(rf"^max {what} under .*?: (\d+)", out, re.M)
     if not m:
         raise SystemExit(f"no answer in remat-train's output:\n{out[-3000:]}")
-    rows = re.findall(rf"^  {what} (\d+): predicted peak ([\d.]+ \w+)(?:, measured ([\d.]+ \w+))?", out, re.M)
-    r = {"value": int(m.group(1)), "predictions": len(re.findall(r"^  predict ", out, re.M))}
+    # offload is searched by measurement: "measured peak X" stands for both
+    rows = [(v, p or m, meas or m) for v, p, meas, m in re.findall(
+        rf"^  {what} (\d+): (?:predicted peak ([\d.]+ \w+)(?:, measured ([\d.]+ \w+))?|measured peak ([\d.]+ \w+))",
+        out, re.M)]
+    r = {"value": int(m.group(1)), "predictions": len(re.findall(r"^  predict ", out, re.M)),
+         "measurements": len(re.findall(r"^  measure ", out, re.M))}
     for key, (v, pred, meas) in zip(["at", "next"], rows):
         r[key] = (int(v), to_bytes(pred), to_bytes(meas) if meas else -1)
     budget = re.search(r"planner budget for the blocks: ([\d.]+ \w+)", out)
@@ -85,7 +93,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "what_fits.png"))
     ap.add_argument("--csv", default="", help="also write the table here")
     ap.add_argument("--quick", action="store_true", help="toy model (smoke run only)")
-    ap.add_argument("--strategies", default="none,block,sqrt,auto,selective", help="comma-separated subset")
+    ap.add_argument("--strategies", default="none,block,sqrt,auto,selective,offload", help="comma-separated subset")
+    ap.add_argument("--offload-dir", default="", help="directory for offload's files (default: a fresh temporary one)")
     ap.add_argument("--from-csv", default="", help="redraw the table and chart from a --csv of an earlier run")
     a = ap.parse_args()
     if a.quick:
@@ -100,9 +109,11 @@ def main():
     print(f"gpt {a.layers} blocks, d_model {a.d_model}, {a.heads} heads; cap {a.cap}; {a.threads} thread(s)",
           flush=True)
     rows = []
+    offload_dir = a.offload_dir or tempfile.mkdtemp(prefix="remat_what_fits_")
     for key, label, flags in STRATEGIES:
         if key not in a.strategies.split(","):
             continue
+        flags = [f.format(offload_dir=offload_dir) for f in flags]
         row = {"strategy": label}
         questions = [("seq_len", ["--batch", str(a.batch), "--max-seq-len-under", a.cap, "--fit-step",
                                   str(a.seq_step)])]
@@ -117,7 +128,8 @@ def main():
             r = row[what]
             print(f"  {label:22s} max {what} {r['value']:6d}  predicted {size(r['at'][1])}, measured "
                   f"{size(r['at'][2])}; at {r['next'][0]}: {size(r['next'][1])} / {size(r['next'][2])}  "
-                  f"({r['predictions']} predictions, {time.time() - t0:.0f} s)", flush=True)
+                  f"({r['predictions']} predictions, {r['measurements']} measured steps, {time.time() - t0:.0f} s)",
+                  flush=True)
         rows.append(row)
     fixed = rows[0]["seq_len"]["fixed"]
     print(f"\ncap {a.cap} on the step's peak above its start; parameters, gradients and AdamW moments add "
@@ -172,7 +184,7 @@ def report(a, rows):
     labels = [r["strategy"] for r in rows]
     for ax, (what, title) in zip(axes[0], panels):
         vals = [r[what]["value"] if what in r else 0 for r in rows]
-        bars = ax.barh(labels, vals, color=["#888888", "#4477aa", "#66ccee", "#228833", "#ccbb44"][:len(rows)])
+        bars = ax.barh(labels, vals, color=["#888888", "#4477aa", "#66ccee", "#228833", "#ccbb44", "#aa3377"][:len(rows)])
         for bar, r in zip(bars, rows):
             if what not in r:
                 ax.text(0, bar.get_y() + bar.get_height() / 2, " not run", va="center", fontsize=8)

@@ -22,6 +22,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
@@ -33,6 +34,7 @@
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
+#include <remat/offload.h>
 #include <remat/plan/error.h>
 #include <remat/plan/solve.h>
 #include <remat/profile.h>
@@ -110,16 +112,18 @@ std::string_view to_string(Strategy s) {
     case Strategy::kSqrt: return "sqrt";
     case Strategy::kSelective: return "selective";
     case Strategy::kAuto: return "auto";
+    case Strategy::kOffload: return "offload";
   }
   return "?";
 }
 
 Strategy parse_strategy(std::string_view name) {
-  for (auto s : {Strategy::kNone, Strategy::kBlock, Strategy::kSqrt, Strategy::kSelective, Strategy::kAuto}) {
+  for (auto s : {Strategy::kNone, Strategy::kBlock, Strategy::kSqrt, Strategy::kSelective, Strategy::kAuto,
+                 Strategy::kOffload}) {
     if (name == to_string(s)) return s;
   }
   throw Error("[remat::train] unknown checkpoint strategy '" + std::string(name) +
-              "'. Use one of none, block, sqrt, selective, auto.");
+              "'. Use one of none, block, sqrt, selective, auto, offload.");
 }
 
 std::string format_step(const StepStats& s, int64_t total_steps, std::string_view unit) {
@@ -133,6 +137,7 @@ std::string format_step(const StepStats& s, int64_t total_steps, std::string_vie
     os << std::setprecision(1) << s.items_per_s;
   }
   os << " " << unit << "/s  " << std::setprecision(1) << s.step_ms << " ms  peak " << format_bytes(s.peak_bytes);
+  if (s.offloaded_bytes > 0) os << "  offloaded " << format_bytes(s.offloaded_bytes);
   return os.str();
 }
 
@@ -150,6 +155,8 @@ struct Trainer::Impl {
   int64_t steps_done = 0;
   int64_t params = 0;
   remat::CheckpointedSequential auto_net{nullptr};
+  std::optional<OffloadOptions> offload;  // Strategy::kOffload
+  int64_t offloaded_bytes = 0;            // this step's, so far
   StepHooks hooks;
 
   void load_text() {
@@ -211,6 +218,14 @@ struct Trainer::Impl {
         return remat::checkpoint_sequential(blocks, segments, h);
       }
       case Strategy::kAuto: return auto_net->forward(h);
+      case Strategy::kOffload: {
+        // Backward reads the files back after the scope ends (the saved
+        // tensors' hooks keep the store alive); only the blocks offload.
+        OffloadScope scope(*offload);
+        h = blocks->forward(h);
+        offloaded_bytes += scope.stats().bytes_raw;  // counted at save time, before any write
+        return h;
+      }
     }
     throw Error("[remat::train] internal: unknown strategy");
   }
@@ -302,6 +317,19 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) +
                 ".");
   }
+  if (c.checkpoint == Strategy::kOffload) {
+    if (c.offload_dir.empty()) {
+      throw Error(
+          "[remat::train] --checkpoint offload needs --offload-dir DIR, an existing writable directory for the "
+          "saved activations' files (e.g. --offload-dir /tmp).");
+    }
+    m.offload = OffloadOptions(OffloadTarget::kDisk).directory(c.offload_dir);
+    try {
+      OffloadScope check(*m.offload);  // refuses a missing or read-only directory now, naming it
+    } catch (const Error& e) {
+      throw Error("[remat::train] --offload-dir: " + std::string(e.what()));
+    }
+  }
   if (c.checkpoint == Strategy::kAuto) {
     if (c.memory_budget_bytes <= 0) {
       throw Error("[remat::train] --checkpoint auto needs a positive --memory-budget (e.g. 512MiB), got " +
@@ -382,6 +410,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   m.module->train();
   m.optimizer->zero_grad(/*set_to_none=*/false);  // gradients stay allocated: the step's peak is activations
   const auto t0 = Clock::now();
+  m.offloaded_bytes = 0;
   double loss = 0.0;
   int64_t peak_bytes = 0;
   {
@@ -409,7 +438,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
-  return StepStats{++m.steps_done, loss, ms, items / (ms / 1e3), peak_bytes};
+  return StepStats{++m.steps_done, loss, ms, items / (ms / 1e3), peak_bytes, m.offloaded_bytes};
 }
 
 std::vector<StepStats> Trainer::run(std::ostream* log) {
@@ -563,6 +592,16 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
         "[remat::train] predicting a step's peak needs the GPT (its embed -> blocks -> head chain); got --model " +
         m.cfg.model + ". Use --model gpt, or measure ResNet steps with remat-train --batch N (the 'peak' column).");
   }
+  StepPrediction out;
+  const int64_t copies = m.cfg.optimizer == "sgd" ? 2 : 4;  // parameters, gradients (and AdamW's two moments)
+  for (const auto& p : m.module->parameters()) out.fixed_bytes += copies * static_cast<int64_t>(p.nbytes());
+  if (m.cfg.checkpoint == Strategy::kOffload) {
+    // Not modeled: the store's bytes (writes in flight, reads ahead) follow
+    // the disk's pace. One measured steady-state step instead.
+    prepare();
+    out.peak_bytes = step().peak_bytes;
+    return out;
+  }
   m.module->train();
   const auto state = generator_state(m.data_gen).clone();
   auto [x, y] = m.batch();  // (B, T), (B, T): views of one (B, T + 1) window
@@ -614,11 +653,9 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
   blocks.input_bytes = chain.stages[0].output_bytes;
   blocks.stages.assign(chain.stages.begin() + 1, chain.stages.begin() + 1 + L);
 
-  StepPrediction out;
-  const int64_t copies = m.cfg.optimizer == "sgd" ? 2 : 4;  // parameters, gradients (and AdamW's two moments)
-  for (const auto& p : m.module->parameters()) out.fixed_bytes += copies * static_cast<int64_t>(p.nbytes());
   auto whole = [&](const plan::Schedule& s) { return plan::simulate(chain, around_blocks(s, L)).peak_bytes; };
   switch (m.cfg.checkpoint) {
+    case Strategy::kOffload:  // measured above
     case Strategy::kNone:
     case Strategy::kSelective: out.peak_bytes = whole(plan::store_all(blocks).schedule); break;
     case Strategy::kBlock: out.peak_bytes = whole(per_block_schedule(L)); break;
@@ -782,17 +819,21 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
     return c;
   };
   std::map<int64_t, StepPrediction> predicted;
+  std::map<int64_t, int64_t> measured;
+  // kOffload's "prediction" is a measured step (predict_step): the search
+  // then measures, and verification reuses those steps.
+  const bool by_measurement = config.checkpoint == Strategy::kOffload;
   auto predict = [&](int64_t v) {
     if (auto it = predicted.find(v); it != predicted.end()) return it->second;
     Trainer t(config_at(v, options.cap_bytes));
     const StepPrediction p = t.predict_step(options.cap_bytes);
     if (log) {
-      *log << "  predict " << what << " " << v << ": peak " << format_bytes(p.peak_bytes)
-           << (p.peak_bytes <= options.cap_bytes ? " (fits)" : " (over)") << std::endl;
+      *log << (by_measurement ? "  measure " : "  predict ") << what << " " << v << ": peak "
+           << format_bytes(p.peak_bytes) << (p.peak_bytes <= options.cap_bytes ? " (fits)" : " (over)") << std::endl;
     }
+    if (by_measurement) measured.emplace(v, p.peak_bytes);
     return predicted.emplace(v, p).first->second;
   };
-  std::map<int64_t, int64_t> measured;
   auto measure = [&](int64_t v) {
     if (auto it = measured.find(v); it != measured.end()) return it->second;
     Trainer t(config_at(v, predict(v).auto_budget_bytes));
@@ -821,7 +862,8 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
   r.step = options.step;
   r.value = largest_fitting(
       options.cap_bytes, options.step, max_value, [&](int64_t v) { return predict(v).peak_bytes; }, &r.probes);
-  if (r.value == 0) throw too_small(predict(options.step).peak_bytes, "is predicted to peak");
+  if (r.value == 0)
+    throw too_small(predict(options.step).peak_bytes, by_measurement ? "measures a peak" : "is predicted to peak");
   r.predicted_value = r.value;
   if (options.verify) {
     r.measured_peak_bytes = measure(r.value);
@@ -860,9 +902,12 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
   const bool seq = r.dimension == FitDimension::kSeqLen;
   const char* what = seq ? "seq_len" : "batch";
   std::ostringstream os;
+  const bool by_measurement = config.checkpoint == Strategy::kOffload;  // the "prediction" is a measurement
   auto peaks = [&](int64_t v, int64_t predicted, int64_t measured) {
-    os << "  " << what << " " << v << ": predicted peak " << format_bytes(predicted);
-    if (measured >= 0) os << ", measured " << format_bytes(measured);
+    os << "  " << what << " " << v << ": ";
+    if (by_measurement) os << "measured peak " << format_bytes(measured >= 0 ? measured : predicted);
+    else os << "predicted peak " << format_bytes(predicted);
+    if (measured >= 0 && !by_measurement) os << ", measured " << format_bytes(measured);
     os << ((measured >= 0 ? measured : predicted) <= r.cap_bytes ? " (fits)" : " (over)") << "\n";
   };
   os << "max " << what << " under " << format_bytes(r.cap_bytes) << " with checkpoint " << to_string(config.checkpoint)
@@ -876,7 +921,9 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
   if (r.next_value > 0) peaks(r.next_value, r.next_predicted_peak_bytes, r.next_measured_peak_bytes);
   if (config.checkpoint == Strategy::kAuto)
     os << "  planner budget for the blocks: " << format_bytes(r.auto_budget_bytes) << "\n";
-  os << "  " << r.probes.size() << " predictions; the cap is on the step's peak above its start (activations, "
+  os << "  " << r.probes.size()
+     << (by_measurement ? " measured steps (offload is searched by measurement)" : " predictions")
+     << "; the cap is on the step's peak above its start (activations, "
      << "activation gradients, logits, temporaries); parameters, gradients and AdamW moments add "
      << format_bytes(r.fixed_bytes) << " outside it\n";
   return os.str();
@@ -922,6 +969,7 @@ std::string Trainer::summary() const {
   os << "; checkpoint " << to_string(c.checkpoint);
   if (c.checkpoint == Strategy::kSelective) os << " (policy " << c.policy << ")";
   if (c.checkpoint == Strategy::kAuto) os << " (budget " << format_bytes(c.memory_budget_bytes) << ")";
+  if (c.checkpoint == Strategy::kOffload) os << " (files in " << c.offload_dir << ")";
   if (c.bf16) os << "; bf16 autocast";
   const int threads = torch::get_num_threads();
   os << "; " << threads << (threads == 1 ? " thread" : " threads");

@@ -183,6 +183,37 @@ TEST(Fits, MaxSeqLenFitsWhenMeasuredPerStrategy) {
   }
 }
 
+// Offload is not modeled (its bytes in flight follow the disk): every probe
+// of the search is a measured step, so the answer and answer + step are
+// measured, on both sides of the cap, with no step-up or step-down.
+TEST(Fits, OffloadIsSearchedByMeasurement) {
+  rm::TrainConfig c = tiny_gpt(Strategy::kOffload);
+  const auto dir = std::filesystem::temp_directory_path() / ("remat_fits_offload_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  c.offload_dir = dir.string();
+  rm::FitOptions o;
+  o.cap_bytes = 3 << 20;
+  o.step = 8;
+  std::ostringstream log;
+  const rm::FitResult r = rm::max_under(c, o, &log);
+  std::cout << log.str() << rm::format_fit(r, c);
+  EXPECT_GT(r.value, 0);
+  EXPECT_EQ(r.value, r.predicted_value);
+  EXPECT_LE(r.measured_peak_bytes, o.cap_bytes);
+  EXPECT_EQ(r.predicted_peak_bytes, r.measured_peak_bytes);  // the "prediction" is that measurement
+  EXPECT_EQ(r.next_value, r.value + 8);
+  EXPECT_GT(r.next_measured_peak_bytes, o.cap_bytes);
+  EXPECT_EQ(log.str().find("  predict "), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("  measure --seq-len 8: peak "), std::string::npos) << log.str();
+  const std::string fit = rm::format_fit(r, c);
+  EXPECT_NE(fit.find(" measured steps (offload is searched by measurement)"), std::string::npos) << fit;
+  EXPECT_NE(fit.find("  seq_len " + std::to_string(r.value) + ": measured peak "), std::string::npos) << fit;
+  EXPECT_EQ(fit.find("predicted"), std::string::npos) << fit;
+  EXPECT_GT(r.fixed_bytes, 0);
+  EXPECT_TRUE(std::filesystem::is_empty(dir));  // no file outlives its step
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Fits, MaxBatchFitsWhenMeasured) {
   rm::TrainConfig c = tiny_gpt(Strategy::kBlock);
   c.seq_len = 64;

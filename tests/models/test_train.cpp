@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <remat/error.h>
@@ -30,7 +31,37 @@ using rm::Strategy;
 namespace {
 
 std::vector<Strategy> strategies() {
-  return {Strategy::kNone, Strategy::kBlock, Strategy::kSqrt, Strategy::kSelective, Strategy::kAuto};
+  return {Strategy::kNone,      Strategy::kBlock, Strategy::kSqrt,
+          Strategy::kSelective, Strategy::kAuto,  Strategy::kOffload};
+}
+
+/** A fresh directory for Strategy::kOffload's files (one per process). */
+std::string offload_dir() {
+  static const std::string dir = [] {
+    auto d = std::filesystem::temp_directory_path() / ("remat_train_offload_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(d);
+    return d.string();
+  }();
+  return dir;
+}
+
+/** Files left in offload_dir() (none once every step's backward is done). */
+size_t offload_files() {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(offload_dir())) ++n;
+  return n;
+}
+
+/** Offload: every step sent saved tensors to disk and no file outlived it; else nothing offloaded. */
+void expect_offload_counts(Strategy s, const std::vector<rm::StepStats>& stats) {
+  for (const auto& st : stats) {
+    if (s == Strategy::kOffload) {
+      EXPECT_GT(st.offloaded_bytes, 0) << "step " << st.step;
+    } else {
+      EXPECT_EQ(st.offloaded_bytes, 0) << rm::to_string(s);
+    }
+  }
+  EXPECT_EQ(offload_files(), 0u) << rm::to_string(s);
 }
 
 rm::TrainConfig tiny_gpt() {
@@ -48,6 +79,7 @@ rm::TrainConfig tiny_gpt() {
   c.seed = 42;
   c.memory_budget_bytes = 700 << 10;  // min feasible 611 KiB, below store-all: auto must recompute
   c.threads = 1;                      // robust on a loaded machine (OpenMP spin-waits with 2 threads on 2 busy cores)
+  c.offload_dir = offload_dir();      // kOffload: the attention scores (64 KiB) go to disk
   return c;
 }
 
@@ -61,7 +93,8 @@ rm::TrainConfig tiny_resnet() {
   c.steps = 2;
   c.seed = 7;
   c.memory_budget_bytes = 64ll << 20;
-  c.threads = 1;  // robust on a loaded machine (OpenMP spin-waits with 2 threads on 2 busy cores)
+  c.threads = 1;                  // robust on a loaded machine (OpenMP spin-waits with 2 threads on 2 busy cores)
+  c.offload_dir = offload_dir();  // kOffload: the first stages' activations (>= 64 KiB) go to disk
   return c;
 }
 
@@ -170,7 +203,9 @@ TEST(Train, GptStrategiesGiveBitwiseEqualLosses) {
     auto c = tiny_gpt();
     c.checkpoint = s;
     rm::Trainer t(c);
-    auto losses = losses_of(t.run());
+    const auto stats = t.run();
+    expect_offload_counts(s, stats);
+    auto losses = losses_of(stats);
     auto state = state_of(*t.module());
     if (s == Strategy::kNone) {
       reference = losses;
@@ -195,7 +230,9 @@ TEST(Train, ResNetStrategiesGiveBitwiseEqualLosses) {
     auto c = tiny_resnet();
     c.checkpoint = s;
     rm::Trainer t(c);
-    auto losses = losses_of(t.run());
+    const auto stats = t.run();
+    expect_offload_counts(s, stats);
+    auto losses = losses_of(stats);
     auto state = state_of(*t.module());  // parameters, then BatchNorm buffers
     if (s == Strategy::kNone) {
       reference = losses;
@@ -350,12 +387,35 @@ TEST(TrainCli, BadFlagExits2) {
   auto [code, out] = run_cli("--checkpoint everything");
   EXPECT_EQ(code, 2);
   EXPECT_EQ(out,
-            "remat-train: error: --checkpoint: everything not in {none,block,sqrt,selective,auto} "
+            "remat-train: error: --checkpoint: everything not in {none,block,sqrt,selective,auto,offload} "
             "(run remat-train --help for the flags)\n");
   auto [code2, out2] = run_cli("--no-such-flag");
   EXPECT_EQ(code2, 2);
   EXPECT_NE(out2.find("remat-train: error: The following argument was not expected: --no-such-flag"), std::string::npos)
       << out2;
+}
+
+TEST(TrainCli, OffloadNeedsAUsableDirectory) {
+  auto [code, out] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 1 --checkpoint offload");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --checkpoint offload needs --offload-dir DIR, an existing writable "
+            "directory for the saved activations' files (e.g. --offload-dir /tmp).\n");
+  std::tie(code, out) = run_cli("--steps 1 --checkpoint offload --offload-dir /nonexistent/acts");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --offload-dir: [remat::offload] directory '/nonexistent/acts' cannot "
+            "be used: No such file or directory. Create it (mkdir -p) or pass another one to "
+            "OffloadOptions().directory().\n");
+  std::tie(code, out) = run_cli(
+      "--layers 2 --d-model 32 --seq-len 64 --batch 2 --steps 2 --checkpoint offload "
+      "--threads 1 --offload-dir " +
+      offload_dir());
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("checkpoint offload (files in " + offload_dir() + ")"), std::string::npos) << out;
+  EXPECT_NE(out.find("step 2/2  loss "), std::string::npos) << out;
+  EXPECT_NE(out.find("  offloaded "), std::string::npos) << out;
+  EXPECT_EQ(offload_files(), 0u);
 }
 
 TEST(TrainCli, MissingDataFileExits2) {

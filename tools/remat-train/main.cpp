@@ -170,8 +170,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", cfg.lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--dropout", cfg.dropout, "GPT dropout probability")->capture_default_str();
   app.add_option("--seed", cfg.seed, "seed of parameters, dropout and data")->capture_default_str();
-  app.add_option("--checkpoint", checkpoint, "none, block, sqrt, selective or auto")
-      ->check(CLI::IsMember({"none", "block", "sqrt", "selective", "auto"}))
+  app.add_option("--checkpoint", checkpoint, "none, block, sqrt, selective, auto or offload")
+      ->check(CLI::IsMember({"none", "block", "sqrt", "selective", "auto", "offload"}))
       ->capture_default_str();
   app.add_option("--policy", cfg.policy,
                  "with --checkpoint selective: megatron (GPT default), save_matmuls (ResNet default), "
@@ -180,6 +180,8 @@ int main(int argc, char** argv) {
   bool explain_memory = false;
   app.add_flag("--explain-memory", explain_memory,
                "print what one block saves for backward (op, name, shape, bytes; with the policy) and exit");
+  app.add_option("--offload-dir", cfg.offload_dir,
+                 "with --checkpoint offload: an existing writable directory for the saved activations' files");
   app.add_option("--memory-budget", budget, "activation budget for --checkpoint auto, e.g. 512MiB, 2GiB, 1000000");
   app.add_option("--max-seq-len-under", seq_cap,
                  "GPT: find the longest --seq-len whose step peaks at or under this (e.g. 1GiB): predicted, then "

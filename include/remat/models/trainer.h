@@ -35,9 +35,13 @@ enum class Strategy {
   kSqrt,       ///< remat::checkpoint_sequential with round(sqrt(blocks)) segments
   kSelective,  ///< every block switched on (remat::enable_checkpointing) with TrainConfig::policy
   kAuto,       ///< remat::CheckpointedSequential with a memory budget (planner)
+  /** The blocks under a remat::OffloadScope: every tensor they save goes to
+   *  files in TrainConfig::offload_dir (OffloadTarget::kDisk, default
+   *  OffloadOptions) and is read back ahead of backward; nothing recomputed. */
+  kOffload,
 };
 
-/** "none", "block", "sqrt", "selective", "auto". */
+/** "none", "block", "sqrt", "selective", "auto", "offload". */
 std::string_view to_string(Strategy s);
 /** Inverse of to_string; throws remat::Error naming the valid values. */
 Strategy parse_strategy(std::string_view name);
@@ -82,6 +86,9 @@ struct TrainConfig {
   std::string policy;
   /** Budget for Strategy::kAuto, bytes (required there, ignored otherwise). */
   int64_t memory_budget_bytes = 0;
+  /** For Strategy::kOffload: an existing, writable directory for the saved
+   *  activations' files (required there, ignored otherwise). */
+  std::string offload_dir;
   /** Micro-batches per optimizer step; the loss is their mean. */
   int64_t grad_accum = 1;
   /** Max global gradient norm; 0 disables clipping. */
@@ -205,6 +212,9 @@ struct StepStats {
    *  temporaries; from step 2 on not the parameter gradients, which stay
    *  allocated between steps (step 1, or a step after prepare(), has them). */
   int64_t peak_bytes = 0;
+  /** Strategy::kOffload: bytes of the saved tensors the blocks sent to disk
+   *  (all micro-batches; OffloadStats::bytes_raw), else 0. */
+  int64_t offloaded_bytes = 0;
 };
 
 class Trainer {
@@ -255,6 +265,9 @@ class Trainer {
    *  kAuto with cap_bytes > 0 the budget is the largest found that keeps
    *  the whole step's prediction <= cap_bytes (the blocks' budget minus what
    *  embed and head add); with cap_bytes 0, config().memory_budget_bytes.
+   *  kOffload is not modeled (what the store holds, writes in flight and
+   *  reads ahead, depends on the disk's pace): prepare() and one measured
+   *  step() on this Trainer give peak_bytes instead.
    *  Throws remat::Error for the ResNet or an infeasible budget. */
   StepPrediction predict_step(int64_t cap_bytes = 0);
   /** What one block saves for backward on a batch (remat::saved_residuals,
@@ -268,7 +281,8 @@ class Trainer {
 
 /** The longest seq_len (or largest batch) of config whose steady-state
  *  step peaks at or under options.cap_bytes: largest_fitting() over
- *  Trainer::predict_step() (a fresh Trainer per value, same seed), then,
+ *  Trainer::predict_step() (a fresh Trainer per value, same seed; for
+ *  kOffload each probe is a measured step, so the answer is measured), then,
  *  with options.verify, one measured step (after prepare()) at the answer,
  *  stepping down by options.step while it exceeds the cap, and one at
  *  answer + step; when that fits too (a conservative prediction), steps up,
