@@ -25,7 +25,9 @@
 // statistics move once per step and dropout masks match a plain run.
 #include <remat/sequential.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -90,7 +92,8 @@ struct Execution : std::enable_shared_from_this<Execution> {
   // intervals where the chain runs (its forward part, each node's apply),
   // so that what other code allocates in between is left out.
   int64_t own = 0, own_peak = 0;
-  int64_t ops_skipped = 0;                                   // by early stop, this step
+  std::vector<int64_t> op_peak;  // per schedule op: the chain's own bytes at most while it ran
+  int64_t ops_skipped = 0;       // by early stop, this step
   const CheckpointedSequentialImpl::Entry* entry = nullptr;  // the plan this execution runs
 
   /** Counts one interval where the chain runs (when measuring). */
@@ -386,13 +389,25 @@ struct Execution : std::enable_shared_from_this<Execution> {
     }
   }
 
+  /** step() of op pc, its own peak recorded (StepReport::op_peak_bytes)
+   *  when measuring: the interval's bytes so far plus the op's peak. */
+  void measured_step(OwnInterval& interval, const std::vector<bool>* want, ta::variable_list* param_grads) {
+    const plan::Op& op = schedule.ops[pc];
+    if (!interval.p) return step(op, want, param_grads);
+    const int64_t base = own + interval.p->delta_bytes();
+    memory::Probe during(interval.p->device());
+    step(op, want, param_grads);
+    op_peak[pc] = std::max(op_peak[pc], base + during.peak_bytes());
+  }
+
   /** The forward part: ops up to the first backward. Returns a_L. */
   Values run_forward() {
     own = own_peak = input_bytes;
+    op_peak.assign(schedule.ops.size(), probe ? 0 : -1);
     OwnInterval interval(*this);
     in_forward_part = true;
     while (pc < schedule.ops.size() && schedule.ops[pc].kind != plan::OpKind::kBackward) {
-      step(schedule.ops[pc], nullptr, nullptr);
+      measured_step(interval, nullptr, nullptr);
       ++pc;
     }
     forward_end_pc = pc;
@@ -436,9 +451,12 @@ struct Execution : std::enable_shared_from_this<Execution> {
     std::vector<bool> want(node.num_outputs());
     for (size_t k = 0; k < want.size(); ++k) want[k] = node.task_should_compute_output(k);
     running = &node;
+    // Gradients from outside the chain (node L-1's, from the head and loss)
+    // become the chain's. Node i < L-1 receives what node i+1 returned,
+    // which node i+1's interval counted already (still live at its end).
     int64_t received = 0;
     for (const auto& g : in_grads) {
-      if (g.defined()) received += static_cast<int64_t>(g.storage().nbytes());
+      if (g.defined() && i == L - 1) received += static_cast<int64_t>(g.storage().nbytes());
     }
     std::optional<OwnInterval> interval;
     interval.emplace(*this, received);
@@ -459,7 +477,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
     while (pc < schedule.ops.size() && !done) {
       const plan::Op& op = schedule.ops[pc];
       done = op.kind == plan::OpKind::kBackward && op.stage == i;
-      step(op, op.kind == plan::OpKind::kBackward && op.stage == i ? &want : nullptr, &param_grads);
+      measured_step(*interval, done ? &want : nullptr, &param_grads);
       ++pc;
     }
     need(done, plan::Op{plan::OpKind::kBackward, i}, "the schedule ends before it");
@@ -542,7 +560,9 @@ struct Execution : std::enable_shared_from_this<Execution> {
     if (probe) {
       report.measured_peak_bytes = probe->peak_bytes() + input_bytes;
       report.chain_peak_bytes = std::max(own_peak, own);  // node 0's interval is still open
+      report.op_peak_bytes = std::move(op_peak);
     }
+    op_peak.clear();
     probe.reset();
     st = State();
     std::lock_guard<std::mutex> lock(*owner->mu_);
@@ -1018,6 +1038,24 @@ std::string CheckpointedSequentialImpl::explain() const {
        << (100.0 * static_cast<double>(last_step.chain_peak_bytes) /
            static_cast<double>(std::max<int64_t>(1, p.prediction.peak_bytes)))
        << "% of predicted); the rest was allocated outside it (head, loss) during its forward and backward\n";
+  }
+  const auto& op_bytes = p.prediction.op_bytes;
+  if (last_step.op_peak_bytes.size() == op_bytes.size() && !op_bytes.empty()) {
+    // Where the model is furthest off: the op to look at when the peaks differ.
+    size_t worst = 0;
+    for (size_t k = 1; k < op_bytes.size(); ++k) {
+      if (std::abs(last_step.op_peak_bytes[k] - op_bytes[k]) >
+          std::abs(last_step.op_peak_bytes[worst] - op_bytes[worst]))
+        worst = k;
+    }
+    const size_t at =
+        static_cast<size_t>(std::max_element(last_step.op_peak_bytes.begin(), last_step.op_peak_bytes.end()) -
+                            last_step.op_peak_bytes.begin());
+    os << "  per op (chain's own, measured / predicted): peak at op " << at << " "
+       << plan::to_string(p.schedule.ops[at]) << " " << format_bytes(last_step.op_peak_bytes[at]) << " / "
+       << format_bytes(op_bytes[at]) << "; furthest off at op " << worst << " "
+       << plan::to_string(p.schedule.ops[worst]) << " " << format_bytes(last_step.op_peak_bytes[worst]) << " / "
+       << format_bytes(op_bytes[worst]) << "\n";
   }
   if (last_step.step_peak_bytes >= 0) {
     os << "step peak (last begin_step scope): " << format_bytes(last_step.step_peak_bytes);

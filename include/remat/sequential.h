@@ -105,6 +105,11 @@ struct StepReport {
   /** With a step budget: the bytes outside the chain at its peak, as
    *  measured (step peak minus the chain's own peak); -1 otherwise. */
   int64_t outside_bytes = -1;
+  /** Per schedule op, the chain's own bytes at most while it ran (as
+   *  chain_peak_bytes counts them), comparable to the plan's
+   *  Prediction::op_bytes; empty when not measured. The max over the ops is
+   *  chain_peak_bytes, unless bytes were handed in between ops. */
+  std::vector<int64_t> op_peak_bytes;
   /** Forward executions per stage in the step (the schedule's count). */
   std::vector<int> forwards_per_stage;
   /** Ops of recomputes that early stop produced without running them. */
