@@ -270,6 +270,17 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       stage.backward_tmp_bytes = b_tmp;
       stage.backward_freed_bytes = b_freed;
     }
+    {
+      // A plain forward (the runtime's kForward: no autograd, so each
+      // intermediate is freed when it dies instead of being saved): its own
+      // temporaries above the output, often more than a forward_save's above
+      // its saved set (a CNN block's: 4 activations against 3).
+      at::NoGradGuard no_grad;
+      Values in = h.detached();
+      memory::Probe probe(mem_device);
+      const Values plain = run_module(module, in, who);
+      stage.plain_forward_tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
+    }
     if (options.recompute()) stage.recompute_ms = cut_recompute_ms(module, h, who, options.repeats(), mem_device);
     stage.forward_ms = median(forward_ms);
     stage.backward_ms = median(backward_ms);

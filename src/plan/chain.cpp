@@ -1,4 +1,5 @@
 // Chain validation and byte formatting/parsing. Leaves out JSON (json.cpp).
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -45,6 +46,7 @@ void Chain::validate() const {
     check_size(*this, i, "output_bytes", s.output_bytes);
     check_size(*this, i, "saved_bytes", s.saved_bytes);
     check_size(*this, i, "forward_tmp_bytes", s.forward_tmp_bytes);
+    if (s.plain_forward_tmp_bytes != -1) check_size(*this, i, "plain_forward_tmp_bytes", s.plain_forward_tmp_bytes);
     check_size(*this, i, "backward_tmp_bytes", s.backward_tmp_bytes);
     check_size(*this, i, "backward_freed_bytes", s.backward_freed_bytes);
     // Both >= 0 here: the difference cannot overflow where the sum could.
@@ -74,6 +76,7 @@ void Chain::validate() const {
     add(s.output_bytes);
     add(s.saved_bytes);
     add(s.forward_tmp_bytes);
+    add(std::max<int64_t>(0, s.plain_forward_tmp_bytes));
     add(s.backward_tmp_bytes);
     add(s.backward_freed_bytes);
   }

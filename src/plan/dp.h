@@ -33,7 +33,8 @@ struct Slots {
   int M = 0;                // slots available besides a_0
   std::vector<int32_t> a;   // |a_j| (and |grad_j|), j in [0, L]
   std::vector<int32_t> sv;  // saved_bytes
-  std::vector<int32_t> ft;
+  std::vector<int32_t> ft;  // forward_tmp_bytes (forward_save)
+  std::vector<int32_t> fp;  // Stage::plain_tmp_bytes() (plain forward)
   /** A backward's own peak: saved + |grad_{s+1}| + |grad_s| + tmp - freed,
    *  rounded once (so rounding stays one-sided). */
   std::vector<int32_t> bk;

@@ -90,6 +90,8 @@ Chain chain_from_json(std::string_view text) {
     stage.output_bytes = get_bytes(s, "output_bytes", path, true);
     stage.saved_bytes = get_bytes(s, "saved_bytes", path, true);
     stage.forward_tmp_bytes = get_bytes(s, "forward_tmp_bytes", path, false);
+    if (s.contains("plain_forward_tmp_bytes"))
+      stage.plain_forward_tmp_bytes = get_bytes(s, "plain_forward_tmp_bytes", path, true);
     stage.backward_tmp_bytes = get_bytes(s, "backward_tmp_bytes", path, false);
     stage.backward_freed_bytes = get_bytes(s, "backward_freed_bytes", path, false);
     if (stage.saved_bytes < stage.output_bytes)
@@ -115,6 +117,7 @@ std::string chain_to_json(const Chain& chain, int indent) {
     o["output_bytes"] = s.output_bytes;
     o["saved_bytes"] = s.saved_bytes;
     if (s.forward_tmp_bytes) o["forward_tmp_bytes"] = s.forward_tmp_bytes;
+    if (s.plain_forward_tmp_bytes >= 0) o["plain_forward_tmp_bytes"] = s.plain_forward_tmp_bytes;
     if (s.backward_tmp_bytes) o["backward_tmp_bytes"] = s.backward_tmp_bytes;
     if (s.backward_freed_bytes) o["backward_freed_bytes"] = s.backward_freed_bytes;
     j["stages"].push_back(o);

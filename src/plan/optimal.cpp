@@ -43,7 +43,7 @@ struct Sweep {
   int peak = 0;  // units
   double ms = 0;
   void step(int k) {
-    peak = std::max(peak, D + (k > s ? d.a[k] : 0) + d.a[k + 1] + d.ft[k]);
+    peak = std::max(peak, D + (k > s ? d.a[k] : 0) + d.a[k + 1] + d.fp[k]);
     ms += d.f[k];
   }
 };
@@ -165,7 +165,8 @@ namespace {
 int64_t gcd_sizes(const Chain& chain) {
   int64_t g = chain.input_bytes;
   for (const Stage& s : chain.stages)
-    for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.backward_tmp_bytes, s.backward_freed_bytes})
+    for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.plain_tmp_bytes(), s.backward_tmp_bytes,
+                      s.backward_freed_bytes})
       g = std::gcd(g, v);
   return g;
 }
@@ -209,7 +210,7 @@ struct MinPeak {
         double sweep_ms = 0;
         for (int s2 = s + 1; s2 <= t; ++s2) {
           const int k = s2 - 1;
-          sweep_peak = std::max(sweep_peak, D + (k > s ? A(k) : 0) + A(k + 1) + c.stages[k].forward_tmp_bytes);
+          sweep_peak = std::max(sweep_peak, D + (k > s ? A(k) : 0) + A(k + 1) + c.stages[k].plain_tmp_bytes());
           sweep_ms += c.stages[k].forward_ms;
           const int64_t v = std::max({sweep_peak, A(s2) + need[row(s2, t)], need[row(s, s2 - 1)]});
           const double ms = sweep_ms + time[row(s2, t)] + time[row(s, s2 - 1)];
@@ -293,6 +294,7 @@ internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up
   for (const Stage& st : chain.stages) {
     d.sv.push_back(slots(st.saved_bytes));
     d.ft.push_back(slots(st.forward_tmp_bytes));
+    d.fp.push_back(slots(st.plain_tmp_bytes()));
     const int k = static_cast<int>(d.sv.size()) - 1;
     d.bk.push_back(slots(st.saved_bytes + chain.value_bytes(k + 1) + chain.value_bytes(k) + st.backward_tmp_bytes -
                          st.backward_freed_bytes));

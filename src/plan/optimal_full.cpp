@@ -157,7 +157,7 @@ void FullDp::fill_p(int c, int j) {
     for (int m = lo; m <= M; ++m) out[m] = fb + child[m];
   }
   const int hi = std::min(M, p_sat_[r] - 1);
-  const int fwd = a[c + 1] + d_.ft[c] + D;
+  const int fwd = a[c + 1] + d_.fp[c] + D;
   const Cost fc = static_cast<Cost>(d_.f[c]);
   for (int k2 = c + 1; k2 <= j; ++k2) {
     const Row right = frow(c + 1, j, k2);
@@ -181,7 +181,7 @@ void FullDp::fill_q(int c, int j, int k) {
   const int M = d_.M;
   const size_t r = qrow(c, j, k);
   Cost* out = &q_.get()[r * width_];
-  const int fwd = a[c] + a[c + 1] + d_.ft[c] + d_.dst(j);
+  const int fwd = a[c] + a[c + 1] + d_.fp[c] + d_.dst(j);
   const Cost fc = static_cast<Cost>(d_.f[c]);
   const Row pop = frow(c + 1, j, k);
   // From m = sat on, popping at once and storing all of k..j fits: every stage
@@ -244,7 +244,7 @@ void FullDp::emit_p(std::vector<Op>& ops, int c, int j, int m) const {
       ops.push_back({OpKind::kBackward, c});
       return;
     }
-    const int fwd = a[c + 1] + d_.ft[c] + D;
+    const int fwd = a[c + 1] + d_.fp[c] + D;
     const Cost fc = static_cast<Cost>(d_.f[c]);
     int pick = -1;
     for (int k2 = c + 1; k2 <= j && pick < 0; ++k2) {
@@ -269,7 +269,7 @@ void FullDp::emit_q(std::vector<Op>& ops, int c, int j, int k, int m) const {
   const auto& a = d_.a;
   while (true) {
     const Cost target = q_.get()[qrow(c, j, k) * width_ + m];
-    const int fwd = a[c] + a[c + 1] + d_.ft[c] + d_.dst(j);
+    const int fwd = a[c] + a[c + 1] + d_.fp[c] + d_.dst(j);
     const Cost fc = static_cast<Cost>(d_.f[c]);
     const Row pop = frow(c + 1, j, k);
     ops.push_back({OpKind::kForward, c});

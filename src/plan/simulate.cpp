@@ -69,7 +69,7 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
         if (live_a[i + 1]) fail("its output a_" + std::to_string(i + 1) + " is already live; drop it first.");
         const Stage& st = chain.stages[i];
         const int64_t add = op.kind == OpKind::kForward ? st.output_bytes : st.saved_bytes;
-        during = cur + add + st.forward_tmp_bytes;
+        during = cur + add + (op.kind == OpKind::kForward ? st.plain_tmp_bytes() : st.forward_tmp_bytes);
         cur += add;
         live_a[i + 1] = 1;
         if (op.kind == OpKind::kForwardSave) live_s[i] = 1;

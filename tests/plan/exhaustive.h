@@ -120,7 +120,7 @@ class Exhaustive {
           y.a |= 1u << i;
           y.last_f = persistent ? i : -1;
           y.transient = persistent && x.last_f == i - 1 && i >= 1 ? i : -1;
-          relax(y, cur + A(i + 1) + st.forward_tmp_bytes, st.forward_ms, {OpKind::kForward, i});
+          relax(y, cur + A(i + 1) + st.plain_tmp_bytes(), st.forward_ms, {OpKind::kForward, i});
           y.s |= 1u << i;
           y.last_f = y.transient = -1;
           // Once backward has started, a forward_save of the next stage to

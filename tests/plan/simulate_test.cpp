@@ -346,3 +346,31 @@ TEST(ChainJson, RecomputeMsRoundTripsAndIsOptional) {
         << e.what();
   }
 }
+
+// A plain forward's temporaries (plain_forward_tmp_bytes, when set) and a
+// forward_save's (forward_tmp_bytes) are priced apart; unset, both are
+// forward_tmp_bytes. JSON keeps the field optional; -1 is "unset", any other
+// negative value an error naming it.
+TEST(Simulate, PlainForwardTemporariesApartFromForwardSave) {
+  rp::Chain c = small_chain();
+  const rp::Schedule s{{F(0), FS(1), FS(2), B(2), B(1), D(1), FS(0), B(0)}};
+  const auto before = rp::simulate(c, s);
+  EXPECT_EQ(before.op_bytes[0], 100 + 10 + 5);  // a_0 + |a_1| + forward_tmp_bytes
+  c.stages[0].plain_forward_tmp_bytes = 20;
+  const auto after = rp::simulate(c, s);
+  EXPECT_EQ(after.op_bytes[0], 100 + 10 + 20);
+  EXPECT_EQ(after.op_bytes[6], before.op_bytes[6]);  // FS(0) still at forward_tmp_bytes
+  for (size_t k = 1; k < s.ops.size(); ++k) EXPECT_EQ(after.op_bytes[k], before.op_bytes[k]) << k;
+  const auto back = rp::chain_from_json(rp::chain_to_json(c));
+  EXPECT_EQ(back.stages[0].plain_forward_tmp_bytes, 20);
+  EXPECT_EQ(back.stages[1].plain_forward_tmp_bytes, -1);
+  EXPECT_EQ(back.stages[1].plain_tmp_bytes(), back.stages[1].forward_tmp_bytes);
+  EXPECT_EQ(rp::chain_to_json(small_chain()).find("plain_forward_tmp_bytes"), std::string::npos);
+  c.stages[2].plain_forward_tmp_bytes = -5;
+  try {
+    c.validate();
+    ADD_FAILURE() << "no error";
+  } catch (const rp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("plain_forward_tmp_bytes"), std::string::npos) << e.what();
+  }
+}

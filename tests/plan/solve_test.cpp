@@ -163,6 +163,44 @@ TEST(Optimal, EqualsExhaustiveSearchWithCutRecomputes) {
       compared, changed);
 }
 
+// A plain forward's temporaries differ from a forward_save's (without
+// autograd the intermediates are freed as they die instead of being saved):
+// Stage::plain_forward_tmp_bytes prices the sweeps' forwards apart, and the
+// min-peak recursion and both DP scopes still equal the exhaustive searches.
+TEST(Optimal, EqualsExhaustiveSearchWithPlainForwardTemporaries) {
+  std::mt19937 rng(20261203);
+  int compared = 0, changed = 0;
+  for (int trial = 0; trial < 140; ++trial) {
+    const int L = 2 + trial % 6;
+    rp::Chain c = random_chain(rng, L, 1, 12, true);
+    const rp::Chain same = c;
+    std::uniform_int_distribution<int> units(0, 36);  // up to 3x the largest value: sweeps can bind
+    for (auto& s : c.stages) s.plain_forward_tmp_bytes = units(rng);
+    const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
+    const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
+    const int64_t min_peak = all.min_peak_bytes(), all_peak = rp::store_all(c).prediction.peak_bytes;
+    ASSERT_EQ(rp::min_feasible_peak_bytes(c), min_peak) << "trial " << trial;
+    ASSERT_EQ(rp::min_memory(c).prediction.peak_bytes, min_peak) << "trial " << trial;
+    for (int k = 0; k < 6; ++k) {
+      const int64_t budget = min_peak + (all_peak - min_peak) * k / 6;
+      const rp::Plan p_all = rp::optimal(c, budget, 500, rp::OptimalScope::kAll);
+      const rp::Plan p_rotor = rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent);
+      ASSERT_NEAR(p_all.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
+      ASSERT_NEAR(p_rotor.prediction.time_ms, persistent.min_time_ms(budget), 1e-9)
+          << "trial " << trial << " budget " << budget;
+      EXPECT_LE(p_all.prediction.peak_bytes, budget);
+      EXPECT_LE(p_rotor.prediction.peak_bytes, budget);
+      if (budget >= rp::min_feasible_peak_bytes(same))
+        changed += p_all.schedule != rp::optimal(same, budget, 500, rp::OptimalScope::kAll).schedule;
+      ++compared;
+    }
+  }
+  EXPECT_GT(changed, 0);
+  std::printf(
+      "with plain-forward temporaries: optimal == exhaustive on %d (chain, budget) pairs; %d schedules differ\n",
+      compared, changed);
+}
+
 // backward_freed_bytes (the profiler's measure of what remat's runtime frees
 // inside a backward) enters the DP's rounded backward term once: optimal and
 // its persistent scope still equal the exhaustive searches.

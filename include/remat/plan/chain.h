@@ -22,7 +22,8 @@ struct Stage {
   /** |s_i|: bytes the stage keeps for backward when run with grad, INCLUDING
    *  its output a_{i+1} and EXCLUDING its input a_i; >= output_bytes. */
   int64_t saved_bytes = 0;
-  /** Extra bytes live only while the stage's forward runs. */
+  /** Extra bytes live only while the stage's forward_save runs (above its
+   *  saved set); also a plain forward's unless plain_forward_tmp_bytes is set. */
   int64_t forward_tmp_bytes = 0;
   /** Extra bytes live only while the stage's backward runs. */
   int64_t backward_tmp_bytes = 0;
@@ -36,6 +37,14 @@ struct Stage {
    * whose output no op reads before the stage's backward (a recompute that the runtime cuts short after the last op
    * whose result backward reads), ms; < 0: forward_ms (the default; no cut measured). */
   double recompute_ms = -1;
+  /** (After recompute_ms, for the same reason.) Extra bytes live only while a
+   *  plain forward runs (one keeping only a_{i+1}, without autograd: its
+   *  intermediates are freed as they die, not saved), above a_{i+1}; < 0:
+   *  forward_tmp_bytes (the default). */
+  int64_t plain_forward_tmp_bytes = -1;
+
+  /** A plain forward's temporaries: plain_forward_tmp_bytes where set. */
+  int64_t plain_tmp_bytes() const { return plain_forward_tmp_bytes < 0 ? forward_tmp_bytes : plain_forward_tmp_bytes; }
 };
 
 /** A chain of L >= 1 stages fed by a_0 (the chain input, owned by the caller). */

@@ -13,7 +13,8 @@ namespace remat::plan {
 
 /** Parses {"input_bytes": N, "stages": [{"name", "forward_ms", "backward_ms",
  *  "output_bytes", "saved_bytes", optional "forward_tmp_bytes",
- *  "backward_tmp_bytes"}, ...]} and validates it. Throws Error naming the
+ *  "plain_forward_tmp_bytes", "backward_tmp_bytes", "backward_freed_bytes",
+ *  "recompute_ms"}, ...]} and validates it. Throws Error naming the
  *  field, e.g. "stages[2].saved_bytes: missing". */
 Chain chain_from_json(std::string_view text);
 
