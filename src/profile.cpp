@@ -136,6 +136,12 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
   // A CUDA chain is measured in CUDA bytes (the caching allocator's).
   const c10::Device mem_device = memory_device(x.ts, seq->parameters());
   Restore restore(seq, mem_device);
+  // Counting on for the whole profile, not only inside each measured
+  // window: a tensor made between two windows (the backward's seed) and
+  // freed inside one would otherwise look alive to its end (the seed of a
+  // ResNet block's backward, freed by its first op: one activation added
+  // to every later temporary).
+  memory::Probe counting(mem_device);
   c10::AutoGradMode grad_on(true);
   // No autocast cache while profiling: a cast cached here would keep its
   // grad_fn edges redirected to this profile's sink (NOTE [redirected
@@ -205,6 +211,7 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       }
       std::unordered_set<const c10::StorageImpl*> passed;
       int64_t out_unsaved = 0, out_passed = 0;
+      std::vector<at::Tensor> unsaved;  // held through the backward, then subtracted
       for (const auto& t : out.ts) {
         if (!t.defined()) continue;
         const auto* st = t.storage().unsafeGetStorageImpl();
@@ -215,6 +222,7 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
           if (!chain_input.count(st) && passed.insert(st).second) out_passed += storage_bytes(t);
         } else if (seen.insert(st).second) {
           out_unsaved += storage_bytes(t);
+          unsaved.push_back(t);
         }
       }
       saved_bytes += out_unsaved + out_passed;
@@ -241,8 +249,17 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
         // [early delivery]), so only one lives at a time, not the stage's all.
         for (const auto& [leaf, nr] : red.other_leaves) red.hooks[nr]->discard = true;
       }
+      stage.output_bytes = out.bytes(&x);
+      // As in the runtime, only the graph keeps a saved output (a ReLU's
+      // result) during the backward: freed with that op's saved set, not
+      // pinned to the end (one activation too many in every later
+      // temporary of a ResNet block's backward). One no op saved, which
+      // the runtime frees as the backward starts, is held and subtracted
+      // (exact either way). The next stage's input comes from the plain
+      // run below.
+      out = Values(out.kind, std::vector<at::Tensor>(out.size()));
       if (!outputs.empty()) {             // else: it reaches no input and no leaf
-        memory::Probe probe(mem_device);  // from the start of the backward: the saved set, out and g live
+        memory::Probe probe(mem_device);  // from the start of the backward: the saved set and g live
         synchronize(mem_device);
         auto t1 = Clock::now();
         // As the runtime runs it (g freed once used); the input's gradients
@@ -264,7 +281,6 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
         forward_ms.push_back(f_ms);
         backward_ms.push_back(b_ms);
       }
-      stage.output_bytes = out.bytes(&x);
       stage.saved_bytes = saved_bytes;
       stage.forward_tmp_bytes = tmp_bytes;
       stage.backward_tmp_bytes = b_tmp;
@@ -278,7 +294,7 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       at::NoGradGuard no_grad;
       Values in = h.detached();
       memory::Probe probe(mem_device);
-      const Values plain = run_module(module, in, who);
+      out = run_module(module, in, who);
       stage.plain_forward_tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
     }
     if (options.recompute()) stage.recompute_ms = cut_recompute_ms(module, h, who, options.repeats(), mem_device);

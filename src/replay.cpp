@@ -253,7 +253,16 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
   ++t_recompute_depth;
   for (auto [gen, s] : state_.rng) {
     std::lock_guard<std::mutex> lock(gen.mutex());
-    rng_now_.push_back(gen.get_state());
+    RngNow now;
+    if (gen.device().is_cpu()) {
+      auto* cpu = gen.get<at::CPUGeneratorImpl>();
+      now.engine = cpu->engine();
+      now.next_float = cpu->next_float_normal_sample();
+      now.next_double = cpu->next_double_normal_sample();
+    } else {
+      now.state = gen.get_state();
+    }
+    rng_now_.push_back(std::move(now));
     gen.set_state(s);
   }
   state_.autocast.apply();
@@ -289,7 +298,15 @@ ReplayGuard::~ReplayGuard() {
   for (size_t i = 0; i < rng_now_.size(); ++i) {
     at::Generator gen = state_.rng[i].first;
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng_now_[i]);
+    const RngNow& now = rng_now_[i];
+    if (now.engine) {
+      auto* cpu = gen.get<at::CPUGeneratorImpl>();
+      cpu->set_engine(*now.engine);
+      cpu->set_next_float_normal_sample(now.next_float);
+      cpu->set_next_double_normal_sample(now.next_double);
+    } else {
+      gen.set_state(now.state);
+    }
   }
   --t_recompute_depth;
 }

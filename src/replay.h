@@ -6,6 +6,7 @@
 #include <optional>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -143,7 +144,18 @@ class ReplayGuard {
   const ReplayState& state_;
   c10::AutoGradMode grad_;  // the current mode unless enable_grad
   AutocastState autocast_now_;
-  std::vector<at::Tensor> rng_now_;
+  /** A generator's state as the guard found it. The CPU generator's is
+   *  its engine, copied as is: get_state() would allocate a 5056-byte
+   *  tensor inside every replay, bytes no plan counts (a tight budget went
+   *  over by them). Other devices' come from get_state() (a small CPU
+   *  tensor, not counted on the device). */
+  struct RngNow {
+    at::Tensor state;
+    std::optional<at::mt19937> engine;
+    std::optional<float> next_float;
+    std::optional<double> next_double;
+  };
+  std::vector<RngNow> rng_now_;
   std::vector<at::Tensor> buffers_now_;
 };
 

@@ -197,16 +197,17 @@ TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
       EXPECT_EQ(*std::max_element(report.op_peak_bytes.begin(), report.op_peak_bytes.end()), report.chain_peak_bytes)
           << c.name << " at " << f;
       EXPECT_NE(net->explain().find("  per op (chain's own, measured / predicted): peak at op "), std::string::npos);
-      // Plain forwards are priced at their own temporaries (without autograd
-      // a CNN block's intermediates die at its statements' ends: 4
+      // Every op within its prediction: the promise holds op by op. Plain
+      // forwards are priced at their own temporaries (without autograd a
+      // CNN block's intermediates die at its statements' ends: 4
       // activations above the output, not the 3 a forward_save leaves above
-      // its saved set), so none measures above its prediction: the promise
-      // holds op by op. 16 KiB: buffers and a stage's parameter gradients.
+      // its saved set); a backward that frees peaks where it starts; a
+      // replay allocates nothing for the RNG state. 16 KiB: buffers and a
+      // stage's parameter gradients.
       const auto& ops = net->plan().schedule.ops;
       for (size_t k = 0; k < ops.size(); ++k) {
-        if (ops[k].kind == remat::plan::OpKind::kForward)
-          EXPECT_LE(report.op_peak_bytes[k], net->plan().prediction.op_bytes[k] + 16384)
-              << c.name << " at " << f << ", op " << k;
+        EXPECT_LE(report.op_peak_bytes[k], net->plan().prediction.op_bytes[k] + 16384)
+            << c.name << " at " << f << ", op " << k << " " << remat::plan::to_string(ops[k]);
       }
       std::printf("  %-10s budget %5.2f of store-all: predicted %s, measured %s (%.1f%%)\n", c.name, f,
                   remat::format_bytes(predicted).c_str(), remat::format_bytes(measured).c_str(),
@@ -217,16 +218,15 @@ TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
       int64_t buffer_bytes = 0;
       for (const auto& b : seq->buffers()) buffer_bytes += b.numel() * b.element_size();
       EXPECT_LE(measured, budget + 64 + buffer_bytes) << c.name << " at " << f;
-      // Never above the prediction (the budget is a promise). The profiler
-      // measures what each backward frees as it goes (backward_freed_bytes),
-      // so the MLP and the GPT stack are within 3%; on the CNN the model
-      // still counts about two activations in each backward that the
-      // runtime never holds (one is the loss gradient of .sum(), an expanded
-      // scalar, not a tensor of |a_L|) and one in each forward_save, an
-      // over-prediction left open in issue #11.
+      // Never above the prediction (the budget is a promise), and within 3%
+      // below it. The CNN was at 80-94%: the profiler held each stage's
+      // output through its backward (a ReLU's result, which the runtime
+      // frees with the ReLU's saved set) and missed the free of the
+      // backward's seed (made outside its measured windows, so uncounted),
+      // two activations in every backward; its forward_save counted the
+      // previous repeat's output as a temporary.
       EXPECT_LE(measured, predicted * 1.02 + 64 + buffer_bytes) << c.name << " at " << f << "\n" << net->explain();
-      const double low = std::string(c.name) == "CNN" ? 0.80 : 0.97;
-      EXPECT_GE(static_cast<double>(measured), low * predicted) << c.name << " at " << f << "\n" << net->explain();
+      EXPECT_GE(static_cast<double>(measured), 0.97 * predicted) << c.name << " at " << f << "\n" << net->explain();
     }
   }
 }

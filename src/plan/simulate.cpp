@@ -1,6 +1,7 @@
 // The exact simulator: replays a Schedule against a Chain under the rules of
 // NOTE [Op semantics] (schedule.h). Leaves out everything but liveness, bytes
 // and time.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,7 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
     if (!backward_started && live_s[L - 1] && op.kind != OpKind::kBackward)
       fail("forward_save(" + std::to_string(L - 1) + ") ends the forward phase; the next op must be backward(" +
            std::to_string(L - 1) + ").");
+    const int64_t before = cur;
     int64_t during = cur;
     switch (op.kind) {
       case OpKind::kForward:
@@ -121,6 +123,9 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
       }
       default: fail("unknown op kind.");
     }
+    // What was live when the op began is live during it: a backward that
+    // frees more than it allocates peaks at its start, not below it.
+    during = std::max(during, before);
     p.op_bytes.push_back(during);
     if (during > p.peak_bytes) p.peak_bytes = during;
   }

@@ -122,6 +122,44 @@ TEST(Optimal, EqualsExhaustiveSearchOnSmallChains) {
       compared, below_store_all, beats_persistent, 100 * most);
 }
 
+namespace {
+
+struct Compared {
+  int changed = 0;       // optimal()'s schedules that differ from those on `before`
+  int64_t min_peak = 0;  // the exhaustive search's least peak
+};
+
+/** Both DP scopes equal the exhaustive searches on c at six budgets from its
+ *  least peak to store-all's (plans within budget, no gap, times those of
+ *  simulate()). Adds the pairs compared to *compared, and counts the
+ *  schedules that differ from optimal()'s on `before` (c without the field
+ *  under test) where that is feasible. */
+Compared expect_optimal_equals_exhaustive(const rp::Chain& c, const rp::Chain& before, int trial, int* compared) {
+  const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
+  const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
+  const int64_t min_peak = all.min_peak_bytes(), all_peak = rp::store_all(c).prediction.peak_bytes;
+  Compared r;
+  r.min_peak = min_peak;
+  for (int k = 0; k < 6; ++k) {
+    const int64_t budget = min_peak + (all_peak - min_peak) * k / 6;
+    const rp::Plan p_all = rp::optimal(c, budget, 500, rp::OptimalScope::kAll);
+    const rp::Plan p_rotor = rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent);
+    EXPECT_NEAR(p_all.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
+    EXPECT_NEAR(p_rotor.prediction.time_ms, persistent.min_time_ms(budget), 1e-9)
+        << "trial " << trial << " budget " << budget;
+    EXPECT_LE(p_all.prediction.peak_bytes, budget);
+    EXPECT_LE(p_rotor.prediction.peak_bytes, budget);
+    EXPECT_EQ(p_all.optimality_gap_ms, 0) << "trial " << trial;
+    EXPECT_DOUBLE_EQ(p_all.prediction.time_ms, rp::simulate(c, p_all.schedule).time_ms);
+    if (budget >= rp::min_feasible_peak_bytes(before))
+      r.changed += p_all.schedule != rp::optimal(before, budget, 500, rp::OptimalScope::kAll).schedule;
+    ++*compared;
+  }
+  return r;
+}
+
+}  // namespace
+
 // Early stop's cut recomputes (Stage::recompute_ms, a forward_save followed by
 // its own backward once backward has started) enter the DPs' base case: both
 // scopes still equal the exhaustive searches, which price each op on its own
@@ -137,23 +175,7 @@ TEST(Optimal, EqualsExhaustiveSearchWithCutRecomputes) {
     const rp::Chain uncut = c;
     for (auto& s : c.stages)
       if (trial % 4 != 3 || s.name != "s0") s.recompute_ms = std::round(s.forward_ms * share(rng) * 100) / 100;
-    const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
-    const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
-    const int64_t min_peak = all.min_peak_bytes(), all_peak = rp::store_all(c).prediction.peak_bytes;
-    for (int k = 0; k < 6; ++k) {
-      const int64_t budget = min_peak + (all_peak - min_peak) * k / 6;
-      const rp::Plan p_all = rp::optimal(c, budget, 500, rp::OptimalScope::kAll);
-      const rp::Plan p_rotor = rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent);
-      ASSERT_NEAR(p_all.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
-      ASSERT_NEAR(p_rotor.prediction.time_ms, persistent.min_time_ms(budget), 1e-9)
-          << "trial " << trial << " budget " << budget;
-      EXPECT_LE(p_all.prediction.peak_bytes, budget);
-      EXPECT_EQ(p_all.optimality_gap_ms, 0) << "trial " << trial;
-      // The plan's time is simulate()'s, cut included.
-      EXPECT_DOUBLE_EQ(p_all.prediction.time_ms, rp::simulate(c, p_all.schedule).time_ms);
-      changed += p_all.schedule != rp::optimal(uncut, budget, 500, rp::OptimalScope::kAll).schedule;
-      ++compared;
-    }
+    changed += expect_optimal_equals_exhaustive(c, uncut, trial, &compared).changed;
   }
   // Pricing the cut changes the chosen schedule on part of the sample.
   EXPECT_GT(changed, 0);
@@ -176,24 +198,10 @@ TEST(Optimal, EqualsExhaustiveSearchWithPlainForwardTemporaries) {
     const rp::Chain same = c;
     std::uniform_int_distribution<int> units(0, 36);  // up to 3x the largest value: sweeps can bind
     for (auto& s : c.stages) s.plain_forward_tmp_bytes = units(rng);
-    const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
-    const rp::testing::Exhaustive all(c, rp::testing::Space::kAll);
-    const int64_t min_peak = all.min_peak_bytes(), all_peak = rp::store_all(c).prediction.peak_bytes;
-    ASSERT_EQ(rp::min_feasible_peak_bytes(c), min_peak) << "trial " << trial;
-    ASSERT_EQ(rp::min_memory(c).prediction.peak_bytes, min_peak) << "trial " << trial;
-    for (int k = 0; k < 6; ++k) {
-      const int64_t budget = min_peak + (all_peak - min_peak) * k / 6;
-      const rp::Plan p_all = rp::optimal(c, budget, 500, rp::OptimalScope::kAll);
-      const rp::Plan p_rotor = rp::optimal(c, budget, 500, rp::OptimalScope::kPersistent);
-      ASSERT_NEAR(p_all.prediction.time_ms, all.min_time_ms(budget), 1e-9) << "trial " << trial << " budget " << budget;
-      ASSERT_NEAR(p_rotor.prediction.time_ms, persistent.min_time_ms(budget), 1e-9)
-          << "trial " << trial << " budget " << budget;
-      EXPECT_LE(p_all.prediction.peak_bytes, budget);
-      EXPECT_LE(p_rotor.prediction.peak_bytes, budget);
-      if (budget >= rp::min_feasible_peak_bytes(same))
-        changed += p_all.schedule != rp::optimal(same, budget, 500, rp::OptimalScope::kAll).schedule;
-      ++compared;
-    }
+    const Compared r = expect_optimal_equals_exhaustive(c, same, trial, &compared);
+    changed += r.changed;
+    ASSERT_EQ(rp::min_feasible_peak_bytes(c), r.min_peak) << "trial " << trial;
+    ASSERT_EQ(rp::min_memory(c).prediction.peak_bytes, r.min_peak) << "trial " << trial;
   }
   EXPECT_GT(changed, 0);
   std::printf(

@@ -62,7 +62,8 @@ struct Prediction {
   int64_t forward_executions = 0;
   /** Forward executions per stage (size L). */
   std::vector<int> forwards_per_stage;
-  /** Bytes live during each op (same length as the schedule's ops). */
+  /** Peak bytes live during each op, at least those live as it begins
+   *  (same length as the schedule's ops). */
   std::vector<int64_t> op_bytes;
 };
 
