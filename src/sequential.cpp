@@ -465,6 +465,9 @@ struct Execution : std::enable_shared_from_this<Execution> {
       if (higher_order) return higher_order_backward(in_grads);
       begin_backward();
       grads = final_grads(in_grads, st.a[L]);
+      // As below: kept here, a dense loss gradient (a head's, not a bare
+      // .sum()'s expanded scalar) would live through the whole backward.
+      in_grads.clear();
     } else if (higher_order) {
       return std::move(higher_order_grads[i]);
     } else {

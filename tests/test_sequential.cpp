@@ -176,57 +176,68 @@ TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
     auto chain = remat::profile(seq, x);
     const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
     const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
-    for (double f : {1.0, 0.5, 0.25}) {
-      const int64_t budget = std::max<int64_t>(low, static_cast<int64_t>(f * top));
-      remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget));
-      for (auto& p : seq->parameters()) p.mutable_grad().zero_();
-      x.mutable_grad() = torch::Tensor();
-      // The output is not held during backward (the planner's model: a_L
-      // is freed by the last stage's backward; a caller keeping y adds |y|).
-      auto loss = net->forward(x).sum();
-      loss.backward();
-      const int64_t predicted = net->plan().prediction.peak_bytes;
-      const int64_t measured = net->last_step().measured_peak_bytes;
-      // The chain's own bytes are a part of everything measured (a gradient
-      // passed from stage to stage was once counted twice: 4.51 MiB of a
-      // 3.38 MiB step on the CNN at 0.5), and their per-op peaks, aligned
-      // with the prediction's, reach the chain's peak.
-      const remat::StepReport& report = net->last_step();
-      EXPECT_LE(report.chain_peak_bytes, measured) << c.name << " at " << f;
-      ASSERT_EQ(report.op_peak_bytes.size(), net->plan().prediction.op_bytes.size()) << c.name;
-      EXPECT_EQ(*std::max_element(report.op_peak_bytes.begin(), report.op_peak_bytes.end()), report.chain_peak_bytes)
-          << c.name << " at " << f;
-      EXPECT_NE(net->explain().find("  per op (chain's own, measured / predicted): peak at op "), std::string::npos);
-      // Every op within its prediction: the promise holds op by op. Plain
-      // forwards are priced at their own temporaries (without autograd a
-      // CNN block's intermediates die at its statements' ends: 4
-      // activations above the output, not the 3 a forward_save leaves above
-      // its saved set); a backward that frees peaks where it starts; a
-      // replay allocates nothing for the RNG state. 16 KiB: buffers and a
-      // stage's parameter gradients.
-      const auto& ops = net->plan().schedule.ops;
-      for (size_t k = 0; k < ops.size(); ++k) {
-        EXPECT_LE(report.op_peak_bytes[k], net->plan().prediction.op_bytes[k] + 16384)
-            << c.name << " at " << f << ", op " << k << " " << remat::plan::to_string(ops[k]);
+    // Two losses: .sum(), whose gradient is an expanded scalar, and
+    // pow(2).sum(), whose gradient is a dense tensor of |a_L| (as a head's
+    // is). The node receiving it once kept it through the whole last
+    // backward: 1 activation over the prediction (4 MiB on the reference
+    // GPT), invisible with .sum().
+    for (const bool dense : {false, true}) {
+      for (double f : {1.0, 0.5, 0.25}) {
+        const int64_t budget = std::max<int64_t>(low, static_cast<int64_t>(f * top));
+        remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget));
+        for (auto& p : seq->parameters()) p.mutable_grad().zero_();
+        x.mutable_grad() = torch::Tensor();
+        // The output is not held during backward (the planner's model: a_L
+        // is freed by the last stage's backward; a caller keeping y adds
+        // |y|; pow keeps y until its backward, which runs before the chain's).
+        auto loss = dense ? net->forward(x).pow(2).sum() : net->forward(x).sum();
+        loss.backward();
+        const int64_t predicted = net->plan().prediction.peak_bytes;
+        const remat::StepReport& report = net->last_step();
+        // Everything measured, or the chain's own bytes with the dense loss
+        // (pow's backward allocates its temporaries outside the chain).
+        const int64_t measured = dense ? report.chain_peak_bytes : report.measured_peak_bytes;
+        const std::string where = std::string(c.name) + (dense ? " (dense loss)" : "") + " at " + std::to_string(f);
+        // The chain's own bytes are a part of everything measured (a
+        // gradient passed from stage to stage was once counted twice: 4.51
+        // MiB of a 3.38 MiB step on the CNN at 0.5), and their per-op peaks,
+        // aligned with the prediction's, reach the chain's peak.
+        EXPECT_LE(report.chain_peak_bytes, report.measured_peak_bytes) << where;
+        ASSERT_EQ(report.op_peak_bytes.size(), net->plan().prediction.op_bytes.size()) << c.name;
+        EXPECT_EQ(*std::max_element(report.op_peak_bytes.begin(), report.op_peak_bytes.end()), report.chain_peak_bytes)
+            << where;
+        EXPECT_NE(net->explain().find("  per op (chain's own, measured / predicted): peak at op "), std::string::npos);
+        // Every op within its prediction: the promise holds op by op. Plain
+        // forwards are priced at their own temporaries (without autograd a
+        // CNN block's intermediates die at its statements' ends: 4
+        // activations above the output, not the 3 a forward_save leaves
+        // above its saved set); a backward that frees peaks where it starts;
+        // a replay allocates nothing for the RNG state. 16 KiB: buffers and
+        // a stage's parameter gradients.
+        const auto& ops = net->plan().schedule.ops;
+        for (size_t k = 0; k < ops.size(); ++k) {
+          EXPECT_LE(report.op_peak_bytes[k], net->plan().prediction.op_bytes[k] + 16384)
+              << where << ", op " << k << " " << remat::plan::to_string(ops[k]);
+        }
+        std::printf("  %-10s %s budget %5.2f of store-all: predicted %s, measured %s (%.1f%%)\n", c.name,
+                    dense ? "pow(2).sum()" : ".sum()      ", f, remat::format_bytes(predicted).c_str(),
+                    remat::format_bytes(measured).c_str(), 100.0 * measured / predicted);
+        EXPECT_LE(predicted, budget) << c.name;
+        // 64 B: the scalar loss and its gradient; plus the modules' buffers,
+        // whose first-run values are kept so that re-runs start from them.
+        int64_t buffer_bytes = 0;
+        for (const auto& b : seq->buffers()) buffer_bytes += b.numel() * b.element_size();
+        EXPECT_LE(measured, budget + 64 + buffer_bytes) << where;
+        // Never above the prediction (the budget is a promise), and within
+        // 3% below it. The CNN was at 80-94%: the profiler held each stage's
+        // output through its backward (a ReLU's result, which the runtime
+        // frees with the ReLU's saved set) and missed the free of the
+        // backward's seed (made outside its measured windows, so uncounted),
+        // two activations in every backward; its forward_save counted the
+        // previous repeat's output as a temporary.
+        EXPECT_LE(measured, predicted * 1.02 + 64 + buffer_bytes) << where << "\n" << net->explain();
+        EXPECT_GE(static_cast<double>(measured), 0.97 * predicted) << where << "\n" << net->explain();
       }
-      std::printf("  %-10s budget %5.2f of store-all: predicted %s, measured %s (%.1f%%)\n", c.name, f,
-                  remat::format_bytes(predicted).c_str(), remat::format_bytes(measured).c_str(),
-                  100.0 * measured / predicted);
-      EXPECT_LE(predicted, budget) << c.name;
-      // 64 B: the scalar loss and its gradient; plus the modules' buffers,
-      // whose first-run values are kept so that re-runs start from them.
-      int64_t buffer_bytes = 0;
-      for (const auto& b : seq->buffers()) buffer_bytes += b.numel() * b.element_size();
-      EXPECT_LE(measured, budget + 64 + buffer_bytes) << c.name << " at " << f;
-      // Never above the prediction (the budget is a promise), and within 3%
-      // below it. The CNN was at 80-94%: the profiler held each stage's
-      // output through its backward (a ReLU's result, which the runtime
-      // frees with the ReLU's saved set) and missed the free of the
-      // backward's seed (made outside its measured windows, so uncounted),
-      // two activations in every backward; its forward_save counted the
-      // previous repeat's output as a temporary.
-      EXPECT_LE(measured, predicted * 1.02 + 64 + buffer_bytes) << c.name << " at " << f << "\n" << net->explain();
-      EXPECT_GE(static_cast<double>(measured), 0.97 * predicted) << c.name << " at " << f << "\n" << net->explain();
     }
   }
 }

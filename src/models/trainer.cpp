@@ -672,16 +672,15 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
       const int64_t min_blocks = plan::min_feasible_peak_bytes(blocks);
       int64_t budget = cap_bytes;
       for (int round = 0; round < 8 && budget >= min_blocks; ++round) {
-        const int64_t peak = whole(plan::optimal(blocks, budget).schedule);
-        if (std::getenv("REMAT_FITS_DEBUG")) {
-          auto pl = plan::optimal(blocks, budget);
-          std::cerr << "DEBUG predict T=" << m.cfg.seq_len << " blocks peak " << pl.prediction.peak_bytes << " whole "
-                    << peak << " fw";
-          for (int f : pl.prediction.forwards_per_stage) std::cerr << " " << f;
-          std::cerr << "\n" << plan::to_string(pl.schedule.ops[0]) << "\n";
-        }
+        const plan::Plan pl = plan::optimal(blocks, budget);
+        const int64_t peak = whole(pl.schedule);
         if (peak <= cap_bytes) {
-          out.auto_budget_bytes = budget;
+          // The run's budget is this plan's own chain peak, not `budget`:
+          // the run profiles again, and with other times (noise) picks
+          // another plan under `budget`, which may peak higher (two plans
+          // under 400 MiB on the reference GPT peaked 4 MiB, one
+          // activation, apart); under this plan's peak it cannot.
+          out.auto_budget_bytes = pl.prediction.peak_bytes;
           out.peak_bytes = peak;
           return out;
         }

@@ -138,8 +138,8 @@ TEST(Fits, PrepareMakesStepOneMeasureTheSteadyState) {
 
 TEST(Fits, PredictionMatchesMeasurementAtAFixedLength) {
   // The model (profiled chain + simulator) against one measured step, per
-  // strategy, at seq_len 160: within 2% (auto: 4%; its runtime measures
-  // 2-3% over the planner's own prediction at this size).
+  // strategy, at seq_len 160: within 2%. (auto was allowed 4%: its runtime
+  // kept the head's dense loss gradient through the last block's backward.)
   for (Strategy s : {Strategy::kNone, Strategy::kBlock, Strategy::kSqrt, Strategy::kSelective, Strategy::kAuto}) {
     rm::TrainConfig c = tiny_gpt(s);
     c.seq_len = 160;
@@ -149,9 +149,7 @@ TEST(Fits, PredictionMatchesMeasurementAtAFixedLength) {
     t.prepare();
     const int64_t measured = t.step().peak_bytes;
     std::cout << rm::to_string(s) << ": predicted " << p.peak_bytes << " B, measured " << measured << " B\n";
-    const double tolerance = s == Strategy::kAuto ? 0.04 : 0.02;
-    EXPECT_NEAR(static_cast<double>(p.peak_bytes), static_cast<double>(measured),
-                tolerance * static_cast<double>(measured))
+    EXPECT_NEAR(static_cast<double>(p.peak_bytes), static_cast<double>(measured), 0.02 * static_cast<double>(measured))
         << rm::to_string(s);
     EXPECT_EQ(p.auto_budget_bytes, s == Strategy::kAuto ? 2 << 20 : 0);
   }
@@ -169,13 +167,21 @@ TEST(Fits, MaxSeqLenFitsWhenMeasuredPerStrategy) {
     EXPECT_GT(r.value, 0) << rm::to_string(s);
     EXPECT_EQ(r.value % 8, 0);
     EXPECT_LE(r.measured_peak_bytes, cap) << rm::to_string(s);  // the answer fits, measured
+    // ... as predicted, to 1% of the cap: auto's run may plan on its own
+    // profile (other times), but only under the predicted plan's peak.
+    EXPECT_LE(r.measured_peak_bytes, r.predicted_peak_bytes + cap / 100) << rm::to_string(s);
+    if (s == Strategy::kAuto) {
+      EXPECT_LE(r.auto_budget_bytes, r.predicted_peak_bytes);
+    }
     EXPECT_EQ(r.next_value, r.value + 8);
     if (r.value == r.predicted_value) {
       EXPECT_LE(r.predicted_peak_bytes, cap);
       EXPECT_GT(r.next_predicted_peak_bytes, cap);  // the next one up does not, by prediction
     }
     // ... and by measurement, unless the step-ups ran out.
-    if (r.value - r.predicted_value < rm::kFitMaxStepsUp * 8) EXPECT_GT(r.next_measured_peak_bytes, cap);
+    if (r.value - r.predicted_value < rm::kFitMaxStepsUp * 8) {
+      EXPECT_GT(r.next_measured_peak_bytes, cap);
+    }
     EXPECT_LE(std::abs(r.value - r.predicted_value), 2 * 8) << rm::to_string(s);  // the prediction is close
     EXPECT_FALSE(r.at_max_value);
     EXPECT_EQ(r.auto_budget_bytes > 0, s == Strategy::kAuto);
@@ -225,7 +231,9 @@ TEST(Fits, MaxBatchFitsWhenMeasured) {
   EXPECT_GT(r.value, 1);
   EXPECT_LE(r.measured_peak_bytes, o.cap_bytes);
   EXPECT_GT(r.next_measured_peak_bytes, o.cap_bytes);
-  if (r.value == r.predicted_value) EXPECT_GT(r.next_predicted_peak_bytes, o.cap_bytes);
+  if (r.value == r.predicted_value) {
+    EXPECT_GT(r.next_predicted_peak_bytes, o.cap_bytes);
+  }
 }
 
 TEST(Fits, Errors) {
