@@ -254,8 +254,7 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
   for (auto [gen, s] : state_.rng) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     RngNow now;
-    if (gen.device().is_cpu()) {
-      auto* cpu = gen.get<at::CPUGeneratorImpl>();
+    if (auto* cpu = dynamic_cast<at::CPUGeneratorImpl*>(gen.unsafeGetGeneratorImpl())) {
       now.engine = cpu->engine();
       now.next_float = cpu->next_float_normal_sample();
       now.next_double = cpu->next_double_normal_sample();
@@ -300,7 +299,7 @@ ReplayGuard::~ReplayGuard() {
     std::lock_guard<std::mutex> lock(gen.mutex());
     const RngNow& now = rng_now_[i];
     if (now.engine) {
-      auto* cpu = gen.get<at::CPUGeneratorImpl>();
+      auto* cpu = static_cast<at::CPUGeneratorImpl*>(gen.unsafeGetGeneratorImpl());  // as captured above
       cpu->set_engine(*now.engine);
       cpu->set_next_float_normal_sample(now.next_float);
       cpu->set_next_double_normal_sample(now.next_double);
