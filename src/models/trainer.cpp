@@ -12,12 +12,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iomanip>
-#include <iostream>
 #include <iterator>
 #include <limits>
 #include <map>
