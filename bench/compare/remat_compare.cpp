@@ -127,6 +127,11 @@ Model build(const std::string& name) {
   } else if (name == "resnet-ref") {  // 3 stages x 2 residual blocks with BatchNorm, width 32, batch 100, 32x32
     add_blocks(m, res_blocks(3, 32));
     m.x = torch::randn({100, 32, 32, 32});
+  } else if (name == "resnet-ref-split") {  // resnet-ref's blocks split in two stages each (models::split_blocks)
+    torch::nn::Sequential blocks;
+    for (auto b : res_blocks(3, 32)) blocks->push_back(b);
+    m.seq = remat::models::split_blocks(blocks);  // no per-block hook strategy: block, select are skipped
+    m.x = torch::randn({100, 32, 32, 32});
   } else if (name == "resnet") {  // RESNET = dict(width=16, batch=4, image=32), depth 18
     const auto b = res_blocks(4, 16);
     add_blocks(m, b);
@@ -135,7 +140,8 @@ Model build(const std::string& name) {
     };
     m.x = torch::randn({4, 16, 32, 32});
   } else {
-    std::fprintf(stderr, "unknown model %s: use mlp, gpt, resnet, mlp-ref, gpt-ref or resnet-ref\n", name.c_str());
+    std::fprintf(stderr, "unknown model %s: use mlp, gpt, resnet, mlp-ref, gpt-ref, resnet-ref or resnet-ref-split\n",
+                 name.c_str());
     std::exit(2);
   }
   m.x.set_requires_grad(true);
@@ -337,6 +343,7 @@ int main(int argc, char** argv) {
     if (s == "plain") {
       r.fn = plain;
     } else if (s == "block") {
+      if (m.ckpt.empty()) continue;
       r.fn = [&](const torch::Tensor& in) {
         torch::Tensor h = in;
         for (auto& c : m.ckpt) h = c(h);

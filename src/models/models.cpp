@@ -189,12 +189,62 @@ torch::Tensor ResBlockImpl::forward(const torch::Tensor& x) {
   return checkpointed([this](const torch::Tensor& h) { return body(h); }, x);
 }
 
+namespace {
+// The two halves of a block, shared by ResBlock and the split stages.
+torch::Tensor shortcut(torch::nn::Conv2d& down_conv, torch::nn::BatchNorm2d& down_bn, const torch::Tensor& x) {
+  return down_conv ? down_bn(down_conv(x)) : x;  // (B, out, H/s, W/s)
+}
+torch::Tensor finish(torch::nn::Conv2d& conv2, torch::nn::BatchNorm2d& bn2, torch::nn::Conv2d& conv3,
+                     torch::nn::BatchNorm2d& bn3, const torch::Tensor& first_out, const torch::Tensor& skip) {
+  auto h = bn2(conv2(first_out));
+  if (conv3) h = bn3(conv3(torch::relu(h)));  // bottleneck: (B, out, H/s, W/s)
+  return torch::relu(h + skip);
+}
+}  // namespace
+
 torch::Tensor ResBlockImpl::body(const torch::Tensor& x) {  // (B, in, H, W)
   auto h = first(x);                                        // (B, mid, ., .)
-  h = bn2(conv2(h));
-  if (bottleneck_) h = bn3(conv3(torch::relu(h)));    // (B, out, H/s, W/s)
-  auto skip = down_conv ? down_bn(down_conv(x)) : x;  // (B, out, H/s, W/s)
-  return torch::relu(h + skip);
+  return finish(conv2, bn2, conv3, bn3, h, shortcut(down_conv, down_bn, x));
+}
+
+ResBlockHeadImpl::ResBlockHeadImpl(const ResBlock& block) : first(register_module("first", block->first)) {
+  if (block->down_conv) {
+    down_conv = register_module("down_conv", block->down_conv);
+    down_bn = register_module("down_bn", block->down_bn);
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor> ResBlockHeadImpl::forward(const torch::Tensor& x) {
+  return {first(x), shortcut(down_conv, down_bn, x)};
+}
+
+ResBlockTailImpl::ResBlockTailImpl(const ResBlock& block)
+    : conv2(register_module("conv2", block->conv2)), bn2(register_module("bn2", block->bn2)) {
+  if (block->conv3) {
+    conv3 = register_module("conv3", block->conv3);
+    bn3 = register_module("bn3", block->bn3);
+  }
+}
+
+torch::Tensor ResBlockTailImpl::forward(std::tuple<torch::Tensor, torch::Tensor> h_skip) {
+  return finish(conv2, bn2, conv3, bn3, std::get<0>(h_skip), std::get<1>(h_skip));
+}
+
+torch::nn::Sequential split_blocks(const torch::nn::Sequential& blocks) {
+  torch::nn::Sequential out;
+  const auto names = blocks->named_children().keys();
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    auto block = blocks->ptr(i);
+    auto impl = std::dynamic_pointer_cast<ResBlockImpl>(block);
+    if (!impl) {
+      throw Error("[remat::models] split_blocks: module " + names[i] + " (" + block->name() +
+                  ") is not a ResBlock. Pass a Sequential of ResBlocks only, as ResNet::blocks.");
+    }
+    ResBlock b(impl);
+    out->push_back(names[i] + "_head", ResBlockHead(b));
+    out->push_back(names[i] + "_tail", ResBlockTail(b));
+  }
+  return out;
 }
 
 ResNetImpl::ResNetImpl(const ResNetConfig& c) : config_(c) {

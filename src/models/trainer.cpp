@@ -382,8 +382,12 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
                                                         torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
   }
   if (c.checkpoint == Strategy::kAuto) {
-    m.auto_net =
-        remat::CheckpointedSequential(m.blocks, remat::SequentialOptions().memory_budget_bytes(c.memory_budget_bytes));
+    const auto opts = remat::SequentialOptions().memory_budget_bytes(c.memory_budget_bytes);
+    // The ResNet's blocks split in halves (split_blocks) let the planner go
+    // below per-block checkpointing; the halves register nothing here.
+    m.auto_net = m.gpt
+                     ? remat::CheckpointedSequential(m.blocks, opts)
+                     : remat::CheckpointedSequential(std::vector<torch::nn::Sequential>{split_blocks(m.blocks)}, opts);
   }
   if (c.bf16) {
     try {

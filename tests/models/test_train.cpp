@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -24,6 +25,9 @@
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
 #include <remat/models/trainer.h>
+#include <remat/plan/solve.h>
+#include <remat/profile.h>
+#include <remat/sequential.h>
 
 namespace rm = remat::models;
 using rm::Strategy;
@@ -194,6 +198,88 @@ TEST(Models, ResNetShapesAndDepths) {
   rm::ResNetConfig bad;
   bad.depth = 20;
   EXPECT_THROW(rm::ResNet{bad}, remat::Error);
+}
+
+/** Gradients of `run` on a fresh copy of x: (output, x.grad, every parameter's grad). */
+std::vector<torch::Tensor> grads_of(torch::nn::Module& net, const torch::Tensor& x,
+                                    const std::function<torch::Tensor(const torch::Tensor&)>& run) {
+  for (auto& p : net.parameters()) p.mutable_grad() = torch::Tensor();
+  auto in = x.detach().clone().requires_grad_(true);
+  auto y = run(in);
+  (y * y).sum().backward();  // a dense gradient at the chain's end
+  std::vector<torch::Tensor> out{y.detach(), in.grad()};
+  for (auto& p : net.parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : p.grad());
+  return out;
+}
+
+TEST(Models, SplitBlocksShareTheBlocksAndGiveBitwiseEqualGradients) {
+  for (int64_t depth : {18, 50}) {  // basic and bottleneck blocks, with and without a shortcut conv
+    SCOPED_TRACE("depth " + std::to_string(depth));
+    torch::manual_seed(3);
+    rm::ResNetConfig c;
+    c.depth = depth;
+    c.width = 4;
+    rm::ResNet net(c);
+    net->train();
+    const auto names_before = net->named_parameters().keys();
+    auto split = rm::split_blocks(net->blocks);
+    ASSERT_EQ(split->size(), 2 * net->blocks->size());
+    // The same parameter tensors, each once, in the blocks' order per block.
+    auto theirs = net->blocks->parameters(), ours = split->parameters();
+    ASSERT_EQ(ours.size(), theirs.size());
+    for (const auto& p : theirs) {
+      EXPECT_EQ(std::count_if(ours.begin(), ours.end(), [&](const torch::Tensor& q) { return q.is_same(p); }), 1);
+    }
+    EXPECT_EQ(split->buffers().size(), net->blocks->buffers().size());
+
+    auto x = torch::randn({4, 4, 16, 16});
+    auto want = grads_of(*net->blocks, x, [&](const torch::Tensor& h) { return net->blocks->forward(h); });
+    auto got = grads_of(*net->blocks, x, [&](const torch::Tensor& h) { return split->forward(h); });
+    expect_same_state(got, want, "split chain, plain");
+
+    // Planned at its smallest feasible peak (recomputing most halves): still
+    // bitwise, and the model's parameters are neither renamed nor doubled.
+    const auto chain = remat::profile(split, x);
+    remat::CheckpointedSequential ck(
+        std::vector<torch::nn::Sequential>{split},
+        remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 101 / 100));
+    got = grads_of(*net->blocks, x, [&](const torch::Tensor& h) { return ck->forward(h); });
+    expect_same_state(got, want, "split chain under CheckpointedSequential");
+    const auto& runs = ck->last_step().forwards_per_stage;
+    EXPECT_GT(*std::max_element(runs.begin(), runs.end()), 1) << "the budget must force recomputation";
+    EXPECT_EQ(net->named_parameters().keys(), names_before);
+    EXPECT_TRUE(ck->parameters().empty());
+  }
+}
+
+TEST(Models, SplitBlocksLowerThePlannersFloor) {
+  // Cut inside blocks, the smallest feasible peak falls below that of whole
+  // blocks (bytes from the profile's counting allocator, exact). Images
+  // large enough that activations, not parameter gradients, dominate.
+  torch::manual_seed(4);
+  rm::ResNetConfig c;
+  c.depth = 10;
+  c.width = 8;
+  rm::ResNet net(c);
+  net->train();
+  auto x = torch::randn({16, 8, 32, 32});
+  const int64_t whole = remat::plan::min_feasible_peak_bytes(remat::profile(net->blocks, x));
+  const int64_t split = remat::plan::min_feasible_peak_bytes(remat::profile(rm::split_blocks(net->blocks), x));
+  std::printf("smallest feasible peak: whole blocks %lld bytes, split %lld (%.3f)\n", static_cast<long long>(whole),
+              static_cast<long long>(split), double(split) / double(whole));
+  EXPECT_LT(split, whole * 9 / 10);
+}
+
+TEST(Models, SplitBlocksRejectsOtherModules) {
+  torch::nn::Sequential seq(rm::ResBlock(4, 4, 1, false), torch::nn::ReLU());
+  try {
+    rm::split_blocks(seq);
+    ADD_FAILURE() << "a ReLU must be rejected";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::models] split_blocks: module 1 (torch::nn::ReLUImpl) is not a ResBlock. Pass a Sequential of "
+                 "ResBlocks only, as ResNet::blocks.");
+  }
 }
 
 TEST(Train, GptStrategiesGiveBitwiseEqualLosses) {

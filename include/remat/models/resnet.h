@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -53,6 +54,7 @@ class ResBlockImpl : public torch::nn::Module, public remat::Checkpointable {
   torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, out, H/stride, W/stride)
   torch::Tensor body(const torch::Tensor& x);
   int64_t out_channels() const { return out_; }
+  bool bottleneck() const { return bottleneck_; }
   ConvBnRelu first{nullptr};
   torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};   // conv3 only in bottlenecks
   torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};  // bn3 only in bottlenecks
@@ -64,6 +66,48 @@ class ResBlockImpl : public torch::nn::Module, public remat::Checkpointable {
   int64_t out_;
 };
 TORCH_MODULE(ResBlock);
+
+/** A residual block's first stage in a split chain (split_blocks):
+ *  x -> (first(x), shortcut(x)). Registers the block's `first` and
+ *  shortcut modules (the same modules, not copies). */
+class ResBlockHeadImpl : public torch::nn::Module {
+ public:
+  explicit ResBlockHeadImpl(const ResBlock& block);
+  std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x);
+  ConvBnRelu first{nullptr};
+  torch::nn::Conv2d down_conv{nullptr};
+  torch::nn::BatchNorm2d down_bn{nullptr};
+};
+TORCH_MODULE(ResBlockHead);
+
+/** The block's second stage: (h, skip) -> relu(bn2(conv2(h)) + skip), the
+ *  bottleneck's conv3 and bn3 included. Registers the block's own modules. */
+class ResBlockTailImpl : public torch::nn::Module {
+ public:
+  explicit ResBlockTailImpl(const ResBlock& block);
+  torch::Tensor forward(std::tuple<torch::Tensor, torch::Tensor> h_skip);
+  torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};
+  torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};
+};
+TORCH_MODULE(ResBlockTail);
+
+/** `blocks` (a Sequential of ResBlocks, as ResNet::blocks) as a chain of
+ *  twice as many stages, a ResBlockHead and a ResBlockTail per block, that
+ *  share the blocks' modules and give the same values. Whole blocks are the
+ *  finest a planner can cut at, and their floor is close to per-block
+ *  checkpointing; split, the planner can keep a block's first half and
+ *  recompute only its second (the reference ResNet of
+ *  bench/compare: the smallest feasible plan falls from 0.544 to 0.484 of
+ *  plain). Plan it with
+ *  `remat::CheckpointedSequential({split_blocks(model->blocks)}, opts)`:
+ *  that constructor registers nothing, so the model's parameter names stay.
+ *  An identity shortcut passes the block's input on unchanged, and the
+ *  planner counts it in both boundaries: where a plan keeps both, its
+ *  predicted peak is high by those bytes (never low; store-all on that
+ *  ResNet: 11% high). The stages are not cloneable (the chain's clone()
+ *  throws). Throws
+ *  remat::Error naming the first module that is not a ResBlock. */
+torch::nn::Sequential split_blocks(const torch::nn::Sequential& blocks);
 
 class ResNetImpl : public torch::nn::Module {
  public:

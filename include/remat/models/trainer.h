@@ -247,9 +247,10 @@ class Trainer {
   std::shared_ptr<torch::nn::Module> module() const;
   /** One line: model, size, data, strategy, threads. */
   std::string summary() const;
-  /** With --checkpoint auto after a step: forward executions per block in
-   *  the last step (the plan's count; > 1 where a block was recomputed).
-   *  Empty for the other strategies. */
+  /** With --checkpoint auto after a step: forward executions per stage of
+   *  the planned chain in the last step (the plan's count; > 1 where a stage
+   *  was recomputed): a GPT block, or a ResNet block's two halves
+   *  (split_blocks). Empty for the other strategies. */
   std::vector<int> auto_forwards_per_block() const;
   const TrainConfig& config() const;
   /** Allocates the parameter gradients (zeros) and, with Strategy::kAuto,
