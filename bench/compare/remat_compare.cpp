@@ -6,7 +6,8 @@
 // counter bench/preload when loaded, else remat::memory) and every step's
 // milliseconds and minor page faults; plain also gets forward and backward times.
 // Strategies: plain, block, seq:K, useg:K (CheckpointedSequential running seq:K's
-// placement), sqrt, opt:F (budget F x plain peak), select.
+// placement), sqrt, opt:F (budget F x plain peak), select. --explain 1 prints
+// the planned strategies' explain() to stderr after their last step.
 // Leaves out: the loss head and optimizer (the chain ends in .sum()).
 #include <dlfcn.h>
 #include <sys/resource.h>
@@ -302,6 +303,7 @@ int main(int argc, char** argv) {
   const bool rss_mode = arg(argc, argv, "--rss", "0") == "1";
   const bool hold_output = arg(argc, argv, "--hold-output", "1") == "1";
   const bool op_profile = arg(argc, argv, "--op-profile", "0") == "1";
+  const bool explain = arg(argc, argv, "--explain", "0") == "1";
 
   Meter meter;
   // remat::memory's wrapper is installed in any case (profile() needs it), so
@@ -332,7 +334,8 @@ int main(int argc, char** argv) {
     bool sweep = false;
     std::string note;
     int64_t peak = -1, predicted = -1;
-    double predicted_ms = -1;  // the plan's predicted step time
+    double predicted_ms = -1;                            // the plan's predicted step time
+    std::shared_ptr<remat::CheckpointedSequential> net;  // planned strategies, for --explain
     std::vector<double> ms, fwd_ms, bwd_ms, faults;
   };
   std::vector<Run> runs;
@@ -394,6 +397,7 @@ int main(int argc, char** argv) {
         }
         std::fprintf(stderr, "\n");
         nets.push_back(net);
+        r.net = net;
         r.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
       } catch (const remat::Error& e) {
         const int64_t min_peak = remat::plan::min_feasible_peak_bytes(remat::profile(m.seq, m.x));
@@ -432,6 +436,11 @@ int main(int argc, char** argv) {
     }
   }
   if (op_profile) prof.print(sweep_steps < steps ? sweep_steps : steps);
+  if (explain) {  // the planned runs' explain() after their last step: stages, predicted and measured peaks
+    for (const auto& r : runs) {
+      if (r.net) std::fprintf(stderr, "== %s\n%s\n", r.name.c_str(), (*r.net)->explain().c_str());
+    }
+  }
   struct rusage ru1;
   getrusage(RUSAGE_SELF, &ru1);
   const long hwm_kib = std::max<long>(status_kib("VmHWM:"), 0);

@@ -331,6 +331,33 @@ TEST(Train, ResNetStrategiesGiveBitwiseEqualLosses) {
   }
 }
 
+TEST(Train, ResNetAutoPlansInsideBlocks) {
+  // A budget between the two floors: infeasible over whole blocks, met on
+  // the split chain that --checkpoint auto plans; the losses stay bitwise.
+  auto c = tiny_resnet();
+  c.image_size = 32;
+  c.batch = 16;  // activations, not parameter gradients, dominate the floors
+  rm::Trainer plain(c);
+  const auto want = losses_of(plain.run());
+  auto net = std::dynamic_pointer_cast<rm::ResNetImpl>(plain.module());
+  ASSERT_TRUE(net);
+  torch::Tensor h;
+  {
+    torch::NoGradGuard no_grad;
+    h = net->embed(torch::randn({c.batch, 3, c.image_size, c.image_size}));
+  }
+  const int64_t whole = remat::plan::min_feasible_peak_bytes(remat::profile(net->blocks, h));
+  const int64_t split = remat::plan::min_feasible_peak_bytes(remat::profile(rm::split_blocks(net->blocks), h));
+  ASSERT_LT(split, whole * 95 / 100);
+  c.checkpoint = Strategy::kAuto;
+  c.memory_budget_bytes = (split + whole) / 2;
+  rm::Trainer t(c);
+  EXPECT_EQ(losses_of(t.run()), want);
+  const auto runs = t.auto_forwards_per_block();
+  EXPECT_EQ(runs.size(), 2 * net->blocks->size());  // two halves per block
+  EXPECT_GT(*std::max_element(runs.begin(), runs.end()), 1) << "the budget must force recomputation";
+}
+
 TEST(Train, ResNetBatchNormStatsAfterBlockCheckpointEqualPlain) {
   std::vector<std::vector<torch::Tensor>> stats;
   for (auto s : {Strategy::kNone, Strategy::kBlock}) {

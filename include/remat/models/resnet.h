@@ -54,7 +54,6 @@ class ResBlockImpl : public torch::nn::Module, public remat::Checkpointable {
   torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, out, H/stride, W/stride)
   torch::Tensor body(const torch::Tensor& x);
   int64_t out_channels() const { return out_; }
-  bool bottleneck() const { return bottleneck_; }
   ConvBnRelu first{nullptr};
   torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};   // conv3 only in bottlenecks
   torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};  // bn3 only in bottlenecks
