@@ -92,20 +92,19 @@ TORCH_MODULE(ResBlockTail);
 
 /** `blocks` (a Sequential of ResBlocks, as ResNet::blocks) as a chain of
  *  twice as many stages, a ResBlockHead and a ResBlockTail per block, that
- *  share the blocks' modules and give the same values. Whole blocks are the
- *  finest a planner can cut at, and their floor is close to per-block
- *  checkpointing; split, the planner can keep a block's first half and
- *  recompute only its second (the reference ResNet of
- *  bench/compare: the smallest feasible plan falls from 0.544 to 0.484 of
- *  plain). Plan it with
- *  `remat::CheckpointedSequential({split_blocks(model->blocks)}, opts)`:
- *  that constructor registers nothing, so the model's parameter names stay.
- *  An identity shortcut passes the block's input on unchanged, and the
- *  planner counts it in both boundaries: where a plan keeps both, its
- *  predicted peak is high by those bytes (never low; store-all on that
- *  ResNet: 11% high). The stages are not cloneable (the chain's clone()
- *  throws). Throws
- *  remat::Error naming the first module that is not a ResBlock. */
+ *  share the blocks' modules and give the same values. A chain of whole
+ *  blocks is cut only between blocks, and its floor is close to per-block
+ *  checkpointing; split, a plan can keep a block's first half and recompute
+ *  only its second (on the reference ResNet of bench/compare the smallest
+ *  feasible peak falls from 0.544 to 0.484 of plain).
+ *  Plan it with `remat::CheckpointedSequential({split_blocks(net->blocks)},
+ *  opts)`: that constructor registers nothing, so the model's parameter
+ *  names stay, and like any chain built so, it cannot be cloned (clone the
+ *  model and split its blocks again). An identity shortcut passes the
+ *  block's input on unchanged, and the planner counts it in both
+ *  boundaries: where a plan keeps both, its predicted peak is high by those
+ *  bytes, never low (store-all on that ResNet: 11% high).
+ *  Throws remat::Error naming the first module that is not a ResBlock. */
 torch::nn::Sequential split_blocks(const torch::nn::Sequential& blocks);
 
 class ResNetImpl : public torch::nn::Module {
