@@ -104,6 +104,9 @@ TORCH_MODULE(ResBlockTail);
  *  block's input on unchanged, and the planner counts it in both
  *  boundaries: where a plan keeps both, its predicted peak is high by those
  *  bytes, never low (store-all on that ResNet: 11% high).
+ *  The halves do not call ResBlock::forward, so a checkpoint switch set
+ *  on a whole block (enable_checkpointing) does not apply to them; one
+ *  set on its `first` (a Checkpointable too) still does.
  *  Throws remat::Error naming the first module that is not a ResBlock. */
 torch::nn::Sequential split_blocks(const torch::nn::Sequential& blocks);
 
