@@ -120,12 +120,15 @@ def main():
             if p.grad is not None:
                 p.grad.zero_()
         x.grad = None
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         loss = fn(x).sum()
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        # minor page faults of the step, as remat_compare counts them
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, faults
 
     def peak_of(fn):
         for p in params:
@@ -143,7 +146,7 @@ def main():
         plain_peak = peak_of(seq)
     runs = []
     for name in a.strategies.split(","):
-        r = dict(name=name, peak=-1, predicted=-1, note="", ms=[], fwd_ms=[], bwd_ms=[])
+        r = dict(name=name, peak=-1, predicted=-1, note="", ms=[], fwd_ms=[], bwd_ms=[], faults=[])
         try:
             fn, sweep = strategy(name, seq)
             t0 = time.perf_counter()
@@ -161,10 +164,11 @@ def main():
         for r in runs:
             if r["fn"] is None or (r["sweep"] and s >= a.sweep_steps):
                 continue
-            f, b = step(r["fn"])
+            f, b, faults = step(r["fn"])
             r["ms"].append(f + b)
             r["fwd_ms"].append(f)
             r["bwd_ms"].append(b)
+            r["faults"].append(faults)
     rss1 = max(status_kib("VmHWM:"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if rss0 < 0 else 0)
     for r in runs:
         del r["fn"], r["sweep"]
