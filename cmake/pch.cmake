@@ -9,7 +9,7 @@
 # do (given after CMake's -fPIE, it wins; PIC code in a PIE executable costs
 # nothing measurable here, the hot paths are in LibTorch). A TU whose flags
 # still differ falls back to the text header (correct, only slower), and
-# -Winvalid-pch says so in the build log.
+# -Winvalid-pch (which CMake passes with the PCH) says so in the build log.
 #
 # Default on for GCC top-level builds only. As a subproject (tests'
 # consumer_add_subdirectory) nothing is force-included, so that build still
@@ -34,7 +34,6 @@ if(REMAT_PCH)
   target_compile_features(remat_pch PRIVATE cxx_std_20)
   set_target_properties(remat_pch PROPERTIES POSITION_INDEPENDENT_CODE ON)
   target_precompile_headers(remat_pch PRIVATE <torch/torch.h>)
-  target_compile_options(remat_pch PRIVATE -Winvalid-pch)
 endif()
 
 # remat_use_pch(target...): the target's sources get the PCH (no-op when off).
@@ -44,7 +43,6 @@ function(remat_use_pch)
   endif()
   foreach(_t IN LISTS ARGN)
     target_precompile_headers(${_t} REUSE_FROM remat_pch)
-    target_compile_options(${_t} PRIVATE -Winvalid-pch)
     get_target_property(_type ${_t} TYPE)
     if(_type STREQUAL "EXECUTABLE")
       target_compile_options(${_t} PRIVATE -fPIC)
