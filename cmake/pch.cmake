@@ -1,8 +1,9 @@
 # REMAT_PCH: LibTorch's <torch/torch.h> precompiled once and reused by
 # remat's own torch targets. Parsing it is about 16 s of a translation unit
 # that includes it (a test file takes 35-65 s at -O3 on the 2-core CI
-# machine), and the build is most of CI's time: compiling a fresh build
-# took 1477 CPU seconds instead of 2014. Included after find_package(Torch).
+# machine), and the build is most of CI's time: CI's `make test` step on a
+# fresh clone took 1058-1122 s with it, 1336 s without (docs/RELIABILITY.md).
+# Included after find_package(Torch).
 #
 # One PCH for libraries and executables: GCC refuses a PCH built with other
 # code-generation flags, so executables compile with -fPIC as the libraries
