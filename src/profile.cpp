@@ -226,6 +226,9 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
         }
       }
       saved_bytes += out_unsaved + out_passed;
+      // The planner counts those bytes once while a_i and a_{i+1} are both
+      // live (Stage::shared_input_bytes): a residual head's (first(x), x).
+      stage.shared_input_bytes = out_passed;
       double b_ms = 0;
       int64_t b_tmp = 0, b_freed = 0;
       std::vector<at::Tensor> roots, seeds;
@@ -250,6 +253,18 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
         for (const auto& [leaf, nr] : red.other_leaves) red.hooks[nr]->discard = true;
       }
       stage.output_bytes = out.bytes(&x);
+      {
+        // The gradient at the output: one dense tensor per output that
+        // requires grad, a passed-on chain input included (its value is in
+        // input_bytes, its gradient is the chain's to hold), a mask not.
+        std::unordered_set<const c10::TensorImpl*> with_grad;
+        int64_t grad_bytes = 0;
+        for (const auto& t : out.ts) {
+          if (t.defined() && t.requires_grad() && with_grad.insert(t.unsafeGetTensorImpl()).second)
+            grad_bytes += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+        }
+        stage.output_grad_bytes = grad_bytes == stage.output_bytes ? -1 : grad_bytes;
+      }
       // As in the runtime, only the graph keeps a saved output (a ReLU's
       // result) during the backward: freed with that op's saved set, not
       // pinned to the end (one activation too many in every later
@@ -284,7 +299,9 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       stage.saved_bytes = saved_bytes;
       stage.forward_tmp_bytes = tmp_bytes;
       stage.backward_tmp_bytes = b_tmp;
-      stage.backward_freed_bytes = b_freed;
+      // What the input still holds (the shared bytes) is not the backward's to free.
+      stage.backward_freed_bytes =
+          std::min(b_freed, saved_bytes + stage.grad_bytes() - stage.shared_input_bytes);
     }
     {
       // A plain forward (the runtime's kForward: no autograd, so each

@@ -49,12 +49,23 @@ void Chain::validate() const {
     if (s.plain_forward_tmp_bytes != -1) check_size(*this, i, "plain_forward_tmp_bytes", s.plain_forward_tmp_bytes);
     check_size(*this, i, "backward_tmp_bytes", s.backward_tmp_bytes);
     check_size(*this, i, "backward_freed_bytes", s.backward_freed_bytes);
-    // Both >= 0 here: the difference cannot overflow where the sum could.
-    if (s.backward_freed_bytes - s.saved_bytes > s.output_bytes)
+    check_size(*this, i, "shared_input_bytes", s.shared_input_bytes);
+    if (s.output_grad_bytes != -1) check_size(*this, i, "output_grad_bytes", s.output_grad_bytes);
+    if (s.shared_input_bytes > std::min(value_bytes(i), s.output_bytes))
+      throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": shared_input_bytes (" +
+                  std::to_string(s.shared_input_bytes) + ") > " +
+                  (s.shared_input_bytes > s.output_bytes ? "output_bytes (" + std::to_string(s.output_bytes)
+                                                         : "the stage's input bytes (" + std::to_string(value_bytes(i))) +
+                  "); an output shares at most what both the input and the output hold.");
+    // All >= 0 here: the differences cannot overflow where the sum could.
+    const char* grad = s.output_grad_bytes < 0 ? "output_bytes" : "output_grad_bytes";
+    if (s.backward_freed_bytes - s.saved_bytes > s.grad_bytes() - s.shared_input_bytes)
       throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": backward_freed_bytes (" +
-                  std::to_string(s.backward_freed_bytes) + ") > saved_bytes + output_bytes (" +
-                  std::to_string(s.saved_bytes + s.output_bytes) +
-                  "); a backward can free at most its saved set and the gradient at its output.");
+                  std::to_string(s.backward_freed_bytes) + ") > saved_bytes + " + grad +
+                  (s.shared_input_bytes ? " - shared_input_bytes (" : " (") +
+                  std::to_string(s.saved_bytes + s.grad_bytes() - s.shared_input_bytes) +
+                  "); a backward can free at most its saved set and the gradient at its output" +
+                  (s.shared_input_bytes ? ", less what its input still holds." : "."));
     if (s.saved_bytes < s.output_bytes)
       throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": saved_bytes (" + std::to_string(s.saved_bytes) +
                   ") < output_bytes (" + std::to_string(s.output_bytes) +
@@ -79,6 +90,7 @@ void Chain::validate() const {
     add(std::max<int64_t>(0, s.plain_forward_tmp_bytes));
     add(s.backward_tmp_bytes);
     add(s.backward_freed_bytes);
+    add(std::max<int64_t>(0, s.output_grad_bytes));
   }
 }
 

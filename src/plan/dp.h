@@ -31,12 +31,19 @@ void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top);
 struct Slots {
   int L = 0;
   int M = 0;                // slots available besides a_0
-  std::vector<int32_t> a;   // |a_j| (and |grad_j|), j in [0, L]
-  std::vector<int32_t> sv;  // saved_bytes
+  std::vector<int32_t> a;   // |a_j|, j in [0, L]
+  std::vector<int32_t> g;   // |grad_j| (Chain::grad_bytes), j in [0, L]
+  /** |a_j| net of what it shares with the a_{j-1} it was computed from
+   *  (Chain::new_value_bytes(j - 1)), j in [1, L]; an[0] = a[0]. */
+  std::vector<int32_t> an;
+  /** Some stage shares bytes with its input (FullDp then keeps two kinds of
+   *  Q rows: the caller's a_{c-1} live or not). */
+  bool shared = false;
+  std::vector<int32_t> sv;  // saved_bytes net of shared_input_bytes (a_s is live at every forward_save)
   std::vector<int32_t> ft;  // forward_tmp_bytes (forward_save)
   std::vector<int32_t> fp;  // Stage::plain_tmp_bytes() (plain forward)
-  /** A backward's own peak: saved + |grad_{s+1}| + |grad_s| + tmp - freed,
-   *  rounded once (so rounding stays one-sided). */
+  /** A backward's own peak: saved + |grad_{s+1}| + |grad_s| + tmp - freed
+   *  - shared, rounded once (so rounding stays one-sided). */
   std::vector<int32_t> bk;
   std::vector<double> f, b;  // ms
   /** A forward_save's ms when early stop cuts it: recompute_ms where
@@ -48,7 +55,10 @@ struct Slots {
   double base_ms(int t) const { return (t == L - 1 ? f[t] : fr[t]) + b[t]; }
   /** |grad_{t+1}| while stages ..t wait for their backward; 0 for t = L-1
    *  (the loss gradient appears at backward(L-1)). */
-  int dst(int t) const { return t == L - 1 ? 0 : a[t + 1]; }
+  int dst(int t) const { return t == L - 1 ? 0 : g[t + 1]; }
+  /** a_j's bytes while it is live: an[j] while the a_{j-1} it was computed
+   *  from is live too (then that holds the shared bytes), else a[j]. */
+  int val(int j, bool pred_live) const { return pred_live ? an[j] : a[j]; }
 };
 
 class PersistentDp {
@@ -81,9 +91,11 @@ class PersistentDp {
 class FullDp {
  public:
   explicit FullDp(const Slots& s);
-  static double table_bytes(int L, int M);
-  /** Cell updates of the fill, about L^4 (M + 1) / 24 (an upper bound). */
-  static double work(int L, int M);
+  /** shared: Slots::shared (twice the Q rows). */
+  static double table_bytes(int L, int M, bool shared);
+  /** Cell updates of the fill, about L^4 (M + 1) / 24 (an upper bound),
+   *  twice that with shared. */
+  static double work(int L, int M, bool shared);
   bool feasible() const;
   int need() const { return p_need_[prow(0, d_.L - 1)]; }
   Cost cost(int m) const { return p_[prow(0, d_.L - 1) * width_ + m]; }
@@ -100,16 +112,18 @@ class FullDp {
     Cost least;
   };
   size_t prow(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
-  size_t qrow(int c, int j, int k) const {
+  /** pl: the a_{c-1} that a_c was computed from is live (held by the
+   *  caller), so a_c counts Slots::an[c]; one kind of row without sharing. */
+  size_t qrow(int c, int j, int k, bool pl) const {
     const size_t u = j - c - 1, v = k - c - 1;
-    return qoff_[c] + u * (u + 1) / 2 + v;
+    return (pl && d_.shared ? qoff_[d_.L] : 0) + qoff_[c] + u * (u + 1) / 2 + v;
   }
-  Row frow(int c, int j, int k) const;
+  Row frow(int c, int j, int k, bool pl) const;
   void fill_p(int c, int j);
-  void fill_q(int c, int j, int k);
+  void fill_q(int c, int j, int k, bool pl);
   void emit_p(std::vector<Op>& ops, int c, int j, int m) const;
-  void emit_f(std::vector<Op>& ops, int c, int j, int k, int m) const;
-  void emit_q(std::vector<Op>& ops, int c, int j, int k, int m) const;
+  void emit_f(std::vector<Op>& ops, int c, int j, int k, bool pl, int m) const;
+  void emit_q(std::vector<Op>& ops, int c, int j, int k, bool pl, int m) const;
 
   const Slots& d_;
   size_t width_;

@@ -94,6 +94,8 @@ Chain chain_from_json(std::string_view text) {
       stage.plain_forward_tmp_bytes = get_bytes(s, "plain_forward_tmp_bytes", path, true);
     stage.backward_tmp_bytes = get_bytes(s, "backward_tmp_bytes", path, false);
     stage.backward_freed_bytes = get_bytes(s, "backward_freed_bytes", path, false);
+    stage.shared_input_bytes = get_bytes(s, "shared_input_bytes", path, false);
+    if (s.contains("output_grad_bytes")) stage.output_grad_bytes = get_bytes(s, "output_grad_bytes", path, true);
     if (stage.saved_bytes < stage.output_bytes)
       field_error(path + "saved_bytes", "(" + std::to_string(stage.saved_bytes) + ") < output_bytes (" +
                                             std::to_string(stage.output_bytes) +
@@ -120,6 +122,8 @@ std::string chain_to_json(const Chain& chain, int indent) {
     if (s.plain_forward_tmp_bytes >= 0) o["plain_forward_tmp_bytes"] = s.plain_forward_tmp_bytes;
     if (s.backward_tmp_bytes) o["backward_tmp_bytes"] = s.backward_tmp_bytes;
     if (s.backward_freed_bytes) o["backward_freed_bytes"] = s.backward_freed_bytes;
+    if (s.shared_input_bytes) o["shared_input_bytes"] = s.shared_input_bytes;
+    if (s.output_grad_bytes >= 0) o["output_grad_bytes"] = s.output_grad_bytes;
     j["stages"].push_back(o);
   }
   return j.dump(indent);

@@ -43,7 +43,8 @@ struct Sweep {
   int peak = 0;  // units
   double ms = 0;
   void step(int k) {
-    peak = std::max(peak, D + (k > s ? d.a[k] : 0) + d.a[k + 1] + d.fp[k]);
+    // a_k (dropped after this forward) shares with a_s only when k == s + 1.
+    peak = std::max(peak, D + (k > s ? d.val(k, k == s + 1) : 0) + d.an[k + 1] + d.fp[k]);
     ms += d.f[k];
   }
 };
@@ -60,7 +61,7 @@ double PersistentDp::work(int L, int M) {
 
 PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
   const int L = d_.L, M = d_.M;
-  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bk = d_.bk;
+  const auto &sv = d_.sv, &ft = d_.ft, &bk = d_.bk;
   const auto &f = d_.f, &b = d_.b;
   const size_t width = width_;
   const size_t rows = static_cast<size_t>(L) * (L + 1) / 2;
@@ -98,8 +99,9 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
         sweep.step(s2 - 1);
         if (sweep.peak > hi) break;
         const size_t rr = row(s2, t), rl = row(s, s2 - 1);
-        const int lo = std::max({sweep.peak, need_[rr] + a[s2], need_[rl]});
-        const Cost* right = &cost_[rr * width] - a[s2];
+        const int as2 = d_.val(s2, s2 == s + 1);  // a_s and a_{s2} held
+        const int lo = std::max({sweep.peak, need_[rr] + as2, need_[rl]});
+        const Cost* right = &cost_[rr * width] - as2;
         const Cost* left = &cost_[rl * width];
         min_sum(out, right, left, static_cast<Cost>(sweep.ms), lo, hi);
       }
@@ -121,7 +123,7 @@ Schedule PersistentDp::schedule(int m) const {
 /** The option the fill kept for (s, t, m): -1 for A (or the base), else s'.
  *  Same arithmetic in the same order as the fill, so the match is exact. */
 int PersistentDp::choice(int s, int t, int m) const {
-  const auto &a = d_.a, &sv = d_.sv, &ft = d_.ft, &bk = d_.bk;
+  const auto &sv = d_.sv, &ft = d_.ft, &bk = d_.bk;
   const auto &f = d_.f, &b = d_.b;
   const size_t width = width_;
   const Cost target = cost_[row(s, t) * width + m];
@@ -134,9 +136,10 @@ int PersistentDp::choice(int s, int t, int m) const {
   for (int s2 = s + 1; s2 <= t; ++s2) {
     sweep.step(s2 - 1);
     if (sweep.peak > m) break;
-    if (m - a[s2] < 0) continue;
+    const int as2 = d_.val(s2, s2 == s + 1);
+    if (m - as2 < 0) continue;
     const Cost c =
-        static_cast<Cost>(sweep.ms) + cost_[row(s2, t) * width + (m - a[s2])] + cost_[row(s, s2 - 1) * width + m];
+        static_cast<Cost>(sweep.ms) + cost_[row(s2, t) * width + (m - as2)] + cost_[row(s, s2 - 1) * width + m];
     if (c == target) return s2;
   }
   throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
@@ -152,7 +155,7 @@ void PersistentDp::emit(std::vector<Op>& ops, int s, int t, int m) const {
       return;
     }
     emit_sweep(ops, s, c);
-    emit(ops, c, t, m - d_.a[c]);
+    emit(ops, c, t, m - d_.val(c, c == s + 1));
     ops.push_back({OpKind::kDrop, c});
     t = c - 1;
   }
@@ -166,7 +169,7 @@ int64_t gcd_sizes(const Chain& chain) {
   int64_t g = chain.input_bytes;
   for (const Stage& s : chain.stages)
     for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.plain_tmp_bytes(), s.backward_tmp_bytes,
-                      s.backward_freed_bytes})
+                      s.backward_freed_bytes, s.shared_input_bytes, s.grad_bytes()})
       g = std::gcd(g, v);
   return g;
 }
@@ -190,19 +193,22 @@ struct MinPeak {
     time.assign(rows, 0);
     choice.assign(rows, -1);
     auto A = [&](int j) { return c.value_bytes(j); };
+    auto G = [&](int j) { return c.grad_bytes(j); };
     for (int d = 0; d < L; ++d) {
       for (int s = 0; s + d < L; ++s) {
         const int t = s + d;
         const Stage& st = c.stages[s];
-        const int64_t D = t == L - 1 ? 0 : A(t + 1);
-        int64_t best = std::max(D + st.saved_bytes + st.forward_tmp_bytes,
-                                st.saved_bytes + A(s + 1) + A(s) + st.backward_tmp_bytes - st.backward_freed_bytes);
+        const int64_t D = t == L - 1 ? 0 : G(t + 1);
+        // a_s is live at forward_save(s): s_s adds saved_bytes net of what a_{s+1} shares with it.
+        const int64_t sv = st.saved_bytes - st.shared_input_bytes;
+        int64_t best = std::max(D + sv + st.forward_tmp_bytes,
+                                sv + G(s + 1) + G(s) + st.backward_tmp_bytes - st.backward_freed_bytes);
         // The base case's forward_save is cut short (recompute_ms) once the
         // backward has started, as in simulate().
         double best_ms =
             (d == 0 && t < L - 1 && st.recompute_ms >= 0 ? st.recompute_ms : st.forward_ms) + st.backward_ms;
         if (d > 0) {
-          best = std::max(best, st.saved_bytes + need[row(s + 1, t)]);
+          best = std::max(best, sv + need[row(s + 1, t)]);
           best_ms += time[row(s + 1, t)];
         }
         int best_choice = -1;
@@ -210,9 +216,12 @@ struct MinPeak {
         double sweep_ms = 0;
         for (int s2 = s + 1; s2 <= t; ++s2) {
           const int k = s2 - 1;
-          sweep_peak = std::max(sweep_peak, D + (k > s ? A(k) : 0) + A(k + 1) + c.stages[k].plain_tmp_bytes());
+          // As internal::Sweep: a value counts net of its predecessor while that is live.
+          sweep_peak = std::max(sweep_peak, D + (k > s ? (k == s + 1 ? c.new_value_bytes(s) : A(k)) : 0) +
+                                                c.new_value_bytes(k) + c.stages[k].plain_tmp_bytes());
           sweep_ms += c.stages[k].forward_ms;
-          const int64_t v = std::max({sweep_peak, A(s2) + need[row(s2, t)], need[row(s, s2 - 1)]});
+          const int64_t held = s2 == s + 1 ? c.new_value_bytes(s) : A(s2);
+          const int64_t v = std::max({sweep_peak, held + need[row(s2, t)], need[row(s, s2 - 1)]});
           const double ms = sweep_ms + time[row(s2, t)] + time[row(s, s2 - 1)];
           if (v < best || (v == best && ms < best_ms)) {
             best = v;
@@ -290,14 +299,21 @@ internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up
     return static_cast<int32_t>(std::min<int64_t>(v, static_cast<int64_t>(d.M) + 1));
   };
   d.a.resize(d.L + 1);
-  for (int j = 0; j <= d.L; ++j) d.a[j] = slots(chain.value_bytes(j));
+  d.an.resize(d.L + 1);
+  d.g.resize(d.L + 1);
+  for (int j = 0; j <= d.L; ++j) {
+    d.a[j] = slots(chain.value_bytes(j));
+    d.g[j] = slots(chain.grad_bytes(j));
+    d.an[j] = j == 0 ? d.a[0] : slots(chain.new_value_bytes(j - 1));
+    d.shared = d.shared || d.an[j] != d.a[j];
+  }
   for (const Stage& st : chain.stages) {
-    d.sv.push_back(slots(st.saved_bytes));
+    d.sv.push_back(slots(st.saved_bytes - st.shared_input_bytes));
     d.ft.push_back(slots(st.forward_tmp_bytes));
     d.fp.push_back(slots(st.plain_tmp_bytes()));
     const int k = static_cast<int>(d.sv.size()) - 1;
-    d.bk.push_back(slots(st.saved_bytes + chain.value_bytes(k + 1) + chain.value_bytes(k) + st.backward_tmp_bytes -
-                         st.backward_freed_bytes));
+    d.bk.push_back(slots(st.saved_bytes - st.shared_input_bytes + chain.grad_bytes(k + 1) + chain.grad_bytes(k) +
+                         st.backward_tmp_bytes - st.backward_freed_bytes));
     d.f.push_back(st.forward_ms);
     d.b.push_back(st.backward_ms);
     d.fr.push_back(st.recompute_ms >= 0 ? st.recompute_ms : st.forward_ms);
@@ -305,21 +321,27 @@ internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up
   return d;
 }
 
-OptimalScope resolve_scope(int L, int M, OptimalScope scope) {
+/** Some stage shares bytes with its input (FullDp's second kind of Q rows). */
+bool has_shared(const Chain& chain) {
+  return std::any_of(chain.stages.begin(), chain.stages.end(), [](const Stage& s) { return s.shared_input_bytes > 0; });
+}
+
+OptimalScope resolve_scope(int L, int M, bool shared, OptimalScope scope) {
   if (scope != OptimalScope::kAuto) return scope;
-  const bool cheap =
-      internal::FullDp::work(L, M) <= kOptimalAutoWork && internal::FullDp::table_bytes(L, M) <= kOptimalAutoTableBytes;
+  const bool cheap = internal::FullDp::work(L, M, shared) <= kOptimalAutoWork &&
+                     internal::FullDp::table_bytes(L, M, shared) <= kOptimalAutoTableBytes;
   return cheap ? OptimalScope::kAll : OptimalScope::kPersistent;
 }
 
-double dp_work(OptimalScope scope, int L, double M) {
+double dp_work(OptimalScope scope, int L, double M, bool shared) {
   const int m = static_cast<int>(std::min(M, 2e9));
-  return scope == OptimalScope::kAll ? internal::FullDp::work(L, m) : internal::PersistentDp::work(L, m);
+  return scope == OptimalScope::kAll ? internal::FullDp::work(L, m, shared) : internal::PersistentDp::work(L, m);
 }
 
-double dp_table_bytes(OptimalScope scope, int L, double M) {
+double dp_table_bytes(OptimalScope scope, int L, double M, bool shared) {
   const int m = static_cast<int>(std::min(M, 2e9));
-  return scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, m) : internal::PersistentDp::table_bytes(L, m);
+  return scope == OptimalScope::kAll ? internal::FullDp::table_bytes(L, m, shared)
+                                     : internal::PersistentDp::table_bytes(L, m);
 }
 
 /** Rounded-down schedules optimal() reconstructs (at M, M - 1, ...) and
@@ -396,7 +418,7 @@ class Search {
     else fn(internal::PersistentDp(d));
   }
   void account(const Discrete& disc) {
-    work_ += dp_work(scope_, chain_.size(), disc.M);
+    work_ += dp_work(scope_, chain_.size(), disc.M, has_shared(chain_));
     unit_ = unit_ == 0 ? disc.unit : std::min(unit_, disc.unit);
   }
   void consider(Plan p) {
@@ -419,7 +441,7 @@ OptimalScope optimal_scope(const Chain& chain, int64_t budget_bytes, int memory_
   check_memory_slots(memory_slots);
   // Store-all is the least time of any schedule: optimal over all of them.
   if (store_all(chain).prediction.peak_bytes <= budget_bytes) return OptimalScope::kAll;
-  return resolve_scope(chain.size(), discretize(chain, budget_bytes, memory_slots).M, requested);
+  return resolve_scope(chain.size(), discretize(chain, budget_bytes, memory_slots).M, has_shared(chain), requested);
 }
 
 int64_t min_feasible_peak_bytes(const Chain& chain) {
@@ -456,8 +478,9 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, Optimal
   if (budget_bytes < min_peak) throw Error(budget_error(budget_bytes, min_peak));
 
   const Discrete first = discretize(chain, budget_bytes, memory_slots);
-  scope = resolve_scope(L, first.M, scope);
-  const double first_table = dp_table_bytes(scope, L, first.M);
+  const bool shared = has_shared(chain);
+  scope = resolve_scope(L, first.M, shared, scope);
+  const double first_table = dp_table_bytes(scope, L, first.M, shared);
   if (first_table > static_cast<double>(int64_t{4} << 30))
     throw Error("[remat::plan] optimal: the DP tables for " + std::to_string(L) + " stages and " +
                 std::to_string(first.M) + " memory slots need " + format_bytes(static_cast<int64_t>(first_table)) +
@@ -471,17 +494,17 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, Optimal
   // costs one pass within the work bound, else twice the slots, while the
   // gap exceeds kOptimalGapTarget and the next passes stay within
   // kOptimalRefineWork (the first discretization always runs).
-  const double cap = std::max(kOptimalRefineWork, 2 * dp_work(scope, L, first.M));
+  const double cap = std::max(kOptimalRefineWork, 2 * dp_work(scope, L, first.M, shared));
   const double table_cap = std::max(first_table, kOptimalAutoTableBytes);
   const int64_t g = std::max<int64_t>(1, gcd_sizes(chain));
   const int64_t exact_slots = std::max<int64_t>(1, (budget_bytes - chain.input_bytes) / g);
   auto affordable = [&](double M, int passes, double budget_work) {
-    return M <= 1e6 && search.work() + passes * dp_work(scope, L, M) <= budget_work &&
-           dp_table_bytes(scope, L, M) <= table_cap;
+    return M <= 1e6 && search.work() + passes * dp_work(scope, L, M, shared) <= budget_work &&
+           dp_table_bytes(scope, L, M, shared) <= table_cap;
   };
   Discrete disc = first;
   // Exact at once when that costs no more than the rounded pair.
-  if (!disc.exact && affordable(static_cast<double>(exact_slots), 1, 2 * dp_work(scope, L, first.M)))
+  if (!disc.exact && affordable(static_cast<double>(exact_slots), 1, 2 * dp_work(scope, L, first.M, shared)))
     disc = discretize(chain, budget_bytes, exact_slots);
   int64_t slots = memory_slots;
   while (true) {

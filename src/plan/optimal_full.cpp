@@ -20,6 +20,10 @@
 //  F(c, j, k, m) = P(c, j, m - |a_c|) then drop(c) if k == c, else Q(c, j, k, m).
 // rotor's P (Beaumont et al.) is the special case where every Q pops at once
 // along a sweep and ends in a P (k == the sweep's end).
+// Shared bytes (Stage::shared_input_bytes): a value computed from a live
+// predecessor counts Slots::an while that predecessor lives. P's caller and a
+// keep hold a_c through F(c+1, ...), so those F see a_{c+1} at an[c+1]; a pop
+// drops a_c first, so its F sees a[c+1]. Q rows come in both kinds (pl).
 #include <algorithm>
 #include <string>
 
@@ -43,14 +47,14 @@ void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top) {
   }
 }
 
-double FullDp::table_bytes(int L, int M) {
-  const double l = L, rows = l * (l + 1) / 2 + (l - 2) * (l - 1) * l / 6;
+double FullDp::table_bytes(int L, int M, bool shared) {
+  const double l = L, rows = l * (l + 1) / 2 + (shared ? 2 : 1) * (l - 2) * (l - 1) * l / 6;
   return rows * (static_cast<double>(M) + 1) * sizeof(Cost);
 }
 
-double FullDp::work(int L, int M) {
+double FullDp::work(int L, int M, bool shared) {
   const double l = L;
-  return l * l * l * l / 24 * (static_cast<double>(M) + 1);
+  return (shared ? 2 : 1) * l * l * l * l / 24 * (static_cast<double>(M) + 1);
 }
 
 namespace {
@@ -86,7 +90,7 @@ FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
     const size_t n = c == 0 ? 0 : static_cast<size_t>(L - 1 - c) * (L - c) / 2;
     qoff_[c + 1] = qoff_[c] + n;
   }
-  const size_t prows = static_cast<size_t>(L) * (L + 1) / 2, qrows = qoff_[L];
+  const size_t prows = static_cast<size_t>(L) * (L + 1) / 2, qrows = qoff_[L] * (d_.shared ? 2 : 1);
   p_.assign(prows * width_, kInf);
   const size_t q_bytes = std::max<size_t>(1, qrows * width_) * sizeof(Cost);
   if (q_bytes >= kMapFrom) q_ = std::unique_ptr<Cost, Release>(map_table(q_bytes), Release{q_bytes});
@@ -101,16 +105,20 @@ FullDp::FullDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s.M) + 1) {
     for (int j = c; j < L; ++j) {
       fill_p(c, j);
       if (c > 0)
-        for (int k = c + 1; k <= j; ++k) fill_q(c, j, k);
+        for (int k = c + 1; k <= j; ++k) {
+          fill_q(c, j, k, false);
+          if (d_.shared) fill_q(c, j, k, true);
+        }
     }
 }
 
-FullDp::Row FullDp::frow(int c, int j, int k) const {
+FullDp::Row FullDp::frow(int c, int j, int k, bool pl) const {
   if (k == c) {
     const size_t r = prow(c, j);
-    return {&p_[r * width_] - d_.a[c], p_need_[r] + d_.a[c], p_sat_[r] + d_.a[c], p_least_[r]};
+    const int ac = d_.val(c, pl);
+    return {&p_[r * width_] - ac, p_need_[r] + ac, p_sat_[r] + ac, p_least_[r]};
   }
-  const size_t r = qrow(c, j, k);
+  const size_t r = qrow(c, j, k, pl);
   return {&q_.get()[r * width_], q_need_[r], q_sat_[r], q_least_[r]};
 }
 
@@ -137,7 +145,6 @@ int first_at_most(const Cost* out, int lo, int hi, Cost bound) {
 }  // namespace
 
 void FullDp::fill_p(int c, int j) {
-  const auto& a = d_.a;
   const int M = d_.M, D = d_.dst(j);
   const size_t r = prow(c, j);
   Cost* out = &p_[r * width_];
@@ -157,10 +164,10 @@ void FullDp::fill_p(int c, int j) {
     for (int m = lo; m <= M; ++m) out[m] = fb + child[m];
   }
   const int hi = std::min(M, p_sat_[r] - 1);
-  const int fwd = a[c + 1] + d_.fp[c] + D;
+  const int fwd = d_.an[c + 1] + d_.fp[c] + D;
   const Cost fc = static_cast<Cost>(d_.f[c]);
   for (int k2 = c + 1; k2 <= j; ++k2) {
-    const Row right = frow(c + 1, j, k2);
+    const Row right = frow(c + 1, j, k2, true);
     const size_t rl = prow(c, k2 - 1);
     const Cost* left = &p_[rl * width_];
     const Cost* rv = right.v;
@@ -176,14 +183,14 @@ void FullDp::fill_p(int c, int j) {
   p_least_[r] = out[M];
 }
 
-void FullDp::fill_q(int c, int j, int k) {
-  const auto& a = d_.a;
+void FullDp::fill_q(int c, int j, int k, bool pl) {
   const int M = d_.M;
-  const size_t r = qrow(c, j, k);
+  const size_t r = qrow(c, j, k, pl);
   Cost* out = &q_.get()[r * width_];
-  const int fwd = a[c] + a[c + 1] + d_.fp[c] + d_.dst(j);
+  const int ac = d_.val(c, pl);
+  const int fwd = ac + d_.an[c + 1] + d_.fp[c] + d_.dst(j);
   const Cost fc = static_cast<Cost>(d_.f[c]);
-  const Row pop = frow(c + 1, j, k);
+  const Row pop = frow(c + 1, j, k, false);
   // From m = sat on, popping at once and storing all of k..j fits: every stage
   // of c..j forwarded once and k..j backwarded once, the least possible.
   q_sat_[r] = std::max(fwd, pop.sat);
@@ -193,13 +200,13 @@ void FullDp::fill_q(int c, int j, int k) {
   for (int m = need; m <= M; ++m) out[m] = fc + pop.v[m];
   const int hi = std::min(M, q_sat_[r] - 1);
   for (int k2 = k + 1; k2 <= j; ++k2) {
-    const Row right = frow(c + 1, j, k2);
-    const size_t rl = qrow(c, k2 - 1, k);
-    const int lo = std::max({fwd, right.need + a[c], q_need_[rl]});
+    const Row right = frow(c + 1, j, k2, true);
+    const size_t rl = qrow(c, k2 - 1, k, pl);
+    const int lo = std::max({fwd, right.need + ac, q_need_[rl]});
     if (lo > hi) continue;
     const int top = first_at_most(out, lo, hi, fc + right.least + q_least_[rl]) - 1;
     if (top < lo) continue;
-    const Cost* rv = right.v - a[c];
+    const Cost* rv = right.v - ac;
     const Cost* left = &q_.get()[rl * width_];
     min_sum(out, rv, left, fc, lo, top);
     need = std::min(need, lo);  // rows are finite from their need on
@@ -225,7 +232,6 @@ namespace {
 // The emitters re-evaluate each option with fill_p / fill_q's arithmetic in
 // the same order, so the option the fill kept matches exactly.
 void FullDp::emit_p(std::vector<Op>& ops, int c, int j, int m) const {
-  const auto& a = d_.a;
   while (true) {
     const Cost target = p_[prow(c, j) * width_ + m];
     const int D = d_.dst(j);
@@ -244,49 +250,49 @@ void FullDp::emit_p(std::vector<Op>& ops, int c, int j, int m) const {
       ops.push_back({OpKind::kBackward, c});
       return;
     }
-    const int fwd = a[c + 1] + d_.fp[c] + D;
+    const int fwd = d_.an[c + 1] + d_.fp[c] + D;
     const Cost fc = static_cast<Cost>(d_.f[c]);
     int pick = -1;
     for (int k2 = c + 1; k2 <= j && pick < 0; ++k2) {
-      const Row right = frow(c + 1, j, k2);
+      const Row right = frow(c + 1, j, k2, true);
       const size_t rl = prow(c, k2 - 1);
       if (m >= std::max({fwd, right.need, p_need_[rl]}) && fc + right.v[m] + p_[rl * width_ + m] == target) pick = k2;
     }
     if (pick < 0) no_option();
     ops.push_back({OpKind::kForward, c});
-    emit_f(ops, c + 1, j, pick, m);
+    emit_f(ops, c + 1, j, pick, true, m);
     j = pick - 1;  // a_c still held: P(c, pick - 1, m)
   }
 }
 
-void FullDp::emit_f(std::vector<Op>& ops, int c, int j, int k, int m) const {
-  if (k > c) return emit_q(ops, c, j, k, m);
-  emit_p(ops, c, j, m - d_.a[c]);
+void FullDp::emit_f(std::vector<Op>& ops, int c, int j, int k, bool pl, int m) const {
+  if (k > c) return emit_q(ops, c, j, k, pl, m);
+  emit_p(ops, c, j, m - d_.val(c, pl));
   ops.push_back({OpKind::kDrop, c});
 }
 
-void FullDp::emit_q(std::vector<Op>& ops, int c, int j, int k, int m) const {
-  const auto& a = d_.a;
+void FullDp::emit_q(std::vector<Op>& ops, int c, int j, int k, bool pl, int m) const {
   while (true) {
-    const Cost target = q_.get()[qrow(c, j, k) * width_ + m];
-    const int fwd = a[c] + a[c + 1] + d_.fp[c] + d_.dst(j);
+    const Cost target = q_.get()[qrow(c, j, k, pl) * width_ + m];
+    const int ac = d_.val(c, pl);
+    const int fwd = ac + d_.an[c + 1] + d_.fp[c] + d_.dst(j);
     const Cost fc = static_cast<Cost>(d_.f[c]);
-    const Row pop = frow(c + 1, j, k);
+    const Row pop = frow(c + 1, j, k, false);
     ops.push_back({OpKind::kForward, c});
     if (m >= std::max(fwd, pop.need) && fc + pop.v[m] == target) {
       ops.push_back({OpKind::kDrop, c});
-      return emit_f(ops, c + 1, j, k, m);
+      return emit_f(ops, c + 1, j, k, false, m);
     }
     int pick = -1;
     for (int k2 = k + 1; k2 <= j && pick < 0; ++k2) {
-      const Row right = frow(c + 1, j, k2);
-      const size_t rl = qrow(c, k2 - 1, k);
-      if (m >= std::max({fwd, right.need + a[c], q_need_[rl]}) &&
-          fc + right.v[m - a[c]] + q_.get()[rl * width_ + m] == target)
+      const Row right = frow(c + 1, j, k2, true);
+      const size_t rl = qrow(c, k2 - 1, k, pl);
+      if (m >= std::max({fwd, right.need + ac, q_need_[rl]}) &&
+          fc + right.v[m - ac] + q_.get()[rl * width_ + m] == target)
         pick = k2;
     }
     if (pick < 0) no_option();
-    emit_f(ops, c + 1, j, pick, m - a[c]);
+    emit_f(ops, c + 1, j, pick, true, m - ac);
     j = pick - 1;  // a_c still live: Q(c, pick - 1, k, m)
   }
 }

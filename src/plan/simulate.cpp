@@ -38,6 +38,9 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
   chain.validate();
   const int L = chain.size();
   std::vector<char> live_a(L + 1, 0), live_s(L, 0);
+  // shares[i]: a_{i+1} holds Stage::shared_input_bytes of the live a_i it
+  // was computed from, counted once (in a_i) while both live.
+  std::vector<char> shares(L, 0);
   live_a[0] = 1;
   Prediction p;
   p.forwards_per_stage.assign(L, 0);
@@ -47,6 +50,7 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
   int next_backward = L - 1;  // stages above it have had their backward
   bool backward_started = false;
   auto A = [&](int j) { return chain.value_bytes(j); };
+  auto G = [&](int j) { return chain.grad_bytes(j); };
 
   for (size_t k = 0; k < schedule.ops.size(); ++k) {
     const Op op = schedule.ops[k];
@@ -70,10 +74,11 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
         if (!live_a[i]) fail("its input a_" + std::to_string(i) + " is not live (dropped or never computed).");
         if (live_a[i + 1]) fail("its output a_" + std::to_string(i + 1) + " is already live; drop it first.");
         const Stage& st = chain.stages[i];
-        const int64_t add = op.kind == OpKind::kForward ? st.output_bytes : st.saved_bytes;
+        const int64_t add = (op.kind == OpKind::kForward ? st.output_bytes : st.saved_bytes) - st.shared_input_bytes;
         during = cur + add + (op.kind == OpKind::kForward ? st.plain_tmp_bytes() : st.forward_tmp_bytes);
         cur += add;
         live_a[i + 1] = 1;
+        shares[i] = 1;
         if (op.kind == OpKind::kForwardSave) live_s[i] = 1;
         p.time_ms += op.kind == OpKind::kForwardSave && st.recompute_ms >= 0 && backward_started &&
                              output_unread_until_backward(schedule, k)
@@ -95,13 +100,14 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
         if (!live_a[i]) fail("its input a_" + std::to_string(i) + " is not live (dropped or never computed).");
         if (!backward_started) {
           backward_started = true;
-          cur += A(L);  // the loss gradient
+          cur += G(L);  // the loss gradient
         }
         const Stage& st = chain.stages[i];
-        during = cur + A(i) + st.backward_tmp_bytes - st.backward_freed_bytes;
-        cur += A(i) - st.saved_bytes - A(i + 1);
+        during = cur + G(i) + st.backward_tmp_bytes - st.backward_freed_bytes;
+        cur += G(i) - st.saved_bytes - G(i + 1) + (shares[i] ? st.shared_input_bytes : 0);
         live_s[i] = 0;
         live_a[i + 1] = 0;
+        shares[i] = 0;
         p.time_ms += st.backward_ms;
         --next_backward;
         break;
@@ -119,6 +125,11 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
                ", whose saved set is live; backward(" + std::to_string(i) + ") needs it.");
         live_a[i] = 0;
         cur -= A(i);
+        // What a_i shares with a neighbour stays live with it.
+        if (shares[i - 1]) cur += chain.stages[i - 1].shared_input_bytes;
+        if (i < L && shares[i]) cur += chain.stages[i].shared_input_bytes;
+        shares[i - 1] = 0;
+        if (i < L) shares[i] = 0;
         break;
       }
       default: fail("unknown op kind.");

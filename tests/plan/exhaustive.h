@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <queue>
+#include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
@@ -49,23 +50,29 @@ class Exhaustive {
     int nb = 0;          // next stage to backward (L-1 .. -1)
     int last_f = -1;     // kPersistent: stage of the last forward of the current sweep
     int transient = -1;  // kPersistent: j whose a_j may be dropped as transient now
+    uint32_t sh = 0;     // bit i: a_{i+1} shares Stage::shared_input_bytes with the live a_i it came from
   };
   uint64_t key(const State& x) const {
     return (static_cast<uint64_t>(x.a)) | (static_cast<uint64_t>(x.s) << 16) | (static_cast<uint64_t>(x.nb + 1) << 32) |
-           (static_cast<uint64_t>(x.last_f + 1) << 40) | (static_cast<uint64_t>(x.transient + 1) << 48);
+           (static_cast<uint64_t>(x.last_f + 1) << 40) | (static_cast<uint64_t>(x.transient + 1) << 48) |
+           (static_cast<uint64_t>(x.sh) << 56);
   }
   bool live_a(const State& x, int j) const { return j == 0 || (x.a >> (j - 1) & 1); }
   bool live_s(const State& x, int i) const { return i >= 0 && i < L_ && (x.s >> i & 1); }
   int64_t A(int j) const { return c_.value_bytes(j); }
+  int64_t G(int j) const { return c_.grad_bytes(j); }
   int64_t bytes(const State& x) const {
     int64_t v = c_.input_bytes;
     for (int j = 1; j <= L_; ++j)
       if (live_a(x, j) && !live_s(x, j - 1)) v += A(j);
     for (int i = 0; i < L_; ++i)
       if (live_s(x, i)) v += c_.stages[i].saved_bytes;
-    if (x.nb < L_ - 1) v += A(x.nb + 1);  // the gradient flowing back
+    if (x.nb < L_ - 1) v += G(x.nb + 1);  // the gradient flowing back
+    for (int i = 0; i < L_; ++i)
+      if (x.sh >> i & 1) v -= c_.stages[i].shared_input_bytes;  // counted in a_i and again in a_{i+1}
     return v;
   }
+  static uint32_t without(uint32_t mask, int bit) { return bit >= 0 ? mask & ~(1u << bit) : mask; }
 
   double search(int64_t budget, bool minimize_peak, std::vector<Op>* schedule) const {
     const double inf = std::numeric_limits<double>::infinity();
@@ -82,6 +89,8 @@ class Exhaustive {
     State start;
     start.nb = L_ - 1;
     if (c_.input_bytes > budget) return inf;
+    for (const Stage& st : c_.stages)
+      if (st.shared_input_bytes > 0 && L_ > 8) throw std::logic_error("Exhaustive: shared_input_bytes needs L <= 8");
     const double start_cost = minimize_peak ? static_cast<double>(c_.input_bytes) : 0.0;
     best[key(start)] = {start_cost, key(start), {OpKind::kDrop, -1}, start};
     pq.push({start_cost, key(start)});
@@ -118,9 +127,11 @@ class Exhaustive {
           const Stage& st = c_.stages[i];
           State y = x;
           y.a |= 1u << i;
+          if (st.shared_input_bytes > 0) y.sh |= 1u << i;
           y.last_f = persistent ? i : -1;
           y.transient = persistent && x.last_f == i - 1 && i >= 1 ? i : -1;
-          relax(y, cur + A(i + 1) + st.plain_tmp_bytes(), st.forward_ms, {OpKind::kForward, i});
+          const int64_t shared = st.shared_input_bytes;
+          relax(y, cur + A(i + 1) - shared + st.plain_tmp_bytes(), st.forward_ms, {OpKind::kForward, i});
           y.s |= 1u << i;
           y.last_f = y.transient = -1;
           // Once backward has started, a forward_save of the next stage to
@@ -128,7 +139,7 @@ class Exhaustive {
           // output (stage i+1 is done): early stop cuts it to recompute_ms.
           // Any other forward_save leaves a_{i+1} to a later forward.
           const bool cut = !forward_phase && i == x.nb && st.recompute_ms >= 0;
-          relax(y, cur + st.saved_bytes + st.forward_tmp_bytes, cut ? st.recompute_ms : st.forward_ms,
+          relax(y, cur + st.saved_bytes - shared + st.forward_tmp_bytes, cut ? st.recompute_ms : st.forward_ms,
                 {OpKind::kForwardSave, i});
         }
         for (int j = 1; j <= L_; ++j) {  // drops
@@ -136,6 +147,7 @@ class Exhaustive {
           if (persistent && !(j > x.nb || j == x.transient)) continue;
           State y = x;
           y.a &= ~(1u << (j - 1));
+          y.sh = without(without(y.sh, j - 1), j);  // the shared bytes stay with the neighbour
           if (persistent && j != x.transient) y.last_f = -1;
           y.transient = -1;
           relax(y, cur, 0, {OpKind::kDrop, j});
@@ -144,13 +156,14 @@ class Exhaustive {
       if (x.nb >= 0 && live_s(x, x.nb) && live_a(x, x.nb)) {
         const int i = x.nb;
         const Stage& st = c_.stages[i];
-        const int64_t before = forward_phase ? cur + A(L_) : cur;
+        const int64_t before = forward_phase ? cur + G(L_) : cur;
         State y = x;
         y.s &= ~(1u << i);
         y.a &= ~(1u << i);  // a_{i+1}
+        y.sh = without(y.sh, i);
         y.nb = i - 1;
         y.last_f = y.transient = -1;
-        relax(y, before + A(i) + st.backward_tmp_bytes - st.backward_freed_bytes, st.backward_ms,
+        relax(y, before + G(i) + st.backward_tmp_bytes - st.backward_freed_bytes, st.backward_ms,
               {OpKind::kBackward, i});
       }
     }

@@ -374,3 +374,95 @@ TEST(Simulate, PlainForwardTemporariesApartFromForwardSave) {
     EXPECT_NE(std::string(e.what()).find("plain_forward_tmp_bytes"), std::string::npos) << e.what();
   }
 }
+
+// Stage::shared_input_bytes: a residual head's output (h, x) holds its input
+// x. The 8 shared bytes count once while a_2 and the a_1 it came from are
+// both live; dropping a_1 leaves them with a_2 (frees nothing), and a
+// recomputed a_1 is new storage beside the old a_2. Hand-checked bytes.
+TEST(Simulate, SharedInputBytesCountedOnceWhileBothLive) {
+  rp::Chain c;
+  c.input_bytes = 10;
+  c.stages = {{"s0", 1, 2, 8, 8}, {"head", 1, 2, 12, 14}, {"tail", 1, 2, 6, 9}};
+  c.stages[1].shared_input_bytes = 8;
+  const rp::Schedule s{{F(0), F(1), D(1), FS(2), B(2), F(0), D(2), FS(1), B(1), D(1), FS(0), B(0)}};
+  const auto p = rp::simulate(c, s);
+  // F(1) adds h only; D(1) frees nothing; B(2) peaks at a0 + a2 + s2 + g3 + g2;
+  // F(0) recomputes a_1 in full beside the old a_2, and D(2) then frees all
+  // of a_2 (x went with it: the new a_1 is other storage); FS(1) adds s1 net.
+  const std::vector<int64_t> want = {18, 22, 22, 31, 49, 42, 42, 36, 44, 26, 26, 36};
+  EXPECT_EQ(p.op_bytes, want);
+  EXPECT_EQ(p.peak_bytes, 49);
+  rp::Chain unshared = c;
+  unshared.stages[1].shared_input_bytes = 0;
+  EXPECT_EQ(rp::simulate(unshared, s).op_bytes[1], 30);  // x counted twice
+  // Store-all keeps a_1 and s_1 together throughout.
+  EXPECT_EQ(rp::store_all(c).prediction.peak_bytes + 8, rp::store_all(unshared).prediction.peak_bytes);
+  const auto back = rp::chain_from_json(rp::chain_to_json(c));
+  EXPECT_EQ(back.stages[1].shared_input_bytes, 8);
+  EXPECT_EQ(rp::chain_to_json(unshared).find("shared_input_bytes"), std::string::npos);
+}
+
+TEST(Simulate, SharedInputBytesOutOfRangeArePinned) {
+  rp::Chain c;
+  c.input_bytes = 10;
+  c.stages = {{"s0", 1, 2, 8, 8}, {"head", 1, 2, 12, 14}};
+  auto message = [&] {
+    try {
+      c.validate();
+    } catch (const rp::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  c.stages[1].shared_input_bytes = 9;  // a_1 has 8
+  EXPECT_EQ(message(),
+            "[remat::plan] chain: stage 1 (\"head\"): shared_input_bytes (9) > the stage's input bytes (8); an "
+            "output shares at most what both the input and the output hold.");
+  c.stages[0].shared_input_bytes = 9;  // a_1 has 8, a_0 10
+  EXPECT_EQ(message(),
+            "[remat::plan] chain: stage 0 (\"s0\"): shared_input_bytes (9) > output_bytes (8); an output shares "
+            "at most what both the input and the output hold.");
+  c.stages[0].shared_input_bytes = -1;
+  EXPECT_EQ(message(), "[remat::plan] chain: stage 0 (\"s0\"): shared_input_bytes is negative (-1); sizes are bytes >= 0.");
+  c.stages[0].shared_input_bytes = 0;
+  c.stages[1].shared_input_bytes = 8;
+  c.stages[1].backward_freed_bytes = 19;  // s1 14 + g2 12 - the 8 that a_1 keeps = 18
+  EXPECT_EQ(message(),
+            "[remat::plan] chain: stage 1 (\"head\"): backward_freed_bytes (19) > saved_bytes + output_bytes - "
+            "shared_input_bytes (18); a backward can free at most its saved set and the gradient at its output, "
+            "less what its input still holds.");
+  c.stages[1].backward_freed_bytes = 18;
+  EXPECT_EQ(message(), "(no error)");
+  try {  // the JSON reader validates the field too
+    rp::chain_from_json(R"({"input_bytes": 10, "stages": [{"forward_ms": 1, "backward_ms": 1,
+        "output_bytes": 8, "saved_bytes": 8, "shared_input_bytes": 9}]})");
+    ADD_FAILURE() << "no error";
+  } catch (const rp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shared_input_bytes (9) > output_bytes (8)"), std::string::npos) << e.what();
+  }
+}
+
+// Stage::output_grad_bytes: grad_1 of 25 bytes instead of |a_1| = 10 (the
+// head of a chain passing its input on: the input's part of the output is in
+// input_bytes, not output_bytes, but has a gradient). Only the ops during
+// which grad_1 is live move, by the 15 bytes.
+TEST(Simulate, OutputGradBytesPriceTheGradientApart) {
+  rp::Chain c = small_chain();
+  const rp::Schedule s = rp::store_all(c).schedule;
+  const auto before = rp::simulate(c, s);
+  c.stages[0].output_grad_bytes = 25;
+  const auto after = rp::simulate(c, s);
+  ASSERT_EQ(s.ops.size(), 6u);  // FS(0) FS(1) FS(2) B(2) B(1) B(0)
+  for (size_t k = 0; k < 4; ++k) EXPECT_EQ(after.op_bytes[k], before.op_bytes[k]) << k;
+  EXPECT_EQ(after.op_bytes[4], before.op_bytes[4] + 15);  // B(1) writes grad_1
+  EXPECT_EQ(after.op_bytes[5], before.op_bytes[5] + 15);  // B(0) reads it
+  EXPECT_EQ(rp::chain_from_json(rp::chain_to_json(c)).stages[0].output_grad_bytes, 25);
+  EXPECT_EQ(rp::chain_to_json(small_chain()).find("output_grad_bytes"), std::string::npos);
+  c.stages[0].output_grad_bytes = -2;
+  try {
+    c.validate();
+    ADD_FAILURE() << "no error";
+  } catch (const rp::Error& e) {
+    EXPECT_STREQ(e.what(), "[remat::plan] chain: stage 0 (\"s0\"): output_grad_bytes is negative (-2); sizes are bytes >= 0.");
+  }
+}

@@ -209,6 +209,78 @@ TEST(Optimal, EqualsExhaustiveSearchWithPlainForwardTemporaries) {
       compared, changed);
 }
 
+// Stage::shared_input_bytes (a residual head passing its input on, (h, x)):
+// the bytes count once while a value and the predecessor it came from are
+// both live; on odd trials also Stage::output_grad_bytes, a gradient of
+// another size than its value. simulate(), the min-peak recursion and both DP scopes (FullDp
+// with its two kinds of Q rows) equal the exhaustive searches, which track
+// the pairs on their own; and the sharing changes the chosen schedules.
+TEST(Optimal, EqualsExhaustiveSearchWithSharedInputBytes) {
+  std::mt19937 rng(20261204);
+  int compared = 0, changed = 0, lower = 0;
+  for (int trial = 0; trial < 140; ++trial) {
+    const int L = 2 + trial % 6;
+    rp::Chain c = random_chain(rng, L, 1, 12, trial % 2 == 0, /*freed=*/trial % 3 == 0);
+    const rp::Chain unshared = c;
+    for (int i = 0; i < L; ++i) {
+      if ((trial + i) % 3 == 2) continue;  // some stages share nothing
+      std::uniform_int_distribution<int64_t> h(1, std::min(c.value_bytes(i), c.stages[i].output_bytes));
+      rp::Stage& st = c.stages[i];
+      st.shared_input_bytes = h(rng);
+      if (trial % 2 == 1) {  // a gradient other than the value's size (a chain input passed on, a mask)
+        std::uniform_int_distribution<int64_t> g(0, 2 * st.output_bytes);
+        st.output_grad_bytes = g(rng);
+      }
+      // What the input still holds is not the backward's to free.
+      st.backward_freed_bytes = std::min(st.backward_freed_bytes, st.saved_bytes + st.grad_bytes() - st.shared_input_bytes);
+    }
+    const Compared r = expect_optimal_equals_exhaustive(c, unshared, trial, &compared);
+    changed += r.changed;
+    ASSERT_EQ(rp::min_feasible_peak_bytes(c), r.min_peak) << "trial " << trial;
+    ASSERT_EQ(rp::min_memory(c).prediction.peak_bytes, r.min_peak) << "trial " << trial;
+    ASSERT_EQ(rp::testing::Exhaustive(c, rp::testing::Space::kPersistent).min_peak_bytes(), r.min_peak);
+    lower += r.min_peak < rp::min_feasible_peak_bytes(unshared);
+  }
+  EXPECT_EQ(compared, 140 * 6);
+  EXPECT_GT(changed, 0);
+  EXPECT_GT(lower, 0);  // sharing lowers the smallest feasible peak on part of the sample
+  std::printf(
+      "with shared input bytes: optimal == exhaustive on %d (chain, budget) pairs; %d schedules differ, "
+      "%d smallest peaks lower\n",
+      compared, changed, lower);
+}
+
+// The same field at sizes the DP must round (no common unit): every plan fits
+// its budget, and its lower bound, a bound on the exact optimum of the
+// chain with sharing, is at most the time of the optimal plan for the chain
+// without it (sharing only ever lowers a schedule's peak).
+TEST(Optimal, SharedInputBytesRoundedPlansFitAndNeverLoseToUnshared) {
+  std::mt19937 rng(20261205);
+  int compared = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    rp::Chain c = random_chain(rng, 10 + 2 * trial, 1, 1 << 20, true);
+    const rp::Chain unshared = c;
+    for (int i = 1; i < c.size(); i += 2) {  // every other stage a residual head passing its input on
+      rp::Stage& st = c.stages[i];
+      st.shared_input_bytes = std::min(c.value_bytes(i), st.output_bytes);
+    }
+    const int64_t lo = rp::min_feasible_peak_bytes(unshared), hi = rp::store_all(unshared).prediction.peak_bytes;
+    EXPECT_LE(rp::min_feasible_peak_bytes(c), lo);
+    for (int k = 0; k <= 4; ++k) {
+      const int64_t budget = lo + (hi - lo) * k / 4;
+      for (auto scope : {rp::OptimalScope::kAll, rp::OptimalScope::kPersistent}) {
+        const rp::Plan p = rp::optimal(c, budget, 500, scope);
+        const rp::Plan q = rp::optimal(unshared, budget, 500, scope);
+        EXPECT_LE(p.prediction.peak_bytes, budget) << "trial " << trial << " k " << k;
+        EXPECT_EQ(p.prediction.peak_bytes, rp::simulate(c, p.schedule).peak_bytes);
+        EXPECT_LE(p.lower_bound_ms, q.prediction.time_ms * (1 + 1e-9)) << "trial " << trial << " k " << k;
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 80);
+}
+
 // backward_freed_bytes (the profiler's measure of what remat's runtime frees
 // inside a backward) enters the DP's rounded backward term once: optimal and
 // its persistent scope still equal the exhaustive searches.

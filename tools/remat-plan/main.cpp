@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
       "  {\"input_bytes\": N, \"stages\": [{\"name\": \"...\", \"forward_ms\": f, \"backward_ms\": b,\n"
       "    \"output_bytes\": x, \"saved_bytes\": a, \"forward_tmp_bytes\": t (optional),\n"
       "    \"backward_tmp_bytes\": u, \"plain_forward_tmp_bytes\": p, \"backward_freed_bytes\": r,\n"
-      "    \"recompute_ms\": c (each optional)}, ...]}\n"
+      "    \"shared_input_bytes\": h, \"output_grad_bytes\": g, \"recompute_ms\": c (each optional)}, ...]}\n"
       "saved_bytes includes the stage's output and excludes its input (see docs/planner.md).\n\n"
       "Output: the prediction (peak_bytes, time_ms, forward_executions, forwards_per_stage)\n"
       "and the schedule (ops forward, forward_save, backward, drop with their stage) as a\n"

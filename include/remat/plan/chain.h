@@ -42,6 +42,22 @@ struct Stage {
    *  intermediates are freed as they die, not saved), above a_{i+1}; < 0:
    *  forward_tmp_bytes (the default). */
   int64_t plain_forward_tmp_bytes = -1;
+  /** (Last, as above.) Bytes of a_{i+1} that are a_i's own storage, passed on
+   *  unchanged (an identity shortcut: a residual block's head returns
+   *  (first(x), x)); also inside saved_bytes. While a_{i+1} and the a_i it
+   *  was computed from are both live, these bytes are counted once. A drop
+   *  of either leaves them with the other, and a recomputed a_i is new
+   *  storage that shares nothing with an older a_{i+1}. Default 0; at most
+   *  min(|a_i|, output_bytes). */
+  int64_t shared_input_bytes = 0;
+  /** (Last, as above.) |grad_{i+1}|, the gradient at the stage's output,
+   *  where it differs from output_bytes: a tensor of the chain input passed
+   *  on is not in output_bytes (input_bytes counts it) but has a gradient;
+   *  one that needs no gradient (a mask) has none. < 0: output_bytes (the
+   *  default). */
+  int64_t output_grad_bytes = -1;
+  /** |grad_{i+1}|: output_grad_bytes where set. */
+  int64_t grad_bytes() const { return output_grad_bytes < 0 ? output_bytes : output_grad_bytes; }
 
   /** A plain forward's temporaries: plain_forward_tmp_bytes where set. */
   int64_t plain_tmp_bytes() const { return plain_forward_tmp_bytes < 0 ? forward_tmp_bytes : plain_forward_tmp_bytes; }
@@ -57,8 +73,15 @@ struct Chain {
   int size() const { return static_cast<int>(stages.size()); }
   /** |a_j| for j in [0, L]: input_bytes for j = 0, else stages[j-1].output_bytes. */
   int64_t value_bytes(int j) const { return j == 0 ? input_bytes : stages[j - 1].output_bytes; }
+  /** |grad_j| for j in [0, L]: input_bytes for j = 0, else stages[j-1].grad_bytes();
+   *  grad_L is the loss gradient. */
+  int64_t grad_bytes(int j) const { return j == 0 ? input_bytes : stages[j - 1].grad_bytes(); }
+  /** |a_{j+1}| net of the bytes it shares with a_j (Stage::shared_input_bytes),
+   *  j in [0, L-1]: what a forward of stage j adds while a_j is live. */
+  int64_t new_value_bytes(int j) const { return stages[j].output_bytes - stages[j].shared_input_bytes; }
   /** Throws Error for an empty chain, a negative or non-finite size or time,
-   *  saved_bytes < output_bytes (the message names the stage and the field), or
+   *  saved_bytes < output_bytes, shared_input_bytes above |a_i| or
+   *  output_bytes (the message names the stage and the field), or
    *  sizes adding up to more than 2^60 bytes (so that byte sums fit in 64 bits). */
   void validate() const;
 };

@@ -14,7 +14,7 @@ namespace remat::plan {
 /** Parses {"input_bytes": N, "stages": [{"name", "forward_ms", "backward_ms",
  *  "output_bytes", "saved_bytes", optional "forward_tmp_bytes",
  *  "plain_forward_tmp_bytes", "backward_tmp_bytes", "backward_freed_bytes",
- *  "recompute_ms"}, ...]} and validates it. Throws Error naming the
+ *  "shared_input_bytes", "output_grad_bytes", "recompute_ms"}, ...]} and validates it. Throws Error naming the
  *  field, e.g. "stages[2].saved_bytes: missing". */
 Chain chain_from_json(std::string_view text);
 
