@@ -27,7 +27,8 @@ bool same(const rp::Chain& a, const rp::Chain& b) {
     if (x.name != y.name || x.forward_ms != y.forward_ms || x.backward_ms != y.backward_ms ||
         x.output_bytes != y.output_bytes || x.saved_bytes != y.saved_bytes ||
         x.forward_tmp_bytes != y.forward_tmp_bytes || x.backward_tmp_bytes != y.backward_tmp_bytes ||
-        x.backward_freed_bytes != y.backward_freed_bytes)
+        x.backward_freed_bytes != y.backward_freed_bytes || x.shared_input_bytes != y.shared_input_bytes ||
+        x.output_grad_bytes != y.output_grad_bytes || x.plain_forward_tmp_bytes != y.plain_forward_tmp_bytes)
       return false;
   }
   return true;

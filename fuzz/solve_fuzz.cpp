@@ -70,9 +70,11 @@ rp::Chain fuzz_chain(FuzzedDataProvider& in, int max_stages) {
     s.saved_bytes = s.output_bytes + fuzz_bytes(in, unit, rough);
     if (in.ConsumeBool()) s.forward_tmp_bytes = fuzz_bytes(in, unit, rough);
     if (in.ConsumeBool()) s.backward_tmp_bytes = fuzz_bytes(in, unit, rough);
-    if (in.ConsumeBool()) {
-      s.backward_freed_bytes = std::min(fuzz_bytes(in, unit, rough), s.saved_bytes + s.output_bytes);
-    }
+    if (in.ConsumeBool()) s.backward_freed_bytes = fuzz_bytes(in, unit, rough);
+    if (in.ConsumeBool())  // a residual head passing its input on
+      s.shared_input_bytes = std::min({fuzz_bytes(in, unit, rough), c.value_bytes(i), s.output_bytes});
+    if (in.ConsumeBool()) s.output_grad_bytes = fuzz_bytes(in, unit, rough);
+    s.backward_freed_bytes = std::min(s.backward_freed_bytes, s.saved_bytes + s.grad_bytes() - s.shared_input_bytes);
     c.stages.push_back(s);
   }
   return c;

@@ -249,12 +249,30 @@ TEST(CheckpointedSequentialValues, PlannerCountsEveryTensorAtABoundary) {
   EXPECT_EQ(chain.stages[6].output_bytes, h);
   // The same through the wrapper, which also measures the step.
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().algorithm("store-all"));
-  net->forward_values({in.x, in.mask})[0].square().mean().backward();
+  auto loss = net->forward_values({in.x, in.mask})[0].square().mean();  // the output dies here, as modeled
+  loss.backward();
   EXPECT_EQ(net->chain().stages[3].output_bytes, 2 * h);
-  const double ratio = static_cast<double>(net->last_step().measured_peak_bytes) /
+  // The skip SkipOpen passes on is its input's storage (shared_input_bytes),
+  // and so on through both SkipBlocks: counted once while two boundaries
+  // holding it are live. The mask is the chain input's. The gradient at
+  // each boundary: the hidden state's and the skip's, not the mask's.
+  for (int i : {0, 1, 2, 6}) EXPECT_EQ(net->chain().stages[i].shared_input_bytes, 0) << i;
+  for (int i : {3, 4, 5}) EXPECT_EQ(net->chain().stages[i].shared_input_bytes, h) << i;
+  for (int i : {0, 1, 2, 6}) EXPECT_EQ(net->chain().stages[i].grad_bytes(), h) << i;
+  for (int i : {3, 4, 5}) EXPECT_EQ(net->chain().stages[i].grad_bytes(), 2 * h) << i;
+  // The forward phase op by op, exact (the skip was counted in every
+  // boundary holding it: 24 KiB high by the last forward_save).
+  const auto& ops = net->plan().schedule.ops;
+  for (size_t k = 0; k < ops.size() && ops[k].kind == remat::plan::OpKind::kForwardSave; ++k)
+    EXPECT_EQ(net->last_step().op_peak_bytes[k], net->plan().prediction.op_bytes[k]) << k;
+  // The chain's own peak (the head outside it is not in the budget): 0.935
+  // of the prediction, low on the safe side: a backward that passes the
+  // skip's gradient on unchanged is priced as if it wrote a new one (one h
+  // at backward(5), the peak op). Never more than 2% above it.
+  const double ratio = static_cast<double>(net->last_step().chain_peak_bytes) /
                        static_cast<double>(net->plan().prediction.peak_bytes);
   EXPECT_GT(ratio, 0.9) << net->explain();
-  EXPECT_LT(ratio, 1.05) << net->explain();
+  EXPECT_LT(ratio, 1.02) << net->explain();
 }
 
 TEST(CheckpointedSequentialValues, AutogradGradRetainGraphAndCreateGraph) {

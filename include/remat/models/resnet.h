@@ -101,9 +101,11 @@ TORCH_MODULE(ResBlockTail);
  *  opts)`: that constructor registers nothing, so the model's parameter
  *  names stay, and like any chain built so, it cannot be cloned (clone the
  *  model and split its blocks again). An identity shortcut passes the
- *  block's input on unchanged, and the planner counts it in both
- *  boundaries: where a plan keeps both, its predicted peak is high by those
- *  bytes, never low (store-all on that ResNet: 11% high).
+ *  block's input on unchanged: the profile records it as the head's
+ *  Stage::shared_input_bytes, so the planner counts it once where a plan
+ *  keeps both boundaries (store-all on that ResNet was predicted 11% high
+ *  before), and the gradient of a chain input passed on as the head's
+ *  Stage::output_grad_bytes.
  *  The halves do not call ResBlock::forward, so a checkpoint switch set
  *  on a whole block (enable_checkpointing) does not apply to them; one
  *  set on its `first` (a Checkpointable too) still does.
