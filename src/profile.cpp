@@ -300,8 +300,7 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       stage.forward_tmp_bytes = tmp_bytes;
       stage.backward_tmp_bytes = b_tmp;
       // What the input still holds (the shared bytes) is not the backward's to free.
-      stage.backward_freed_bytes =
-          std::min(b_freed, saved_bytes + stage.grad_bytes() - stage.shared_input_bytes);
+      stage.backward_freed_bytes = std::min(b_freed, saved_bytes + stage.grad_bytes() - stage.shared_input_bytes);
     }
     {
       // A plain forward (the runtime's kForward: no autograd, so each

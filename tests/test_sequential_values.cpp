@@ -269,8 +269,8 @@ TEST(CheckpointedSequentialValues, PlannerCountsEveryTensorAtABoundary) {
   // of the prediction, low on the safe side: a backward that passes the
   // skip's gradient on unchanged is priced as if it wrote a new one (one h
   // at backward(5), the peak op). Never more than 2% above it.
-  const double ratio = static_cast<double>(net->last_step().chain_peak_bytes) /
-                       static_cast<double>(net->plan().prediction.peak_bytes);
+  const double ratio =
+      static_cast<double>(net->last_step().chain_peak_bytes) / static_cast<double>(net->plan().prediction.peak_bytes);
   EXPECT_GT(ratio, 0.9) << net->explain();
   EXPECT_LT(ratio, 1.02) << net->explain();
 }

@@ -54,8 +54,9 @@ void Chain::validate() const {
     if (s.shared_input_bytes > std::min(value_bytes(i), s.output_bytes))
       throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": shared_input_bytes (" +
                   std::to_string(s.shared_input_bytes) + ") > " +
-                  (s.shared_input_bytes > s.output_bytes ? "output_bytes (" + std::to_string(s.output_bytes)
-                                                         : "the stage's input bytes (" + std::to_string(value_bytes(i))) +
+                  (s.shared_input_bytes > s.output_bytes
+                       ? "output_bytes (" + std::to_string(s.output_bytes)
+                       : "the stage's input bytes (" + std::to_string(value_bytes(i))) +
                   "); an output shares at most what both the input and the output hold.");
     // All >= 0 here: the differences cannot overflow where the sum could.
     const char* grad = s.output_grad_bytes < 0 ? "output_bytes" : "output_grad_bytes";

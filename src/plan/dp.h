@@ -30,9 +30,9 @@ void min_sum(Cost* out, const Cost* x, const Cost* y, Cost c, int lo, int top);
 /** A chain in slot units: sizes rounded up to the unit, capped at M + 1. */
 struct Slots {
   int L = 0;
-  int M = 0;                // slots available besides a_0
-  std::vector<int32_t> a;   // |a_j|, j in [0, L]
-  std::vector<int32_t> g;   // |grad_j| (Chain::grad_bytes), j in [0, L]
+  int M = 0;               // slots available besides a_0
+  std::vector<int32_t> a;  // |a_j|, j in [0, L]
+  std::vector<int32_t> g;  // |grad_j| (Chain::grad_bytes), j in [0, L]
   /** |a_j| net of what it shares with the a_{j-1} it was computed from
    *  (Chain::new_value_bytes(j - 1)), j in [1, L]; an[0] = a[0]. */
   std::vector<int32_t> an;

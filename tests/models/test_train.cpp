@@ -283,7 +283,8 @@ TEST(Models, SplitBlocksPeakMatchesPrediction) {
   torch::manual_seed(4);
   torch::nn::Sequential blocks;
   for (int64_t stage = 0, in = 8; stage < 3; ++stage) {
-    for (int i = 0; i < 2; ++i, in = 8 << stage) blocks->push_back(rm::ResBlock(in, 8 << stage, stage > 0 && i == 0 ? 2 : 1, false));
+    for (int i = 0; i < 2; ++i, in = 8 << stage)
+      blocks->push_back(rm::ResBlock(in, 8 << stage, stage > 0 && i == 0 ? 2 : 1, false));
   }
   blocks->train();
   auto split = rm::split_blocks(blocks);

@@ -423,7 +423,8 @@ TEST(Simulate, SharedInputBytesOutOfRangeArePinned) {
             "[remat::plan] chain: stage 0 (\"s0\"): shared_input_bytes (9) > output_bytes (8); an output shares "
             "at most what both the input and the output hold.");
   c.stages[0].shared_input_bytes = -1;
-  EXPECT_EQ(message(), "[remat::plan] chain: stage 0 (\"s0\"): shared_input_bytes is negative (-1); sizes are bytes >= 0.");
+  EXPECT_EQ(message(),
+            "[remat::plan] chain: stage 0 (\"s0\"): shared_input_bytes is negative (-1); sizes are bytes >= 0.");
   c.stages[0].shared_input_bytes = 0;
   c.stages[1].shared_input_bytes = 8;
   c.stages[1].backward_freed_bytes = 19;  // s1 14 + g2 12 - the 8 that a_1 keeps = 18
@@ -463,6 +464,7 @@ TEST(Simulate, OutputGradBytesPriceTheGradientApart) {
     c.validate();
     ADD_FAILURE() << "no error";
   } catch (const rp::Error& e) {
-    EXPECT_STREQ(e.what(), "[remat::plan] chain: stage 0 (\"s0\"): output_grad_bytes is negative (-2); sizes are bytes >= 0.");
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] chain: stage 0 (\"s0\"): output_grad_bytes is negative (-2); sizes are bytes >= 0.");
   }
 }

@@ -232,7 +232,8 @@ TEST(Optimal, EqualsExhaustiveSearchWithSharedInputBytes) {
         st.output_grad_bytes = g(rng);
       }
       // What the input still holds is not the backward's to free.
-      st.backward_freed_bytes = std::min(st.backward_freed_bytes, st.saved_bytes + st.grad_bytes() - st.shared_input_bytes);
+      st.backward_freed_bytes =
+          std::min(st.backward_freed_bytes, st.saved_bytes + st.grad_bytes() - st.shared_input_bytes);
     }
     const Compared r = expect_optimal_equals_exhaustive(c, unshared, trial, &compared);
     changed += r.changed;
