@@ -207,15 +207,10 @@ torch::Tensor ResBlockImpl::body(const torch::Tensor& x) {  // (B, in, H, W)
   return finish(conv2, bn2, conv3, bn3, h, shortcut(down_conv, down_bn, x));
 }
 
-ResBlockHeadImpl::ResBlockHeadImpl(const ResBlock& block) : first(register_module("first", block->first)) {
-  if (block->down_conv) {
-    down_conv = register_module("down_conv", block->down_conv);
-    down_bn = register_module("down_bn", block->down_bn);
-  }
-}
+ResBlockHeadImpl::ResBlockHeadImpl(const ResBlock& block) : first(register_module("first", block->first)) {}
 
 std::tuple<torch::Tensor, torch::Tensor> ResBlockHeadImpl::forward(const torch::Tensor& x) {
-  return {first(x), shortcut(down_conv, down_bn, x)};
+  return {first(x), x};
 }
 
 ResBlockTailImpl::ResBlockTailImpl(const ResBlock& block)
@@ -224,10 +219,14 @@ ResBlockTailImpl::ResBlockTailImpl(const ResBlock& block)
     conv3 = register_module("conv3", block->conv3);
     bn3 = register_module("bn3", block->bn3);
   }
+  if (block->down_conv) {
+    down_conv = register_module("down_conv", block->down_conv);
+    down_bn = register_module("down_bn", block->down_bn);
+  }
 }
 
-torch::Tensor ResBlockTailImpl::forward(std::tuple<torch::Tensor, torch::Tensor> h_skip) {
-  return finish(conv2, bn2, conv3, bn3, std::get<0>(h_skip), std::get<1>(h_skip));
+torch::Tensor ResBlockTailImpl::forward(std::tuple<torch::Tensor, torch::Tensor> h_x) {
+  return finish(conv2, bn2, conv3, bn3, std::get<0>(h_x), shortcut(down_conv, down_bn, std::get<1>(h_x)));
 }
 
 torch::nn::Sequential split_blocks(const torch::nn::Sequential& blocks) {

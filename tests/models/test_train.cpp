@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <remat/error.h>
+#include <remat/memory.h>
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
 #include <remat/models/trainer.h>
@@ -270,12 +271,16 @@ TEST(Models, SplitBlocksLowerThePlannersFloor) {
   EXPECT_LT(split, whole * 9 / 10);
 }
 
-// An identity shortcut passes the block's input on: the head's output
-// (first(x), x) holds x, which the profile records as the head's
-// shared_input_bytes, so a plan keeping both boundaries counts x once.
-// Store-all on the split chain was predicted 11% high (x twice per such
-// block); now every budget's measured peak is within 2% above / 3% below
-// its prediction, as on the unsplit chains (MeasuredPeakWithinBudget...).
+// Every head passes the block's input on: its output (first(x), x) holds
+// x, which the profile records as the head's shared_input_bytes, so a plan
+// keeping both boundaries counts x once. Store-all on the split chain was
+// predicted 11% high (x twice per block); now every budget's measured peak
+// is within 2% above / 3% below its prediction, as on the unsplit chains
+// (MeasuredPeakWithinBudget...). Issue #11 item 1 on this chain: store-all
+// peaks no higher than plain (+2%). It measured 4.5% above plain on the
+// reference ResNet while the head computed the projection shortcut: a
+// boundary value, live with the stored boundaries, where the whole block
+// frees it after the add.
 TEST(Models, SplitBlocksPeakMatchesPrediction) {
   // bench/compare's resnet-ref at a quarter of its width and batch: 3
   // stages x 2 basic blocks, the second of each stage with an identity
@@ -291,16 +296,28 @@ TEST(Models, SplitBlocksPeakMatchesPrediction) {
   auto x = torch::randn({25, 8, 32, 32}, torch::requires_grad());
   split->forward(x).sum().backward();  // parameter gradients exist before the measured steps
   const auto chain = remat::profile(split, x);
-  int identity_heads = 0;
+  int projections = 0;
   for (size_t b = 0; b < blocks->size(); ++b) {
     const auto& head = chain.stages[2 * b];
-    const bool identity = !blocks[b]->as<rm::ResBlock>()->down_conv;
     // The first head passes the chain input on: counted once, in input_bytes.
-    EXPECT_EQ(head.shared_input_bytes > 0, identity && b > 0) << head.name;
-    identity_heads += head.shared_input_bytes > 0;
+    EXPECT_EQ(head.shared_input_bytes > 0, b > 0) << head.name;
+    if (b > 0) {
+      EXPECT_EQ(head.shared_input_bytes, chain.stages[2 * b - 1].output_bytes) << head.name;
+    }
     EXPECT_EQ(chain.stages[2 * b + 1].shared_input_bytes, 0) << chain.stages[2 * b + 1].name;
+    projections += static_cast<bool>(blocks[b]->as<rm::ResBlock>()->down_conv);
   }
-  EXPECT_EQ(identity_heads, 3);
+  EXPECT_EQ(projections, 2);
+  remat::memory::enable_tracking();
+  auto step_peak = [&](const std::function<torch::Tensor(const torch::Tensor&)>& fn) {
+    for (auto& p : split->parameters()) p.mutable_grad().zero_();
+    x.mutable_grad() = torch::Tensor();
+    remat::memory::Probe probe;
+    auto loss = fn(x).sum();
+    loss.backward();
+    return probe.peak_bytes();
+  };
+  const int64_t plain = step_peak([&](const torch::Tensor& h) { return blocks->forward(h); });
   int64_t buffer_bytes = 0;
   for (const auto& b : split->buffers()) buffer_bytes += b.numel() * b.element_size();
   const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
@@ -320,6 +337,12 @@ TEST(Models, SplitBlocksPeakMatchesPrediction) {
     EXPECT_LE(predicted, budget);
     EXPECT_LE(measured, predicted * 1.02 + 64 + buffer_bytes) << f << "\n" << ck->explain();
     EXPECT_GE(static_cast<double>(measured), 0.97 * predicted) << f << "\n" << ck->explain();
+    if (f == 1.0) {
+      const int64_t planned = step_peak([&](const torch::Tensor& h) { return ck->forward(h); });
+      std::printf("  step peak at store-all's budget %lld, plain %lld (%.2f%%)\n", static_cast<long long>(planned),
+                  static_cast<long long>(plain), 100.0 * planned / plain);
+      EXPECT_LE(planned, plain * 1.02 + 4096) << ck->explain();
+    }
   }
 }
 
