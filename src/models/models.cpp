@@ -209,9 +209,7 @@ torch::Tensor ResBlockImpl::body(const torch::Tensor& x) {  // (B, in, H, W)
 
 ResBlockHeadImpl::ResBlockHeadImpl(const ResBlock& block) : first(register_module("first", block->first)) {}
 
-std::tuple<torch::Tensor, torch::Tensor> ResBlockHeadImpl::forward(const torch::Tensor& x) {
-  return {first(x), x};
-}
+std::tuple<torch::Tensor, torch::Tensor> ResBlockHeadImpl::forward(const torch::Tensor& x) { return {first(x), x}; }
 
 ResBlockTailImpl::ResBlockTailImpl(const ResBlock& block)
     : conv2(register_module("conv2", block->conv2)), bn2(register_module("bn2", block->bn2)) {
