@@ -205,6 +205,8 @@ def render(res, chart_path):
          f"wall {res.get('wall_s', 0):.0f} s" +
          (f"; {res.get('size', '?')} sizes, {st['rounds']} rounds of {st['steps']} timed steps "
           f"(k sweep {st['sweep_steps']}) after {st['warmup']} warm-up" if st else "") +
+         (f"; malloc {st['malloc']}" + (" (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=64 GiB, both workers)"
+                                        if st["malloc"] == "keep" else "") if st and "malloc" in st else "") +
          (f"; 1-min load average " + ", ".join(f"{x:.1f}" for x in res["load"]) if res.get("load") else "") + ".", ""]
     for m, d in res["models"].items():
         c = d["cpp"]

@@ -140,6 +140,11 @@ def main():
     ap.add_argument("--compile-only", action="store_true", help="only torch.compile, into results.json")
     ap.add_argument("--report-only", action="store_true", help="re-render results.json")
     ap.add_argument("--chart", help="docs/img/frontier.png (--quick: <build>/bench/compare/frontier-quick.png)")
+    ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                    help="keep (default): both workers' glibc malloc keeps freed memory (MALLOC_MMAP_MAX_=0, "
+                         "MALLOC_TRIM_THRESHOLD_=64 GiB), so neither process faults its heap in again every step "
+                         "(the C++ one did, 5-8%% of a plain step: docs/BENCHMARKS.md); default: as the OS gives it. "
+                         "Not for the RSS cross-check, which measures ru_maxrss as a user's process has it")
     a = ap.parse_args()
     for k, v in (QUICK if a.quick else REF).items():
         if getattr(a, k, None) is None:
@@ -155,6 +160,9 @@ def main():
                                                                                           "frontier.png")
     env = dict(os.environ, LD_PRELOAD=os.path.join(b, "libremat_preload.so"), OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
+    rss_env = dict(env)
+    if a.malloc == "keep":
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(64 << 30))
     if a.compile_only:  # add torch.compile to an earlier run's results
         res = json.load(open(path))
         res["compile"] = compile_runs(a, env)
@@ -164,11 +172,12 @@ def main():
     else:
         t0 = time.time()
         res = {"models": {}, "machine": machine(), "size": "quick" if a.quick else "reference",
-               "settings": dict(rounds=a.rounds, steps=a.steps, sweep_steps=a.sweep_steps, warmup=a.warmup),
+               "settings": dict(rounds=a.rounds, steps=a.steps, sweep_steps=a.sweep_steps, warmup=a.warmup,
+                                malloc=a.malloc),
                "load": [os.getloadavg()[0]]}
         # The short parts first, then one model at a time, saved after each.
         res["overhead_us"] = overhead(a, env)
-        res["rss"] = rss(a, env)
+        res["rss"] = rss(a, rss_env)
         for m in a.models.split(","):
             res["models"][m] = compare_model(m, a, env)
             res["load"].append(os.getloadavg()[0])
