@@ -25,7 +25,8 @@ demo: build
 # bench: remat (C++) against torch.utils.checkpoint (Python) on the same
 # LibTorch at the reference CPU sizes (DESIGN.md: GPT 8 x d_model 512, T 512,
 # batch 4; MLP 24 x 1024, batch 2048; ResNet 3 stages, width 32, batch 100),
-# 2 rounds of 3 timed steps, ~41 minutes on the 2 shared cores at load 2-4
+# 2 rounds of 3 timed steps, both workers keeping their freed heap
+# (run_all.py --malloc keep), ~33 minutes on the 2 cores, idle
 # (docs/BENCHMARKS.md). bench-quick: the toy sizes, every strategy, ~7
 # minutes, for smoke runs. The in-process C++ benchmarks still run on their
 # own: $(BUILD)/bench/remat_bench, $(BUILD)/bench/plan/remat_plan_bench.
