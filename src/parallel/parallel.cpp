@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/logger.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <remat/error.h>
@@ -280,9 +281,12 @@ struct DataParallel::Impl {
   std::shared_ptr<torch::nn::Module> module;
   ProcessGroup group;
   DataParallelOptions options;
-  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> params;  // those that require grad: the Reducer's
   std::vector<at::Tensor> buffers;
-  std::unique_ptr<c10d::Reducer> reducer;
+  std::shared_ptr<c10d::Reducer> reducer;
+  // Declared after the reducer, so destroyed first (its destructor reads the
+  // reducer), as DDP deletes its logger before its reducer.
+  std::shared_ptr<c10d::Logger> logger;
   std::shared_ptr<Recorder> rec = std::make_shared<Recorder>();
   bool armed = false;  // prepare_for_backward called, its backward's stats not yet folded
 
@@ -309,7 +313,9 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGro
   m.group = std::move(group);
   m.options = options;
   std::unordered_map<size_t, std::string> names;
+  std::vector<at::Tensor> state;  // every parameter, frozen ones too; then the buffers
   for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
+    state.push_back(item.value());
     if (!item.value().requires_grad()) continue;
     names[m.params.size()] = item.key();
     m.params.push_back(item.value());
@@ -331,9 +337,12 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGro
     throw Error("[remat::parallel] the module is on " + device.str() + " but the group was made for " +
                 c10::DeviceTypeName(m.group.device()) + "; move the module, or join with InitOptions::device.");
   }
-  // Every rank must hold the same parameter shapes (c10d's check, with its message).
-  c10d::verify_params_across_processes(m.group.c10d(), m.params, std::nullopt);
-  std::vector<at::Tensor> state = m.params;
+  // Every rank must hold the same parameter shapes, frozen ones included
+  // (c10d's check, with its message), before rank 0's whole state is
+  // broadcast: every parameter, frozen or not, and the buffers, as DDP's
+  // _sync_module_states. A frozen parameter gets no gradient, so nothing
+  // else would ever make the ranks' copies agree.
+  c10d::verify_params_across_processes(m.group.c10d(), state, std::nullopt);
   state.insert(state.end(), m.buffers.begin(), m.buffers.end());
   m.broadcast(state);
   // As DDP without find_unused_parameters: one bucket in the first step,
@@ -342,11 +351,20 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGro
   auto assigned = c10d::compute_bucket_assignment_by_size(m.params, {std::numeric_limits<size_t>::max()}, sparse);
   auto indices = std::get<0>(assigned);
   std::reverse(indices.begin(), indices.end());
-  m.reducer = std::make_unique<c10d::Reducer>(
+  m.reducer = std::make_shared<c10d::Reducer>(
       m.params, std::move(indices), m.group.c10d(), sparse, options.bucket_cap_bytes(),
       options.find_unused_parameters(), /*gradient_as_bucket_view=*/false, std::move(names),
       /*first_bucket_bytes_cap=*/options.first_bucket_cap_bytes(), /*skip_all_reduce_unused_params=*/false,
       /*use_python_reducer=*/false, /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
+  // The Reducer logs through a c10d::Logger it holds weakly and does not
+  // check for one everywhere: search_unused_parameters (find_unused_parameters)
+  // dereferences it as soon as the set of unused parameters changes between
+  // steps. DDP makes one per reducer and sets it; so do we.
+  m.logger = std::make_shared<c10d::Logger>(m.reducer);
+  m.reducer->set_logger(m.logger);
+  m.logger->set_construction_data_and_log(m.module->name(), /*device_ids=*/{},
+                                          /*output_device=*/-1, options.broadcast_buffers(), /*has_sync_bn=*/false,
+                                          /*static_graph=*/false);
   m.reducer->register_comm_hook(std::make_unique<TimedAllReduce>(m.group.c10d(), m.rec, m.group.timeout()));
 }
 

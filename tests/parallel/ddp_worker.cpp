@@ -5,6 +5,15 @@
 // order) and CommStats. SGD by default: parameters then differ by lr x the
 // gradients' difference. Exit codes: 0 done, 3 an error (message on stderr),
 // 7 killed itself on purpose (--die-at-step).
+//
+// --model mlp: a small MLP with a frozen input layer and a branch that the
+// forward takes on some steps only (--branch-every N: steps 0, N, 2N...),
+// plain SGD on a global batch of world x --batch rows split by rank; options
+// --find-unused, --seed-by-rank (each rank initialises with its own seed;
+// rank 0's is the 1-process seed). Every rank writes its parameters (all,
+// frozen included, parameters() order) as initialised (--out
+// PREFIX.rankR.own), right after DataParallel's constructor (.init) and
+// after the steps (PREFIX.rankR).
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -12,7 +21,10 @@
 #include <string>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 #include <torch/types.h>
 
@@ -29,6 +41,68 @@ std::string arg(int argc, char** argv, const std::string& name, const std::strin
   return fallback;
 }
 
+bool flag(int argc, char** argv, const std::string& name) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i] == "--" + name) return true;
+  }
+  return false;
+}
+
+/** x -> frozen (no grad) -> tanh -> trunk -> tanh -> head, plus, on the
+ *  steps that take it, extra's output added to the head's. */
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : frozen(register_module("frozen", torch::nn::Linear(8, 8))),
+        trunk(register_module("trunk", torch::nn::Linear(8, 16))),
+        head(register_module("head", torch::nn::Linear(16, 4))),
+        extra(register_module("extra", torch::nn::Linear(16, 4))) {
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  at::Tensor forward(const at::Tensor& x, bool branch) {
+    auto h = torch::tanh(trunk(torch::tanh(frozen(x))));  // (B, 16)
+    auto y = head(h);                                     // (B, 4)
+    return branch ? y + extra(h) : y;
+  }
+  torch::nn::Linear frozen, trunk, head, extra;
+};
+TORCH_MODULE(Mlp);
+
+std::vector<at::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<at::Tensor> v;
+  for (const auto& p : m.parameters()) v.push_back(p.detach().clone());
+  return v;
+}
+
+void run_mlp(int argc, char** argv, int rank, int world, const remat::parallel::InitOptions& init) {
+  const int64_t batch = std::stoi(arg(argc, argv, "batch", "2"));
+  const int steps = std::stoi(arg(argc, argv, "steps", "3"));
+  const int branch_every = std::stoi(arg(argc, argv, "branch-every", "1"));
+  const double lr = std::stod(arg(argc, argv, "lr", "0.1"));
+  const std::string out = arg(argc, argv, "out", "");
+  torch::manual_seed(flag(argc, argv, "seed-by-rank") ? 1 + 100 * rank : 1);
+  Mlp model;
+  const std::string prefix = out + ".rank" + std::to_string(rank);
+  if (!out.empty()) torch::save(snapshot(*model), prefix + ".own");
+  auto group = remat::parallel::init_process_group(init);
+  remat::parallel::DataParallel ddp(
+      model.ptr(), group,
+      remat::parallel::DataParallelOptions().find_unused_parameters(flag(argc, argv, "find-unused")));
+  if (!out.empty()) torch::save(snapshot(*model), prefix + ".init");
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr));
+  for (int step = 0; step < steps; ++step) {
+    // The same global batch on every rank and in the 1-process run; each rank takes its rows.
+    auto gen = at::detail::createCPUGenerator(1000 + step);
+    auto x = torch::randn({world * batch, 8}, gen).slice(0, rank * batch, (rank + 1) * batch);  // (B, 8)
+    auto t = torch::randn({world * batch, 4}, gen).slice(0, rank * batch, (rank + 1) * batch);  // (B, 4)
+    opt.zero_grad();
+    const bool branch = step % branch_every == 0;
+    auto loss = ddp.forward([&] { return (model->forward(x, branch) - t).square().mean(); });
+    loss.backward();
+    opt.step();
+  }
+  if (!out.empty()) torch::save(snapshot(*model), prefix);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -37,6 +111,14 @@ int main(int argc, char** argv) {
   const int die_at = std::stoi(arg(argc, argv, "die-at-step", "0"));
   const std::string out = arg(argc, argv, "out", "");
   try {
+    if (arg(argc, argv, "model", "gpt") == "mlp") {
+      run_mlp(argc, argv, rank, world,
+              remat::parallel::InitOptions(rank, world)
+                  .master_port(std::stoi(arg(argc, argv, "port", "29500")))
+                  .file_store(arg(argc, argv, "file-store", ""))
+                  .timeout(std::chrono::milliseconds(std::stoi(arg(argc, argv, "timeout-ms", "60000")))));
+      return 0;
+    }
     remat::models::TrainConfig cfg;
     cfg.model = "gpt";
     cfg.layers = 4;

@@ -236,6 +236,95 @@ TEST(DataParallelProcesses, ARankThatDiesMidStepFailsTheOthersWithAClearError) {
   EXPECT_LT(s, 60.0) << "within the 20 s timeout plus start-up";
 }
 
+// --- ddp_worker --model mlp: a frozen layer and a branch taken on some steps
+
+/** Runs `world` ranks of the MLP worker (global batch 4, SGD), each writing
+ *  PREFIX.rankR{.own,.init,} under dir; returns their statuses. */
+std::vector<Proc> run_mlp(const Dir& dir, const std::string& tag, int world, std::vector<std::string> extra) {
+  std::vector<Proc> ps;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> args{REMAT_DDP_WORKER,
+                                  "--model",
+                                  "mlp",
+                                  "--rank",
+                                  std::to_string(r),
+                                  "--world",
+                                  std::to_string(world),
+                                  "--batch",
+                                  std::to_string(4 / world),
+                                  "--file-store",
+                                  (dir.path() / (tag + ".store")).string(),
+                                  "--timeout-ms",
+                                  "30000",
+                                  "--out",
+                                  (dir.path() / tag).string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ps.push_back(spawn(args, dir.path() / (tag + ".rank" + std::to_string(r) + ".err")));
+  }
+  wait_all(ps, std::chrono::seconds(60));
+  return ps;
+}
+
+bool bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// The MLP's parameters() order: frozen.weight, frozen.bias, trunk.*, head.*, extra.*.
+constexpr size_t kFrozenWeight = 0, kExtraWeight = 6;
+
+// find_unused_parameters exists for a forward that leaves some parameters
+// out on some steps. Here `extra` is used on steps 0, 2, 4 only, so the set
+// of unused parameters changes every step (c10d's Reducer then logs through
+// the c10d::Logger it must have been given: without one both ranks crashed).
+TEST(DataParallelProcesses, FindUnusedParametersWithABranchTakenOnSomeSteps) {
+  Dir dir;
+  const std::vector<std::string> args{"--steps", "5", "--branch-every", "2", "--find-unused"};
+  auto two = run_mlp(dir, "two", 2, args);
+  auto one = run_mlp(dir, "one", 1, args);
+  for (const auto& p : two) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  ASSERT_EQ(one[0].status, 0) << read_file(one[0].err);
+  const auto r0 = load_params(dir.path() / "two.rank0"), r1 = load_params(dir.path() / "two.rank1");
+  const auto ref = load_params(dir.path() / "one.rank0"), init = load_params(dir.path() / "one.rank0.init");
+  const double d0 = max_abs_diff(r0, ref), d1 = max_abs_diff(r1, ref);
+  EXPECT_LE(d0, 1e-6);
+  EXPECT_LE(d1, 1e-6);
+  EXPECT_GT(max_abs_diff(ref, init), 1e-3) << "five SGD steps at lr 0.1 moved the parameters";
+  EXPECT_GT((ref[kExtraWeight] - init[kExtraWeight]).abs().max().item<double>(), 1e-3) << "the branch trained";
+  EXPECT_TRUE(torch::equal(ref[kFrozenWeight], init[kFrozenWeight])) << "frozen stays frozen";
+  std::cout << "find_unused_parameters, unused set changing each step: 2 ranks vs 1 after 5 steps, max |param diff| "
+            << d0 << " (rank 0), " << d1 << " (rank 1)\n";
+}
+
+// Python's DDP broadcasts every parameter, frozen ones included, and the
+// buffers: a frozen parameter gets no gradient, so nothing else would make
+// the ranks agree.
+TEST(DataParallelProcesses, FrozenParametersAreBroadcastFromRankZero) {
+  Dir dir;
+  auto two = run_mlp(dir, "two", 2, {"--steps", "3", "--seed-by-rank"});
+  auto one = run_mlp(dir, "one", 1, {"--steps", "3"});
+  for (const auto& p : two) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  ASSERT_EQ(one[0].status, 0) << read_file(one[0].err);
+  const auto own0 = load_params(dir.path() / "two.rank0.own"), own1 = load_params(dir.path() / "two.rank1.own");
+  ASSERT_FALSE(torch::equal(own0[kFrozenWeight], own1[kFrozenWeight])) << "the ranks start from different seeds";
+  EXPECT_TRUE(bitwise_equal(own0, load_params(dir.path() / "one.rank0.own"))) << "rank 0 seeds as 1 process";
+  for (const char* rank : {"two.rank0.init", "two.rank1.init"}) {
+    const auto got = load_params(dir.path() / rank);
+    EXPECT_TRUE(torch::equal(got[kFrozenWeight], own0[kFrozenWeight])) << rank << ": rank 0's frozen weight";
+    EXPECT_TRUE(bitwise_equal(got, own0)) << rank << ": rank 0's parameters, every one";
+  }
+  const auto ref = load_params(dir.path() / "one.rank0");
+  const double d0 = max_abs_diff(load_params(dir.path() / "two.rank0"), ref);
+  const double d1 = max_abs_diff(load_params(dir.path() / "two.rank1"), ref);
+  EXPECT_LE(d0, 1e-6);
+  EXPECT_LE(d1, 1e-6);
+  std::cout << "frozen layer, ranks seeded apart: 2 ranks vs 1 after 3 steps, max |param diff| " << d0 << " (rank 0), "
+            << d1 << " (rank 1)\n";
+}
+
 // --- remat-train --nproc ----------------------------------------------------
 
 /** Runs remat-train with args; returns (exit code, stdout + stderr). */

@@ -96,9 +96,11 @@ struct DataParallelOptions {
    *  forward, as DDP's broadcast_buffers. Default true. */
   TORCH_ARG(bool, broadcast_buffers) = true;
   /** Parameters that get no gradient in some step are reduced as zero
-   *  (c10d searches the graph from the outputs given to forward()). Costs
-   *  a graph walk per step. Default false: every parameter must get a
-   *  gradient each step, or the next step fails with c10d's error. */
+   *  (c10d searches the graph from the outputs given to forward()); one
+   *  that no rank used keeps its .grad untouched. The set may change from
+   *  step to step (a branch taken on some steps). Costs a graph walk per
+   *  step. Default false: every parameter must get a gradient each step,
+   *  or the next step fails with c10d's error. */
   TORCH_ARG(bool, find_unused_parameters) = false;
 };
 
@@ -119,8 +121,8 @@ struct CommStats {
 
 /** Synchronises the gradients of `module`'s parameters across the group
  *  through c10d::Reducer, averaged (each rank's gradient / world_size,
- *  summed). The constructor broadcasts rank 0's parameters and buffers,
- *  so every rank starts equal. The module must outlive this object, and
+ *  summed). The constructor broadcasts rank 0's parameters, frozen ones
+ *  (requires_grad false) included, and buffers, so every rank starts equal. The module must outlive this object, and
  *  its parameters must not be replaced afterwards. */
 class DataParallel {
  public:
