@@ -4,6 +4,10 @@
 #include <fnmatch.h>
 
 #include <sstream>
+#include <typeindex>
+#include <typeinfo>
+#include <unordered_map>
+#include <unordered_set>
 
 namespace remat {
 
@@ -15,16 +19,33 @@ detail::ModuleState Checkpointable::state() const {
 
 namespace {
 
-/** The checkpointable modules of a tree, in pre-order, with their names. */
-std::vector<std::pair<SelectorInput, Checkpointable*>> checkpointables(const torch::nn::Module& model) {
-  std::vector<std::pair<SelectorInput, Checkpointable*>> out;
+struct Found {
+  SelectorInput in;  // at its first name
+  Checkpointable* c;
+  std::vector<std::string> aliases;  // the names it is reached by after the first
+};
+
+/** The checkpointable modules of a tree, in pre-order, each object once (at
+ *  the first name LibTorch's named_modules() gives it; it lists a module
+ *  registered twice, or shared by two parents, under every name). */
+std::vector<Found> checkpointables(const torch::nn::Module& model) {
+  std::vector<Found> out;
+  std::unordered_map<const torch::nn::Module*, size_t> seen;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
-    if (auto* c = dynamic_cast<Checkpointable*>(item.value().get())) {
-      out.push_back({SelectorInput{item.key(), item.value().get()}, c});
+    const torch::nn::Module* m = item.value().get();
+    auto* c = dynamic_cast<Checkpointable*>(item.value().get());
+    if (c == nullptr) continue;
+    const auto [at, first] = seen.emplace(m, out.size());
+    if (first) {
+      out.push_back({SelectorInput{item.key(), m}, c, {}});
+    } else {
+      out[at->second].aliases.push_back(item.key());
     }
   }
   return out;
 }
+
+std::string shown(const std::string& name) { return name.empty() ? std::string("(root)") : name; }
 
 std::string policy_of(const std::optional<CheckpointOptions>& o) {
   if (!o) return "off";
@@ -83,15 +104,13 @@ Selector first_n(int64_t n, Selector base) { return positional("first_n", n, 0, 
 int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector, const CheckpointOptions& options) {
   auto all = checkpointables(model);
   std::vector<SelectorInput> in;
-  for (const auto& [s, c] : all) in.push_back(s);
+  for (const auto& f : all) in.push_back(f.in);
   const std::vector<bool> chosen = selector(in);
   int64_t n = 0;
   for (size_t i = 0; i < all.size(); ++i) n += chosen.at(i);
   if (n == 0) {
     std::string have;
-    for (const auto& [s, c] : all) {
-      have += "\n  " + (s.name.empty() ? std::string("(root)") : s.name) + "  " + s.module->name();
-    }
+    for (const auto& f : all) have += "\n  " + shown(f.in.name) + "  " + f.in.module->name();
     throw Error("[remat::enable_checkpointing] the selector '" + selector.description() + "' chose no module of " +
                 model.name() + ". " +
                 (all.empty() ? std::string("The tree has no checkpointable module: derive the blocks from "
@@ -99,29 +118,56 @@ int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector,
                              : "Its checkpointable modules are:" + have));
   }
   for (size_t i = 0; i < all.size(); ++i) {
-    if (chosen[i]) all[i].second->set_checkpointing(options);
+    if (chosen[i]) all[i].c->set_checkpointing(options);
   }
   return n;
 }
 
 int64_t disable_checkpointing(torch::nn::Module& model) {
   int64_t n = 0;
-  for (auto& [s, c] : checkpointables(model)) {
-    n += c->checkpointing();
-    c->set_checkpointing(std::nullopt);
+  for (auto& f : checkpointables(model)) {
+    n += f.c->checkpointing();
+    f.c->set_checkpointing(std::nullopt);
   }
   return n;
 }
 
 std::string describe_checkpointing(const torch::nn::Module& model) {
-  std::ostringstream os;
   const auto all = checkpointables(model);
-  int64_t on = 0;
-  for (const auto& [s, c] : all) on += c->checkpointing();
-  os << model.name() << ": " << on << " of " << all.size() << " checkpointable modules on\n";
-  for (const auto& [s, c] : all) {
-    os << "  " << (s.name.empty() ? std::string("(root)") : s.name) << "  " << s.module->name() << "  "
-       << policy_of(c->checkpointing_options()) << "\n";
+  // A module that is on bypasses the switch when no module of its type has
+  // called checkpointed() although some module of the tree has (a forward
+  // ran). By type, not by object: a block that was merely not called in
+  // that forward (remat-train --explain-memory runs blocks.0 alone) shares
+  // its forward with one that was.
+  std::unordered_set<std::type_index> routed;
+  for (const auto& f : all) {
+    if (f.c->checkpointed_calls() > 0) routed.insert(typeid(*f.in.module));
+  }
+  const auto bypassed = [&routed](const Found& f) {
+    return !routed.empty() && f.c->checkpointing() && routed.count(typeid(*f.in.module)) == 0;
+  };
+  int64_t on = 0, not_running = 0;
+  for (const auto& f : all) {
+    on += f.c->checkpointing();
+    not_running += bypassed(f);
+  }
+  std::ostringstream os;
+  os << model.name() << ": " << on << " of " << all.size() << " checkpointable modules on";
+  if (not_running > 0) os << ", " << not_running << " of them not running through checkpointed()";
+  os << "\n";
+  for (const auto& f : all) {
+    os << "  " << shown(f.in.name) << "  " << f.in.module->name() << "  " << policy_of(f.c->checkpointing_options());
+    if (bypassed(f)) {
+      os << ", but no " << f.in.module->name()
+         << " has run through checkpointed() while other modules have: its forward must call checkpointed(), or "
+            "the switch does nothing";
+    }
+    if (!f.aliases.empty()) {
+      os << " (also as ";
+      for (size_t i = 0; i < f.aliases.size(); ++i) os << (i ? ", " : "") << f.aliases[i];
+      os << ")";
+    }
+    os << "\n";
   }
   return os.str();
 }

@@ -51,9 +51,47 @@ struct UserNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(UserNet);
 
+/** Six blocks; blocks.1 registered again as "alias", blocks.4 shared with a
+ *  second parent ("inner"). LibTorch's named_modules() lists both under
+ *  each name: 8 entries, 6 module objects. */
+struct SharedNetImpl : torch::nn::Module {
+  explicit SharedNetImpl(int64_t d) {
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 6; ++i) blocks->push_back(UserBlock(d));
+    register_module("alias", blocks->ptr(1));
+    inner = register_module("inner", torch::nn::ModuleList());
+    inner->push_back(blocks->ptr(4));
+  }
+  torch::nn::ModuleList blocks{nullptr}, inner{nullptr};
+};
+TORCH_MODULE(SharedNet);
+
+/** A Checkpointable whose forward does not go through checkpointed(). */
+struct BypassBlockImpl : torch::nn::Module, remat::Checkpointable {
+  BypassBlockImpl() : lin(register_module("lin", torch::nn::Linear(8, 8))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + torch::tanh(lin(x)); }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(BypassBlock);
+
+struct MixedNetImpl : torch::nn::Module {
+  MixedNetImpl()
+      : a(register_module("a", UserBlock(8))),
+        bypass(register_module("bypass", BypassBlock())),
+        b(register_module("b", UserBlock(8))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return b(bypass(a(x))); }
+  UserBlock a;
+  BypassBlock bypass;
+  UserBlock b;
+};
+TORCH_MODULE(MixedNet);
+
 }  // namespace user
 
 namespace {
+using user::BypassBlock;
+using user::MixedNet;
+using user::SharedNet;
 using user::UserBlockImpl;
 using user::UserNet;
 
@@ -88,6 +126,92 @@ TEST(ModuleSwitch, SelectorsChooseTheRightBlocks) {
             "  s1.1  user::UserBlockImpl  on, full recompute\n"
             "  s2.0  user::UserBlockImpl  on, full recompute\n"
             "  s2.1  user::UserBlockImpl  on, policy save_names(hidden)\n");
+}
+
+// Each module object once, at its first name, as Python's named_modules():
+// every_n(2) over the 6 objects switches 3 on, and describe says 3.
+// (Over the 8 names it switched 4 objects and describe listed 6 of 8 on.)
+TEST(ModuleSwitch, AModuleReachedByTwoNamesCountsOnce) {
+  SharedNet net(8);
+  int64_t listed = 0;
+  remat::enable_checkpointing(net, sel::predicate("count", [&](const torch::nn::Module&) {
+                                ++listed;
+                                return true;
+                              }));
+  EXPECT_EQ(listed, 6) << "each object once";
+  EXPECT_EQ(remat::disable_checkpointing(net), 6);
+  EXPECT_EQ(remat::enable_checkpointing(net, sel::every_n(2)), 3);
+  EXPECT_EQ(remat::describe_checkpointing(net),
+            "user::SharedNetImpl: 3 of 6 checkpointable modules on\n"
+            "  blocks.0  user::UserBlockImpl  on, full recompute\n"
+            "  blocks.1  user::UserBlockImpl  off (also as alias)\n"
+            "  blocks.2  user::UserBlockImpl  on, full recompute\n"
+            "  blocks.3  user::UserBlockImpl  off\n"
+            "  blocks.4  user::UserBlockImpl  on, full recompute (also as inner.0)\n"
+            "  blocks.5  user::UserBlockImpl  off\n");
+  // A name selector sees the first name only.
+  remat::disable_checkpointing(net);
+  EXPECT_EQ(remat::enable_checkpointing(net, sel::name("blocks.*")), 6);
+  const std::string none =
+      "[remat::enable_checkpointing] the selector 'name alias' chose no module of user::SharedNetImpl.";
+  EXPECT_EQ(error_of([&] { remat::enable_checkpointing(net, sel::name("alias")); }).substr(0, none.size()), none);
+  EXPECT_EQ(remat::disable_checkpointing(net), 6);
+  remat::enable_checkpointing(net, sel::first_n(2));
+  EXPECT_EQ(on_names(*net), (std::vector<std::string>{"blocks.0", "blocks.1", "alias"}))
+      << "LibTorch's own listing: the object is on under both names";
+}
+
+// Switched on, a block whose forward skips checkpointed() runs plain. The
+// switch cannot tell before a forward; after one, the blocks that route
+// through checkpointed() have counted calls and this one has not.
+TEST(ModuleSwitch, DescribeMarksABlockWhoseForwardSkipsCheckpointed) {
+  MixedNet net;
+  EXPECT_EQ(remat::enable_checkpointing(net, sel::all()), 3);
+  const std::string before =
+      "user::MixedNetImpl: 3 of 3 checkpointable modules on\n"
+      "  a  user::UserBlockImpl  on, full recompute\n"
+      "  bypass  user::BypassBlockImpl  on, full recompute\n"
+      "  b  user::UserBlockImpl  on, full recompute\n";
+  EXPECT_EQ(remat::describe_checkpointing(net), before) << "no forward yet: nothing to tell";
+  remat::reset_checkpoint_stats();
+  net->forward(torch::randn({4, 8})).sum().backward();
+  EXPECT_EQ(remat::checkpoint_stats().recomputations, 2) << "a and b; bypass ran plain";
+  EXPECT_EQ(net->a->checkpointed_calls(), 1) << "the recompute calls the body, not checkpointed()";
+  EXPECT_EQ(net->b->checkpointed_calls(), 1);
+  EXPECT_EQ(net->bypass->checkpointed_calls(), 0);
+  EXPECT_EQ(remat::describe_checkpointing(net),
+            "user::MixedNetImpl: 3 of 3 checkpointable modules on, 1 of them not running through checkpointed()\n"
+            "  a  user::UserBlockImpl  on, full recompute\n"
+            "  bypass  user::BypassBlockImpl  on, full recompute, but no user::BypassBlockImpl has run through "
+            "checkpointed() while other modules have: its forward must call checkpointed(), or the switch does "
+            "nothing\n"
+            "  b  user::UserBlockImpl  on, full recompute\n");
+  // Off, it is not marked; calls are counted on or off.
+  remat::disable_checkpointing(net);
+  net->forward(torch::randn({4, 8}));
+  EXPECT_EQ(net->a->checkpointed_calls(), 2);
+  EXPECT_EQ(remat::describe_checkpointing(net),
+            "user::MixedNetImpl: 0 of 3 checkpointable modules on\n"
+            "  a  user::UserBlockImpl  off\n"
+            "  bypass  user::BypassBlockImpl  off\n"
+            "  b  user::UserBlockImpl  off\n");
+  // By type: a block not called in a forward (only `a` runs here) is not
+  // marked while another of its type was; the bypassing type is.
+  MixedNet fresh;
+  remat::enable_checkpointing(fresh, sel::all());
+  fresh->a(torch::randn({4, 8}));
+  EXPECT_EQ(fresh->b->checkpointed_calls(), 0);
+  const std::string marked = remat::describe_checkpointing(fresh);
+  EXPECT_NE(marked.find("1 of them not running through checkpointed()\n"), std::string::npos) << marked;
+  EXPECT_NE(marked.find("\n  b  user::UserBlockImpl  on, full recompute\n"), std::string::npos) << marked;
+  // A tree whose only checkpointable block skips checkpointed(): no module
+  // has called it, so a forward cannot be told from none (documented).
+  BypassBlock alone;
+  remat::enable_checkpointing(alone, sel::all());
+  alone->forward(torch::randn({4, 8}));
+  EXPECT_EQ(remat::describe_checkpointing(alone),
+            "user::BypassBlockImpl: 1 of 1 checkpointable modules on\n"
+            "  (root)  user::BypassBlockImpl  on, full recompute\n");
 }
 
 TEST(ModuleSwitch, Errors) {

@@ -24,6 +24,7 @@
 // remat::checkpoint at their call site.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -46,6 +47,11 @@ class Checkpointable {
   void set_checkpointing(std::optional<CheckpointOptions> options) { options_ = std::move(options); }
   bool checkpointing() const { return options_.has_value(); }
   const std::optional<CheckpointOptions>& checkpointing_options() const { return options_; }
+  /** How many times this object's forward has called checkpointed(), on or
+   *  off (a recompute of an enclosing region counts again), since the object
+   *  was made; a copy (clone()) starts at 0. 0 after a forward that ran the
+   *  module means the forward does not route through the switch. */
+  int64_t checkpointed_calls() const { return calls_.n.load(std::memory_order_relaxed); }
 
  protected:
   /** fn(args...) under remat::checkpoint when the switch is on (with this
@@ -53,22 +59,37 @@ class Checkpointable {
    *  otherwise. fn must be copyable (capture `this`, not locals by reference). */
   template <class Fn, class... Args>
   auto checkpointed(Fn&& fn, Args&&... args) -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
+    calls_.n.fetch_add(1, std::memory_order_relaxed);
     if (!options_) return detail::call(fn, std::forward<Args>(args)...);
     return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
   }
 
  private:
+  /** A counter that modules may be copied with (it restarts at 0) and
+   *  forwards on several threads may bump. */
+  struct Calls {
+    std::atomic<int64_t> n{0};
+    Calls() = default;
+    Calls(const Calls&) {}
+    Calls& operator=(const Calls&) { return *this; }
+  };
   detail::ModuleState state() const;
   std::optional<CheckpointOptions> options_;
+  Calls calls_;
 };
 
 /** A checkpointable module as selectors see it. */
 struct SelectorInput {
-  std::string name;  ///< qualified name in the tree ("blocks.3.attn"; "" for the root)
+  std::string name;  ///< qualified name in the tree ("blocks.3.attn"; "" for the root): the first one it is reached by
   const torch::nn::Module* module;
 };
 
-/** Chooses modules among the checkpointable ones of a tree (in tree order). */
+/** Chooses modules among the checkpointable ones of a tree, in tree order
+ *  (pre-order), each module object once: one registered under two names, or
+ *  shared by two parents, is seen at its first name only, as Python's
+ *  named_modules() lists it (LibTorch's lists it at every name). So
+ *  positional selectors count it once, and enable_checkpointing,
+ *  disable_checkpointing and describe_checkpointing agree on it. */
 class Selector {
  public:
   using Fn = std::function<std::vector<bool>(const std::vector<SelectorInput>&)>;
@@ -103,13 +124,29 @@ Selector first_n(int64_t n, Selector base = all());
 
 /** Switches on the checkpointable modules of model that selector chooses,
  *  with options (a policy makes it selective); others keep their state.
- *  Returns how many were switched on. Throws remat::Error when the selector
- *  chooses none, listing the checkpointable modules of the tree. */
+ *  Returns how many module objects were switched on (a module reached by
+ *  two names counts once). Throws remat::Error when the selector chooses
+ *  none, listing the checkpointable modules of the tree. */
 int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector,
                              const CheckpointOptions& options = CheckpointOptions());
 /** Switches every checkpointable module of model off; returns how many were on. */
 int64_t disable_checkpointing(torch::nn::Module& model);
-/** One line per checkpointable module: name, type, on/off and policy. */
+/** A header line ("k of n checkpointable modules on"), then one line per
+ *  checkpointable module object, in the order selectors see them: name,
+ *  type, on/off and policy, and its other names ("(also as b)").
+ *
+ *  A module switched on whose forward does not call checkpointed() runs
+ *  plain, and nothing in its type says so. It is detected from
+ *  checkpointed_calls() once a forward has run: when some module of the
+ *  tree has called checkpointed() but no module of this one's type has, a
+ *  module of that type that is on is marked ", but no T has run through
+ *  checkpointed() while other modules have: its forward must call
+ *  checkpointed(), or the switch does nothing", and the header counts it
+ *  (", j of them not running through checkpointed()"). By type: a block
+ *  that a forward did not call is not marked while another of its type
+ *  was called; a type none of whose modules was called is (it cannot be
+ *  told from one that bypasses). Before any forward, and in a tree where
+ *  no module calls checkpointed() at all, nothing is marked. */
 std::string describe_checkpointing(const torch::nn::Module& model);
 
 template <class M>
