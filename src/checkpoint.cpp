@@ -111,9 +111,15 @@ struct Slot {
 
 struct SavedInput {
   bool defined = false;
-  at::Tensor tensor;  // when no outer hooks were active
+  at::Tensor tensor;  // when no outer hooks were active; a copy when written
   uint32_t version = 0;
   std::optional<torch::autograd::SavedVariable> saved;  // through outer hooks
+  // NOTE [inputs written by the region]: fn wrote into this input during its
+  // forward (an in-place activation on the block's input). tensor is then a
+  // copy taken right before the first write, and each recompute runs on a
+  // fresh copy of it, so the copy keeps the values the forward started from.
+  bool written = false;
+  bool requires_grad = false;  // written: whether the input required grad
 };
 
 struct Frame : std::enable_shared_from_this<Frame> {
@@ -121,6 +127,7 @@ struct Frame : std::enable_shared_from_this<Frame> {
   RecomputeFn recompute_fn;
   std::vector<SavedInput> inputs;
   std::vector<const c10::TensorImpl*> input_impls;          // forward only, for kInput
+  std::vector<at::Tensor> forward_inputs;                   // forward only: the inputs as given
   ReplayState replay;                                       // RNG, autocast, buffers of the first run
   std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
   std::vector<Slot> slots;
@@ -179,6 +186,26 @@ struct Frame : std::enable_shared_from_this<Frame> {
     return in.tensor;
   }
 
+  /** First run, before op writes through `written`: a region input that
+   *  shares its storage is copied once (NOTE [inputs written by the region]). */
+  void before_write(const at::Tensor& written) {
+    if (!written.defined() || !written.has_storage()) return;
+    const c10::StorageImpl* st = written.storage().unsafeGetStorageImpl();
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    for (size_t k = 0; k < forward_inputs.size() && k < inputs.size(); ++k) {
+      const at::Tensor& x = forward_inputs[k];
+      SavedInput& in = inputs[k];
+      if (in.written || !x.defined() || !x.has_storage() || x.storage().unsafeGetStorageImpl() != st) continue;
+      c10::InferenceMode normal(false);  // a copy autograd may use, even when the write runs in inference mode
+      at::NoGradGuard no_grad;
+      in.tensor = x.detach().clone();
+      in.requires_grad = x.requires_grad();
+      in.version = in.tensor._version();
+      in.saved.reset();
+      in.written = true;
+    }
+  }
+
   /** Adds the slot for a tensor the forward saves; returns its index. */
   size_t pack(const at::Tensor& t) {
     Slot s;
@@ -189,7 +216,9 @@ struct Frame : std::enable_shared_from_this<Frame> {
     } else {
       s.kind = SlotKind::kRecompute;
       for (size_t k = 0; k < input_impls.size(); ++k) {
-        if (input_impls[k] == t.unsafeGetTensorImpl()) {
+        // A written input saved after the write holds the written values:
+        // those are recomputed (from the copy), not the input.
+        if (input_impls[k] == t.unsafeGetTensorImpl() && !inputs[k].written) {
           s.kind = SlotKind::kInput;
           s.input_index = k;
           break;
@@ -446,9 +475,52 @@ class RecomputeFactory final : public HookFactory {
 
 }  // namespace
 
+namespace {
+/** The interceptor of a region's first run: copies an input before fn
+ *  first writes into it (NOTE [inputs written by the region]), then hands
+ *  the op to the selective policy's first run, if any, or on below. */
+class FirstRunGuard final : public dispatch::Interceptor {
+ public:
+  FirstRunGuard(Frame* f, std::unique_ptr<dispatch::Interceptor> selective)
+      : frame_(f), selective_(std::move(selective)) {}
+  void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
+    const auto& schema = op.schema();
+    if (schema.is_mutable()) {
+      const auto& formals = schema.arguments();
+      const size_t n = formals.size();
+      for (size_t a = 0; a < n; ++a) {
+        const auto* alias = formals[a].alias_info();
+        if (alias == nullptr || !alias->isWrite()) continue;
+        for_each_tensor((*stack)[stack->size() - n + a], [&](const at::Tensor& t) { frame_->before_write(t); });
+      }
+    }
+    if (selective_) {
+      selective_->on_op(op, ks, stack);
+    } else {
+      dispatch::run_below(op, ks, stack);
+    }
+  }
+  void on_tag(const at::Tensor& t, const std::string& name) override {
+    if (selective_) selective_->on_tag(t, name);
+  }
+
+ private:
+  Frame* frame_;
+  std::unique_ptr<dispatch::Interceptor> selective_;
+};
+}  // namespace
+
 void Frame::recompute() {
   check_parameters();
   std::vector<at::Tensor> in = materialize_inputs();
+  for (size_t k = 0; k < in.size() && k < inputs.size(); ++k) {
+    if (!inputs[k].written || !in[k].defined()) continue;
+    // fn writes it again (NOTE [inputs written by the region]): a fresh
+    // copy, not a leaf when the input required grad (as in the forward, so
+    // autograd saves the same tensors and allows the write).
+    at::AutoGradMode grad(inputs[k].requires_grad);
+    in[k] = inputs[k].requires_grad ? in[k].detach().requires_grad_().clone() : in[k].clone();
+  }
   needed = 0;
   for (const auto& s : slots) needed += s.kind == SlotKind::kRecompute && s.alive && !s.value.defined();
   cursor = 0;
@@ -469,6 +541,9 @@ void Frame::recompute() {
       ~Undo() { g_writes_undone.fetch_add(w.restore(), std::memory_order_relaxed); }
     } undo{writes};
     recompute_ops.clear();
+    for (size_t k = 0; k < in.size() && k < inputs.size(); ++k) {
+      if (inputs[k].written) writes.adopt(in[k]);  // the re-run's own copy: its writes stay
+    }
     dispatch::Scope ops(interceptor.get(), options.debug() ? &recompute_ops : nullptr);
     try {
       recompute_fn(in);
@@ -546,14 +621,15 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   f.replay = ReplayState::capture(options.preserve_rng_state(), devices, std::move(state.buffers));
   g_regions.fetch_add(1, std::memory_order_relaxed);
   scope_ = std::make_unique<ScopedHooks>(std::make_shared<ForwardFactory>(frame_));
+  std::unique_ptr<dispatch::Interceptor> selective_run;
   if (options.policy()) {
     f.selective = std::make_shared<SelectiveCache>(*options.policy());
     if (options.offload()) f.selective->set_offload(store_for(*options.offload()));
-    interceptor_ = f.selective->first_run();
+    selective_run = f.selective->first_run();
   }
-  if (options.policy() || options.debug()) {
-    dispatch_scope_ = std::make_unique<dispatch::Scope>(interceptor_.get(), options.debug() ? &f.forward_ops : nullptr);
-  }
+  for (const auto& t : inputs) f.forward_inputs.push_back(t);
+  interceptor_ = std::make_unique<FirstRunGuard>(frame_.get(), std::move(selective_run));
+  dispatch_scope_ = std::make_unique<dispatch::Scope>(interceptor_.get(), options.debug() ? &f.forward_ops : nullptr);
 }
 
 Region::~Region() {
@@ -565,6 +641,7 @@ Region::~Region() {
     std::lock_guard<std::recursive_mutex> lock(frame_->mu);
     Frame& f = *frame_;
     f.input_impls.clear();
+    f.forward_inputs.clear();
     f.forward_done = true;
     // What re-runs inside the forward refilled (for fn's own grad) and that
     // grad did not consume is recomputed again in backward, not kept.

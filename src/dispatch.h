@@ -18,6 +18,14 @@
 // negligible next to the kernels at the reference sizes. The fallback runs
 // the interceptor with Fake excluded (Suspend), so the kernel's own nested
 // ops and anything the interceptor does are not intercepted again.
+// NOTE [stacked interceptors]: Scopes stack per thread, outermost first. An
+// op goes to the innermost interceptor; its run_below() hands the op to the
+// next one out, and the outermost's runs the kernel. So an inner region
+// (a nested checkpoint with a policy, the debug log) never hides an op from
+// an outer one (an outer re-run's write guard sees the writes of the inner
+// region's ops), and an op an inner interceptor hands back without running
+// (a selective cache hit) reaches no outer one: nothing ran. A Scope with
+// no interceptor only logs and passes ops on.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,19 +49,25 @@ class Interceptor {
   virtual void on_tag(const at::Tensor& t, const std::string& name) = 0;
 };
 
-/** Runs op on the kernels below the interception key. */
+/** Runs op below the calling interceptor: on the next interceptor out, or
+ *  on the kernels below the interception key. */
 void run_below(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
 /** The innermost interceptor of this thread, or nullptr. */
 Interceptor* current();
 
+/** checkpoint_name(t, name): every interceptor of this thread sees it,
+ *  innermost first. */
+void tag(const at::Tensor& t, const std::string& name);
+
 /** How many Scopes this thread has opened so far (a layer that must see
  *  every op tells from it whether another interceptor took over meanwhile). */
 uint64_t scopes_opened();
 
-/** Pushes an interceptor (nullptr masks the outer ones) and turns
- *  interception on for this thread; restores both when destroyed. With a
- *  log, the key of every op seen is appended to it (the debug mode). */
+/** Pushes an interceptor on this thread's stack (nullptr: none, ops pass
+ *  through to the outer ones) and turns interception on for this thread;
+ *  pops and restores both when destroyed. With a log, the key of every op
+ *  that reaches this level is appended to it (the debug mode). */
 class Scope {
  public:
   explicit Scope(Interceptor* i, std::vector<std::string>* log = nullptr);
@@ -62,8 +76,7 @@ class Scope {
   Scope& operator=(const Scope&) = delete;
 
  private:
-  Interceptor* previous_;
-  std::vector<std::string>* previous_log_;
+  size_t depth_;  // levels below this one
   c10::impl::ForceDispatchKeyGuard keys_;
 };
 

@@ -53,6 +53,23 @@ c10::IValue alias_of(const c10::IValue& v) {
   return v;
 }
 
+/** A copy of v's tensors (a tensor, or each of a list), other values as is. */
+c10::IValue copy_of(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    return t.defined() ? c10::IValue(t.clone()) : v;
+  }
+  if (v.isTensorList()) {
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorVector()) out.push_back(t.defined() ? t.clone() : t);
+    return c10::IValue(out);
+  }
+  return v;
+}
+
+/** Inference tensors have no version counter (InferenceMode inside a region). */
+bool versioned(const at::Tensor& t) { return t.defined() && !t.is_inference(); }
+
 bool storable(const c10::IValue& v) {
   return v.isTensor() || v.isTensorList() || v.isInt() || v.isDouble() || v.isBool() || v.isNone() || v.isSymInt() ||
          v.isSymFloat();
@@ -138,8 +155,7 @@ class FirstRun final : public dispatch::Interceptor {
     c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - nin, nin);
     SelectiveCache::Record rec;
     rec.op = op;
-    std::string key = dispatch::op_key(op);
-    rec.key = {key, counts_[key]++};
+    rec.key = SelectiveCache::Key::of(op, args, counts_);
     rec.view_like = is_view_like(op);
     rec.uncacheable = uncacheable_reason(op);
     const OpDecision d = c_->policy_(call_of(op, args, ""));
@@ -182,7 +198,7 @@ class FirstRun final : public dispatch::Interceptor {
           for (const auto& o : outs) {
             for_each_tensor(o, [&](const at::Tensor& t) {
               if (t.defined() && t.has_storage())
-                c_->written_.emplace(t.storage().unsafeGetStorageImpl(), rec.key.first);
+                c_->written_.emplace(t.storage().unsafeGetStorageImpl(), rec.key.op);
             });
           }
         }
@@ -202,7 +218,7 @@ class FirstRun final : public dispatch::Interceptor {
 
   [[noreturn]] static void refuse(const SelectiveCache::Record& rec, OpDecision d, const std::string& tag) {
     throw Error("[remat::checkpoint] the selective policy returned " + std::string(to_string(d)) + " for " +
-                rec.key.first + (tag.empty() ? "" : " (output named '" + tag + "')") +
+                rec.key.op + (tag.empty() ? "" : " (output named '" + tag + "')") +
                 ", which cannot be saved: " + rec.uncacheable +
                 ". In-place, view and random ops are always recomputed; return kPreferSave (recomputed "
                 "silently) or save the op that produces its input.");
@@ -210,7 +226,7 @@ class FirstRun final : public dispatch::Interceptor {
 
  private:
   SelectiveCache* c_;
-  std::unordered_map<std::string, int64_t> counts_;
+  SelectiveCache::Counts counts_;
 };
 
 // ---------------------------------------------------------------------------
@@ -221,8 +237,10 @@ class Recompute final : public dispatch::Interceptor {
   Recompute(SelectiveCache* c, bool keep, WriteGuard* guard) : c_(c), keep_(keep), guard_(guard) {}
 
   void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
-    const std::string key = dispatch::op_key(op);
-    const SelectiveCache::Key k{key, counts_[key]++};
+    const size_t nargs = op.schema().arguments().size();
+    const SelectiveCache::Key k =
+        SelectiveCache::Key::of(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nargs, nargs), counts_);
+    const std::string& key = k.op;
     std::unique_lock<std::mutex> lock(c_->mu_);
     auto it = c_->cache_.find(k);
     if (it == c_->cache_.end()) {
@@ -243,11 +261,7 @@ class Recompute final : public dispatch::Interceptor {
       for (const auto& o : it->second.outputs) {
         // A snapshot is written again by the recompute's own in-place op:
         // when the entry must survive (retain_graph), hand out a copy.
-        if (it->second.snapshot && keep_) {
-          outs.push_back(o.isTensor() && o.toTensor().defined() ? c10::IValue(o.toTensor().clone()) : alias_of(o));
-        } else {
-          outs.push_back(alias_of(o));
-        }
+        outs.push_back(it->second.snapshot && keep_ ? copy_of(o) : alias_of(o));
       }
     }
     if (!keep_) c_->cache_.erase(it);
@@ -263,7 +277,7 @@ class Recompute final : public dispatch::Interceptor {
 
  private:
   void check(const SelectiveCache::Key& k, const SelectiveCache::Entry& e, c10::ArrayRef<c10::IValue> args) const {
-    const std::string where = k.first + " (call " + std::to_string(k.second + 1) + " of it in the region)";
+    const std::string where = k.op + " (call " + std::to_string(k.n + 1) + " of it in the region)";
     size_t j = 0;
     for (const auto& o : e.outputs) {
       for_each_tensor(o, [&](const at::Tensor& t) {
@@ -274,7 +288,7 @@ class Recompute final : public dispatch::Interceptor {
                         std::to_string(version) + " -> " + std::to_string(t._version()) +
                         "), so it no longer holds the op's result. Use an out-of-place op on it, or let the "
                         "policy recompute " +
-                        k.first + " (policy::recompute_ops({\"" + k.first + "\"})).");
+                        k.op + " (policy::recompute_ops({\"" + k.op + "\"})).");
           }
         }
         ++j;
@@ -297,7 +311,7 @@ class Recompute final : public dispatch::Interceptor {
   SelectiveCache* c_;
   bool keep_;
   WriteGuard* guard_;
-  std::unordered_map<std::string, int64_t> counts_;
+  SelectiveCache::Counts counts_;
 };
 
 }  // namespace detail
@@ -306,6 +320,19 @@ class Recompute final : public dispatch::Interceptor {
 // SelectiveCache
 
 namespace detail {
+
+SelectiveCache::Key SelectiveCache::Key::of(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                                            Counts& counts) {
+  Key k;
+  k.op = dispatch::op_key(op);
+  for (const auto& a : args) {
+    for_each_tensor(a, [&](const at::Tensor& t) {
+      k.parameters.push_back(t.defined() && t.is_leaf() && t.requires_grad() ? t.unsafeGetTensorImpl() : nullptr);
+    });
+  }
+  k.n = counts[{k.op, k.parameters}]++;
+  return k;
+}
 
 std::unique_ptr<dispatch::Interceptor> SelectiveCache::first_run() { return std::make_unique<FirstRun>(this); }
 
@@ -343,7 +370,7 @@ std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* 
 void SelectiveCache::save(const Key& key, Entry e) {
   if (e.decision == OpDecision::kOffload && !store_ && !inspect_only_) {
     throw Error("[remat::checkpoint] the selective policy '" + policy_.description() + "' returned kOffload for " +
-                key.first +
+                key.op +
                 ", but the region has no offload target; set one with CheckpointOptions().offload(OffloadOptions(...)) "
                 "or return kPreferSave.");
   }
@@ -352,13 +379,13 @@ void SelectiveCache::save(const Key& key, Entry e) {
   for (auto& o : e.outputs) {
     o = alias_of(o);
     for_each_tensor(o, [&](const at::Tensor& t) {
-      if (t.defined()) e.versions.emplace_back(j, t._version());
+      if (versioned(t)) e.versions.emplace_back(j, t._version());
       ++j;
     });
   }
   if (cache_.emplace(key, std::move(e)).second) {
     g_ops_saved.fetch_add(1, std::memory_order_relaxed);
-    count_op(key.first, 0);
+    count_op(key.op, 0);
   }
 }
 
@@ -402,11 +429,11 @@ void SelectiveCache::on_tag(const at::Tensor& t, const std::string& name) {
     auto it = written_.find(w.storage._unsafe_get_target());
     if (it != written_.end()) {
       throw Error("[remat::checkpoint_name] the policy '" + policy_.description() + "' saves '" + name + "', but " +
-                  it->second + " wrote in place into the output of " + rec->key.first +
+                  it->second + " wrote in place into the output of " + rec->key.op +
                   " before it was named, so no op's result holds those values (C++ torch::nn::Linear adds its "
                   "bias in place on 3-d inputs). Name a tensor no in-place op has written (e.g. call "
                   "torch::linear(x, weight, bias)), or save " +
-                  rec->key.first + " by operator (policy::save_ops), which copies it before the write.");
+                  rec->key.op + " by operator (policy::save_ops), which copies it before the write.");
     }
   }
   Entry e;
@@ -416,11 +443,11 @@ void SelectiveCache::on_tag(const at::Tensor& t, const std::string& name) {
     at::Tensor strong = w.get();
     if (!strong.defined() || !single_tensors) {
       throw Error("[remat::checkpoint_name] the policy '" + policy_.description() + "' saves '" + name +
-                  "', an output of " + rec->key.first +
+                  "', an output of " + rec->key.op +
                   ", but that op's outputs can no longer be kept together (another output is already freed, "
                   "or it returns a list), so it cannot be handed back in the recompute. Name the result of a "
                   "single-output op, or save " +
-                  rec->key.first + " by operator (policy::save_ops).");
+                  rec->key.op + " by operator (policy::save_ops).");
     }
     e.outputs.emplace_back(std::move(strong));
   }
@@ -442,20 +469,12 @@ void SelectiveCache::snapshot_before_write(const at::Tensor& written) {
       });
     }
     if (!hit) continue;
-    for (auto& o : e.outputs) {
-      if (o.isTensor() && o.toTensor().defined()) {
-        o = c10::IValue(o.toTensor().clone());
-      } else if (o.isTensorList()) {
-        std::vector<at::Tensor> copies;
-        for (const at::Tensor& t : o.toTensorVector()) copies.push_back(t.defined() ? t.clone() : t);
-        o = c10::IValue(copies);
-      }
-    }
+    for (auto& o : e.outputs) o = copy_of(o);
     e.versions.clear();
     size_t j = 0;
     for (const auto& o : e.outputs) {
       for_each_tensor(o, [&](const at::Tensor& t) {
-        if (t.defined()) e.versions.emplace_back(j, t._version());
+        if (versioned(t)) e.versions.emplace_back(j, t._version());
         ++j;
       });
     }
@@ -633,11 +652,7 @@ Policy any_of(std::vector<Policy> policies) {
 // Names, counters
 
 at::Tensor checkpoint_name(const at::Tensor& t, const std::string& name) {
-  dispatch::Interceptor* i = dispatch::current();
-  if (i != nullptr) {
-    dispatch::Suspend suspend;
-    i->on_tag(t, name);
-  }
+  dispatch::tag(t, name);
   return t;
 }
 
@@ -666,6 +681,11 @@ struct ResidualRecorder::Impl {
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> saved;  // in save order; kept alive until finish()
   SelectiveCache cache;
+  // Inspection changes nothing: what fn writes into tensors that existed
+  // before it (BatchNorm statistics, its inputs) is put back at the end.
+  WriteGuard writes;
+  std::unique_ptr<dispatch::Interceptor> guard;
+  std::optional<dispatch::Scope> guard_scope;
   std::unique_ptr<dispatch::Interceptor> interceptor;
   std::optional<dispatch::Scope> scope;
   std::optional<SavedTensorsHooks> hooks;
@@ -674,6 +694,15 @@ struct ResidualRecorder::Impl {
 
   Impl(std::optional<Policy> p, std::vector<at::Tensor> in)
       : policy(std::move(p)), inputs(std::move(in)), cache(policy ? *policy : policy::save_nothing()) {}
+  /** Stops interception and puts back what fn wrote (once). */
+  void stop() {
+    scope.reset();
+    if (guard_scope) {
+      guard_scope.reset();
+      writes.restore();
+    }
+  }
+  ~Impl() { stop(); }
 };
 
 ResidualRecorder::ResidualRecorder(std::optional<Policy> policy, std::vector<at::Tensor> inputs)
@@ -691,6 +720,8 @@ ResidualRecorder::ResidualRecorder(std::optional<Policy> policy, std::vector<at:
         return t.detach();
       },
       [](const at::Tensor& t) { return t; });
+  m.guard = make_write_guard_interceptor(&m.writes);
+  m.guard_scope.emplace(m.guard.get());
   m.scope.emplace(m.interceptor.get());
 }
 
@@ -698,7 +729,7 @@ ResidualRecorder::~ResidualRecorder() = default;
 
 SavedResiduals ResidualRecorder::finish() {
   Impl& m = *impl_;
-  m.scope.reset();
+  m.stop();
   m.hooks.reset();
   m.grad.reset();
   SavedResiduals r;
@@ -743,7 +774,7 @@ SavedResiduals ResidualRecorder::finish() {
       } else if (it != m.cache.producer_.end()) {
         const auto& rec = m.cache.records_[it->second];
         s.kind = ResidualKind::kRecomputable;
-        s.op = rec.key.first;
+        s.op = rec.key.op;
         s.tag = rec.tag;
         // Kept if its own producer, or the one its view chain leads to, is cached.
         const SelectiveCache::Record* p = &rec;

@@ -6,8 +6,15 @@
 // backward recomputes the region, an op whose key is cached is not run: its
 // outputs are handed back (after checking they were not modified in place
 // and that the op got inputs of the same shapes); every other op runs.
-// Keys count occurrences per operator, so ops that appear in one run only
-// (an autocast cast served from autocast's cache) do not shift the others.
+// Keys count occurrences per operator and parameters: the op's tensor
+// arguments that are leaves requiring grad (parameters, the same tensors in
+// every run) are part of the key. So a call that appears in one run only
+// does not shift the others: autocast's cast cache serves a parameter's
+// cast in one run and not in the other (its first use in the forward
+// casts, the re-run in backward finds the cast cached), and the casts of
+// computed tensors, counted apart, keep their numbers. A key that shifts
+// all the same (control flow on other state) is caught at hand-back by the
+// inputs' shapes and dtypes.
 // An in-place op of the region that writes to a cached output's storage
 // (Linear's bias `add_` on a view of its mm, a dropout's bernoulli_ into
 // a saved empty_like) would make the cache hold the written values, not the
@@ -33,6 +40,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -111,7 +119,19 @@ class SelectiveCache {
   friend class FirstRun;
   friend class Recompute;
   friend class ResidualRecorder;
-  using Key = std::pair<std::string, int64_t>;
+  /** An op call of the region (NOTE [selective op cache]). */
+  struct Key {
+    std::string op;                                 // "aten::mm"
+    std::vector<const c10::TensorImpl*> parameters;  // per tensor argument: the parameter, or nullptr
+    int64_t n = 0;                                   // occurrence of (op, parameters) in the region
+    bool operator<(const Key& o) const {
+      return std::tie(op, parameters, n) < std::tie(o.op, o.parameters, o.n);
+    }
+    /** Counts the call of op on args in counts and returns its key. */
+    static Key of(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                  std::map<std::pair<std::string, std::vector<const c10::TensorImpl*>>, int64_t>& counts);
+  };
+  using Counts = std::map<std::pair<std::string, std::vector<const c10::TensorImpl*>>, int64_t>;
   struct Entry {
     std::vector<c10::IValue> outputs;
     std::vector<std::pair<size_t, uint32_t>> versions;  // tensor output index, version at save

@@ -31,6 +31,10 @@ class WriteGuard {
   /** After an op (run or handed back): the storages it allocated are the
    *  recompute's own (not those of views and in-place results). */
   void made(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> outputs);
+  /** t's storage is the recompute's own (made for it before it started). */
+  void adopt(const at::Tensor& t) {
+    if (t.defined() && t.has_storage()) made_.insert(t.storage().unsafeGetStorageImpl());
+  }
   /** Writes the copies back (last first); returns how many. */
   int64_t restore();
 

@@ -74,7 +74,7 @@ struct CheckpointOptions {
   TORCH_ARG(bool, early_stop) = checkpoint_early_stop();
   /** Selective checkpointing (policy.h): which ops' outputs are saved from
    *  the first run instead of recomputed. Default none: everything is
-   *  recomputed and no op is intercepted. */
+   *  recomputed. */
   TORCH_ARG(std::optional<Policy>, policy);
   /** PyTorch's debug=True: record the ops of the forward and of the
    *  recomputation, and show them side by side, aligned at the first
