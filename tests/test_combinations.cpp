@@ -10,6 +10,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <atomic>
+#include <thread>
 
 using namespace remat_test;
 namespace pol = remat::policy;
@@ -384,4 +385,44 @@ TEST(Combinations, InputWrittenAfterTheForwardIsStillRefused) {
   const std::string err = error_of([&] { y.sum().backward(); });
   EXPECT_NE(err.find("input 0 of a checkpointed function was modified in place after the forward"), std::string::npos)
       << err;
+}
+
+// The nested cases above on two threads at once (each its own model), as
+// the thread and sanitizer runs see them: interceptor stacks are per thread.
+TEST(Combinations, NestedPoliciesAndInplaceInputsOnTwoThreads) {
+  struct Models {
+    NestedWrite m;
+    InplaceNet net;
+  };
+  auto make = [](uint64_t seed) {
+    torch::manual_seed(seed);  // on the main thread: the generator is process-wide
+    return std::make_unique<Models>();
+  };
+  auto work = [](Models& mo, bool ck) {
+    std::vector<torch::Tensor> out;
+    if (ck) {
+      remat::enable_checkpointing(*mo.net, remat::select::type<InplaceBlockImpl>(),
+                                  remat::CheckpointOptions().policy(pol::save_nothing()));
+    }
+    for (int step = 0; step < 3; ++step) {
+      auto g = mo.m.grads(
+          ck ? std::optional<remat::CheckpointOptions>(remat::CheckpointOptions().policy(pol::save_matmuls()))
+             : std::nullopt,
+          ck);
+      out.insert(out.end(), g.begin(), g.end());
+      for (auto& p : mo.net->parameters()) p.mutable_grad() = torch::Tensor();
+      mo.net(torch::ones({1, 3, 6, 6}) * (step + 1)).square().mean().backward();
+      for (auto& p : mo.net->parameters()) out.push_back(p.grad().clone());
+    }
+    return out;
+  };
+  auto p1 = make(11), p2 = make(12), c1 = make(11), c2 = make(12);
+  const auto plain1 = work(*p1, false), plain2 = work(*p2, false);
+  std::vector<torch::Tensor> got1, got2;
+  std::thread t1([&] { got1 = work(*c1, true); });
+  std::thread t2([&] { got2 = work(*c2, true); });
+  t1.join();
+  t2.join();
+  expect_bitwise_equal(plain1, got1);
+  expect_bitwise_equal(plain2, got2);
 }
