@@ -41,11 +41,20 @@ void StopRecords::disable(int i) {
   disabled_[i] = 1;
 }
 
+bool any_alive(const std::vector<WeakStorage>& storages) {
+  for (const auto& w : storages) {
+    if (!w.expired()) return true;
+  }
+  return false;
+}
+
 namespace {
 
 const c10::StorageImpl* storage_of(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
 }
+
+WeakStorage weak_storage_of(const at::Tensor& t) { return WeakStorage(t.storage().getWeakStorageImpl()); }
 
 template <class F>
 void for_each_tensor(const c10::IValue& v, F&& f) {
@@ -96,6 +105,9 @@ struct StopRecorder::Impl final : dispatch::Interceptor {
   StopRecord rec;
   // storage -> the last op that returned it or wrote it (index into rec.ops)
   std::unordered_map<const c10::StorageImpl*, int64_t> writer;
+  // storages this run made (returned by an op, not as an alias of an argument)
+  std::unordered_map<const c10::StorageImpl*, WeakStorage> made;
+  std::vector<WeakStorage> after_cut;  // filled by finish()
   std::unordered_set<const c10::StorageImpl*> saved;
   int64_t marker = -1;  // the last op returning something other than tensors
   bool foreign = false;
@@ -141,11 +153,13 @@ struct StopRecorder::Impl final : dispatch::Interceptor {
       } else if (v.isTensor()) {
         ret.outs.push_back(out_of(v.toTensor()));
         if (!producible(v.toTensor())) r.fakeable = false;
+        note_made(v.toTensor());
       } else if (v.isTensorList()) {
         ret.kind = StopRecord::Ret::kList;
         for (const at::Tensor& t : v.toTensorList()) {
           ret.outs.push_back(out_of(t));
           if (!producible(t)) r.fakeable = false;
+          note_made(t);
         }
       } else {
         r.fakeable = false;
@@ -160,6 +174,9 @@ struct StopRecorder::Impl final : dispatch::Interceptor {
     rec.ops.push_back(std::move(r));
   }
   void on_tag(const at::Tensor&, const std::string&) override {}
+  void note_made(const at::Tensor& t) {
+    if (const auto* s = storage_of(t)) made.insert_or_assign(s, weak_storage_of(t));
+  }
 };
 
 StopRecorder::StopRecorder() : impl_(std::make_unique<Impl>()) {
@@ -212,8 +229,17 @@ std::shared_ptr<const StopRecord> StopRecorder::finish(const std::vector<at::Ten
   }
   rec->stop = stop;
   rec->usable = true;
+  // Storages made here and last written after the cut point: what a cut
+  // run would leave uninitialized (see "Kept state" in the NOTE).
+  for (const auto& [s, weak] : m.made) {
+    auto it = m.writer.find(s);
+    if (it != m.writer.end() && it->second > stop) m.after_cut.push_back(weak);
+  }
+  m.made.clear();
   return rec;
 }
+
+std::vector<WeakStorage> StopRecorder::after_cut() const { return impl_->after_cut; }
 
 struct StopReplay::Impl final : dispatch::Interceptor {
   std::shared_ptr<const StopRecord> rec;
@@ -221,6 +247,28 @@ struct StopReplay::Impl final : dispatch::Interceptor {
   bool diverged = false;
   int64_t skipped = 0;
   std::optional<dispatch::Scope> scope;
+  std::unordered_set<const c10::StorageImpl*> made;  // by the ops that ran
+  std::vector<WeakStorage> produced;
+
+  void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    dispatch::run_below(op, ks, stack);
+    const auto& rets = op.schema().returns();
+    const size_t nr = rets.size();
+    for (size_t j = 0; j < nr; ++j) {
+      if (rets[j].alias_info() != nullptr) continue;
+      for_each_tensor((*stack)[stack->size() - nr + j], [&](const at::Tensor& t) {
+        if (const auto* s = storage_of(t)) made.insert(s);
+      });
+    }
+  }
+  at::Tensor produce(const StopRecord::Out& o) {
+    at::Tensor t = make(o);
+    if (const auto* s = storage_of(t)) {
+      made.insert(s);
+      produced.push_back(weak_storage_of(t));
+    }
+    return t;
+  }
 
   void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
     if (diverged) return dispatch::run_below(op, ks, stack);
@@ -231,17 +279,27 @@ struct StopReplay::Impl final : dispatch::Interceptor {
       return dispatch::run_below(op, ks, stack);
     }
     const auto& r = rec->ops[idx];
-    if (idx <= rec->stop || !r.fakeable) return dispatch::run_below(op, ks, stack);
+    if (idx <= rec->stop || !r.fakeable) return run(op, ks, stack);
     const size_t n = op.schema().arguments().size();
     std::vector<c10::IValue> args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
     stack->erase(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
     for (const auto& ret : r.rets) {
       switch (ret.kind) {
-        case StopRecord::Ret::kAlias: stack->push_back(args[ret.alias_arg]); break;
-        case StopRecord::Ret::kTensor: stack->push_back(make(ret.outs.at(0))); break;
+        case StopRecord::Ret::kAlias: {
+          // An in-place write that does not happen: a storage of this run's
+          // now holds stale values.
+          for_each_tensor(args[ret.alias_arg], [&](const at::Tensor& t) {
+            if (const auto* s = storage_of(t); s != nullptr && made.count(s) != 0) {
+              produced.push_back(weak_storage_of(t));
+            }
+          });
+          stack->push_back(args[ret.alias_arg]);
+          break;
+        }
+        case StopRecord::Ret::kTensor: stack->push_back(produce(ret.outs.at(0))); break;
         case StopRecord::Ret::kList: {
           c10::List<at::Tensor> l;
-          for (const auto& o : ret.outs) l.push_back(make(o));
+          for (const auto& o : ret.outs) l.push_back(produce(o));
           stack->push_back(std::move(l));
           break;
         }
@@ -260,9 +318,14 @@ StopReplay::StopReplay(std::shared_ptr<const StopRecord> rec) : impl_(std::make_
 StopReplay::~StopReplay() = default;
 bool StopReplay::diverged() const { return impl_->diverged; }
 int64_t StopReplay::skipped() const { return impl_->skipped; }
+std::vector<WeakStorage> StopReplay::produced() const { return impl_->produced; }
 
-bool early_stop_available() {
-  if (current_hooks() != nullptr || dispatch::current() != nullptr) return false;
+bool early_stop_available(const dispatch::Interceptor* own) {
+  // With stacked interceptors (NOTE [op-level interception, as built]), the
+  // runtime's own write guard below the recorder sees every op that runs,
+  // as a re-run must; any other interceptor would see a different stream.
+  if (current_hooks() != nullptr) return false;
+  if (dispatch::current() != nullptr && (own == nullptr || dispatch::current() != own)) return false;
   try {
     dispatch::Scope probe(nullptr);  // installs the fallback; refused beside Python's FakeTensor
   } catch (const Error&) {

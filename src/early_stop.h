@@ -22,17 +22,46 @@
 // sequence that differs from the record (control flow on other state)
 // stops the cut: before the cut point the rest simply runs, after it the
 // stage is run again in full (throws Diverged) and never cut again.
+//
+// Kept state: ops after the cut point return uninitialized tensors; they
+// must never leave the graph. A stage may keep a tensor it computed (a
+// feature tap `last = y.detach()`, a memory carried to the next step): with
+// its ops produced, the module would hold garbage. What is reliable is the
+// storages' lifetimes: the recording run keeps weak references to the
+// storages it made whose last write came after the cut point (autograd saved
+// none of them, by the cut point's definition); once the stage's backward
+// has run and the runtime has let go of the stage's outputs, a storage
+// still alive is held by someone else (the module, a cache): the stage
+// keeps state and is never cut (the record is dropped; the recording run
+// ran in full, so what it kept is right). Storages that existed before the
+// run (a module's buffers written in place) are not counted: a re-run's
+// writes to them are undone anyway (NOTE [recompute side effects]). A
+// stage that keeps state only on some calls can escape the recording run's
+// check; each cut run is therefore checked the same way (its produced
+// storages), and if one is alive, the stage is never cut again and is run
+// once more in full without grad, so that what it keeps holds the values
+// of a full run.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+namespace remat::dispatch {
+class Interceptor;
+}  // namespace remat::dispatch
+
 namespace remat::detail {
+
+using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+
+/** True when one of the storages is still alive (see "Kept state" above). */
+bool any_alive(const std::vector<WeakStorage>& storages);
 
 /** What a stage's first recompute recorded. */
 struct StopRecord {
@@ -92,6 +121,10 @@ class StopRecorder {
   /** After the run: the record, or one with usable = false. outs are the
    *  stage's outputs (their graph is checked). */
   std::shared_ptr<const StopRecord> finish(const std::vector<at::Tensor>& outs, uint64_t seq0);
+  /** After finish() of a usable record: the storages the run made whose
+   *  last write came after the cut point. Alive once the stage's outputs
+   *  and graph are gone: the stage keeps state, do not use the record. */
+  std::vector<WeakStorage> after_cut() const;
 
  private:
   struct Impl;
@@ -110,15 +143,20 @@ class StopReplay {
   bool diverged() const;
   /** Ops produced without running their kernels. */
   int64_t skipped() const;
+  /** The storages of the tensors produced (and of those this run made that
+   *  a produced in-place op should have written). */
+  std::vector<WeakStorage> produced() const;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-/** Early stop can run on this thread now: no saved-tensor hooks or op
- *  interceptor is active (they would see a different op stream), and the
- *  dispatcher's interception key is free. */
-bool early_stop_available();
+/** Early stop can run on this thread now: no saved-tensor hooks are
+ *  active and no op interceptor other than `own` (they would see a
+ *  different op stream), and the dispatcher's interception key is free.
+ *  own: the runtime's own write guard, pushed onto an empty interceptor
+ *  stack (NOTE [recompute side effects]); nullptr: none. */
+bool early_stop_available(const dispatch::Interceptor* own = nullptr);
 
 }  // namespace remat::detail

@@ -1,7 +1,11 @@
 // The profiler (see profile.h): one forward and backward per stage on its
 // own, timed, with saved tensors counted through remat's hooks and
 // temporaries through remat::memory; everything it changes is put back, and
-// the real parameters' gradients and hooks are never reached.
+// the real parameters' gradients and hooks are never reached. Every run of
+// a stage here goes through a write guard (NOTE [recompute side effects]),
+// as the runtime's re-runs do: state the stage writes that is not its own
+// registered buffers (a BatchNorm owned elsewhere, called from a lambda) is
+// put back after each run; its own buffers are put back at the end.
 #include <remat/profile.h>
 
 #include <algorithm>
@@ -23,10 +27,13 @@
 #include <remat/memory.h>
 #include <remat/plan/json.h>
 
+#include "dispatch.h"
 #include "early_stop.h"
 #include "grad_edges.h"
 #include "replay.h"
+#include "selective_state.h"
 #include "values.h"
+#include "write_guard.h"
 
 namespace remat {
 namespace {
@@ -81,11 +88,33 @@ namespace detail {
 
 namespace {
 
+/** One profiling run's write guard: push scope() around the stage's ops;
+ *  the writes are undone when it is destroyed (after the run's backward:
+ *  undoing bumps version counters that the run's graph checks). The
+ *  Sequential's buffers are Restore's. */
+class RunWrites {
+ public:
+  explicit RunWrites(const std::vector<at::Tensor>& buffers) : interceptor_(make_write_guard_interceptor(&guard_)) {
+    for (const auto& b : buffers) guard_.adopt(b);
+  }
+  ~RunWrites() {
+    dispatch::Suspend own;  // remat's own work: no interceptor sees the restore
+    guard_.restore();
+  }
+  RunWrites(const RunWrites&) = delete;
+  RunWrites& operator=(const RunWrites&) = delete;
+  dispatch::Interceptor* interceptor() const { return interceptor_.get(); }
+
+ private:
+  WriteGuard guard_;
+  std::unique_ptr<dispatch::Interceptor> interceptor_;
+};
+
 /** The stage's recompute as early stop cuts it (NOTE [early stop in planned
  *  recomputes]): a recording run, then `repeats` timed ones; median ms, or
  *  -1 when the stage is never cut (its forward time applies). */
 double cut_recompute_ms(torch::nn::AnyModule& module, const Values& h, const std::string& who, int repeats,
-                        const c10::Device& device) {
+                        const c10::Device& device, bool writes_input, const std::vector<at::Tensor>& buffers) {
   if (!early_stop_available()) return -1;
   auto input = [&] {
     Values in = h.detached();
@@ -95,22 +124,31 @@ double cut_recompute_ms(torch::nn::AnyModule& module, const Values& h, const std
     return in;
   };
   std::shared_ptr<const StopRecord> rec;
+  std::vector<WeakStorage> after_cut;
   {
+    RunWrites writes(buffers);
     Values in = input();
     const uint64_t seq0 = at::sequence_number::peek();
+    dispatch::Scope ops(writes.interceptor());
     StopRecorder recorder;
-    Values y = run_module(module, in, who);
+    Values y = run_stage_module(module, in, writes_input, who);
     rec = recorder.finish(y.ts, seq0);
+    if (rec->usable) after_cut = recorder.after_cut();
   }
-  if (!rec->usable) return -1;
+  // The run's outputs and graph are gone: a storage made after the cut point
+  // that is still alive is kept by the stage (NOTE [early stop in planned
+  // recomputes], "Kept state"); the runtime never cuts it either.
+  if (!rec->usable || any_alive(after_cut)) return -1;
   std::vector<double> ms;
   for (int r = 0; r < repeats; ++r) {
     Values in = input();
     try {
+      RunWrites writes(buffers);
+      dispatch::Scope ops(writes.interceptor());
       StopReplay replay(rec);
       synchronize(device);
       const auto t0 = Clock::now();
-      Values y = run_module(module, in, who);
+      Values y = run_stage_module(module, in, writes_input, who);
       synchronize(device);
       ms.push_back(ms_since(t0));
       if (replay.diverged()) return -1;
@@ -124,7 +162,7 @@ double cut_recompute_ms(torch::nn::AnyModule& module, const Values& h, const std
 }  // namespace
 
 plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x, const ProfileOptions& options,
-                           Values* result) {
+                           Values* result, std::vector<char>* writes_input) {
   torch::nn::Sequential seq = seq_in;
   if (seq->size() == 0) throw Error("[remat::profile] the Sequential is empty; add modules before profiling.");
   if (options.repeats() < 1 || options.warmup() < 0) {
@@ -136,6 +174,8 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
   // A CUDA chain is measured in CUDA bytes (the caching allocator's).
   const c10::Device mem_device = memory_device(x.ts, seq->parameters());
   Restore restore(seq, mem_device);
+  const std::vector<at::Tensor> buffers = seq->buffers();
+  if (writes_input) writes_input->assign(seq->size(), 0);
   // Counting on for the whole profile, not only inside each measured
   // window: a tensor made between two windows (the backward's seed) and
   // freed inside one would otherwise look alive to its end (the seed of a
@@ -164,8 +204,40 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
     stage.name = std::to_string(i) + ":" + module.ptr()->name();
     const std::string who = "[remat::profile] stage " + stage.name;
     std::vector<double> forward_ms, backward_ms;
-    Values out;
+    Values out, next;
+    bool writes = false;
+    {
+      // A plain forward (the runtime's kForward: no autograd, so each
+      // intermediate is freed when it dies instead of being saved): its own
+      // temporaries above the output, often more than a forward_save's above
+      // its saved set (a CNN block's: 4 activations against 3). The input's
+      // version counters tell whether the stage writes its input in place
+      // (NOTE [stages that write their input]): then its values are put
+      // back and the stage is measured on a copy, as the runtime runs it.
+      at::NoGradGuard no_grad;
+      const Values backup = h.cloned();
+      std::vector<int64_t> versions;
+      for (const auto& t : h.ts) versions.push_back(t.defined() && !t.is_inference() ? t._version() : -1);
+      auto plain_forward = [&](const Values& in) {
+        RunWrites run_writes(buffers);
+        dispatch::Scope ops(run_writes.interceptor());
+        memory::Probe probe(mem_device);
+        next = run_module(module, in, who);
+        stage.plain_forward_tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
+      };
+      plain_forward(h.detached());
+      for (size_t k = 0; k < h.size(); ++k) writes |= versions[k] >= 0 && h[k]._version() != versions[k];
+      if (writes) {
+        next = Values();
+        for (size_t k = 0; k < h.size(); ++k) {
+          if (h[k].defined()) h[k].variable_data().copy_(backup[k]);
+        }
+        plain_forward(h.cloned());
+      }
+    }
+    if (writes_input) (*writes_input)[i] = writes;
     for (int r = 0; r < options.warmup() + options.repeats(); ++r) {
+      RunWrites run_writes(buffers);  // undone after the backward, which checks the versions it saved
       Values in = h.detached();
       std::unordered_set<const c10::StorageImpl*> seen;
       for (auto& t : in.ts) {
@@ -192,9 +264,10 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
             [](const at::Tensor& t) { return t; });
         memory::Probe probe(mem_device);
         seq0 = at::sequence_number::peek();
+        dispatch::Scope ops(run_writes.interceptor());
         synchronize(mem_device);
         t0 = Clock::now();
-        out = run_module(module, in, who);
+        out = run_stage_module(module, in, writes, who);
         tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
       }
       synchronize(mem_device);
@@ -302,22 +375,13 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
       // What the input still holds (the shared bytes) is not the backward's to free.
       stage.backward_freed_bytes = std::min(b_freed, saved_bytes + stage.grad_bytes() - stage.shared_input_bytes);
     }
-    {
-      // A plain forward (the runtime's kForward: no autograd, so each
-      // intermediate is freed when it dies instead of being saved): its own
-      // temporaries above the output, often more than a forward_save's above
-      // its saved set (a CNN block's: 4 activations against 3).
-      at::NoGradGuard no_grad;
-      Values in = h.detached();
-      memory::Probe probe(mem_device);
-      out = run_module(module, in, who);
-      stage.plain_forward_tmp_bytes = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
+    if (options.recompute()) {
+      stage.recompute_ms = cut_recompute_ms(module, h, who, options.repeats(), mem_device, writes, buffers);
     }
-    if (options.recompute()) stage.recompute_ms = cut_recompute_ms(module, h, who, options.repeats(), mem_device);
     stage.forward_ms = median(forward_ms);
     stage.backward_ms = median(backward_ms);
     chain.stages.push_back(stage);
-    h = out.detached();
+    h = next.detached();
   }
   if (result) *result = Values(h.kind, std::vector<at::Tensor>(h.size()));
   chain.validate();

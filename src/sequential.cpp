@@ -23,11 +23,26 @@
 // backward costs plain memory. Every execution of a stage after its first
 // replays the first one's RNG, autocast and buffer state, so BatchNorm
 // statistics move once per step and dropout masks match a plain run.
+// NOTE [side effects of planned re-runs]: the stage's own registered buffers
+// are ReplayGuard's; everything else a re-run writes in place (a BatchNorm
+// owned elsewhere and called from a lambda, a counter tensor) goes through
+// the write guard remat::checkpoint uses (NOTE [recompute side effects]):
+// every re-run pushes its interceptor, which copies each pre-existing tensor
+// before its first write. The copies are written back once no re-run's
+// graph awaits its backward (after the stage's backward, or at once for a
+// re-run without grad): writing back bumps the version counters that the
+// re-run's graph saved (BatchNorm saves its running statistics), so earlier
+// would fail that backward. One guard serves all re-runs pending at once, so
+// each tensor is copied before the first of them and gets that value back.
+// The profiler guards each of its runs the same way.
 #include <remat/sequential.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -42,10 +57,13 @@
 #include <remat/hooks.h>
 #include <remat/memory.h>
 
+#include "dispatch.h"
 #include "early_stop.h"
 #include "grad_edges.h"
 #include "replay.h"
+#include "selective_state.h"
 #include "values.h"
+#include "write_guard.h"
 
 namespace remat {
 namespace detail {
@@ -83,7 +101,22 @@ struct Execution : std::enable_shared_from_this<Execution> {
   std::vector<ta::Node*> nodes;                       // per stage (owned by the graph)
   std::vector<std::vector<Meta>> out_meta;            // a_1..a_L
   std::vector<std::optional<ReplayState>> first_run;  // per stage
-  Values input;                                       // x as given (attached), for create_graph
+  std::vector<char> writes_input;                     // per stage (NOTE [stages that write their input])
+  // NOTE [side effects of planned re-runs]: the guard of the re-runs whose
+  // writes are not undone yet, and per stage whether its re-run's graph
+  // awaits its backward.
+  std::unique_ptr<WriteGuard> rerun_writes;
+  std::unique_ptr<dispatch::Interceptor> rerun_interceptor;
+  std::vector<char> rerun_graph;
+  int rerun_graphs = 0;
+  /** Early stop's check for kept state (NOTE [early stop in planned
+   *  recomputes]): after the stage's backward, are these storages alive? */
+  struct KeptCheck {
+    std::shared_ptr<const StopRecord> recorded;  // a recording run's record, set if they are not
+    std::vector<WeakStorage> storages;
+  };
+  std::vector<std::optional<KeptCheck>> kept_check;  // per stage
+  Values input;                                      // x as given (attached), for create_graph
   bool preserve_rng = true;
   std::vector<bool> input_requires_grad;  // per tensor of x
   std::unique_ptr<memory::Probe> probe;
@@ -122,20 +155,134 @@ struct Execution : std::enable_shared_from_this<Execution> {
   bool higher_order = false;
   std::vector<ta::variable_list> higher_order_grads;
 
-  std::string who(int i) const { return "[remat::CheckpointedSequential] stage " + std::to_string(i); }
+  std::string who(int i) const {
+    return "[remat::CheckpointedSequential] stage " + std::to_string(i) + " (" + (seq->begin() + i)->ptr()->name() +
+           ")";
+  }
 
-  Values run_stage(int i, const Values& in) {
+  ~Execution() { restore_rerun_writes(); }
+
+  /** Stage i on in. Its first execution runs as is; every later one (a
+   *  re-run) replays the first one's state under the write guard (NOTE
+   *  [side effects of planned re-runs]), cut short by early stop when
+   *  `cut` (NOTE [early stop in planned recomputes]; seq0: the sequence
+   *  number before the run). */
+  Values run_stage(int i, const Values& in, bool cut = false, uint64_t seq0 = 0) {
     auto& m = *(seq->begin() + i);
     if (st.runs[i]++ == 0) {
       RngRegionLock rng_lock(preserve_rng);  // NOTE [RNG regions and threads]
       first_run[i] = ReplayState::capture(preserve_rng, {device_of(in)}, m.ptr()->buffers());
-      Values y = run_module(m, in, who(i));
+      Values y = run_stage_module(m, in, writes_input[i], who(i));
       out_meta[i].clear();
       for (const auto& t : y.ts) out_meta[i].push_back(t.defined() ? Meta{true, t.options(), t.sizes().vec()} : Meta{});
       return y;
     }
-    ReplayGuard replay(*first_run[i], /*enable_grad=*/false);
-    return run_module(m, in, who(i));
+    const bool graph = at::GradMode::is_enabled();
+    for (;;) {
+      ReplayGuard replay(*first_run[i], /*enable_grad=*/false);
+      if (!rerun_writes) {
+        rerun_writes = std::make_unique<WriteGuard>();
+        rerun_interceptor = make_write_guard_interceptor(rerun_writes.get());
+      }
+      for (const auto& b : first_run[i]->buffers) rerun_writes->adopt(b);  // ReplayGuard's
+      if (graph && !rerun_graph[i]) {
+        rerun_graph[i] = 1;
+        ++rerun_graphs;
+      }
+      // Early stop sees every op only with no other interceptor than ours.
+      const bool alone = dispatch::current() == nullptr;
+      try {
+        Values y;
+        {
+          dispatch::Scope ops(rerun_interceptor.get());
+          y = cut && early_stop_available(alone ? rerun_interceptor.get() : nullptr)
+                  ? run_cut(i, m, in, seq0)
+                  : run_stage_module(m, in, writes_input[i], who(i));
+        }
+        if (rerun_graphs == 0) restore_rerun_writes();
+        return y;
+      } catch (const Diverged&) {
+        // Outputs were produced from ops that did not run: run it all again
+        // (the RNG replayed again), and never cut it again.
+        entry->stops->disable(i);
+        cut = false;
+      }
+    }
+  }
+
+  /** A re-run cut short after the ops whose results backward reads (once a
+   *  full run recorded them); the record is kept only if the stage keeps no
+   *  state (checked after its backward: check_kept_state). */
+  Values run_cut(int i, torch::nn::AnyModule& m, const Values& in, uint64_t seq0) {
+    StopRecords& recs = *entry->stops;
+    if (auto rec = recs.get(i); rec && rec->usable) {
+      StopReplay replay(rec);
+      Values y = run_stage_module(m, in, writes_input[i], who(i));
+      ops_skipped += replay.skipped();
+      if (replay.diverged()) {
+        recs.disable(i);
+      } else {
+        kept_check[i] = KeptCheck{nullptr, replay.produced()};
+      }
+      return y;
+    }
+    if (!recs.wants_record(i)) return run_stage_module(m, in, writes_input[i], who(i));
+    StopRecorder recorder;
+    Values y = run_stage_module(m, in, writes_input[i], who(i));
+    auto rec = recorder.finish(y.ts, seq0);
+    if (rec->usable) {
+      kept_check[i] = KeptCheck{rec, recorder.after_cut()};
+    } else {
+      recs.set(i, std::move(rec));
+    }
+    return y;
+  }
+
+  /** After stage i's backward, which let go of its outputs and graph: a
+   *  storage of its cut-able ops still alive is kept by the stage (NOTE
+   *  [early stop in planned recomputes], "Kept state"). A recording's
+   *  record is then dropped; a cut run's produced values are replaced by a
+   *  full run's (without grad, from a_i, live until the stage's backward). */
+  void check_kept_state(int i) {
+    if (!kept_check[i]) return;
+    KeptCheck c = std::move(*kept_check[i]);
+    kept_check[i].reset();
+    StopRecords& recs = *entry->stops;
+    const bool kept = any_alive(c.storages);
+    c.storages.clear();
+    if (c.recorded) {
+      if (kept) {
+        recs.disable(i);
+      } else {
+        recs.set(i, std::move(c.recorded));
+      }
+      return;
+    }
+    if (!kept) return;
+    recs.disable(i);
+    if (st.a[i].empty()) return;
+    at::NoGradGuard no_grad;
+    run_stage(i, st.a[i]);
+    --st.runs[i];  // not one of the schedule's executions
+  }
+
+  /** Writes back what the pending re-runs wrote (NOTE [side effects of
+   *  planned re-runs]). */
+  void restore_rerun_writes() {
+    if (!rerun_writes) return;
+    {
+      dispatch::Suspend own;  // remat's own work: no interceptor sees the restore
+      rerun_writes->restore();
+    }
+    rerun_interceptor.reset();
+    rerun_writes.reset();
+  }
+
+  /** After stage i's backward: its re-run's graph is gone. */
+  void rerun_graph_done(int i) {
+    if (!rerun_graph[i]) return;
+    rerun_graph[i] = 0;
+    if (--rerun_graphs == 0) restore_rerun_writes();
   }
 
   /** NOTE [early stop in planned recomputes]: a recompute in backward
@@ -143,31 +290,6 @@ struct Execution : std::enable_shared_from_this<Execution> {
   bool cut_allowed(int i) const {
     if (in_forward_part || higher_order || !owner->options_.early_stop() || !entry || !entry->stops) return false;
     return schedule.ops[pc].stage == i && plan::output_unread_until_backward(schedule, pc);
-  }
-
-  /** run_stage, cut short after the ops whose results backward reads (once
-   *  a full run recorded them). */
-  Values run_stage_cut(int i, const Values& in, uint64_t seq0) {
-    if (!early_stop_available()) return run_stage(i, in);
-    StopRecords& recs = *entry->stops;
-    if (auto rec = recs.get(i); rec && rec->usable) {
-      try {
-        StopReplay replay(rec);
-        Values y = run_stage(i, in);
-        ops_skipped += replay.skipped();
-        if (replay.diverged()) recs.disable(i);
-        return y;
-      } catch (const Diverged&) {
-        recs.disable(i);  // outputs were produced from ops that did not run: run it all again
-        --st.runs[i];
-      }
-      return run_stage(i, in);
-    }
-    if (!recs.wants_record(i)) return run_stage(i, in);
-    StopRecorder recorder;
-    Values y = run_stage(i, in);
-    recs.set(i, recorder.finish(y.ts, seq0));
-    return y;
   }
 
   static c10::Device device_of(const Values& v) {
@@ -368,7 +490,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
           if (i > 0 ? differentiable(in[k]) : input_requires_grad[k]) in[k].requires_grad_(true);
         }
         const uint64_t seq0 = at::sequence_number::peek();
-        Values y = cut_allowed(i) ? run_stage_cut(i, in, seq0) : run_stage(i, in);
+        Values y = run_stage(i, in, cut_allowed(i), seq0);
         std::vector<at::Tensor> targets = in.ts;
         targets.insert(targets.end(), params[i].begin(), params[i].end());
         st.edges[i] = redirect_gradient_edges(y.ts, targets, seq0);
@@ -383,6 +505,8 @@ struct Execution : std::enable_shared_from_this<Execution> {
         need(want != nullptr, op, "a backward of another stage comes first");
         stage_backward(i, *want, *param_grads);
         st.a[i + 1].clear();
+        check_kept_state(i);
+        rerun_graph_done(i);
         break;
       }
       case plan::OpKind::kDrop: st.a[i].clear(); break;
@@ -429,6 +553,11 @@ struct Execution : std::enable_shared_from_this<Execution> {
     }
     backward_started = true;
     restore_edges();  // a backward that failed left them detached
+    // A backward that failed left re-run writes and checks pending.
+    restore_rerun_writes();
+    rerun_graph.assign(L, 0);
+    rerun_graphs = 0;
+    kept_check.assign(L, std::nullopt);
     plan_delivery();
     if (ta::get_current_graph_task_keep_graph()) {
       if (!kept) kept = st;
@@ -504,10 +633,19 @@ struct Execution : std::enable_shared_from_this<Execution> {
   ta::variable_list higher_order_backward(ta::variable_list& grads_out) {
     const uint64_t seq0 = at::sequence_number::peek();
     Values h = input;
+    // Re-runs: their writes are undone when the execution ends (the graph
+    // made here lives on in the returned gradients).
+    ++rerun_graphs;
+    if (!rerun_writes) {
+      rerun_writes = std::make_unique<WriteGuard>();
+      rerun_interceptor = make_write_guard_interceptor(rerun_writes.get());
+    }
     for (int i = 0; i < L; ++i) {
       auto& m = *(seq->begin() + i);
       ReplayGuard replay(*first_run[i], /*enable_grad=*/true);
-      h = run_module(m, h, who(i));
+      for (const auto& b : first_run[i]->buffers) rerun_writes->adopt(b);
+      dispatch::Scope ops(rerun_interceptor.get());
+      h = run_stage_module(m, h, writes_input[i], who(i));
     }
     std::vector<at::Tensor> targets = input.ts;
     std::vector<std::pair<int, int>> where;  // (stage, output index)
@@ -567,6 +705,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
     }
     op_peak.clear();
     probe.reset();
+    restore_rerun_writes();
     st = State();
     std::lock_guard<std::mutex> lock(*owner->mu_);
     report.step_peak_bytes = owner->last_step_.step_peak_bytes;
@@ -615,6 +754,86 @@ std::vector<int64_t> plan_key(const Values& x, const torch::nn::Sequential& seq)
     for (auto d : t.sizes()) key.push_back(d);
   }
   return key;
+}
+
+}  // namespace
+}  // namespace detail
+
+namespace detail {
+
+// NOTE [drop-in through a Sequential member]: the usual C++ model holds its
+// body as a member (`torch::nn::Sequential body{nullptr};`, registered as
+// "body") and its forward calls `body->forward(x)`. replace_module("body",
+// ck) then changes only the model's registry: forward still calls the
+// plain Sequential, and training runs at plain memory with nothing to show
+// for it. The Sequential cannot be planned in place (its forward is not
+// virtual, and LibTorch has no forward hooks), so the wrapper detects it:
+// a tensor hook on the Sequential's first parameter that requires grad,
+// shared by every wrapper of that Sequential, throws when a backward
+// reaches it while no wrapper of the Sequential has run a forward yet
+// (their chains' backwards reach it only after such a forward) and one of
+// them is held by more than the user's handle (a model's registry: a
+// wrapper that is only built next to its Sequential, to compare with a
+// plain run or to look at a plan, is left alone). The hook is removed when
+// the last wrapper of the Sequential is destroyed. Not covered: a model
+// that calls the wrapper once and then its plain member, and a wrapper
+// registered in a model through which nothing has run while its Sequential
+// is also run plain elsewhere (that throws: call the wrapper).
+struct Tripwire {
+  std::atomic<bool> ran{false};
+  at::Tensor param;
+  unsigned hook = 0;
+  std::mutex mu;
+  std::vector<const CheckpointedSequentialImpl*> owners;  // the wrappers alive
+  /** One wrapper is held by more than one handle (a registry besides the user's). */
+  bool registered() {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto* o : owners) {
+      if (o->weak_from_this().use_count() >= 2) return true;
+    }
+    return false;
+  }
+  ~Tripwire() {
+    if (!param.defined()) return;
+    try {
+      param.remove_hook(hook);
+    } catch (...) {  // a destructor does not throw
+    }
+  }
+};
+
+namespace {
+
+std::string member_call_error(const std::string& param) {
+  return "[remat::CheckpointedSequential] a backward reached parameter \"" + param +
+         "\" of the wrapped Sequential through a plain run of its modules, and no CheckpointedSequential over "
+         "them has run: the model's forward calls its own torch::nn::Sequential member, and replace_module(name, "
+         "ck) changed only the registry (training would run plain, at plain memory). Call the wrapper instead: "
+         "hold it in the member that forward calls (declare `remat::CheckpointedSequential body{nullptr};` and "
+         "assign `body = register_module(\"body\", remat::CheckpointedSequential(seq, options));`), or call "
+         "ck->forward(x) where forward called the Sequential.";
+}
+
+std::shared_ptr<Tripwire> tripwire_for(const torch::nn::Sequential& seq) {
+  static std::mutex mu;
+  static std::map<const torch::nn::SequentialImpl*, std::weak_ptr<Tripwire>> all;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = all.begin(); it != all.end();) it = it->second.expired() ? all.erase(it) : std::next(it);
+  if (auto t = all[seq.get()].lock()) return t;
+  auto t = std::make_shared<Tripwire>();
+  for (const auto& item : seq->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    std::weak_ptr<Tripwire> weak = t;
+    const std::string name = item.key();
+    t->hook = item.value().register_hook([weak, name](const at::Tensor&) {
+      auto w = weak.lock();
+      if (w && !w->ran.load() && w->registered()) throw Error(member_call_error(name));
+    });
+    t->param = item.value();
+    break;
+  }
+  all[seq.get()] = t;
+  return t;
 }
 
 }  // namespace
@@ -701,9 +920,21 @@ void CheckpointedSequentialImpl::reset() {
   // several modules registers nothing: they stay registered where they are.
   if (own_children_) {
     for (const auto& item : seq_->named_children()) register_module(item.key(), item.value());
+    if (!tripwire_) {
+      tripwire_ = detail::tripwire_for(seq_);
+      std::lock_guard<std::mutex> lock(tripwire_->mu);
+      tripwire_->owners.push_back(this);
+    }
   }
   plans_.clear();
   last_ = nullptr;
+}
+
+CheckpointedSequentialImpl::~CheckpointedSequentialImpl() {
+  if (!tripwire_) return;
+  std::lock_guard<std::mutex> lock(tripwire_->mu);
+  auto& o = tripwire_->owners;
+  o.erase(std::remove(o.begin(), o.end(), this), o.end());
 }
 
 void CheckpointedSequentialImpl::train(bool on) {
@@ -734,14 +965,30 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   detail::Values result;
   ProfileOptions popts = options_.profile();
   if (!options_.early_stop()) popts.recompute(false);  // no cut recomputes to time
-  e.chain = detail::profile_values(seq_, x, popts, &result);
+  e.chain = detail::profile_values(seq_, x, popts, &result, &e.writes_input);
   e.result = std::make_shared<detail::Values>(std::move(result));
   e.stops = std::make_shared<detail::StopRecords>(static_cast<int>(e.chain.stages.size()));
   ++profiles_;
   int64_t budget = options_.memory_budget_bytes();
-  if (options_.memory_budget_fraction() > 0) {
-    const int64_t plain = plan::store_all(e.chain).prediction.peak_bytes;
-    budget = std::max<int64_t>(1, static_cast<int64_t>(options_.memory_budget_fraction() * static_cast<double>(plain)));
+  const double fraction = options_.memory_budget_fraction();
+  int64_t plain = -1;
+  std::string fraction_is;  // "memory_budget_fraction 0.05 (a budget of ... of the chain's plain peak ...)"
+  if (fraction > 0) {
+    plain = plan::store_all(e.chain).prediction.peak_bytes;
+    budget = std::max<int64_t>(1, static_cast<int64_t>(fraction * static_cast<double>(plain)));
+    char f[32];
+    std::snprintf(f, sizeof f, "%g", fraction);
+    fraction_is = std::string("memory_budget_fraction ") + f + " (a budget of " + format_bytes(budget) +
+                  " of the chain's plain peak, " + format_bytes(plain) + ")";
+    const int64_t lowest = plan::min_feasible_peak_bytes(e.chain);
+    if (budget < lowest) {
+      char need[32];
+      const double at_least = std::ceil(1000.0 * static_cast<double>(lowest) / static_cast<double>(plain)) / 1000.0;
+      std::snprintf(need, sizeof need, "%.3f", at_least);
+      throw Error("[remat::CheckpointedSequential] no schedule fits in " + fraction_is +
+                  "; the smallest feasible peak is " + format_bytes(lowest) + ". Raise memory_budget_fraction to " +
+                  "at least " + need + ".");
+    }
   }
   if (options_.step_memory_budget_bytes() > 0) {
     // The first step of this shape runs the leanest schedule and measures
@@ -758,11 +1005,24 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
     auto solve =
         plan::parse_algorithm(algorithm).with_memory_slots(options_.memory_slots()).with_scope(options_.scope());
     if (budget > 0) solve.with_budget_bytes(budget);
-    e.plan = plan::solve(e.chain, solve);
+    // The remedy names the option the user set.
+    const std::string raise = fraction > 0 ? "memory_budget_fraction" : "memory_budget_bytes";
+    try {
+      e.plan = plan::solve(e.chain, solve);
+    } catch (const Error& err) {
+      if (fraction <= 0) throw;
+      std::string what = err.what();
+      for (const char* from : {"Raise memory_budget_bytes", "raise memory_budget_bytes"}) {
+        const size_t at = what.find(from);
+        if (at != std::string::npos) what.replace(at, std::strlen(from), std::string(from).substr(0, 6) + raise);
+      }
+      throw Error("[remat::CheckpointedSequential] " + fraction_is + ": " + what);
+    }
     if (budget > 0 && e.plan.prediction.peak_bytes > budget) {
       throw Error("[remat::CheckpointedSequential] the " + algorithm + " schedule peaks at " +
                   format_bytes(e.plan.prediction.peak_bytes) + ", over the budget of " + format_bytes(budget) +
-                  "; use algorithm \"optimal\" (the default with a budget) or raise memory_budget_bytes.");
+                  (fraction > 0 ? " (" + fraction_is + ")" : std::string()) +
+                  "; use algorithm \"optimal\" (the default with a budget) or raise " + raise + ".");
     }
   }
   return plans_.emplace(std::move(key), std::move(e)).first->second;
@@ -805,6 +1065,7 @@ std::vector<at::Tensor> CheckpointedSequentialImpl::forward_values(const std::ve
 }
 
 detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool want_tensor) {
+  if (tripwire_) tripwire_->ran.store(true);
   const int L = static_cast<int>(seq_->size());
   // Per stage: its parameters that require grad, each once.
   std::vector<std::vector<at::Tensor>> params(L);
@@ -865,6 +1126,9 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
   exec->st.runs.assign(L, 0);
   exec->out_meta.resize(L);
   exec->first_run.resize(L);
+  exec->writes_input = entry->writes_input;
+  exec->rerun_graph.assign(L, 0);
+  exec->kept_check.resize(L);
   exec->params = std::move(params);
   exec->preserve_rng = options_.preserve_rng_state();
   for (const auto& t : x.ts) exec->input_requires_grad.push_back(t.defined() && t.requires_grad());

@@ -31,6 +31,14 @@ Values Values::detached() const {
   return v;
 }
 
+Values Values::cloned() const {
+  Values v(kind, ts);
+  for (auto& t : v.ts) {
+    if (t.defined()) t = t.clone();
+  }
+  return v;
+}
+
 int64_t Values::bytes(const Values* exclude) const {
   std::unordered_set<const c10::StorageImpl*> seen;
   if (exclude) {
@@ -93,6 +101,37 @@ Values run_module(torch::nn::AnyModule& m, const Values& v, const std::string& w
     }
   }();
   return Values::from(std::move(out), who);
+}
+
+namespace {
+std::string writes_input_error(const std::string& who) {
+  return who +
+         " writes its input in place on this call, but did not when profiled on the first batch; a planned "
+         "stage must write its input in place on every call or on none: make the in-place op unconditional, or "
+         "use its out-of-place form (e.g. ReLU without inplace).";
+}
+}  // namespace
+
+Values run_stage_module(torch::nn::AnyModule& m, const Values& in, bool writes_input, const std::string& who) {
+  if (writes_input) return run_module(m, in.cloned(), who);  // NOTE [stages that write their input]
+  std::vector<int64_t> versions(in.size(), -1);
+  for (size_t k = 0; k < in.size(); ++k) {
+    if (in[k].defined() && !in[k].is_inference()) versions[k] = in[k]._version();
+  }
+  Values y;
+  try {
+    y = run_module(m, in, who);
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find("that requires grad is being used in an in-place operation") != std::string::npos) {
+      throw Error(writes_input_error(who));
+    }
+    throw;
+  }
+  for (size_t k = 0; k < in.size(); ++k) {
+    if (versions[k] >= 0 && in[k]._version() != versions[k]) throw Error(writes_input_error(who));
+  }
+  return y;
 }
 
 }  // namespace remat::detail

@@ -7,6 +7,8 @@
 #include <ATen/autocast_mode.h>
 
 #include <array>
+#include <cmath>
+#include <cstdio>
 
 #include <remat/plan/plan.h>
 #include <remat/sequential.h>
@@ -882,6 +884,245 @@ TEST(CheckpointedSequentialErrors, ExplicitScheduleThatDoesNotFit) {
   } catch (const remat::Error& e) {
     EXPECT_EQ(std::string(e.what()).rfind("[remat::plan]", 0), 0u) << e.what();
   }
+}
+
+}  // namespace
+
+namespace {
+
+// ---- side effects of re-runs and profiling (issue item 4) ----
+
+/** Linear then relu(bn(x)) with the BatchNorm owned outside the Sequential
+ *  (called from a lambda): its statistics are not the stage's buffers. */
+struct ForeignBn {
+  torch::nn::Sequential seq;
+  std::vector<torch::nn::BatchNorm1d> bns;
+  explicit ForeignBn(uint64_t seed) {
+    torch::manual_seed(seed);
+    for (int i = 0; i < 4; ++i) {
+      torch::nn::BatchNorm1d bn(16);
+      bns.push_back(bn);
+      seq->push_back(torch::nn::Linear(16, 16));
+      seq->push_back(torch::nn::Functional([bn](torch::Tensor x) mutable { return torch::relu(bn->forward(x)); }));
+    }
+  }
+  std::vector<torch::Tensor> state() const {
+    std::vector<torch::Tensor> s;
+    for (const auto& bn : bns) {
+      for (const auto& b : bn->buffers()) s.push_back(b.clone());
+    }
+    return s;
+  }
+};
+
+TEST(CheckpointedSequential, BatchNormsOwnedElsewhereMoveAsInAPlainStep) {
+  auto x0 = torch::randn({8, 16});
+  const int64_t low = remat::plan::min_feasible_peak_bytes(remat::profile(ForeignBn(0).seq, x0));
+  bool saw_multilevel = false;
+  for (bool early : {true, false}) {
+    for (auto opts :
+         {remat::SequentialOptions().memory_budget_fraction(0.6), remat::SequentialOptions().segments(4),
+          remat::SequentialOptions().algorithm("revolve:2"), remat::SequentialOptions().memory_budget_bytes(low)}) {
+      ForeignBn plain(1), ck(1);
+      remat::CheckpointedSequential net(ck.seq, opts.early_stop(early));
+      torch::manual_seed(2);
+      for (int step = 0; step < 3; ++step) {
+        auto x = torch::randn({8, 16}, torch::requires_grad());
+        auto want = step_grads(*plain.seq, x, [&](torch::Tensor h) { return plain.seq->forward(h); });
+        auto got = step_grads(*ck.seq, x, [&](torch::Tensor h) { return net->forward(h); });
+        SCOPED_TRACE(net->plan().algorithm + (early ? " early stop" : "") + " step " + std::to_string(step));
+        expect_bitwise_equal(want, got);
+        expect_bitwise_equal(plain.state(), ck.state());
+      }
+      for (int f : net->last_step().forwards_per_stage) saw_multilevel |= f >= 3;
+    }
+  }
+  EXPECT_TRUE(saw_multilevel);
+}
+
+// ---- stages that write their input in place (issue item 10) ----
+
+/** LeakyReLU(inplace) on the block's input, then a skip that reads the
+ *  (modified) input. */
+struct InplaceBlockImpl : torch::nn::Module {
+  InplaceBlockImpl()
+      : act(register_module("act",
+                            torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.1).inplace(true)))),
+        fc(register_module("fc", torch::nn::Linear(16, 16))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = act(x);
+    return fc(h) + x;
+  }
+  torch::nn::LeakyReLU act;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(InplaceBlock);
+
+torch::nn::Sequential inplace_chain(uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential s;
+  s->push_back(InplaceBlock());  // writes the chain's input
+  s->push_back(torch::nn::Linear(16, 16));
+  s->push_back(InplaceBlock());  // writes a Linear's output
+  s->push_back(torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)));
+  s->push_back(torch::nn::Linear(16, 16));
+  s->push_back(InplaceBlock());
+  s->push_back(torch::nn::Linear(16, 16));
+  return s;
+}
+
+TEST(CheckpointedSequential, StagesThatWriteTheirInputInPlaceBitwise) {
+  auto seq = inplace_chain(3);
+  auto x0 = torch::randn({8, 16}, torch::requires_grad());
+  // The chain's input is not a leaf (a leaf that requires grad cannot be
+  // written in place, in a plain run either).
+  auto run = [&](const std::function<torch::Tensor(torch::Tensor)>& f) {
+    zero_grads(*seq, x0);
+    f(x0 * 2).square().mean().backward();
+    return grads_of(*seq, x0);
+  };
+  auto plain = run([&](torch::Tensor h) { return seq->forward(h); });
+  const int64_t low = remat::plan::min_feasible_peak_bytes(remat::profile(seq, x0 * 2));
+  bool saw_multilevel = false;
+  for (auto opts : {remat::SequentialOptions().algorithm("store-all"), remat::SequentialOptions().segments(3),
+                    remat::SequentialOptions().segments(7), remat::SequentialOptions().algorithm("revolve:2"),
+                    remat::SequentialOptions().memory_budget_bytes(low)}) {
+    remat::CheckpointedSequential net(seq, opts);
+    for (int step = 0; step < 2; ++step) {
+      auto got = run([&](torch::Tensor h) { return net->forward(h); });
+      SCOPED_TRACE(net->plan().algorithm);
+      expect_bitwise_equal(plain, got);
+    }
+    EXPECT_EQ(net->last_step().forwards_per_stage, net->plan().prediction.forwards_per_stage);
+    for (int f : net->last_step().forwards_per_stage) saw_multilevel |= f >= 3;
+  }
+  EXPECT_TRUE(saw_multilevel);
+  for (int segments : {2, 3, 7}) {
+    auto got = run([&](torch::Tensor h) { return remat::checkpoint_sequential(seq, segments, h); });
+    SCOPED_TRACE("checkpoint_sequential " + std::to_string(segments));
+    expect_bitwise_equal(plain, got);
+  }
+}
+
+/** Writes its input in place only while g_write_input is set. */
+bool g_write_input = false;
+struct SometimesInplaceImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) { return g_write_input ? x.mul_(2) : x * 2; }
+};
+TORCH_MODULE(SometimesInplace);
+
+TEST(CheckpointedSequentialErrors, AStageThatWritesItsInputOnSomeCallsOnly) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  seq->push_back(torch::nn::Linear(4, 4));
+  seq->push_back(SometimesInplace());
+  seq->push_back(torch::nn::Linear(4, 4));
+  auto x = torch::randn({2, 4}, torch::requires_grad());
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(3));
+  g_write_input = false;
+  net->forward(x).sum().backward();
+  g_write_input = true;
+  const std::string want =
+      "[remat::CheckpointedSequential] stage 1 ((anonymous namespace)::SometimesInplaceImpl) writes its input in place "
+      "on this call, but "
+      "did not when profiled on the first batch; a planned stage must write its input in place on every call or "
+      "on none: make the in-place op unconditional, or use its out-of-place form (e.g. ReLU without inplace).";
+  EXPECT_EQ(error_of([&] { net->forward(x).sum().backward(); }), want);
+  g_write_input = false;
+}
+
+// ---- a budget fraction that cannot be met names the fraction (issue item 13) ----
+
+TEST(CheckpointedSequentialErrors, InfeasibleBudgetFractionNamesTheFraction) {
+  auto seq = make_mlp(4, 16);
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  const auto chain = remat::profile(seq, x);
+  const int64_t plain = remat::plan::store_all(chain).prediction.peak_bytes;
+  const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
+  char need[32];
+  std::snprintf(need, sizeof need, "%.3f", std::ceil(1000.0 * static_cast<double>(low) / plain) / 1000.0);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_fraction(0.05));
+  EXPECT_EQ(error_of([&] { net->forward(x); }),
+            "[remat::CheckpointedSequential] no schedule fits in memory_budget_fraction 0.05 (a budget of " +
+                remat::format_bytes(static_cast<int64_t>(0.05 * static_cast<double>(plain))) +
+                " of the chain's plain peak, " + remat::format_bytes(plain) + "); the smallest feasible peak is " +
+                remat::format_bytes(low) + ". Raise memory_budget_fraction to at least " + need + ".");
+  // What the planner says for another algorithm names the fraction too.
+  const double f = (static_cast<double>(low) + 1) / static_cast<double>(plain);
+  remat::CheckpointedSequential greedy(seq, remat::SequentialOptions().memory_budget_fraction(f).algorithm("sqrt"));
+  const std::string e = error_of([&] { greedy->forward(x); });
+  if (!e.empty()) {
+    EXPECT_NE(e.find("memory_budget_fraction"), std::string::npos) << e;
+    EXPECT_EQ(e.find("memory_budget_bytes"), std::string::npos) << e;
+  }
+}
+
+// ---- the drop-in with a Sequential member (issue item 14) ----
+
+/** The usual C++ model: a Sequential member registered as "body", called
+ *  by forward. */
+struct MemberBody : torch::nn::Module {
+  torch::nn::Sequential body{nullptr};
+  torch::nn::Linear head{nullptr};
+  MemberBody() {
+    torch::manual_seed(4);
+    body = register_module("body", torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::Tanh(),
+                                                         torch::nn::Linear(8, 8), torch::nn::Tanh()));
+    head = register_module("head", torch::nn::Linear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(body->forward(x)); }
+};
+
+/** The pattern that works: the member is the wrapper. */
+struct WrappedMemberBody : torch::nn::Module {
+  remat::CheckpointedSequential body{nullptr};
+  torch::nn::Linear head{nullptr};
+  WrappedMemberBody() {
+    torch::manual_seed(4);
+    torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::Tanh());
+    body = register_module("body", remat::CheckpointedSequential(seq, remat::SequentialOptions().segments(2)));
+    head = register_module("head", torch::nn::Linear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(body->forward(x)); }
+};
+
+TEST(CheckpointedSequentialDropIn, ReplaceModuleUnderASequentialMemberThrowsAtTheFirstBackward) {
+  auto x = torch::randn({4, 8});
+  auto model = std::make_shared<MemberBody>();
+  remat::CheckpointedSequential ck(model->body, remat::SequentialOptions().segments(2));
+  model->replace_module("body", ck.ptr());
+  EXPECT_EQ(error_of([&] { model->forward(x).sum().backward(); }),
+            "[remat::CheckpointedSequential] a backward reached parameter \"0.weight\" of the wrapped Sequential "
+            "through a plain run of its modules, and no CheckpointedSequential over them has run: the model's "
+            "forward calls its own torch::nn::Sequential member, and replace_module(name, ck) changed only the "
+            "registry (training would run plain, at plain memory). Call the wrapper instead: hold it in the member "
+            "that forward calls (declare `remat::CheckpointedSequential body{nullptr};` and assign `body = "
+            "register_module(\"body\", remat::CheckpointedSequential(seq, options));`), or call ck->forward(x) "
+            "where forward called the Sequential.");
+  // The pattern it names works, with the plain model's names and gradients.
+  auto plain = std::make_shared<MemberBody>();
+  auto wrapped = std::make_shared<WrappedMemberBody>();
+  EXPECT_EQ(keys_of(wrapped->named_parameters()), keys_of(plain->named_parameters()));
+  for (auto* m : std::vector<torch::nn::Module*>{plain.get(), wrapped.get()}) {
+    for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+  }
+  plain->forward(x).sum().backward();
+  wrapped->forward(x).sum().backward();
+  auto pp = plain->parameters(), wp = wrapped->parameters();
+  for (size_t k = 0; k < pp.size(); ++k) EXPECT_TRUE(torch::equal(pp[k].grad(), wp[k].grad())) << k;
+  EXPECT_EQ(wrapped->body->last_step().forwards_per_stage.size(), 4u);
+  // A wrapper that was only built and dropped, or that is only held next to
+  // its Sequential (a plain run to compare with), leaves plain training
+  // alone; a wrapper that ran (another of the same Sequential) too.
+  auto again = std::make_shared<MemberBody>();
+  { remat::CheckpointedSequential dropped(again->body); }
+  EXPECT_EQ(error_of([&] { again->forward(x).sum().backward(); }), "");
+  remat::CheckpointedSequential beside(again->body);
+  EXPECT_EQ(error_of([&] { again->forward(x).sum().backward(); }), "");
+  remat::CheckpointedSequential one(again->body), two(again->body);
+  one->forward(x).sum().backward();
+  EXPECT_EQ(error_of([&] { two->forward(x).sum().backward(); }), "");
+  EXPECT_EQ(error_of([&] { again->forward(x).sum().backward(); }), "");
 }
 
 }  // namespace

@@ -120,6 +120,7 @@ namespace detail {
 struct Execution;
 struct Values;
 class StopRecords;
+struct Tripwire;
 }  // namespace detail
 
 class CheckpointedSequentialImpl;
@@ -150,6 +151,8 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
    *  (in the model that owns them): this wrapper registers none, so its
    *  parameters() is empty and registering it adds nothing twice. */
   CheckpointedSequentialImpl(std::vector<torch::nn::Sequential> parts, SequentialOptions options = SequentialOptions());
+
+  ~CheckpointedSequentialImpl() override;
 
   void reset() override;
   /** Also sets the wrapped Sequential's own mode (the plan depends on it). */
@@ -202,6 +205,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     plan::Plan plan;
     std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
     std::shared_ptr<detail::StopRecords> stops;    // early stop's per-stage records
+    std::vector<char> writes_input;                // per stage: writes its input in place (profiled)
     // Step budget: bytes outside the chain (measured), steps measured, and
     // why the budget cannot be met (thrown by the next forward).
     int64_t outside_bytes = -1;
@@ -229,6 +233,10 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   Entry* last_chain_entry_ = nullptr;  // the plan the last completed step ran
   int open_steps_ = 0;                 // begin_step() scopes alive
   int64_t chain_steps_ = 0;            // forward+backward steps completed
+  // NOTE [drop-in through a Sequential member]: shared by the wrappers of
+  // one Sequential; a backward through its modules before any of them ran
+  // throws (the model calls its own Sequential member, not the wrapper).
+  std::shared_ptr<detail::Tripwire> tripwire_;
 };
 
 /** The module holder (as TORCH_MODULE would define it), plus the
