@@ -46,8 +46,11 @@ std::shared_ptr<detail::OffloadStore> store_for(const OffloadOptions& o) {
                           std::to_string(o.prefetch_depth()) + "|" + std::to_string(o.max_inflight_bytes()) + "|" +
                           to_string(o.codec()) + "|" + std::to_string(o.writer_threads());
   std::lock_guard<std::mutex> lock(g_stores_mu);
-  auto& s = (*stores)[key];
-  if (!s) s = detail::OffloadStore::create(o);
+  if (auto it = stores->find(key); it != stores->end()) return it->second;
+  // Created before it is recorded: when create() throws (a missing
+  // directory), no entry is left behind and the next call tries again.
+  auto s = detail::OffloadStore::create(o);
+  stores->emplace(key, s);
   return s;
 }
 std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0}, g_writes_undone{0};
@@ -661,7 +664,9 @@ void wait_checkpoint_offloads() {
   std::vector<std::shared_ptr<detail::OffloadStore>> all;
   {
     std::lock_guard<std::mutex> lock(g_stores_mu);
-    for (auto& [key, s] : stores_map()) all.push_back(s);
+    for (auto& [key, s] : stores_map()) {
+      if (s) all.push_back(s);
+    }
   }
   for (auto& s : all) s->wait();
 }

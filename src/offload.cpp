@@ -15,12 +15,21 @@
 // tensor's own span; each handle restores its tensor with as_strided on it,
 // so strides come back exactly and views share memory again, as in a plain
 // run. kMemory encodes at pack. kDisk queues the tensor for a writer thread and
-// holds it (counted in the in-flight bytes) until its file is written; when
-// writes fall max_inflight_bytes behind, pack waits. unpack (backward) takes
-// a pending tensor straight from memory, a prefetched one from the reader's
-// buffer, or reads the file itself; then asks the reader for the next
-// prefetch_depth entries still on disk in reverse save order (highest id
-// first: backward runs the graph backwards). A handle's release (its
+// holds it (counted in the in-flight bytes) until its file is written. unpack
+// (backward) takes a pending tensor straight from memory (through encode and
+// decode when the codec is lossy: the values the file will hold, so that the
+// result does not depend on whether the write was done), a prefetched one
+// from the reader's buffer, or reads the file itself; then asks the reader for
+// the next prefetch_depth entries still on disk that the thread which saved
+// this one saved, in reverse save order (highest id first: backward runs the
+// graph backwards; another thread's tensors belong to another graph).
+// Pending writes and prefetched reads share max_inflight_bytes. A pack that
+// finds no room drops the prefetched reads not in progress back to their
+// files (they may belong to a graph whose backward comes after this very
+// forward: waiting for them could wait forever) and then waits only for what
+// drains by itself: writes, and reads in progress; no prefetch is issued
+// while a pack waits. So a pack never waits on another graph's backward,
+// whatever graphs and threads share the store. A handle's release (its
 // SavedVariable freed: after backward used it, or the graph dropped without
 // backward) deletes the file once no handle shares the entry. Errors of the
 // threads are kept on the entry (its unpack throws them) and on the store
@@ -86,6 +95,16 @@ namespace {
 std::atomic<int64_t> g_write_fail_at{0}, g_writes_seen{0};
 std::atomic<int64_t> g_read_fail_at{0}, g_reads_seen{0};
 std::atomic<int64_t> g_store_ids{0};
+std::atomic<bool> g_writers_paused{false};
+std::atomic<int64_t> g_saver_ids{0};
+
+/** The saving thread's tag: prefetch follows it (NOTE [offload pipeline]). */
+int64_t saver_id() {
+  thread_local const int64_t id = g_saver_ids.fetch_add(1);
+  return id;
+}
+
+bool lossy(Codec c) { return c == Codec::kBFloat16 || c == Codec::kFloat8; }
 
 /** True when the seam says this write / read must fail. */
 bool injected(std::atomic<int64_t>& at, std::atomic<int64_t>& seen) {
@@ -150,7 +169,8 @@ enum class Where : uint8_t {
 enum class Read : uint8_t { kNone, kQueued, kReading, kReady };
 
 struct OffloadStore::Entry {
-  int64_t id = 0;  // save order
+  int64_t id = 0;     // save order
+  int64_t saver = 0;  // the thread that saved it (saver_id())
   TensorMeta meta;
   c10::VariableVersion version_counter{c10::VariableVersion::Disabled::DISABLED};
   uint32_t version = 0;
@@ -186,13 +206,57 @@ struct OffloadStore::State {
   int64_t next_id = 0;
   std::deque<std::shared_ptr<Entry>> write_queue, read_queue;
   int64_t writes_active = 0;
-  std::map<int64_t, std::weak_ptr<Entry>> on_disk;  // not yet asked for, by save order
+  // Not yet asked for: by saving thread, then save order.
+  std::map<int64_t, std::map<int64_t, std::weak_ptr<Entry>>> on_disk;
   std::map<decltype(Entry::key)::value_type, std::weak_ptr<Entry>> shared;
-  std::map<int64_t, std::shared_ptr<Entry>> files;  // entries with a file, by id
-  int64_t prefetches = 0;                           // queued + reading + ready, not yet unpacked
+  std::map<int64_t, std::shared_ptr<Entry>> files;       // entries with a file, by id
+  std::map<int64_t, std::shared_ptr<Entry>> prefetched;  // queued + reading + ready, not yet unpacked, by id
+  int64_t prefetches = 0;                                // prefetched.size()
+  int64_t packs_waiting = 0;                             // packs blocked on max_inflight_bytes
   int64_t inflight_bytes = 0;
   std::string error;  // first background error
   OffloadStats st;
+
+  void add_on_disk(const std::shared_ptr<Entry>& e) { on_disk[e->saver][e->id] = e; }
+  void forget_on_disk(const Entry& e) {
+    auto it = on_disk.find(e.saver);
+    if (it == on_disk.end()) return;
+    it->second.erase(e.id);
+    if (it->second.empty()) on_disk.erase(it);
+  }
+  void add_prefetch(std::shared_ptr<Entry> e) {
+    e->read = Read::kQueued;
+    st.prefetches_issued++;
+    prefetches++;
+    inflight_bytes += e->meta.nbytes;
+    st.peak_inflight_bytes = std::max(st.peak_inflight_bytes, inflight_bytes);
+    prefetched[e->id] = e;
+    read_queue.push_back(std::move(e));
+  }
+  /** A prefetch is over (taken, failed, released or dropped): its bytes leave the in-flight count. */
+  void end_prefetch(Entry& e) {
+    e.read = Read::kNone;
+    prefetches--;
+    inflight_bytes -= e.meta.nbytes;
+    prefetched.erase(e.id);
+  }
+  /** Drops every prefetched read not in progress (queued, or ready but not
+   *  unpacked) back to its file, for a pack that needs their bytes; returns
+   *  whether any went. NOTE [offload pipeline]: this is what makes a pack
+   *  independent of any backward. */
+  bool drop_prefetches() {
+    std::vector<std::shared_ptr<Entry>> drop;
+    for (const auto& [id, e] : prefetched) {
+      if (e->read == Read::kQueued || e->read == Read::kReady) drop.push_back(e);
+    }
+    for (const auto& e : drop) {
+      end_prefetch(*e);
+      e->ready = at::Tensor();
+      st.prefetches_dropped++;
+      if (!e->released && e->where == Where::kDisk && e->file_exists) add_on_disk(e);  // read again when needed
+    }
+    return !drop.empty();
+  }
 };
 
 OffloadStore::Handle::Handle(Handle&& o) noexcept
@@ -324,6 +388,7 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
   if (!s.error.empty()) throw Error(s.error);
   s.st.tensors_saved++;
   e->id = s.next_id++;
+  e->saver = saver_id();
   const OffloadTarget target = options_.target();
   // A parameter (a leaf that requires grad) or a view of one (linear saves
   // weight.t()) is kept alive by its module: writing it out frees nothing.
@@ -407,13 +472,18 @@ OffloadStore::Handle OffloadStore::pack(const at::Tensor& t) {
     s.shared[*e->key] = e;
   } else {
     // kDisk: backpressure, then queue for a writer.
+    // NOTE [offload pipeline]: prefetched reads are dropped, not waited
+    // for; what is left drains by itself (writes, reads in progress).
     const auto t0 = Clock::now();
     bool waited = false;
+    s.packs_waiting++;
     while (s.inflight_bytes > 0 && s.inflight_bytes + e->meta.nbytes > options_.max_inflight_bytes() &&
            s.error.empty()) {
+      if (s.drop_prefetches()) continue;
       waited = true;
       s.cv.wait(lock);
     }
+    s.packs_waiting--;
     if (waited) s.st.write_stall_ms += ms_since(t0);
     if (!s.error.empty()) throw Error(s.error);
     e->tensor = region;
@@ -434,7 +504,15 @@ void OffloadStore::writer_loop() {
   State& s = *s_;
   std::unique_lock<std::mutex> lock(s.mu);
   for (;;) {
-    s.cv.wait(lock, [&] { return s.stop || !s.write_queue.empty(); });
+    // A paused writer (pause_offload_writers) polls: nothing notifies it
+    // when the seam is lifted.
+    while (!s.stop && (s.write_queue.empty() || g_writers_paused.load())) {
+      if (g_writers_paused.load()) {
+        s.cv.wait_for(lock, std::chrono::milliseconds(1));
+      } else {
+        s.cv.wait(lock);
+      }
+    }
     if (s.write_queue.empty()) return;  // stop, nothing left
     std::shared_ptr<Entry> e = std::move(s.write_queue.front());
     s.write_queue.pop_front();
@@ -499,7 +577,7 @@ void OffloadStore::writer_loop() {
         s.st.files_live--;
       } else {
         s.files[e->id] = e;
-        s.on_disk[e->id] = e;
+        s.add_on_disk(e);
       }
     }
     s.cv.notify_all();
@@ -567,14 +645,10 @@ void OffloadStore::reader_loop() {
     lock.lock();
     if (!err.empty()) {
       e->error = err;
-      e->read = Read::kNone;
-      s.prefetches--;
-      s.inflight_bytes -= e->meta.nbytes;
+      s.end_prefetch(*e);
       fail_locked(err);
     } else if (e->released) {
-      e->read = Read::kNone;
-      s.prefetches--;
-      s.inflight_bytes -= e->meta.nbytes;
+      s.end_prefetch(*e);
     } else {
       e->ready = std::move(v);
       e->read = Read::kReady;
@@ -606,26 +680,22 @@ at::Tensor OffloadStore::unpack(Handle& h) {
   bool hit = true;
   auto take_prefetch = [&] {
     v = e->ready;
-    e->read = Read::kNone;
-    s.prefetches--;
-    s.inflight_bytes -= e->meta.nbytes;
+    s.end_prefetch(*e);
   };
   auto schedule = [&] {
-    // NOTE [offload pipeline]: the highest ids still on disk come next.
+    // NOTE [offload pipeline]: the highest ids still on disk that the same
+    // thread saved come next; none while a pack waits for room.
     const int64_t depth = options_.prefetch_depth();
-    while (s.prefetches < depth && !s.on_disk.empty()) {
-      auto last = std::prev(s.on_disk.end());
+    auto mine = s.on_disk.find(e->saver);
+    while (s.prefetches < depth && s.packs_waiting == 0 && mine != s.on_disk.end() && !mine->second.empty()) {
+      auto last = std::prev(mine->second.end());
       std::shared_ptr<Entry> p = last->second.lock();
       if (p && (s.inflight_bytes > 0 && s.inflight_bytes + p->meta.nbytes > options_.max_inflight_bytes())) break;
-      s.on_disk.erase(last);
+      mine->second.erase(last);
       if (!p || p->released || p->where != Where::kDisk || p->read != Read::kNone || p->ready.defined()) continue;
-      p->read = Read::kQueued;
-      s.st.prefetches_issued++;
-      s.prefetches++;
-      s.inflight_bytes += p->meta.nbytes;
-      s.st.peak_inflight_bytes = std::max(s.st.peak_inflight_bytes, s.inflight_bytes);
-      s.read_queue.push_back(std::move(p));
+      s.add_prefetch(std::move(p));
     }
+    if (mine != s.on_disk.end() && mine->second.empty()) s.on_disk.erase(mine);
     s.cv.notify_all();
   };
   switch (e->where) {
@@ -654,8 +724,22 @@ at::Tensor OffloadStore::unpack(Handle& h) {
       break;
     case Where::kFailed: throw Error(e->error);
     case Where::kPending:
-      if (e->tensor.defined()) {
-        v = e->tensor;  // not written yet: the write goes on, for a second backward
+      if (e->tensor.defined()) {  // not written yet: the write goes on, for a second backward
+        if (!lossy(options_.codec())) {
+          v = e->tensor;
+          break;
+        }
+        // Lossy: the values the file will hold (encode is deterministic),
+        // so that the result does not depend on the writer's timing.
+        const at::Tensor src = e->tensor;
+        lock.unlock();
+        {
+          dispatch::Suspend suspend;
+          at::NoGradGuard no_grad;
+          const Encoded enc = encode(src, options_.codec(), /*exact_size=*/false);
+          v = finish(e->meta, enc, enc.data);
+        }
+        lock.lock();
         break;
       }
       [[fallthrough]];
@@ -676,12 +760,8 @@ at::Tensor OffloadStore::unpack(Handle& h) {
         v = e->ready;  // cached for a sharing handle
       } else {
         hit = false;
-        if (e->read == Read::kQueued) {  // queued but not started: read it here
-          e->read = Read::kNone;
-          s.prefetches--;
-          s.inflight_bytes -= e->meta.nbytes;
-        }
-        s.on_disk.erase(e->id);
+        if (e->read == Read::kQueued) s.end_prefetch(*e);  // queued but not started: read it here
+        s.forget_on_disk(*e);
         schedule();  // the reader works on the next ones meanwhile
         const Encoded enc = e->enc;
         lock.unlock();
@@ -734,12 +814,8 @@ void OffloadStore::release(const std::shared_ptr<Entry>& e) noexcept {
     auto it = s.shared.find(*e->key);
     if (it != s.shared.end() && it->second.lock() == e) s.shared.erase(it);
   }
-  s.on_disk.erase(e->id);
-  if (e->read == Read::kQueued || e->read == Read::kReady) {
-    e->read = Read::kNone;
-    s.prefetches--;
-    s.inflight_bytes -= e->meta.nbytes;
-  }  // kReading: the reader settles it
+  s.forget_on_disk(*e);
+  if (e->read == Read::kQueued || e->read == Read::kReady) s.end_prefetch(*e);  // kReading: the reader settles it
   e->ready = at::Tensor();
   if (e->where == Where::kPending && !e->writing) s.inflight_bytes -= e->meta.nbytes;  // the writer skips it
   if (e->file_exists) {
@@ -827,8 +903,8 @@ std::string OffloadStore::describe() const {
     std::snprintf(stall, sizeof stall, "stalls %.1f ms writing, %.1f ms reading", st.write_stall_ms, st.read_stall_ms);
     os << "; written " << format_bytes(st.bytes_written) << ", read " << format_bytes(st.bytes_read) << ", files "
        << st.files_live << " live of " << st.files_created << "; prefetch " << st.prefetch_hits << " hits, "
-       << st.prefetch_misses << " misses (" << st.prefetches_issued << " issued); " << stall << "; peak in flight "
-       << format_bytes(st.peak_inflight_bytes);
+       << st.prefetch_misses << " misses (" << st.prefetches_issued << " issued, " << st.prefetches_dropped
+       << " dropped); " << stall << "; peak in flight " << format_bytes(st.peak_inflight_bytes);
   }
   return os.str();
 }
@@ -870,6 +946,8 @@ void inject_offload_read_failure(int64_t nth) {
   g_reads_seen = 0;
   g_read_fail_at = nth;
 }
+
+void pause_offload_writers(bool paused) { g_writers_paused = paused; }
 
 }  // namespace detail
 

@@ -87,5 +87,10 @@ std::shared_ptr<HookFactory> make_offload_hooks(std::shared_ptr<OffloadStore> st
 void inject_offload_write_failure(int64_t nth);
 /** Test seam: the nth file read fails with EIO; 0 turns it off. */
 void inject_offload_read_failure(int64_t nth);
+/** Test seam: while paused, the writer threads of every store leave their
+ *  queues alone, so every stored tensor stays pending (served from memory)
+ *  until the seam is lifted. wait() and a pack past max_inflight_bytes
+ *  block meanwhile. */
+void pause_offload_writers(bool paused);
 
 }  // namespace remat::detail

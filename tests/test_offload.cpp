@@ -2,7 +2,9 @@
 // equal gradients (lossless) or a bounded error (lossy) against a plain run;
 // prefetch depths, in-flight bounds, sharing, retain_graph; and the faults of
 // issue #12 (bad directory, failed writes, deleted or truncated files, failed
-// reads), each with its error pinned and the directory listed afterwards.
+// reads), each with its error pinned and the directory listed afterwards;
+// lossy codecs give one result whether writes are pending or done; graphs
+// and threads sharing a store never deadlock (run under a watchdog).
 #include "common.h"
 
 #include <dirent.h>
@@ -11,9 +13,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <future>
+#include <memory>
 #include <thread>
 
 #include "../src/offload_internal.h"
@@ -598,6 +604,253 @@ TEST(OffloadFaults, ErrorsAreNotStickyAcrossScopes) {
   EXPECT_FALSE(error_of([&] { m.offloaded(disk(dir), nullptr, /*wait=*/true); }).empty());
   remat::detail::inject_offload_write_failure(0);
   remat_test::expect_bitwise_equal(ref, m.offloaded(disk(dir), nullptr, /*wait=*/true));
+  EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
+}
+
+// ---- Lossy codecs on disk: one result whatever the writers' timing ----
+
+/** Holds the writers of every store while it lives (test seam): each stored
+ *  tensor stays pending, and backward unpacks it before its write. */
+struct WritersPaused {
+  WritersPaused() { remat::detail::pause_offload_writers(true); }
+  ~WritersPaused() { remat::detail::pause_offload_writers(false); }
+};
+
+TEST(Offload, LossyCodecOnDiskIsTheSameWhetherWritesArePendingOrDone) {
+  TempDir dir;
+  Gpt m;
+  const auto ref = m.plain();
+  for (Codec c : {Codec::kBFloat16, Codec::kFloat8}) {
+    SCOPED_TRACE(remat::to_string(c));
+    const OffloadOptions o = disk(dir).codec(c);
+    remat::OffloadStats st;
+    // Every write done before backward: each tensor comes back from its file.
+    const auto written = m.offloaded(o, &st, /*wait=*/true);
+    EXPECT_GT(st.bytes_read, 0);
+    EXPECT_EQ(st.files_created, st.tensors_saved - st.tensors_kept - st.tensors_shared);
+    // Writers held through backward: each tensor is unpacked while its write is pending.
+    std::vector<torch::Tensor> pending;
+    {
+      WritersPaused paused;
+      pending = m.offloaded(o, &st);
+    }
+    EXPECT_EQ(st.files_created, 0) << "every unpack found its write pending";
+    EXPECT_EQ(st.prefetch_hits, st.tensors_saved - st.tensors_kept);
+    remat_test::expect_bitwise_equal(written, pending);
+    // Steps with the writers racing backward: the same, every time.
+    for (int i = 0; i < 3; ++i) remat_test::expect_bitwise_equal(written, m.offloaded(o));
+    const double err = relative_error(written, ref);
+    EXPECT_GT(err, 0) << "the codec was applied";
+    std::printf("%s on disk: written and pending bitwise equal, gradient error %.2e\n", remat::to_string(c).c_str(),
+                err);
+    EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
+  }
+}
+
+// ---- Several graphs and threads on one store: no pack waits forever ----
+
+/** Runs body on a thread of its own; false when it did not finish within
+ *  limit (it threw: rethrown). A body that hangs (a deadlock: the
+ *  regression these tests guard against) is left behind, detached, so that
+ *  the test fails instead of hanging the suite: body must own what it uses. */
+bool finishes_within(std::chrono::seconds limit, std::function<void()> body) {
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> finished = done->get_future();
+  std::thread([done, body = std::move(body)]() mutable {
+    try {
+      body();
+      body = nullptr;  // what it captured goes before the test goes on
+      done->set_value();
+    } catch (...) {
+      done->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (finished.wait_for(limit) != std::future_status::ready) return false;
+  finished.get();
+  return true;
+}
+
+constexpr auto kWatchdog = std::chrono::seconds(30);
+constexpr int64_t kOneMiB = 1 << 20;
+
+/** n tanh in a row: each saves its output, 512 KiB for a (128, 1024) input. */
+torch::Tensor tanhs(torch::Tensor h, int n) {
+  for (int i = 0; i < n; ++i) h = h.tanh();
+  return h;
+}
+
+/** Three leaves of (128, 1024) float32 (512 KiB) and their plain gradients
+ *  for tanhs(a, 8), tanhs(b, 4), tanhs(c, 4). */
+struct ThreeGraphs {
+  torch::Tensor a, b, c;
+  std::vector<torch::Tensor> plain;
+  ThreeGraphs() {
+    torch::manual_seed(5);
+    for (auto* x : {&a, &b, &c}) *x = torch::randn({128, 1024}).requires_grad_(true);
+    tanhs(a, 8).sum().backward();
+    tanhs(b, 4).sum().backward();
+    tanhs(c, 4).sum().backward();
+    plain = grads();
+  }
+  std::vector<torch::Tensor> grads() {
+    std::vector<torch::Tensor> g;
+    for (auto* x : {&a, &b, &c}) {
+      g.push_back(x->grad().defined() ? x->grad().clone() : torch::Tensor());
+      x->mutable_grad() = torch::Tensor();
+    }
+    return g;
+  }
+};
+
+TEST(Offload, TwoGraphsInOneScopeDoNotDeadlockOnPrefetchedReads) {
+  TempDir dir;
+  auto g = std::make_shared<ThreeGraphs>();
+  auto st = std::make_shared<remat::OffloadStats>();
+  const std::string path = dir.path;
+  const bool finished = finishes_within(kWatchdog, [g, st, path] {
+    OffloadScope scope(OffloadOptions(OffloadTarget::kDisk).directory(path).max_inflight_bytes(kOneMiB));
+    auto ha = tanhs(g->a, 4);        // graph A, its first half
+    auto lb = tanhs(g->b, 4).sum();  // graph B
+    scope.wait();                    // all on disk: backward reads and prefetches
+    lb.backward();                   // B's last unpacks may prefetch A's newest tensors
+    auto la = tanhs(ha, 4).sum();    // more forward of A: its packs must not wait on those reads
+    auto lc = tanhs(g->c, 4).sum();  // and a new graph
+    la.backward();
+    lc.backward();
+    *st = scope.stats();
+  });
+  ASSERT_TRUE(finished) << "deadlock: a pack waited on bytes that only another graph's backward releases";
+  remat_test::expect_bitwise_equal(g->plain, g->grads());
+  EXPECT_GT(st->prefetches_dropped, 0) << "A's forward made room by dropping the reads B's backward issued";
+  EXPECT_LE(st->peak_inflight_bytes, kOneMiB);
+  EXPECT_EQ(st->files_live, 0);
+  std::printf("two graphs: %lld prefetches issued, %lld dropped, %lld hits, %lld misses, peak in flight %lld B\n",
+              (long long)st->prefetches_issued, (long long)st->prefetches_dropped, (long long)st->prefetch_hits,
+              (long long)st->prefetch_misses, (long long)st->peak_inflight_bytes);
+  EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
+}
+
+TEST(Offload, TwoGraphsThroughCheckpointOffloadDoNotDeadlock) {
+  TempDir dir;
+  auto g = std::make_shared<ThreeGraphs>();
+  const auto opts = remat::CheckpointOptions().offload(
+      OffloadOptions(OffloadTarget::kDisk).directory(dir.path).max_inflight_bytes(kOneMiB));
+  const bool finished = finishes_within(kWatchdog, [g, opts] {
+    // A tanh per region; each region's input (but a, b and c: leaves) goes to the store.
+    auto regions = [&](torch::Tensor h, int n) {
+      for (int i = 0; i < n; ++i)
+        h = remat::checkpoint(
+            opts, [](const torch::Tensor& t) { return t.tanh(); }, h);
+      return h;
+    };
+    auto ha = regions(g->a, 4);
+    auto lb = regions(g->b, 4).sum();
+    remat::wait_checkpoint_offloads();
+    lb.backward();
+    auto la = regions(ha, 4).sum();
+    auto lc = regions(g->c, 4).sum();
+    la.backward();
+    lc.backward();
+  });
+  ASSERT_TRUE(finished) << "deadlock: a pack waited on bytes that only another graph's backward releases";
+  remat_test::expect_bitwise_equal(g->plain, g->grads());
+  EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
+}
+
+TEST(Offload, TwoThreadsWithTheirOwnGraphsShareAStore) {
+  TempDir dir;
+  auto g = std::make_shared<ThreeGraphs>();
+  auto store = remat::detail::OffloadStore::create(
+      OffloadOptions(OffloadTarget::kDisk).directory(dir.path).max_inflight_bytes(kOneMiB));
+  auto got = std::make_shared<std::vector<std::vector<torch::Tensor>>>();
+  const bool finished = finishes_within(kWatchdog, [g, store, got] {
+    // In turn: thread 1 builds half of C, then A; thread 2 half of B.
+    // Thread 1 runs A's backward while all is on disk: its last unpacks
+    // may prefetch B's tensors or C's. Then thread 2 goes on with B (its
+    // saves must not wait on those reads), and thread 1 with C.
+    std::promise<void> a_built, b_half, a_done, b_done;
+    std::thread t1([&] {
+      remat::ScopedHooks hooks(remat::detail::make_offload_hooks(store));
+      auto hc = tanhs(g->c, 2);
+      auto la = tanhs(g->a, 8).sum();
+      a_built.set_value();
+      b_half.get_future().wait();
+      la.backward();
+      a_done.set_value();
+      b_done.get_future().wait();
+      tanhs(hc, 2).sum().backward();
+    });
+    std::thread t2([&] {
+      remat::ScopedHooks hooks(remat::detail::make_offload_hooks(store));
+      a_built.get_future().wait();
+      auto hb = tanhs(g->b, 2);
+      store->wait();
+      b_half.set_value();
+      a_done.get_future().wait();
+      tanhs(hb, 2).sum().backward();
+      b_done.set_value();
+    });
+    t1.join();
+    t2.join();
+    got->push_back(g->grads());
+    // Then both at once, three steps each, no order imposed.
+    auto step = [&](torch::Tensor x, int n) {
+      remat::ScopedHooks hooks(remat::detail::make_offload_hooks(store));
+      for (int i = 0; i < 3; ++i) tanhs(x, n).sum().backward();  // g + g + g: 3 g, bitwise
+    };
+    std::thread t3([&] { step(g->a, 8); });
+    std::thread t4([&] { step(g->b, 4); });
+    t3.join();
+    t4.join();
+    {
+      remat::ScopedHooks hooks(remat::detail::make_offload_hooks(store));
+      tanhs(g->c, 4).sum().backward();
+    }
+    got->push_back(g->grads());
+  });
+  ASSERT_TRUE(finished) << "deadlock: a pack waited on bytes that only another thread's backward releases";
+  ASSERT_EQ(got->size(), 2u);
+  EXPECT_TRUE(torch::equal((*got)[0][0], g->plain[0]));
+  EXPECT_TRUE(torch::equal((*got)[0][1], g->plain[1]));
+  EXPECT_TRUE(torch::equal((*got)[0][2], g->plain[2]));
+  EXPECT_TRUE(torch::equal((*got)[1][0], g->plain[0] * 3));
+  EXPECT_TRUE(torch::equal((*got)[1][1], g->plain[1] * 3));
+  EXPECT_TRUE(torch::equal((*got)[1][2], g->plain[2]));
+  const remat::OffloadStats st = store->stats();
+  EXPECT_LE(st.peak_inflight_bytes, kOneMiB);
+  EXPECT_EQ(st.files_live, 0);
+  std::printf("two threads: %lld prefetches issued, %lld dropped, %lld hits, %lld misses\n",
+              (long long)st.prefetches_issued, (long long)st.prefetches_dropped, (long long)st.prefetch_hits,
+              (long long)st.prefetch_misses);
+  EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
+}
+
+// ---- CheckpointOptions().offload with an unusable directory ----
+
+TEST(OffloadFaults, CheckpointOffloadToAMissingDirectoryThrowsThenWaitAndALaterStepWork) {
+  TempDir dir;
+  const std::string missing = dir.path + "/missing";
+  auto x = torch::randn({128, 1024}, torch::requires_grad());
+  auto region = [](const torch::Tensor& t) { return tanhs(t, 2); };
+  auto step = [&](const std::string& d) {
+    const auto opts = remat::CheckpointOptions().offload(OffloadOptions(OffloadTarget::kDisk).directory(d));
+    auto h = remat::checkpoint(opts, region, x * 2);
+    remat::checkpoint(opts, region, h).sum().backward();
+  };
+  const std::string want = "[remat::offload] directory '" + missing +
+                           "' cannot be used: No such file or directory. Create it (mkdir -p) or pass another one "
+                           "to OffloadOptions().directory().";
+  EXPECT_EQ(error_of([&] { step(missing); }), want);
+  EXPECT_EQ(error_of([&] { remat::wait_checkpoint_offloads(); }), "");
+  EXPECT_EQ(error_of([&] { step(missing); }), want) << "tried again, not remembered as a store";
+  EXPECT_EQ(error_of([&] { remat::wait_checkpoint_offloads(); }), "");
+  x.mutable_grad() = torch::Tensor();
+  tanhs(tanhs(x * 2, 2), 2).sum().backward();
+  const auto plain = x.grad().clone();
+  x.mutable_grad() = torch::Tensor();
+  step(dir.path);
+  remat::wait_checkpoint_offloads();
+  EXPECT_TRUE(torch::equal(x.grad(), plain));
   EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
 }
 

@@ -30,7 +30,9 @@ enum class OffloadTarget {
 
 /** How a saved tensor is encoded. kNone, kZstd and kLz4 are lossless
  *  (bitwise identical); kBFloat16 and kFloat8 are lossy and apply to float32
- *  tensors only (others are stored as they are). */
+ *  tensors only (others are stored as they are). A lossy codec gives the same
+ *  result whatever the timing: a tensor unpacked while its write is still
+ *  pending comes back through the codec, as from its file. */
 enum class Codec {
   /** Raw bytes. */
   kNone,
@@ -70,15 +72,18 @@ class OffloadOptions {
   }
   int64_t min_bytes() const { return min_bytes_; }
   /** kDisk: how many tensors the prefetcher reads ahead of backward, in
-   *  reverse save order; 0 reads each one when backward needs it. Default 2. */
+   *  reverse save order, among those the thread that saved the tensor being
+   *  unpacked saved; 0 reads each one when backward needs it. Default 2. */
   OffloadOptions& prefetch_depth(int64_t depth) {
     prefetch_depth_ = depth;
     return *this;
   }
   int64_t prefetch_depth() const { return prefetch_depth_; }
   /** kDisk: bytes that pending writes and prefetched reads may hold at once;
-   *  forward waits when writes are this far behind. One tensor larger than
-   *  this still goes, alone. Default 256 MiB. */
+   *  forward waits when writes are this far behind. Prefetched reads not yet
+   *  used are dropped to make room, never waited for: several graphs and
+   *  threads share a store without deadlock. One tensor larger than this
+   *  still goes, alone. Default 256 MiB. */
   OffloadOptions& max_inflight_bytes(int64_t bytes) {
     max_inflight_bytes_ = bytes;
     return *this;
@@ -134,6 +139,10 @@ struct OffloadStats {
   /** Reads handed to the prefetcher (some may be taken over by an unpack
    *  that came first). */
   int64_t prefetches_issued = 0;
+  /** Of those, dropped unused (queued, or read but not yet unpacked) to make
+   *  room for a save under max_inflight_bytes; their files stay and are read
+   *  again when needed. */
+  int64_t prefetches_dropped = 0;
   /** Time forward waited for writes (max_inflight_bytes), ms. */
   double write_stall_ms = 0;
   /** Time backward waited for reads, ms. */
