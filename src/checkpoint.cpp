@@ -172,6 +172,11 @@ struct Frame : std::enable_shared_from_this<Frame> {
   // False while the first run of fn is still going: fn itself may call
   // autograd::grad/backward, whose unpacks re-run fn up to that point.
   bool forward_done = false;
+  // NOTE [RNG lock lent to awaited threads]: regions on other threads that
+  // drew under this region's lock during its forward.
+  int64_t borrow_epoch = 0;
+  int64_t borrows_in_forward = 0;
+  bool gated_before = false;  // the lock's gate before this region's forward
   std::recursive_mutex mu;
 
   at::Tensor input(size_t k) {
@@ -488,6 +493,7 @@ class FirstRunGuard final : public dispatch::Interceptor {
       : frame_(f), selective_(std::move(selective)) {}
   void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
     const auto& schema = op.schema();
+    if (op.hasTag(at::Tag::nondeterministic_seeded)) wait_rng_unlent();  // NOTE [RNG lock lent to awaited threads]
     if (schema.is_mutable()) {
       const auto& formals = schema.arguments();
       const size_t n = formals.size();
@@ -510,6 +516,16 @@ class FirstRunGuard final : public dispatch::Interceptor {
  private:
   Frame* frame_;
   std::unique_ptr<dispatch::Interceptor> selective_;
+};
+/** A re-run's outermost interceptor: its random ops wait while a thread it
+ *  awaits borrows the RNG lock (NOTE [RNG lock lent to awaited threads]). */
+class SeededGate final : public dispatch::Interceptor {
+ public:
+  void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
+    if (op.hasTag(at::Tag::nondeterministic_seeded)) wait_rng_unlent();
+    dispatch::run_below(op, ks, stack);
+  }
+  void on_tag(const at::Tensor&, const std::string&) override {}
 };
 }  // namespace
 
@@ -547,11 +563,32 @@ void Frame::recompute() {
     for (size_t k = 0; k < in.size() && k < inputs.size(); ++k) {
       if (inputs[k].written) writes.adopt(in[k]);  // the re-run's own copy: its writes stay
     }
+    const bool rng = options.preserve_rng_state();
+    SeededGate gate;
+    dispatch::Scope gated(&gate);
+    struct Gate {
+      bool on, before;
+      explicit Gate(bool o) : on(o), before(o && gate_rng_hold(true)) {}
+      ~Gate() {
+        if (on) gate_rng_hold(before);
+      }
+    } hold(rng);
+    const int64_t epoch = rng ? rng_borrow_epoch() : 0;
     dispatch::Scope ops(interceptor.get(), options.debug() ? &recompute_ops : nullptr);
     try {
       recompute_fn(in);
     } catch (const StopRecompute&) {
       stopped = true;
+    }
+    const int64_t borrows = rng ? rng_borrow_epoch() - epoch : 0;
+    if (forward_done && borrows != borrows_in_forward && (!stopped || borrows > borrows_in_forward)) {
+      throw Error("[remat::checkpoint] while this region's forward ran, " + std::to_string(borrows_in_forward) +
+                  " checkpointed region(s) on other threads drew random numbers under its RNG lock (it was "
+                  "waiting, e.g. for a branch it ran with std::async), but " +
+                  std::to_string(borrows) +
+                  " did during its recomputation: the random numbers it replays would differ. Run such branches "
+                  "from the checkpointed function each time it runs (the recomputation then runs them again), or "
+                  "give the other threads' regions preserve_rng_state(false) if they draw no random numbers.");
     }
   }
   if (selective && !keep_cache) selective->clear();
@@ -578,7 +615,11 @@ Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& 
   ensure_engine_installed();
   // NOTE [RNG regions and threads]: from the capture below to the end of the
   // forward (~Region), no other remat region draws random numbers.
-  if (rng_locked_) lock_rng_regions();
+  if (rng_locked_) {
+    lock_rng_regions();
+    frame_->gated_before = gate_rng_hold(true);  // its random ops go through FirstRunGuard
+    frame_->borrow_epoch = rng_borrow_epoch();
+  }
   try {
     init(options, inputs, std::move(recompute), std::move(state));
   } catch (...) {
@@ -652,6 +693,10 @@ Region::~Region() {
       if (s.kind != SlotKind::kRef) s.value = at::Tensor();
     }
     f.pending_inputs.clear();
+    if (rng_locked_) {
+      f.borrows_in_forward = rng_borrow_epoch() - f.borrow_epoch;
+      gate_rng_hold(f.gated_before);
+    }
   }
   if (rng_locked_) unlock_rng_regions();
 }

@@ -117,6 +117,29 @@ class RngRegionLock {
  *  so the owner's first run draws what its replay will. Other threads still
  *  wait for the owner. */
 void mark_autograd_device_thread();
+
+/** NOTE [RNG lock lent to awaited threads]: a region's function may run a
+ *  checkpointed branch on another thread and wait for it (std::async and
+ *  get()); the branch needs the RNG lock that the waiting region holds.
+ *  A thread that waits for the lock watches the owner: when the owner has
+ *  used less than 1 ms of CPU in each of two 20 ms slices and the kernel
+ *  reports it asleep (not merely waiting for a core) at both, and
+ *  its hold is gated (gate_rng_hold(): a checkpoint region's first run or
+ *  re-run, whose random ops go through wait_rng_unlent()), the waiter
+ *  borrows the lock, one borrower (and its nested holds) at a time.
+ *  (Gating the hold of a chain stage's first run, which runs no
+ *  interceptor, is not possible: a branch awaited there still waits.) The
+ *  owner draws nothing while a borrower holds it (its random ops wait), so
+ *  each side's draws stay contiguous. A region counts the borrows during
+ *  its forward (rng_borrow_epoch()) and its re-run checks that as many
+ *  happen again: a branch re-spawned by the re-run draws what it drew
+ *  (the stream is replayed), while a borrow by an unrelated thread cannot
+ *  be replayed and is reported as an error instead of a wrong gradient. */
+/** Sets whether this thread's hold is gated (when it owns the lock);
+ *  returns the previous setting. */
+bool gate_rng_hold(bool gated);
+void wait_rng_unlent();
+int64_t rng_borrow_epoch();
 class RngLockLend {
  public:
   RngLockLend();

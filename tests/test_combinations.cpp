@@ -10,6 +10,8 @@
 #include <c10/core/InferenceMode.h>
 
 #include <atomic>
+#include <chrono>
+#include <future>
 #include <thread>
 
 using namespace remat_test;
@@ -425,4 +427,49 @@ TEST(Combinations, NestedPoliciesAndInplaceInputsOnTwoThreads) {
   t2.join();
   expect_bitwise_equal(plain1, got1);
   expect_bitwise_equal(plain2, got2);
+}
+
+// A region whose function runs a checkpointed branch with dropout on
+// another thread and waits for it (std::async + get()): the branch borrows
+// the RNG lock the waiting region holds, in the forward and again in the
+// re-run, and every mask equals the plain run's.
+TEST(Combinations, RegionAwaitingACheckpointedBranchOnAnotherThread) {
+  torch::manual_seed(13);
+  torch::nn::Linear a(16, 16), b(16, 16);
+  torch::nn::Dropout drop(0.3);
+  auto branch = [&](const torch::Tensor& h) { return drop(torch::tanh(b(h))); };
+  auto body = [&](const torch::Tensor& x, bool ck) {
+    auto h = drop(a(x));
+    auto z = std::async(std::launch::async, [&] {
+               return ck ? remat::checkpoint(branch, h) : branch(h);
+             }).get();
+    return drop(z * h);
+  };
+  auto x = torch::randn({8, 16});
+  auto grads = [&](bool ck) {
+    for (auto* m : {a.ptr().get(), b.ptr().get()}) {
+      for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+    }
+    torch::manual_seed(14);
+    auto y = ck ? remat::checkpoint([&](const torch::Tensor& v) { return body(v, true); }, x) : body(x, false);
+    y.square().sum().backward();
+    std::vector<torch::Tensor> g;
+    for (auto* m : {a.ptr().get(), b.ptr().get()}) {
+      for (auto& p : m->parameters()) g.push_back(p.grad().clone());
+    }
+    return g;
+  };
+  const auto plain = grads(false);
+  remat::reset_checkpoint_stats();
+  // A watchdog: a regression deadlocks, so run the step on a thread and end
+  // the process after a minute instead of stalling the suite.
+  std::promise<std::vector<torch::Tensor>> done;
+  auto got = done.get_future();
+  std::thread([&] { done.set_value(grads(true)); }).detach();
+  if (got.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "deadlock: the branch never got the RNG lock\n");
+    std::abort();
+  }
+  expect_bitwise_equal(plain, got.get());
+  EXPECT_GE(remat::checkpoint_stats().recomputations, 2) << "the outer region and the branch were both recomputed";
 }
