@@ -2,9 +2,9 @@
 #include "replay.h"
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
-#include <chrono>
 #include <mutex>
 #include <thread>
 
@@ -213,7 +213,7 @@ RngLock& rng_lock() {
   return *l;
 }
 
-thread_local int t_borrowed = 0;  // this thread's borrowed holds
+thread_local int t_borrowed = 0;          // this thread's borrowed holds
 thread_local bool t_idle_borrow = false;  // ... taken while the owner waited
 thread_local bool t_device_thread = false;
 

@@ -197,8 +197,7 @@ class FirstRun final : public dispatch::Interceptor {
         if (formals[a].alias_info() != nullptr && formals[a].alias_info()->isWrite()) {
           for (const auto& o : outs) {
             for_each_tensor(o, [&](const at::Tensor& t) {
-              if (t.defined() && t.has_storage())
-                c_->written_.emplace(t.storage().unsafeGetStorageImpl(), rec.key.op);
+              if (t.defined() && t.has_storage()) c_->written_.emplace(t.storage().unsafeGetStorageImpl(), rec.key.op);
             });
           }
         }

@@ -121,12 +121,10 @@ class SelectiveCache {
   friend class ResidualRecorder;
   /** An op call of the region (NOTE [selective op cache]). */
   struct Key {
-    std::string op;                                 // "aten::mm"
+    std::string op;                                  // "aten::mm"
     std::vector<const c10::TensorImpl*> parameters;  // per tensor argument: the parameter, or nullptr
     int64_t n = 0;                                   // occurrence of (op, parameters) in the region
-    bool operator<(const Key& o) const {
-      return std::tie(op, parameters, n) < std::tie(o.op, o.parameters, o.n);
-    }
+    bool operator<(const Key& o) const { return std::tie(op, parameters, n) < std::tie(o.op, o.parameters, o.n); }
     /** Counts the call of op on args in counts and returns its key. */
     static Key of(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
                   std::map<std::pair<std::string, std::vector<const c10::TensorImpl*>>, int64_t>& counts);

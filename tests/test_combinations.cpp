@@ -38,7 +38,8 @@ struct NestedWrite {
     return torch::mm(h, w) + 0.5;  // (16, 16); the add saves neither input
   }
   torch::Tensor body(const torch::Tensor& x, const std::optional<remat::CheckpointOptions>& inner_opts) {
-    auto y = inner_opts ? remat::checkpoint(*inner_opts, [this](const torch::Tensor& h) { return inner(h); }, x * 1.5)
+    auto y = inner_opts ? remat::checkpoint(
+                              *inner_opts, [this](const torch::Tensor& h) { return inner(h); }, x * 1.5)
                         : inner(x * 1.5);
     y.sigmoid_();  // saves its result: the inner region's output, written
     return y * 2;
@@ -46,8 +47,8 @@ struct NestedWrite {
   std::vector<torch::Tensor> grads(const std::optional<remat::CheckpointOptions>& inner_opts, bool outer) {
     auto x = torch::linspace(-2, 2, 256).reshape({16, 16}).requires_grad_();
     w.mutable_grad() = torch::Tensor();
-    auto out = outer ? remat::checkpoint([&](const torch::Tensor& h) { return body(h, inner_opts); }, x)
-                     : body(x, inner_opts);
+    auto out =
+        outer ? remat::checkpoint([&](const torch::Tensor& h) { return body(h, inner_opts); }, x) : body(x, inner_opts);
     out.square().sum().backward();
     return {w.grad().clone(), x.grad().clone()};
   }
@@ -95,8 +96,8 @@ TEST(Combinations, NestedPolicyRegionMovesBatchNormStatisticsOnce) {
     torch::nn::BatchNorm2d bn(4);
     torch::nn::Conv2d conv(torch::nn::Conv2dOptions(4, 4, 3).padding(1));
     auto block = [&](const torch::Tensor& h) { return torch::relu(bn(conv(h))); };
-    auto inner_opts = mode == 2 ? remat::CheckpointOptions().debug(true)
-                                : remat::CheckpointOptions().policy(pol::save_matmuls());
+    auto inner_opts =
+        mode == 2 ? remat::CheckpointOptions().debug(true) : remat::CheckpointOptions().policy(pol::save_matmuls());
     std::vector<torch::Tensor> grads;
     for (int step = 0; step < 3; ++step) {
       auto x = torch::randn({2, 4, 6, 6}).requires_grad_();
@@ -142,8 +143,9 @@ TEST(Combinations, NamesInsideAnInnerRegionReachTheOuterPolicy) {
   w.mutable_grad() = torch::Tensor();
   x.mutable_grad() = torch::Tensor();
   remat::reset_checkpoint_stats();
-  auto y = remat::checkpoint(remat::CheckpointOptions().policy(pol::save_names({"t"})),
-                             [&](const torch::Tensor& h) { return body(h, true); }, x);
+  auto y = remat::checkpoint(
+      remat::CheckpointOptions().policy(pol::save_names({"t"})), [&](const torch::Tensor& h) { return body(h, true); },
+      x);
   EXPECT_EQ(remat::checkpoint_stats().ops_saved, 1) << "the outer policy saves the tanh named inside the inner region";
   y.sum().backward();
   expect_bitwise_equal(plain, {w.grad(), x.grad()});
@@ -261,7 +263,8 @@ namespace {
  *  input, then a convolution and a skip that reads the activated input. */
 struct InplaceBlockImpl : torch::nn::Module, remat::Checkpointable {
   explicit InplaceBlockImpl(int64_t c)
-      : act(register_module("act", torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2).inplace(true)))),
+      : act(register_module("act",
+                            torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2).inplace(true)))),
         conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(c, c, 3).padding(1)))) {}
   torch::Tensor body(torch::Tensor x) {
     ++runs;
@@ -440,9 +443,7 @@ TEST(Combinations, RegionAwaitingACheckpointedBranchOnAnotherThread) {
   auto branch = [&](const torch::Tensor& h) { return drop(torch::tanh(b(h))); };
   auto body = [&](const torch::Tensor& x, bool ck) {
     auto h = drop(a(x));
-    auto z = std::async(std::launch::async, [&] {
-               return ck ? remat::checkpoint(branch, h) : branch(h);
-             }).get();
+    auto z = std::async(std::launch::async, [&] { return ck ? remat::checkpoint(branch, h) : branch(h); }).get();
     return drop(z * h);
   };
   auto x = torch::randn({8, 16});
