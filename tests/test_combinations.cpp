@@ -474,3 +474,93 @@ TEST(Combinations, RegionAwaitingACheckpointedBranchOnAnotherThread) {
   expect_bitwise_equal(plain, got.get());
   EXPECT_GE(remat::checkpoint_stats().recomputations, 2) << "the outer region and the branch were both recomputed";
 }
+
+namespace {
+
+/** pix2pix's U-Net generator block, as its LibTorch ports write it: the
+ *  down path opens with an in-place LeakyReLU on the block's input, which
+ *  the skip then concatenates; each block nests the next one, so switching
+ *  every block on nests regions (with policies) as deep as the U-Net. */
+struct UnetBlockImpl : torch::nn::Module, remat::Checkpointable {
+  UnetBlockImpl(int64_t outer_nc, int64_t inner_nc, std::shared_ptr<UnetBlockImpl> sub, bool outermost, bool innermost)
+      : outermost_(outermost) {
+    namespace nn = torch::nn;
+    auto down_conv = nn::Conv2d(nn::Conv2dOptions(outer_nc, inner_nc, 4).stride(2).padding(1).bias(false));
+    const int64_t up_in = innermost ? inner_nc : inner_nc * 2;
+    auto up_conv = nn::ConvTranspose2d(nn::ConvTranspose2dOptions(up_in, outer_nc, 4).stride(2).padding(1));
+    if (!outermost) model->push_back(nn::LeakyReLU(nn::LeakyReLUOptions().negative_slope(0.2).inplace(true)));
+    model->push_back(down_conv);
+    if (!outermost && !innermost) model->push_back(nn::BatchNorm2d(inner_nc));
+    if (sub) model->push_back(sub);
+    model->push_back(nn::ReLU(nn::ReLUOptions().inplace(true)));
+    model->push_back(up_conv);
+    if (outermost) {
+      model->push_back(nn::Tanh());
+    } else {
+      model->push_back(nn::BatchNorm2d(outer_nc));
+    }
+    register_module("model", model);
+  }
+  torch::Tensor body(torch::Tensor x) {
+    if (outermost_) return model->forward(x);
+    auto y = model->forward(x);
+    return torch::cat({x, y}, 1);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return checkpointed([this](const torch::Tensor& h) { return body(h); }, x);
+  }
+  bool outermost_;
+  torch::nn::Sequential model;
+};
+TORCH_MODULE(UnetBlock);
+
+/** The generator: `levels` blocks at the innermost width, then the three outer ones. */
+UnetBlock unet(int64_t levels, int64_t ngf) {
+  UnetBlock block = UnetBlock(ngf * 4, ngf * 4, nullptr, false, true);
+  for (int64_t i = 0; i + 2 < levels; ++i) block = UnetBlock(ngf * 4, ngf * 4, block.ptr(), false, false);
+  block = UnetBlock(ngf * 2, ngf * 4, block.ptr(), false, false);
+  block = UnetBlock(ngf, ngf * 2, block.ptr(), false, false);
+  return UnetBlock(3, ngf, block.ptr(), true, false);
+}
+
+}  // namespace
+
+// The program the combination defects were found with: a pix2pix U-Net
+// (BatchNorm, in-place LeakyReLU on each block's input, blocks nested in
+// blocks) with every block switched on, under a selective policy or none,
+// trained 4 SGD steps: parameters, gradients and BatchNorm statistics and
+// counters bitwise equal to the plain run.
+TEST(Combinations, Pix2PixUnetWithEveryBlockSwitchedOn) {
+  auto train = [](const std::optional<remat::CheckpointOptions>& opts) {
+    torch::manual_seed(21);
+    UnetBlock net = unet(3, 4);
+    if (opts) {
+      EXPECT_EQ(remat::enable_checkpointing(*net, remat::select::type<UnetBlockImpl>(), *opts), 5);
+    }
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05));
+    std::vector<torch::Tensor> out;
+    torch::manual_seed(22);
+    for (int step = 0; step < 4; ++step) {
+      auto x = torch::randn({2, 3, 32, 32});
+      auto target = torch::randn({2, 3, 32, 32});
+      sgd.zero_grad();
+      (net(x) - target).abs().mean().backward();
+      for (auto& p : net->parameters()) out.push_back(p.grad().clone());
+      sgd.step();
+    }
+    for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+    for (auto& b : net->buffers()) out.push_back(b.clone());
+    return out;
+  };
+  const auto plain = train(std::nullopt);
+  for (const auto& [name, opts] : std::vector<std::pair<std::string, remat::CheckpointOptions>>{
+           {"full recompute", remat::CheckpointOptions()},
+           {"save_matmuls", remat::CheckpointOptions().policy(pol::save_matmuls())},
+           {"save_nothing, debug", remat::CheckpointOptions().policy(pol::save_nothing()).debug(true)},
+           {"no early stop", remat::CheckpointOptions().early_stop(false).policy(pol::save_matmuls())}}) {
+    SCOPED_TRACE(name);
+    remat::reset_checkpoint_stats();
+    expect_bitwise_equal(plain, train(opts));
+    EXPECT_GT(remat::checkpoint_stats().recomputations, 0);
+  }
+}
