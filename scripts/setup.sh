@@ -2,13 +2,22 @@
 # Installs what remat needs on a fresh Debian 12 machine; idempotent and fast
 # when everything is present. Debian packages via apt-get (as root), LibTorch
 # via pip (torch==2.13.0, CPU wheel) into a venv outside the repository.
+# `setup.sh --docs` installs only what make docs needs (doxygen).
 set -euo pipefail
 VENV="${REMAT_VENV:-$HOME/.cache/remat/venv}"
 TORCH_VERSION="${REMAT_TORCH_VERSION:-2.13.0}"
 
 pkgs=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev libgloo-dev
       libbenchmark-dev nlohmann-json3-dev libcli11-dev pkg-config libzstd-dev liblz4-dev)
+# The API reference (make docs, scripts/api-docs.sh): `setup.sh --docs`
+# installs only these, so that make test does not fetch doxygen and the LLVM
+# libraries it links (about 45 MB).
+docs_pkgs=(doxygen)
 . "$(dirname "$0")/apt-missing.sh"
+if [ "${1:-}" = --docs ]; then
+  apt_install_missing setup "${docs_pkgs[@]}"
+  exit 0
+fi
 apt_install_missing setup "${pkgs[@]}"
 
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
