@@ -50,12 +50,14 @@ enum class DeterminismCheck {
  *  set): options built afterwards start from it, a per-call
  *  `.early_stop(...)` overrides it (PyTorch's set_checkpoint_early_stop). */
 void set_checkpoint_early_stop(bool enabled);
+/** The process-wide default of CheckpointOptions::early_stop. */
 bool checkpoint_early_stop();
 
 /** The process-wide default of CheckpointOptions::debug (false unless set),
  *  e.g. turned on once while hunting a determinism error (PyTorch's
  *  set_checkpoint_debug_enabled); a per-call `.debug(...)` overrides it. */
 void set_checkpoint_debug(bool enabled);
+/** The process-wide default of CheckpointOptions::debug. */
 bool checkpoint_debug();
 
 /** Waits until every pending write of the offload stores that
@@ -63,11 +65,15 @@ bool checkpoint_debug();
  *  memory); throws the first background error (a failed write). */
 void wait_checkpoint_offloads();
 
+/** Options of remat::checkpoint() and checkpoint_sequential(): RNG replay,
+ *  determinism checks, early stop, a selective policy, offload of the
+ *  region's inputs. All optional, with the defaults below. */
 struct CheckpointOptions {
   /** Replay the CPU RNG state (and that of CUDA devices holding inputs) in
    *  recompute, so dropout masks match the first run. Default true. */
   TORCH_ARG(bool, preserve_rng_state) = true;
-  /** Default kMetadata. */
+  /** What recomputation compares against the first run; a mismatch throws
+   *  remat::Error naming the saved tensor and what differs. Default kMetadata. */
   TORCH_ARG(DeterminismCheck, determinism_check) = DeterminismCheck::kMetadata;
   /** Stop recomputing as soon as every needed tensor exists. Default
    *  checkpoint_early_stop() (true unless changed). */
@@ -101,7 +107,9 @@ struct CheckpointStats {
   int64_t ops_recomputed = 0;  ///< ops run again in recomputes of regions with a policy
   int64_t writes_undone = 0;   ///< tensors that outlive a recompute, written by it and put back
 };
+/** The counters since the process started or the last reset_checkpoint_stats(). */
 CheckpointStats checkpoint_stats();
+/** Sets every counter of checkpoint_stats() (and op_stats()) to 0. */
 void reset_checkpoint_stats();
 
 /** True on a thread that is re-running a checkpointed function (e.g. to

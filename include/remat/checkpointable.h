@@ -45,7 +45,9 @@ class Checkpointable {
   virtual ~Checkpointable() = default;
   /** On with these options, or off (nullopt). */
   void set_checkpointing(std::optional<CheckpointOptions> options) { options_ = std::move(options); }
+  /** True when the switch is on for this module. Default off. */
   bool checkpointing() const { return options_.has_value(); }
+  /** The options the switch was turned on with; nullopt when off. */
   const std::optional<CheckpointOptions>& checkpointing_options() const { return options_; }
   /** How many times this object's forward has called checkpointed(), on or
    *  off (a recompute of an enclosing region counts again), since the object
@@ -81,7 +83,7 @@ class Checkpointable {
 /** A checkpointable module as selectors see it. */
 struct SelectorInput {
   std::string name;  ///< qualified name in the tree ("blocks.3.attn"; "" for the root): the first one it is reached by
-  const torch::nn::Module* module;
+  const torch::nn::Module* module;  ///< the module itself (never null; owned by the tree)
 };
 
 /** Chooses modules among the checkpointable ones of a tree, in tree order
@@ -92,9 +94,15 @@ struct SelectorInput {
  *  disable_checkpointing and describe_checkpointing agree on it. */
 class Selector {
  public:
+  /** Given the checkpointable modules in tree order, one flag per module:
+   *  true selects it. */
   using Fn = std::function<std::vector<bool>(const std::vector<SelectorInput>&)>;
+  /** A selector from a function; description names it in
+   *  describe_checkpointing() and in errors. */
   Selector(std::string description, Fn fn) : description_(std::move(description)), fn_(std::move(fn)) {}
+  /** Applies the selector: one flag per entry of in, true = selected. */
   std::vector<bool> operator()(const std::vector<SelectorInput>& in) const { return fn_(in); }
+  /** What it selects, in words (e.g. "every 2nd of type GptBlockImpl"). */
   const std::string& description() const { return description_; }
 
  private:
@@ -102,6 +110,7 @@ class Selector {
   Fn fn_;
 };
 
+/** Selectors for enable_checkpointing(): by name, type, position. */
 namespace select {
 /** Every checkpointable module. */
 Selector all();
@@ -149,15 +158,18 @@ int64_t disable_checkpointing(torch::nn::Module& model);
  *  no module calls checkpointed() at all, nothing is marked. */
 std::string describe_checkpointing(const torch::nn::Module& model);
 
+/** enable_checkpointing() on a module holder (e.g. a TORCH_MODULE Gpt). */
 template <class M>
 int64_t enable_checkpointing(torch::nn::ModuleHolder<M>& model, const Selector& selector,
                              const CheckpointOptions& options = CheckpointOptions()) {
   return enable_checkpointing(*model, selector, options);
 }
+/** disable_checkpointing() on a module holder. */
 template <class M>
 int64_t disable_checkpointing(torch::nn::ModuleHolder<M>& model) {
   return disable_checkpointing(*model);
 }
+/** describe_checkpointing() on a module holder. */
 template <class M>
 std::string describe_checkpointing(const torch::nn::ModuleHolder<M>& model) {
   return describe_checkpointing(*model);

@@ -7,6 +7,9 @@
 #include <stdexcept>
 #include <string>
 
+/** Activation checkpointing for LibTorch: the runtime (<remat/remat.h>),
+ *  the planner (remat::plan), models (remat::models) and data parallel
+ *  (remat::parallel). */
 namespace remat {
 
 /** Thrown by every remat runtime entry point; what() is the full message. */

@@ -25,6 +25,7 @@ using SavedHook = torch::autograd::SavedVariableHooks;
 class HookFactory {
  public:
   virtual ~HookFactory() = default;
+  /** A new hook for the tensor autograd is saving now (its pack runs next). */
   virtual std::unique_ptr<SavedHook> make_hook() = 0;
 };
 
@@ -37,6 +38,7 @@ void ensure_engine_installed();
  *  innermost guard applies. Nestable; not movable. */
 class ScopedHooks {
  public:
+  /** Pushes factory (not null) until the guard is destroyed. */
   explicit ScopedHooks(std::shared_ptr<HookFactory> factory);
   ~ScopedHooks();
   ScopedHooks(const ScopedHooks&) = delete;
@@ -89,6 +91,8 @@ std::shared_ptr<HookFactory> make_function_hooks(std::function<std::any(const at
  */
 class SavedTensorsHooks {
  public:
+  /** Pushes the pair on this thread's hook stack until the guard is
+   *  destroyed; both are called on the thread that saves or unpacks. */
   template <class Pack, class Unpack>
   SavedTensorsHooks(Pack pack, Unpack unpack)
       : scope_(

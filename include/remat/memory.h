@@ -17,6 +17,8 @@
 
 #include <c10/core/Device.h>
 
+/** Memory telemetry: current and peak bytes of the CPU allocator (and of
+ *  CUDA devices), scoped probes, timelines. */
 namespace remat::memory {
 
 /** True when this remat was built with its CUDA paths (REMAT_WITH_CUDA: cmake
@@ -60,7 +62,10 @@ int64_t allocation_count();
  *  against a CUDA LibTorch), for a CUDA device that does not exist, and for
  *  other device types. */
 int64_t current_bytes(c10::Device device);
+/** Highest current_bytes(device) since the process started or the last
+ *  reset_peak(device); see current_bytes(c10::Device). */
 int64_t peak_bytes(c10::Device device);
+/** Sets peak_bytes(device) to current_bytes(device); see current_bytes(c10::Device). */
 void reset_peak(c10::Device device);
 
 /** Scoped probe: the peak above the bytes live when it was created, seen
@@ -98,14 +103,17 @@ class Probe {
 /** One point of a memory timeline: microseconds since the Timeline started
  *  and tracked CPU bytes right after an allocation or free. */
 struct Sample {
-  double time_us;
-  int64_t bytes;
+  double time_us;  ///< microseconds since the Timeline started
+  int64_t bytes;   ///< tracked CPU bytes live after the event
 };
 
 /** A named interval on a timeline (e.g. "forward", "backward"). */
 struct Span {
-  std::string name;
+  std::string name;  ///< label of the slice
+  /** Start and end, microseconds since the Timeline started. */
+  ///@{
   double begin_us, end_us;
+  ///@}
 };
 
 /** Records a Sample at every tracked allocation and free while it lives
@@ -113,6 +121,8 @@ struct Span {
  *  at a time per process. Allocations are counted while it records. */
 class Timeline {
  public:
+  /** Starts recording (and counting allocations); at most max_samples
+   *  samples are kept (16 bytes each). Default 1,000,000. */
   explicit Timeline(size_t max_samples = 1'000'000);
   ~Timeline();
   Timeline(const Timeline&) = delete;
@@ -123,8 +133,11 @@ class Timeline {
   void add_span(std::string name, double begin_us, double end_us);
   /** Stops recording (idempotent); samples() stays readable. */
   void stop();
+  /** The samples recorded so far, in time order. */
   std::vector<Sample> samples() const;
+  /** The spans added with add_span(), in the order added. */
   const std::vector<Span>& spans() const { return spans_; }
+  /** Samples not recorded because max_samples was reached. */
   int64_t dropped_samples() const;
   /** Writes Chrome trace event JSON: a "bytes" counter track plus the spans;
    *  opens in Perfetto (ui.perfetto.dev) or chrome://tracing. */

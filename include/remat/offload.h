@@ -47,15 +47,19 @@ enum class Codec {
   kFloat8,
 };
 
+/** The enumerator's name: "kMemory", "kHost" or "kDisk". */
 std::string to_string(OffloadTarget target);
+/** The enumerator's name, e.g. "kZstd". */
 std::string to_string(Codec codec);
 
 /** Options of an OffloadScope: the target is required, the rest optional
  *  with the defaults below, validated when the scope is created. */
 class OffloadOptions {
  public:
+  /** Options for target; the optional fields start at their defaults. */
   explicit OffloadOptions(OffloadTarget target) : target_(target) {}
 
+  /** Where saved tensors go (the constructor's argument). */
   OffloadTarget target() const { return target_; }
   /** kDisk: an existing, writable directory for the files (required for
    *  kDisk, ignored otherwise). Default "". */
@@ -63,6 +67,7 @@ class OffloadOptions {
     directory_ = std::move(dir);
     return *this;
   }
+  /** The directory for kDisk; "" unless set. */
   const std::string& directory() const { return directory_; }
   /** Tensors smaller than this stay in memory as they are, bytes. Default
    *  64 KiB (a file per tiny tensor costs more than it saves). */
@@ -70,6 +75,7 @@ class OffloadOptions {
     min_bytes_ = bytes;
     return *this;
   }
+  /** Smallest tensor offloaded, bytes. Default 64 KiB. */
   int64_t min_bytes() const { return min_bytes_; }
   /** kDisk: how many tensors the prefetcher reads ahead of backward, in
    *  reverse save order, among those the thread that saved the tensor being
@@ -78,6 +84,7 @@ class OffloadOptions {
     prefetch_depth_ = depth;
     return *this;
   }
+  /** Tensors read ahead of backward (kDisk). Default 2. */
   int64_t prefetch_depth() const { return prefetch_depth_; }
   /** kDisk: bytes that pending writes and prefetched reads may hold at once;
    *  forward waits when writes are this far behind. Prefetched reads not yet
@@ -88,18 +95,21 @@ class OffloadOptions {
     max_inflight_bytes_ = bytes;
     return *this;
   }
+  /** Bound on pending writes plus prefetched reads, bytes (kDisk). Default 256 MiB. */
   int64_t max_inflight_bytes() const { return max_inflight_bytes_; }
   /** Encoding of saved tensors (all targets but kHost). Default kNone. */
   OffloadOptions& codec(Codec c) {
     codec_ = c;
     return *this;
   }
+  /** Encoding of saved tensors. Default kNone. */
   Codec codec() const { return codec_; }
   /** kDisk: background writer threads. Default 1. */
   OffloadOptions& writer_threads(int n) {
     writer_threads_ = n;
     return *this;
   }
+  /** Background writer threads (kDisk). Default 1. */
   int writer_threads() const { return writer_threads_; }
 
  private:
@@ -126,16 +136,16 @@ struct OffloadStats {
   int64_t bytes_raw = 0;
   /** Bytes they occupy at the target, after encoding. */
   int64_t bytes_stored = 0;
-  /** Bytes written to files / read back from files (kDisk). */
+  /** Bytes written to files (kDisk). */
   int64_t bytes_written = 0;
-  int64_t bytes_read = 0;
-  /** Files that exist now; files created in all. */
+  int64_t bytes_read = 0;  ///< bytes read back from files (kDisk)
+  /** Files that exist now (kDisk). */
   int64_t files_live = 0;
-  int64_t files_created = 0;
+  int64_t files_created = 0;  ///< files created in all (kDisk)
   /** Unpacks served from memory without waiting for a read (prefetched,
-   *  or still waiting to be written); unpacks that had to read or wait. */
+   *  or still waiting to be written). */
   int64_t prefetch_hits = 0;
-  int64_t prefetch_misses = 0;
+  int64_t prefetch_misses = 0;  ///< unpacks that had to read their tensor or wait for it
   /** Reads handed to the prefetcher (some may be taken over by an unpack
    *  that came first). */
   int64_t prefetches_issued = 0;
@@ -176,6 +186,8 @@ class OffloadStore;
  *  at the unpack of the tensor they concern. */
 class OffloadScope {
  public:
+  /** Validates options, opens the store (kDisk: checks the directory) and
+   *  starts sending this thread's saved tensors to it. */
   explicit OffloadScope(const OffloadOptions& options);
   ~OffloadScope() noexcept(false);
   OffloadScope(const OffloadScope&) = delete;
@@ -184,6 +196,7 @@ class OffloadScope {
   /** Blocks until every pending write is done; throws the first background
    *  error. */
   void wait();
+  /** The store's counters so far (a snapshot). */
   OffloadStats stats() const;
   /** Human-readable summary: target, codec, what is offloaded, counters. */
   std::string describe() const;

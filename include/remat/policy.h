@@ -48,6 +48,8 @@ const char* to_string(OpDecision d);
 /** One op call, as a policy sees it. */
 class OpCall {
  public:
+  /** Built by remat for each op (tests may build one with op == nullptr);
+   *  inputs must outlive the OpCall. */
   OpCall(const c10::OperatorHandle* op, std::string name, std::string overload, c10::ArrayRef<c10::IValue> inputs,
          std::string tag)
       : op_(op), name_(std::move(name)), overload_(std::move(overload)), inputs_(inputs), tag_(std::move(tag)) {}
@@ -75,8 +77,11 @@ class OpCall {
  *  second answer wins). Must not depend on anything but its argument. */
 class Policy {
  public:
+  /** The decision function: one OpDecision per op call. */
   using Fn = std::function<OpDecision(const OpCall&)>;
+  /** A policy from a function; description names it in messages. */
   Policy(std::string description, Fn fn) : description_(std::move(description)), fn_(std::move(fn)) {}
+  /** The decision for call. */
   OpDecision operator()(const OpCall& call) const { return fn_(call); }
   /** For describe_checkpointing() and error messages, e.g. "save_matmuls". */
   const std::string& description() const { return description_; }
@@ -86,6 +91,7 @@ class Policy {
   Fn fn_;
 };
 
+/** Ready-made policies for CheckpointOptions::policy and their combination. */
 namespace policy {
 
 /** The operators save_matmuls() saves: aten::mm, addmm, bmm, baddbmm,

@@ -18,6 +18,7 @@ class Sequential;
 
 namespace remat {
 
+/** How profile() measures a chain: repeats and warm-up runs per stage. */
 struct ProfileOptions {
   /** Timed runs per stage; times are their median. Default 3. */
   TORCH_ARG(int, repeats) = 3;

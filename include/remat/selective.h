@@ -45,17 +45,21 @@ enum class ResidualKind {
   kRecomputable,  ///< made inside the function: checkpointing can drop it
   kExternal,      ///< made before the call and captured (a constant, a mask)
 };
+/** "input", "parameter", "recomputable" or "external". */
 const char* to_string(ResidualKind k);
 
 /** One tensor autograd saves for backward. */
 struct SavedResidual {
   std::string op;   ///< producing operator ("aten::addmm"); "" when not made inside
   std::string tag;  ///< its checkpoint_name, or ""
+  /** Its shape. */
   std::vector<int64_t> sizes;
+  /** Its dtype. */
   at::ScalarType dtype = at::ScalarType::Undefined;
   int64_t bytes = 0;    ///< bytes of its storage
   bool shared = false;  ///< its storage was listed before (counted once)
   int64_t saves = 1;    ///< how many backward nodes save this tensor
+  /** Where it comes from. */
   ResidualKind kind = ResidualKind::kRecomputable;
   bool kept_by_policy = false;  ///< with a policy: the policy saves its producer
 };
@@ -63,10 +67,14 @@ struct SavedResidual {
 /** Every tensor autograd keeps for a function, in save order. Byte totals
  *  count each storage once. */
 struct SavedResiduals {
+  /** One per saved tensor, in save order. */
   std::vector<SavedResidual> residuals;
   int64_t total_bytes = 0;         ///< every kind
   int64_t recomputable_bytes = 0;  ///< kRecomputable: what plain backward keeps beyond inputs and parameters
+  /** Bytes of kInput, kParameter and kExternal residuals. */
+  ///@{
   int64_t input_bytes = 0, parameter_bytes = 0, external_bytes = 0;
+  ///@}
   /** With a policy: bytes of the outputs it saves (what a checkpoint with
    *  it keeps beyond inputs and parameters); -1 without one. */
   int64_t policy_bytes = -1;

@@ -43,6 +43,10 @@
 
 namespace remat {
 
+/** Options of CheckpointedSequential: a budget (bytes, fraction or whole
+ *  step), an algorithm or segment count, or an explicit schedule, and how
+ *  the chain is profiled and executed. All optional; with none set the
+ *  chain runs the sqrt schedule. */
 struct SequentialOptions {
   /** Peak activation bytes allowed (the planner's peak: chain input, kept
    *  values, saved sets, gradients, temporaries); > 0 selects auto mode with
@@ -85,6 +89,8 @@ struct SequentialOptions {
   /** Measure the peak of each step with remat::memory (allocations are
    *  counted from forward to the end of backward). Default true. */
   TORCH_ARG(bool, measure_memory) = true;
+  /** How the chain is profiled in auto mode (repeats, warm-up).
+   *  Default ProfileOptions(). */
   TORCH_ARG(ProfileOptions, profile) = ProfileOptions();
 };
 
@@ -131,6 +137,7 @@ class CheckpointedSequentialImpl;
  *  budget's planning). Movable, not copyable. */
 class StepScope {
  public:
+  /** Moves the scope; the moved-from one reports nothing. */
   StepScope(StepScope&&) noexcept;
   StepScope& operator=(StepScope&&) = delete;
   ~StepScope();
@@ -143,8 +150,12 @@ class StepScope {
   int64_t chain_steps_ = 0;  // the owner's completed chain steps when it opened
 };
 
+/** A Sequential run under a planner schedule (see the file comment); use
+ *  it through its holder CheckpointedSequential. */
 class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSequentialImpl> {
  public:
+  /** Wraps seq (its modules are registered here under their own names);
+   *  nothing is profiled or planned until the first forward. */
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options = SequentialOptions());
   /** One chain over the modules of several Sequentials, in order (e.g. a
    *  ResNet's layer1..layer4). The modules stay registered where they are
@@ -154,6 +165,9 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
 
   ~CheckpointedSequentialImpl() override;
 
+  /** Cloneable's reset(): registers the wrapped modules on this wrapper
+   *  (none for a chain over several Sequentials) and drops the plans, which
+   *  are made again on first use. */
   void reset() override;
   /** Also sets the wrapped Sequential's own mode (the plan depends on it). */
   void train(bool on = true) override;
@@ -172,7 +186,9 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   /** The plan for the last input shape (profiling and solving if needed
    *  when given x). Throws if no forward has run and no x is given. */
   const plan::Plan& plan() const;
+  /** The plan for x's shape, profiling and solving first if needed. */
   const plan::Plan& plan(const at::Tensor& x);
+  /** plan(x) for a chain whose first module takes a std::vector<at::Tensor>. */
   const plan::Plan& plan_values(const std::vector<at::Tensor>& xs);
   /** The profiled chain for the last input shape. */
   const plan::Chain& chain() const;
@@ -195,7 +211,9 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     return profiles_;
   }
 
+  /** The options it was built with. */
   const SequentialOptions& options() const { return options_; }
+  /** The wrapped Sequential (for several Sequentials: one holding all their modules). */
   torch::nn::Sequential& sequential() { return seq_; }
 
  private:
@@ -245,10 +263,12 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
 class CheckpointedSequential : public torch::nn::ModuleHolder<CheckpointedSequentialImpl> {
  public:
   using torch::nn::ModuleHolder<CheckpointedSequentialImpl>::ModuleHolder;
-  using Impl = CheckpointedSequentialImpl;
+  using Impl = CheckpointedSequentialImpl;  ///< the module class
   // The options are not optional here: with a braced list as the only
   // argument, a copy of a holder built from the list would be as good a
   // match, and an initializer_list constructor would capture `{nullptr}`.
+  /** One chain over several Sequentials (CheckpointedSequentialImpl's
+   *  constructor from parts). */
   CheckpointedSequential(std::vector<torch::nn::Sequential> parts, SequentialOptions options)
       : ModuleHolder(std::make_shared<CheckpointedSequentialImpl>(std::move(parts), std::move(options))) {}
 };

@@ -23,8 +23,12 @@
 #include <remat/checkpointable.h>
 #include <remat/policy.h>
 
+/** The GPT and ResNet models and the trainer behind remat-train (library
+ *  remat::models). */
 namespace remat::models {
 
+/** Shape of a Gpt; validated by GptImpl's constructor. The defaults are a
+ *  small character-level model. */
 struct GptConfig {
   /** Number of token ids (character-level: distinct bytes of the text). */
   int64_t vocab = 256;
@@ -36,7 +40,8 @@ struct GptConfig {
   int64_t heads = 4;
   /** Transformer blocks. */
   int64_t layers = 8;
-  /** Dropout probability on embeddings, attention weights and residual branches. */
+  /** Dropout probability on embeddings, attention weights and residual
+   *  branches. Default 0. */
   double dropout = 0.0;
   /** Attention through at::scaled_dot_product_attention (is_causal) instead
    *  of the explicit scores/softmax. Default false. */
@@ -58,43 +63,67 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public remat::Checkpoi
   /** sdpa: at::scaled_dot_product_attention(q, k, v, is_causal) with the
    *  attention dropout as its dropout_p (0 in eval mode). */
   CausalSelfAttentionImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa = false);
+  /** attend(x) through the checkpoint switch (checkpointed()). */
   torch::Tensor forward(const torch::Tensor& x);
   /** forward() without the switch. */
   torch::Tensor attend(const torch::Tensor& x);
+  /** The input projection to q, k, v (C -> 3C) and the output projection (C -> C). */
+  ///@{
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  ///@}
+  /** Dropout on the attention weights and on the output. */
+  ///@{
   torch::nn::Dropout attn_drop{nullptr}, resid_drop{nullptr};
+  ///@}
 
  private:
   int64_t heads_;
   bool sdpa_;
 };
+/** The module holder of CausalSelfAttentionImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(CausalSelfAttention);
 
 /** GELU MLP with 4x expansion: (B, T, C) -> (B, T, C). Names: mlp_fc,
  *  mlp_act, mlp_out. Checkpointable. */
 class MlpImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
+  /** d_model channels in and out, 4 d_model hidden; dropout on the output. */
   MlpImpl(int64_t d_model, double dropout);
+  /** transform(x) through the checkpoint switch (checkpointed()). */
   torch::Tensor forward(const torch::Tensor& x);
+  /** forward() without the switch: drop(proj(gelu(fc(x)))). */
   torch::Tensor transform(const torch::Tensor& x);
+  /** The up (C -> 4C) and down (4C -> C) projections. */
+  ///@{
   torch::nn::Linear fc{nullptr}, proj{nullptr};
-  torch::nn::Dropout drop{nullptr};
+  ///@}
+  torch::nn::Dropout drop{nullptr};  ///< dropout on the output
 };
+/** The module holder of MlpImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(Mlp);
 
 /** Pre-LayerNorm block: x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
  *  Checkpointable, as are its attn and mlp. */
 class GptBlockImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
+  /** Arguments as CausalSelfAttentionImpl's; d_model channels in and out. */
   GptBlockImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa = false);
+  /** body(x) through the checkpoint switch (checkpointed()): (B, T, C) -> (B, T, C). */
   torch::Tensor forward(const torch::Tensor& x);
+  /** forward() without the switch. */
   torch::Tensor body(const torch::Tensor& x);
+  /** The LayerNorms before attention and before the MLP. */
+  ///@{
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  CausalSelfAttention attn{nullptr};
-  Mlp mlp{nullptr};
+  ///@}
+  CausalSelfAttention attn{nullptr};  ///< the attention branch
+  Mlp mlp{nullptr};                   ///< the MLP branch
 };
+/** The module holder of GptBlockImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(GptBlock);
 
+/** The GPT: embed(), the `blocks` Sequential, head(). Build it through its
+ *  holder Gpt, e.g. `remat::models::Gpt gpt(remat::models::GptConfig{})`. */
 class GptImpl : public torch::nn::Module {
  public:
   /** Validates the config (throws remat::Error) and initialises GPT-2 style
@@ -108,17 +137,22 @@ class GptImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx);
   /** The output projection: the token embedding's weight (vocab, C), shared. */
   const torch::Tensor& head_weight() const { return wte->weight; }
+  /** The config it was built with. */
   const GptConfig& config() const { return config_; }
 
+  /** Token embedding (vocab, C), tied to the head, and position embedding (seq_len, C). */
+  ///@{
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
-  torch::nn::Dropout drop{nullptr};
+  ///@}
+  torch::nn::Dropout drop{nullptr};  ///< dropout on the embeddings
   /** layers GptBlock modules, each (B, T, C) -> (B, T, C). */
   torch::nn::Sequential blocks{nullptr};
-  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};  ///< the final LayerNorm, applied in head()
 
  private:
   GptConfig config_;
 };
+/** The module holder of GptImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(Gpt);
 
 }  // namespace remat::models

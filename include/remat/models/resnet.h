@@ -22,6 +22,8 @@
 
 namespace remat::models {
 
+/** Shape of a ResNet; validated by ResNetImpl's constructor. The defaults
+ *  are a small ResNet-18 for 10 classes. */
 struct ResNetConfig {
   /** 10, 18, 34 (basic blocks) or 50, 101, 152 (bottleneck blocks). */
   int64_t depth = 18;
@@ -36,11 +38,14 @@ struct ResNetConfig {
 /** conv (no bias) -> BatchNorm -> ReLU: (B, Cin, H, W) -> (B, Cout, H/stride, W/stride). */
 class ConvBnReluImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
+  /** in and out channels, a kernel x kernel conv with padding kernel/2. */
   ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride);
+  /** relu(bn(conv(x))) through the checkpoint switch (checkpointed()). */
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Conv2d conv{nullptr};     ///< the convolution (no bias)
+  torch::nn::BatchNorm2d bn{nullptr};  ///< its BatchNorm
 };
+/** The module holder of ConvBnReluImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(ConvBnRelu);
 
 /** A residual block (basic or bottleneck). Checkpointable, as is `first`,
@@ -51,19 +56,30 @@ class ResBlockImpl : public torch::nn::Module, public remat::Checkpointable {
    *  Bottleneck: first = 1x1(in, mid), 3x3(mid, mid, stride), 1x1(mid, 4 mid); out = 4 mid.
    *  A 1x1 conv + BatchNorm shortcut where stride or channels change. */
   ResBlockImpl(int64_t in, int64_t mid, int64_t stride, bool bottleneck);
-  torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, out, H/stride, W/stride)
+  /** body(x) through the checkpoint switch (checkpointed()):
+   *  (B, in, H, W) -> (B, out, H/stride, W/stride). */
+  torch::Tensor forward(const torch::Tensor& x);
+  /** forward() without the switch. */
   torch::Tensor body(const torch::Tensor& x);
+  /** Output channels: mid (basic) or 4 mid (bottleneck). */
   int64_t out_channels() const { return out_; }
-  ConvBnRelu first{nullptr};
-  torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};   // conv3 only in bottlenecks
-  torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};  // bn3 only in bottlenecks
-  torch::nn::Conv2d down_conv{nullptr};               // shortcut, where needed
-  torch::nn::BatchNorm2d down_bn{nullptr};
+  ConvBnRelu first{nullptr};  ///< the leading conv-bn-relu (Checkpointable)
+  /** The following convolutions; conv3 only in bottlenecks (else a null holder). */
+  ///@{
+  torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};
+  ///@}
+  /** Their BatchNorms; bn3 only in bottlenecks (else a null holder). */
+  ///@{
+  torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};
+  ///@}
+  torch::nn::Conv2d down_conv{nullptr};     ///< 1x1 shortcut conv where stride or channels change, else a null holder
+  torch::nn::BatchNorm2d down_bn{nullptr};  ///< its BatchNorm, else a null holder
 
  private:
   bool bottleneck_;
   int64_t out_;
 };
+/** The module holder of ResBlockImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(ResBlock);
 
 /** A residual block's first stage in a split chain (split_blocks):
@@ -72,10 +88,13 @@ TORCH_MODULE(ResBlock);
  *  copy), for the tail's shortcut. */
 class ResBlockHeadImpl : public torch::nn::Module {
  public:
+  /** The head of block, sharing its `first`. */
   explicit ResBlockHeadImpl(const ResBlock& block);
+  /** x -> (first(x), x). */
   std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x);
-  ConvBnRelu first{nullptr};
+  ConvBnRelu first{nullptr};  ///< the block's `first` (the same module)
 };
+/** The module holder of ResBlockHeadImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(ResBlockHead);
 
 /** The block's second stage: (h, x) -> relu(bn2(conv2(h)) + shortcut(x)),
@@ -87,13 +106,22 @@ TORCH_MODULE(ResBlockHead);
  *  the reference ResNet, equal to it now). */
 class ResBlockTailImpl : public torch::nn::Module {
  public:
+  /** The tail of block, sharing its modules after `first`. */
   explicit ResBlockTailImpl(const ResBlock& block);
+  /** (h, x) -> the block's output, from the head's (first(x), x). */
   torch::Tensor forward(std::tuple<torch::Tensor, torch::Tensor> h_x);
+  /** The block's conv2 and conv3 (the same modules; conv3 only in bottlenecks). */
+  ///@{
   torch::nn::Conv2d conv2{nullptr}, conv3{nullptr};
+  ///@}
+  /** The block's bn2 and bn3 (bn3 only in bottlenecks). */
+  ///@{
   torch::nn::BatchNorm2d bn2{nullptr}, bn3{nullptr};
-  torch::nn::Conv2d down_conv{nullptr};  // shortcut, where needed
-  torch::nn::BatchNorm2d down_bn{nullptr};
+  ///@}
+  torch::nn::Conv2d down_conv{nullptr};     ///< the block's shortcut conv, where it has one
+  torch::nn::BatchNorm2d down_bn{nullptr};  ///< its BatchNorm
 };
+/** The module holder of ResBlockTailImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(ResBlockTail);
 
 /** `blocks` (a Sequential of ResBlocks, as ResNet::blocks) as a chain of
@@ -119,6 +147,8 @@ TORCH_MODULE(ResBlockTail);
  *  Throws remat::Error naming the first module that is not a ResBlock. */
 torch::nn::Sequential split_blocks(const torch::nn::Sequential& blocks);
 
+/** The ResNet: embed() (the stem), the `blocks` Sequential, head(). Build
+ *  it through its holder ResNet. */
 class ResNetImpl : public torch::nn::Module {
  public:
   /** Validates the config (throws remat::Error naming the valid depths). */
@@ -127,17 +157,20 @@ class ResNetImpl : public torch::nn::Module {
   torch::Tensor embed(const torch::Tensor& x);
   /** h (B, C, h, w) -> logits (B, classes): global average pool + linear. */
   torch::Tensor head(const torch::Tensor& h);
-  torch::Tensor forward(const torch::Tensor& x);  // (B, in, H, W) -> (B, classes)
+  /** head(blocks->forward(embed(x))): (B, in_channels, H, W) -> (B, classes). */
+  torch::Tensor forward(const torch::Tensor& x);
+  /** The config it was built with. */
   const ResNetConfig& config() const { return config_; }
 
-  ConvBnRelu stem{nullptr};
+  ConvBnRelu stem{nullptr};  ///< 3x3 conv-bn-relu, in_channels -> width, stride 1
   /** All residual blocks of the four stages, in order. */
   torch::nn::Sequential blocks{nullptr};
-  torch::nn::Linear fc{nullptr};
+  torch::nn::Linear fc{nullptr};  ///< the classifier, (C of the last stage) -> classes
 
  private:
   ResNetConfig config_;
 };
+/** The module holder of ResNetImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(ResNet);
 
 }  // namespace remat::models

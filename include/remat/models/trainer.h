@@ -46,8 +46,11 @@ std::string_view to_string(Strategy s);
 /** Inverse of to_string; throws remat::Error naming the valid values. */
 Strategy parse_strategy(std::string_view name);
 
+/** Everything a Trainer run needs (remat-train's flags): model, data,
+ *  optimizer, checkpoint strategy. Defaults: a small character-level GPT,
+ *  AdamW, no checkpointing. */
 struct TrainConfig {
-  /** "gpt" or "resnet". */
+  /** "gpt" or "resnet". Default "gpt". */
   std::string model = "gpt";
   /** GPT: transformer blocks (0: 6). ResNet: depth 10/18/34/50/101/152 (0: 18). */
   int64_t layers = 0;
@@ -76,7 +79,7 @@ struct TrainConfig {
   double dropout = 0.0;
   /** Seeds parameters, dropout (global CPU generator) and data (own generator). */
   uint64_t seed = 1337;
-  Strategy checkpoint = Strategy::kNone;
+  Strategy checkpoint = Strategy::kNone;  ///< how the blocks are checkpointed; default kNone
   /** For Strategy::kSelective: "megatron" (GPT: keep the qkv, attention-out
    *  and MLP-up linear outputs, recompute the rest; megatron_policy()),
    *  "save_matmuls", "save_nothing" (full recompute through the op path), or
@@ -109,7 +112,7 @@ struct TrainConfig {
    *  processes with batch B train on the same data as one with batch
    *  data_world * B. Defaults 0 and 1 (one process). */
   int64_t data_rank = 0;
-  int64_t data_world = 1;
+  int64_t data_world = 1;  ///< processes sharing the global batch (see data_rank); default 1
 };
 
 /** What a data-parallel driver adds around each step (remat-train --nproc
@@ -144,10 +147,11 @@ enum class FitDimension {
   kBatch,   ///< TrainConfig::batch, sequences
 };
 
+/** What max_under() searches for and how. */
 struct FitOptions {
   /** The cap, bytes: on StepStats::peak_bytes of a steady-state step. Required, > 0. */
   int64_t cap_bytes = 0;
-  FitDimension dimension = FitDimension::kSeqLen;
+  FitDimension dimension = FitDimension::kSeqLen;  ///< the value searched; default kSeqLen
   /** Answers are multiples of step (tokens or sequences). Default 1. */
   int64_t step = 1;
   /** Largest value tried; 0: the data's limit (text bytes - 2) for seq_len,
@@ -163,14 +167,16 @@ inline constexpr int kFitMaxStepsUp = 4;
 
 /** One prediction max_under() made while searching. */
 struct FitProbe {
-  int64_t value = 0;
-  int64_t predicted_peak_bytes = 0;
+  int64_t value = 0;                 ///< the seq_len or batch tried
+  int64_t predicted_peak_bytes = 0;  ///< its predicted step peak, bytes
 };
 
+/** What max_under() found: the answer, its predicted and measured peaks,
+ *  and those of the next value up. */
 struct FitResult {
-  FitDimension dimension = FitDimension::kSeqLen;
-  int64_t cap_bytes = 0;
-  int64_t step = 1;
+  FitDimension dimension = FitDimension::kSeqLen;  ///< as in FitOptions
+  int64_t cap_bytes = 0;                           ///< as in FitOptions, bytes
+  int64_t step = 1;                                ///< as in FitOptions
   /** The largest multiple of step whose step fits the cap: by prediction,
    *  corrected by measurement when verified. */
   int64_t value = 0;
@@ -179,7 +185,9 @@ struct FitResult {
   int64_t predicted_peak_bytes = 0;  ///< at value
   int64_t measured_peak_bytes = -1;  ///< at value; -1 when not verified
   int64_t next_value = 0;            ///< value + step
+  /** Predicted peak at next_value, bytes. */
   int64_t next_predicted_peak_bytes = 0;
+  /** Measured peak at next_value, bytes; -1 when not verified. */
   int64_t next_measured_peak_bytes = -1;
   /** True when value is max_value (the data or the limit, not the cap, stopped the search). */
   bool at_max_value = false;
@@ -217,6 +225,8 @@ struct StepStats {
   int64_t offloaded_bytes = 0;
 };
 
+/** Builds a model, its data and optimizer from a TrainConfig and trains
+ *  it; the engine of remat-train and the demo. */
 class Trainer {
  public:
   /** Builds data, model and optimizer (seeded), resuming from
@@ -252,6 +262,7 @@ class Trainer {
    *  was recomputed): a GPT block, or a ResNet block's two halves
    *  (split_blocks). Empty for the other strategies. */
   std::vector<int> auto_forwards_per_block() const;
+  /** The config, with defaults resolved (e.g. layers 0 -> 6 for the GPT). */
   const TrainConfig& config() const;
   /** Allocates the parameter gradients (zeros) and, with Strategy::kAuto,
    *  profiles and plans on a batch, so that the next step() measures what

@@ -33,12 +33,16 @@ namespace torch::nn {
 class Module;
 }  // namespace torch::nn
 
+/** Data-parallel training on c10d (library remat::parallel). */
 namespace remat::parallel {
 
 /** How a process joins its group. rank in [0, world_size). */
 struct InitOptions {
+  /** The required values; the rest start at their defaults. */
   InitOptions(int rank, int world_size) : rank_(rank), world_size_(world_size) {}
+  /** This process's rank, in [0, world_size). Required. */
   TORCH_ARG(int, rank);
+  /** Processes in the group, >= 1. Required. */
   TORCH_ARG(int, world_size);
   /** TCPStore host: rank 0 listens there, the others connect. Default 127.0.0.1. */
   TORCH_ARG(std::string, master_addr) = "127.0.0.1";
@@ -55,12 +59,16 @@ struct InitOptions {
   TORCH_ARG(c10::DeviceType, device) = c10::kCPU;
 };
 
-/** A joined process group (c10d's, shared). */
+/** A joined process group (c10d's, shared by copies). */
 class ProcessGroup {
  public:
+  /** An empty group (defined() is false); init_process_group() makes real ones. */
   ProcessGroup() = default;
+  /** This process's rank in the group (0 for an empty group). */
   int rank() const;
+  /** Processes in the group (1 for an empty group). */
   int world_size() const;
+  /** kCPU (Gloo) or kCUDA (NCCL), as InitOptions::device. */
   c10::DeviceType device() const { return device_; }
   /** InitOptions::timeout, for collectives on this group. */
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -70,6 +78,7 @@ class ProcessGroup {
   void barrier() const;
   /** Sum of t over the ranks, in place (t on the group's device). */
   void all_reduce_sum(at::Tensor& t) const;
+  /** False for a default-constructed group. */
   bool defined() const { return static_cast<bool>(pg_); }
 
  private:
@@ -85,6 +94,7 @@ class ProcessGroup {
  *  store, a port in use, or a backend this build lacks. */
 ProcessGroup init_process_group(const InitOptions& options);
 
+/** How DataParallel buckets and reduces gradients (DDP's options). */
 struct DataParallelOptions {
   /** Gradient bucket size once buckets are rebuilt in backward order after
    *  the first step, bytes. Default 25 MiB (as DDP's bucket_cap_mb). */
@@ -126,6 +136,8 @@ struct CommStats {
  *  its parameters must not be replaced afterwards. */
 class DataParallel {
  public:
+  /** Wraps module for group (a collective: every rank constructs its
+   *  DataParallel at the same point). */
   DataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DataParallelOptions options = {});
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
@@ -156,6 +168,7 @@ class DataParallel {
 
   /** Timings of the last synchronised backward. */
   CommStats last_stats() const;
+  /** The group it reduces over. */
   const ProcessGroup& group() const;
 
  private:

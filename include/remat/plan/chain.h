@@ -8,11 +8,13 @@
 #include <string>
 #include <vector>
 
+/** The torch-free planner: chains, schedules, the simulator and the
+ *  checkpointing algorithms (<remat/plan/plan.h>). */
 namespace remat::plan {
 
 /** One stage i of the chain: reads a_i, writes a_{i+1}. */
 struct Stage {
-  std::string name;
+  std::string name;  ///< for reports and errors; the profiler writes "<index>:<the module's name()>"
   /** Time of one forward of the stage, ms (with or without saving). */
   double forward_ms = 0;
   /** Time of its backward, ms. */
@@ -67,7 +69,7 @@ struct Stage {
 struct Chain {
   /** |a_0|: bytes of the chain input; always live, and the size of the gradient at boundary 0. */
   int64_t input_bytes = 0;
-  std::vector<Stage> stages;
+  std::vector<Stage> stages;  ///< the L stages, in execution order
 
   /** Number of stages L. */
   int size() const { return static_cast<int>(stages.size()); }

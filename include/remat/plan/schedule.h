@@ -29,6 +29,7 @@
 
 namespace remat::plan {
 
+/** What a schedule op does; the rules are in NOTE [Op semantics] above. */
 enum class OpKind {
   kForward,      ///< forward without saving; the output may be kept as a checkpoint
   kForwardSave,  ///< forward saving everything the stage's backward needs
@@ -36,8 +37,9 @@ enum class OpKind {
   kDrop,         ///< free boundary value a_j (a checkpoint); stage = j
 };
 
+/** One op of a schedule: a kind applied to a stage (or boundary). */
 struct Op {
-  OpKind kind;
+  OpKind kind;  ///< what the op does
   /** Stage index i for forwards and backward; boundary index j for kDrop. */
   int stage;
   friend bool operator==(const Op&, const Op&) = default;
@@ -48,11 +50,13 @@ const char* op_kind_name(OpKind kind);
 /** "forward_save(3)". */
 std::string to_string(const Op& op);
 
+/** The op sequence a runtime executes one by one (NOTE [Op semantics]). */
 struct Schedule {
-  std::vector<Op> ops;
+  std::vector<Op> ops;  ///< in execution order
   friend bool operator==(const Schedule&, const Schedule&) = default;
 };
 
+/** What simulate() finds for a schedule on a chain: peak bytes and time. */
 struct Prediction {
   /** Maximum bytes live at any moment, including a_0. */
   int64_t peak_bytes = 0;

@@ -13,10 +13,11 @@
 
 namespace remat::plan {
 
+/** A schedule, the algorithm that made it, and its simulated cost. */
 struct Plan {
   /** "store-all", "uniform:4", "sqrt", "greedy", "revolve:3", "optimal". */
   std::string algorithm;
-  Schedule schedule;
+  Schedule schedule;  ///< the ops to run
   /** simulate(chain, schedule). */
   Prediction prediction;
   /** optimal only (-1 otherwise): a lower bound, ms, on the time of every
@@ -73,7 +74,9 @@ enum class OptimalScope {
    *  O(L^3 M) time, O(L^2 M) memory. */
   kPersistent,
 };
+/** kAuto's bound on the full DP's work, cell updates (1e9). */
 inline constexpr double kOptimalAutoWork = 1e9;
+/** kAuto's bound on the full DP's table, bytes (256 MiB). */
 inline constexpr double kOptimalAutoTableBytes = 256.0 * (1 << 20);
 /** optimal() refines its discretization until the bound on its gap to the
  *  exact optimum (Plan::optimality_gap_ms) is at most this fraction of the
@@ -119,12 +122,15 @@ int64_t min_feasible_peak_bytes(const Chain& chain);
  *  min-peak recursion considers). */
 Plan min_memory(const Chain& chain);
 
+/** The algorithms solve() runs: store_all(), uniform(), sqrt_schedule(),
+ *  greedy(), revolve(), optimal(). */
 enum class Algorithm { kStoreAll, kUniform, kSqrt, kGreedy, kRevolve, kOptimal };
 
 /** What solve() runs; the algorithm is required, the rest has defaults. */
 struct SolveOptions {
+  /** Options for algorithm; the other fields start at their defaults. */
   explicit SolveOptions(Algorithm algorithm) : algorithm(algorithm) {}
-  Algorithm algorithm;
+  Algorithm algorithm;  ///< which algorithm solve() runs
   /** Memory budget in bytes for greedy and optimal (required by them). */
   int64_t budget_bytes = -1;
   /** Segments for uniform (default 4); slots for revolve (default 4). */
@@ -134,18 +140,22 @@ struct SolveOptions {
   /** Which schedules optimal searches. */
   OptimalScope scope = OptimalScope::kAuto;
 
+  /** Sets budget_bytes (bytes); returns *this. */
   SolveOptions& with_budget_bytes(int64_t v) {
     budget_bytes = v;
     return *this;
   }
+  /** Sets param (uniform's segments, revolve's slots); returns *this. */
   SolveOptions& with_param(int v) {
     param = v;
     return *this;
   }
+  /** Sets memory_slots; returns *this. */
   SolveOptions& with_memory_slots(int v) {
     memory_slots = v;
     return *this;
   }
+  /** Sets scope; returns *this. */
   SolveOptions& with_scope(OptimalScope v) {
     scope = v;
     return *this;
@@ -161,9 +171,10 @@ Plan solve(const Chain& chain, const SolveOptions& options);
 /** solve(chain, parse_algorithm(spec).with_budget_bytes(budget_bytes)). */
 Plan solve(const Chain& chain, std::string_view spec, int64_t budget_bytes = -1);
 
+/** One point of pareto(): a budget and the optimal plan under it. */
 struct ParetoPoint {
-  int64_t budget_bytes;
-  Plan plan;
+  int64_t budget_bytes;  ///< the budget solved for, bytes
+  Plan plan;             ///< optimal()'s plan for it (its peak may be lower)
 };
 
 /** The time/peak frontier of optimal(): budgets from min_feasible_peak_bytes to
@@ -179,9 +190,11 @@ std::vector<ParetoPoint> pareto(const Chain& chain, int points = 24, int memory_
  *  schedules are exactly those keeping at most `slots` checkpoints (a_0
  *  included) besides the state being advanced. See docs/planner.md. */
 struct HomogeneousProblem {
-  Chain chain;
-  int64_t budget_bytes;
+  Chain chain;           ///< `steps` unit stages, a_0 of 1 byte
+  int64_t budget_bytes;  ///< 2 * slots + 4
 };
+/** The HomogeneousProblem of `steps` stages and `slots` slots (both >= 1;
+ *  throws Error otherwise). */
 HomogeneousProblem homogeneous_problem(int steps, int slots);
 
 }  // namespace remat::plan
