@@ -17,7 +17,13 @@ command -v doxygen >/dev/null || { echo "api-docs: doxygen not found (scripts/se
 rm -rf "$out/html"
 mkdir -p "$out"
 log="$out/warnings.log"
-REMAT_DOCS_OUT="$out" doxygen Doxyfile
+rm -f "$log"
+# The Doxyfile with the output folder and log moved to OUT (later lines win).
+{
+  cat Doxyfile
+  echo "OUTPUT_DIRECTORY = \"$out\""
+  echo "WARN_LOGFILE = \"$log\""
+} | doxygen -
 [ -f "$out/html/index.html" ] || { echo "api-docs: doxygen wrote no $out/html/index.html" >&2; exit 2; }
 
 baseline_file=docs/api-warnings.txt
