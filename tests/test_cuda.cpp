@@ -21,7 +21,7 @@
 #include <remat/plan/plan.h>
 #include <remat/sequential.h>
 
-#include "../src/replay.h"
+#include "../src/core/replay.h"
 
 using namespace remat_test;
 

@@ -22,7 +22,7 @@
 #include <memory>
 #include <thread>
 
-#include "../src/offload_internal.h"
+#include "../src/offload/offload_internal.h"
 
 namespace {
 

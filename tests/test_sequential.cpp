@@ -300,7 +300,7 @@ struct ThreeLinearImpl : torch::nn::Module {
 };
 TORCH_MODULE(ThreeLinear);
 
-// Issue #11 item 1 (NOTE [early delivery] in src/grad_edges.h): a stage's
+// Issue #11 item 1 (NOTE [early delivery] in src/chain/grad_edges.h): a stage's
 // parameter gradients land in .grad one by one during its backward, as in
 // the hook runtime, not all together at its end. On stages of three
 // 512x512 weights (1 MiB each) and small activations, with .grad allocated

@@ -1,5 +1,5 @@
 // CheckpointedSequential's early stop (NOTE [early stop in planned
-// recomputes], src/early_stop.h): a recompute right before its backward runs
+// recomputes], src/chain/early_stop.h): a recompute right before its backward runs
 // only the ops whose results backward reads; gradients stay bitwise those
 // of a plain run; stages it cannot see into are never cut; a stage whose op
 // sequence changes falls back to a full run.

@@ -13,7 +13,7 @@
 //  2. DropoutReplayPerThread: dropout on, drawn from the global generator.
 //     What remat must guarantee is that a recompute replays the masks of
 //     its own first run whatever other threads draw meanwhile (NOTE [RNG
-//     regions and threads] in src/replay.h). The dropout module records
+//     regions and threads] in src/core/rng_lock.h). The dropout module records
 //     every mask it draws, first runs and recomputes apart: each recompute's
 //     mask must equal its first run's, bitwise, and each thread's final
 //     parameters must equal a serial plain run that applies the recorded

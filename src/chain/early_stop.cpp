@@ -15,7 +15,7 @@
 #include <remat/error.h>
 #include <remat/hooks.h>
 
-#include "dispatch.h"
+#include "../core/dispatch.h"
 
 namespace remat::detail {
 

@@ -15,7 +15,7 @@
 
 #include <remat/error.h>
 
-#include "replay.h"
+#include "rng_lock.h"
 
 namespace remat {
 namespace {

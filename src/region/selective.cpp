@@ -3,9 +3,9 @@
 // saved_residuals.
 #include <remat/selective.h>
 
-#include "replay.h"
+#include "../core/replay.h"
+#include "../core/write_guard.h"
 #include "selective_state.h"
-#include "write_guard.h"
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
@@ -104,15 +104,6 @@ std::string uncacheable_reason(const c10::OperatorHandle& op) {
     return "it draws random numbers (skipping it would shift the RNG stream the recompute replays)";
   }
   return "";
-}
-
-bool is_view_like(const c10::OperatorHandle& op) {
-  const auto& n = op_name(op);
-  if (n == "aten::_unsafe_view" || n == "aten::_reshape_alias" || n == "aten::lift_fresh") return true;
-  for (const auto& r : op.schema().returns()) {
-    if (r.alias_info() != nullptr && !r.alias_info()->isWrite()) return true;
-  }
-  return false;
 }
 
 OutputRef::OutputRef(const at::Tensor& t)
@@ -337,33 +328,6 @@ std::unique_ptr<dispatch::Interceptor> SelectiveCache::first_run() { return std:
 
 std::unique_ptr<dispatch::Interceptor> SelectiveCache::recompute(bool keep_graph, WriteGuard* guard) {
   return std::make_unique<Recompute>(this, keep_graph, guard);
-}
-
-void run_guarded(WriteGuard& guard, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  const size_t nin = op.schema().arguments().size();
-  guard.before(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nin, nin));
-  dispatch::run_below(op, ks, stack);
-  const size_t nout = op.schema().returns().size();
-  guard.made(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nout, nout));
-}
-
-namespace {
-/** A recompute without a policy: every op runs, under the write guard. */
-class GuardOnly final : public dispatch::Interceptor {
- public:
-  explicit GuardOnly(WriteGuard* g) : guard_(g) {}
-  void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
-    run_guarded(*guard_, op, ks, stack);
-  }
-  void on_tag(const at::Tensor&, const std::string&) override {}
-
- private:
-  WriteGuard* guard_;
-};
-}  // namespace
-
-std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* guard) {
-  return std::make_unique<GuardOnly>(guard);
 }
 
 void SelectiveCache::save(const Key& key, Entry e) {

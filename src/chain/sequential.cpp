@@ -57,13 +57,12 @@
 #include <remat/hooks.h>
 #include <remat/memory.h>
 
-#include "dispatch.h"
+#include "../core/dispatch.h"
+#include "../core/replay.h"
+#include "../core/write_guard.h"
 #include "early_stop.h"
 #include "grad_edges.h"
-#include "replay.h"
-#include "selective_state.h"
 #include "values.h"
-#include "write_guard.h"
 
 namespace remat {
 namespace detail {

@@ -14,15 +14,32 @@
 // pre-existing tensor.
 #pragma once
 
+#include "dispatch.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <memory>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 namespace remat::detail {
+
+/** Tensors of an IValue (a Tensor or a list of them, undefined ones
+ *  included), in order. */
+template <class F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) f(t);
+  }
+}
+
+/** True for ops whose output is (an alias of) their first input's storage. */
+bool is_view_like(const c10::OperatorHandle& op);
 
 class WriteGuard {
  public:
@@ -43,5 +60,10 @@ class WriteGuard {
   std::unordered_set<const c10::TensorImpl*> copied_;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies_;  // tensor, its values before the write
 };
+
+/** Runs op under guard (before, run, made). */
+void run_guarded(WriteGuard& guard, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+/** The interceptor of a recompute without a policy: the guard alone. */
+std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* guard);
 
 }  // namespace remat::detail

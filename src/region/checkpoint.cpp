@@ -8,11 +8,11 @@
 // only until autograd has used it; a slot whose node is released is dropped.
 #include <remat/checkpoint.h>
 
-#include "dispatch.h"
-#include "offload_internal.h"
-#include "replay.h"
+#include "../core/dispatch.h"
+#include "../core/replay.h"
+#include "../core/write_guard.h"
+#include "../offload/offload_internal.h"
 #include "selective_state.h"
-#include "write_guard.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
@@ -408,7 +408,7 @@ namespace {
 //   autocast and is_recomputing() (thread-locals of that thread, put back
 //   when it ends), RNG states (process-wide generators, under the RNG lock);
 // - the re-run runs on the stream the engine made current for the node
-//   (NOTE [recompute streams] in replay.h).
+//   (NOTE [recompute streams] in core/replay.h).
 // Not covered: tensors saved on a device thread by an inner backward with
 // create_graph inside a region (autograd::grad inside fn on CUDA) see the
 // device thread's empty stack and are kept as autograd keeps them (correct,
@@ -718,6 +718,8 @@ void wait_checkpoint_offloads() {
 
 void set_checkpoint_debug(bool enabled) { g_debug_default = enabled; }
 bool checkpoint_debug() { return g_debug_default.load(); }
+
+bool is_recomputing() { return detail::recomputing(); }
 
 CheckpointStats checkpoint_stats() {
   return {g_regions.load(),           g_recomputations.load(),       g_early_stops.load(),

@@ -27,13 +27,12 @@
 #include <remat/memory.h>
 #include <remat/plan/json.h>
 
-#include "dispatch.h"
+#include "../core/dispatch.h"
+#include "../core/replay.h"
+#include "../core/write_guard.h"
 #include "early_stop.h"
 #include "grad_edges.h"
-#include "replay.h"
-#include "selective_state.h"
 #include "values.h"
-#include "write_guard.h"
 
 namespace remat {
 namespace {
@@ -57,7 +56,7 @@ void synchronize(c10::Device d) {
 int64_t storage_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.storage().nbytes()); }
 
 /** Puts back buffers and the RNG states (CPU, and the CUDA devices of the
- *  chain or in use: NOTE [RNG devices] in replay.h). */
+ *  chain or in use: NOTE [RNG devices] in core/replay.h). */
 class Restore {
  public:
   Restore(torch::nn::Sequential& seq, c10::Device device) : buffers_(seq->buffers()) {

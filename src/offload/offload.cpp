@@ -1,5 +1,5 @@
 // Offload of saved tensors: OffloadScope, OffloadOptions and the store behind
-// them (src/offload_internal.h). Leaves out: O_DIRECT / io_uring, content
+// them (src/offload/offload_internal.h). Leaves out: O_DIRECT / io_uring, content
 // checksums (file sizes and codec frames are checked), a pinned pool of our
 // own (kHost uses the CUDA build's caching host allocator through
 // pinned_memory(true)).
@@ -63,7 +63,7 @@
 
 #include <remat/error.h>
 
-#include "dispatch.h"
+#include "../core/dispatch.h"
 #include "offload_codec.h"
 #include "offload_internal.h"
 

@@ -1,7 +1,7 @@
 // Internal: the store behind remat::OffloadScope, for the other layers that
 // offload (CheckpointOptions().offload(...), the kOffload policy result).
 // One store per scope; it outlives the scope as long as a graph holds one of
-// its handles. NOTE [offload pipeline] in src/offload.cpp says how writes,
+// its handles. NOTE [offload pipeline] in src/offload/offload.cpp says how writes,
 // prefetches and releases interleave.
 #pragma once
 

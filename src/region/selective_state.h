@@ -27,8 +27,9 @@
 // (retain_graph), and everything when the region's graph is freed.
 #pragma once
 
-#include "dispatch.h"
-#include "offload_internal.h"
+#include "../core/dispatch.h"
+#include "../core/write_guard.h"
+#include "../offload/offload_internal.h"
 
 #include <ATen/core/ivalue.h>
 
@@ -68,34 +69,15 @@ struct InputMeta {
   at::ScalarType dtype = at::ScalarType::Undefined;
 };
 
-/** Tensors of an IValue (a Tensor or a list of them, undefined ones
- *  included), in order. */
-template <class F>
-void for_each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorVector()) f(t);
-  }
-}
-
 /** Why an op's outputs cannot be saved ("" when they can): in-place, view,
  *  random or returning something other than tensors and scalars. */
 std::string uncacheable_reason(const c10::OperatorHandle& op);
-/** True for ops whose output is (an alias of) their first input's storage. */
-bool is_view_like(const c10::OperatorHandle& op);
 std::vector<InputMeta> tensor_inputs_meta(c10::ArrayRef<c10::IValue> args);
 
 /** Per-op counters (remat::op_stats), and their totals (CheckpointStats). */
 void count_op(const std::string& key, int which);  // 0 saved, 1 replayed, 2 recomputed
 extern std::atomic<int64_t> g_ops_saved, g_ops_replayed, g_ops_recomputed;
 void reset_op_stats();
-
-class WriteGuard;
-/** Runs op under guard (before, run, made). */
-void run_guarded(WriteGuard& guard, const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
-/** The interceptor of a recompute without a policy: the guard alone. */
-std::unique_ptr<dispatch::Interceptor> make_write_guard_interceptor(WriteGuard* guard);
 
 class SelectiveCache {
  public:

@@ -1,5 +1,5 @@
 // Encoding of offloaded tensors: dense stage (lossless or lossy), then zstd
-// or lz4 on its bytes. See src/offload_codec.h.
+// or lz4 on its bytes. See src/offload/offload_codec.h.
 #include "offload_codec.h"
 
 #include <lz4.h>
