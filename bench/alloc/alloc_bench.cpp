@@ -8,7 +8,7 @@
 //   3. a Probe alive (counting, probes updated);
 //   4. enable_tracking() (counting for good, no probe).
 // Prints medians of 7 rounds. Uses only the public memory API, so the same
-// file builds against an older src/memory.cpp for a before/after.
+// file builds against an older src/core/memory.cpp for a before/after.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -1,6 +1,6 @@
 // remat_preload: an LD_PRELOAD library that counts LibTorch's CPU tensor
 // bytes the same way in any process (the C++ benchmark and Python alike).
-// At load time a constructor wraps c10's CPU allocator (like src/memory.cpp)
+// At load time a constructor wraps c10's CPU allocator (like src/core/memory.cpp)
 // with a counting one registered at priority 50: above the default (0), below
 // remat::memory (255), which then wraps this one, so both count.
 // C interface: remat_preload_current_bytes(), remat_preload_peak_bytes(),

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 
-# remat::policy::matmul_ops() (src/selective.cpp); linear and matmul are
+# remat::policy::matmul_ops() (src/region/selective.cpp); linear and matmul are
 # CompositeImplicitAutograd, so neither remat's policy nor SAC ever sees them.
 MATMUL_OPS = ["mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
               "mkldnn_convolution", "cudnn_convolution", "_scaled_dot_product_flash_attention",

@@ -13,7 +13,7 @@
 // and go stale, and a skipped random op would shift the RNG stream that the
 // recompute replays. Saved outputs that are later modified in place make the
 // recompute throw, naming the op. See NOTE [op-level interception, as built]
-// (src/dispatch.h) for the mechanism and its cost.
+// (src/core/dispatch.h) for the mechanism and its cost.
 #pragma once
 
 #include <functional>

@@ -225,7 +225,10 @@ TEST(DataParallelProcesses, ARankThatDiesMidStepFailsTheOthersWithAClearError) {
   Dir dir;
   const auto t0 = std::chrono::steady_clock::now();
   // Rank 1 exits after its forward of step 2; rank 0 is then in backward's all-reduce.
-  auto ps = run_ranks(dir, "die", 2, {"--steps", "3", "--die-at-step", "2", "--timeout-ms", "20000"},
+  // A FileStore: no port that another process could take between free_port() and the ranks' start.
+  auto ps = run_ranks(dir, "die", 2,
+                      {"--steps", "3", "--die-at-step", "2", "--timeout-ms", "20000", "--file-store",
+                       (dir.path() / "die.store").string()},
                       std::chrono::seconds(120));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(ps[1].status, 7);
