@@ -27,14 +27,20 @@ demo: build
 # batch 4; MLP 24 x 1024, batch 2048; ResNet 3 stages, width 32, batch 100),
 # 2 rounds of 3 timed steps, both workers keeping their freed heap
 # (run_all.py --malloc keep), ~33 minutes on the 2 cores, idle
-# (docs/BENCHMARKS.md). bench-quick: the toy sizes, every strategy, ~7
-# minutes, for smoke runs. The in-process C++ benchmarks still run on their
-# own: $(BUILD)/bench/remat_bench, $(BUILD)/bench/plan/remat_plan_bench.
+# (docs/BENCHMARKS.md). Results: bench/results/compare.json; then
+# bench/py/gen_docs.py renders the docs' generated tables and
+# docs/img/frontier.png from bench/results/. bench-quick: the toy sizes, every
+# strategy, ~7 minutes, for smoke runs: bench/results/compare-quick.json (not
+# checked in), rendered by gen_docs.py --quick into bench/results/docs-quick/
+# (never into docs/). The in-process C++ benchmarks still run on their own:
+# $(BUILD)/bench/remat_bench, $(BUILD)/bench/plan/remat_plan_bench.
 bench: build
 	@$(VENV)/bin/python bench/py/run_all.py --build $(BUILD)
+	@$(VENV)/bin/python bench/py/gen_docs.py
 
 bench-quick: build
 	@$(VENV)/bin/python bench/py/run_all.py --build $(BUILD) --quick
+	@$(VENV)/bin/python bench/py/gen_docs.py --quick
 
 clean:
 	rm -rf $(BUILD)

@@ -21,6 +21,8 @@
 #include <remat/remat.h>
 #include <remat/sequential.h>
 
+#include "bench.h"
+
 namespace {
 
 using Step = std::function<torch::Tensor(const torch::Tensor&)>;
@@ -29,11 +31,6 @@ struct Measure {
   double median_ms = 0;
   int64_t peak_bytes = 0;  // above the pre-step baseline, plus the input
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 /** One training step's peak (parameter gradients already allocated). */
 int64_t step_peak(torch::nn::Module& m, const Step& fwd, const torch::Tensor& x) {
@@ -50,10 +47,10 @@ double step_ms(torch::nn::Module& m, const Step& fwd, const torch::Tensor& x) {
   for (auto& p : m.parameters()) {
     if (p.grad().defined()) p.mutable_grad().zero_();
   }
-  auto t0 = std::chrono::steady_clock::now();
+  auto t0 = bench::Clock::now();
   auto loss = fwd(x).sum();
   loss.backward();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return bench::ms_since(t0);
 }
 
 /** Interleaved timing (A B C A B C ...) after warm-up; peaks from one step. */
@@ -67,7 +64,7 @@ std::vector<Measure> compare(torch::nn::Module& m, const std::vector<Step>& fs, 
   for (int s = 0; s < steps; ++s) {
     for (size_t i = 0; i < fs.size(); ++i) t[i].push_back(step_ms(m, fs[i], x));
   }
-  for (size_t i = 0; i < fs.size(); ++i) out[i].median_ms = median(t[i]);
+  for (size_t i = 0; i < fs.size(); ++i) out[i].median_ms = bench::median(t[i]);
   return out;
 }
 

@@ -12,7 +12,6 @@
 // Usage: remat_soak [steps]   (1 intra-op thread, as DESIGN.md asks)
 // Leaves out: CUDA memory (CPU build).
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -20,6 +19,7 @@
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
 
+#include "bench.h"
 #include "soak_workload.h"
 
 namespace {
@@ -35,10 +35,10 @@ void soak(Strategy s, int steps) {
   Workload work(seq, {4, 32, 64}, s);  // (B, T, C)
   std::vector<int64_t> tracked, rss;
   int64_t peak = 0;
-  auto t0 = std::chrono::steady_clock::now();
+  auto t0 = bench::Clock::now();
   for (int step = 0; step < steps; ++step) {
     if (step == kWarmup) {
-      t0 = std::chrono::steady_clock::now();
+      t0 = bench::Clock::now();
       remat::memory::reset_peak();
     }
     work.step();
@@ -48,8 +48,7 @@ void soak(Strategy s, int steps) {
     }
   }
   peak = remat::memory::peak_bytes();
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-                    std::max<size_t>(1, tracked.size());
+  const double ms = bench::ms_since(t0) / std::max<size_t>(1, tracked.size());
   const auto [tmin, tmax] = std::minmax_element(tracked.begin(), tracked.end());
   const auto [rmin, rmax] = std::minmax_element(rss.begin(), rss.end());
   std::printf("%-32s %8.1f %12lld %12.1f %10.2f %10.2f %14.1f %9.2f %9.2f\n", name(s), ms,
@@ -61,7 +60,7 @@ void soak(Strategy s, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 2000;
+  const int steps = argc > 1 ? static_cast<int>(bench::to_int("steps", argv[1])) : 2000;
   if (steps <= kWarmup + 1) {
     std::fprintf(stderr, "remat_soak: steps must be > %d (the warm-up), got %d\n", kWarmup + 1, steps);
     return 2;

@@ -9,7 +9,6 @@
 // placement), sqrt, opt:F (budget F x plain peak), select. --explain 1 prints
 // the planned strategies' explain() to stderr after their last step.
 // Leaves out: the loss head and optimizer (the chain ends in .sum()).
-#include <dlfcn.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -21,7 +20,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -34,30 +32,13 @@
 #include <remat/remat.h>
 #include <remat/sequential.h>
 
+#include "bench.h"
+
 namespace {
 
 using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
 
 // --- memory: the preload library's counters, or remat::memory -----------------
-struct Meter {
-  int64_t (*current)() = nullptr;
-  int64_t (*peak)() = nullptr;
-  void (*reset)() = nullptr;
-  std::string name = "remat::memory";
-  Meter() {
-    current = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_current_bytes"));
-    peak = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_peak_bytes"));
-    reset = reinterpret_cast<void (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_reset_peak"));
-    if (current && peak && reset) {
-      name = "preload";
-    } else {
-      current = &remat::memory::current_bytes;
-      peak = &remat::memory::peak_bytes;
-      reset = &remat::memory::reset_peak;
-    }
-  }
-};
-
 // --- models (shapes shared with bench/py/models.py) -----------------------------
 class MlpBlockImpl : public torch::nn::Module {
  public:
@@ -151,8 +132,8 @@ Model build(const std::string& name) {
 }
 
 // --- steps ---------------------------------------------------------------------
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+using bench::Clock;
+using bench::ms_since;
 
 void zero_grads(Model& m) {
   for (auto& p : m.seq->parameters()) {
@@ -208,19 +189,13 @@ struct Times {
   long faults;  // minor page faults during the step (glibc returning and re-taking memory)
 };
 
-long minor_faults() {
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_minflt;
-}
-
 // With --op-profile: where the step's forward and backward ops are summed.
 std::map<std::string, std::pair<double, long>>* g_fwd_ops = nullptr;
 std::map<std::string, std::pair<double, long>>* g_bwd_ops = nullptr;
 
 Times step(Model& m, const Fn& f) {
   zero_grads(m);
-  const long f0 = minor_faults();
+  const int64_t f0 = bench::minor_faults();
   OpProfile::current = g_fwd_ops;
   auto t0 = Clock::now();
   auto loss = f(m.x).sum();
@@ -230,7 +205,7 @@ Times step(Model& m, const Fn& f) {
   loss.backward();
   const double bwd = ms_since(t1);
   OpProfile::current = nullptr;
-  return {fwd, bwd, minor_faults() - f0};
+  return {fwd, bwd, static_cast<long>(bench::minor_faults() - f0)};
 }
 
 // hold_output: the chain's output lives through backward, as in
@@ -238,7 +213,7 @@ Times step(Model& m, const Fn& f) {
 // expression; the tables of docs/BENCHMARKS.md were measured so). Without
 // it the output is released before backward, as the planner's model
 // assumes (bench/py/accuracy.py).
-int64_t peak_of(Model& m, const Fn& f, Meter& meter, bool hold_output) {
+int64_t peak_of(Model& m, const Fn& f, bench::Meter& meter, bool hold_output) {
   zero_grads(m);
   meter.reset();
   const int64_t base = meter.current();
@@ -251,61 +226,23 @@ int64_t peak_of(Model& m, const Fn& f, Meter& meter, bool hold_output) {
   return meter.peak() - base + static_cast<int64_t>(m.x.nbytes());
 }
 
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, sep);) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
-std::string json_list(const std::vector<double>& v) {
-  std::string s = "[";
-  char buf[32];
-  for (size_t i = 0; i < v.size(); ++i) {
-    std::snprintf(buf, sizeof buf, "%s%.4f", i ? ", " : "", v[i]);
-    s += buf;
-  }
-  return s + "]";
-}
-
-/** A field of /proc/self/status in KiB ("VmRSS:", "VmHWM:"), -1 if absent. */
-long status_kib(const char* key) {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (!f) return -1;
-  char line[256];
-  long v = -1;
-  while (std::fgets(line, sizeof line, f)) {
-    if (std::strncmp(line, key, std::strlen(key)) == 0) v = std::atol(line + std::strlen(key));
-  }
-  std::fclose(f);
-  return v;
-}
-
-std::string arg(int argc, char** argv, const std::string& key, const std::string& dflt) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == key) return argv[i + 1];
-  }
-  return dflt;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int threads = std::stoi(arg(argc, argv, "--threads", "1"));
+  using bench::arg;
+  const int threads = static_cast<int>(bench::int_arg(argc, argv, "--threads", "1"));
   torch::set_num_threads(threads);
   const std::string model = arg(argc, argv, "--model", "gpt");
-  const int steps = std::stoi(arg(argc, argv, "--steps", "10"));
-  const int sweep_steps = std::stoi(arg(argc, argv, "--sweep-steps", "4"));
-  const int warmup = std::stoi(arg(argc, argv, "--warmup", "2"));
-  const auto strategies = split(arg(argc, argv, "--strategies", "plain,block"), ',');
+  const int steps = static_cast<int>(bench::int_arg(argc, argv, "--steps", "10"));
+  const int sweep_steps = static_cast<int>(bench::int_arg(argc, argv, "--sweep-steps", "4"));
+  const int warmup = static_cast<int>(bench::int_arg(argc, argv, "--warmup", "2"));
+  const auto strategies = bench::split(arg(argc, argv, "--strategies", "plain,block"), ',');
   const bool rss_mode = arg(argc, argv, "--rss", "0") == "1";
   const bool hold_output = arg(argc, argv, "--hold-output", "1") == "1";
   const bool op_profile = arg(argc, argv, "--op-profile", "0") == "1";
   const bool explain = arg(argc, argv, "--explain", "0") == "1";
 
-  Meter meter;
+  bench::Meter meter("remat_compare", false);
   // remat::memory's wrapper is installed in any case (profile() needs it), so
   // every strategy pays for the same two counting layers.
   remat::memory::enable_tracking();
@@ -319,7 +256,7 @@ int main(int argc, char** argv) {
       std::fclose(f);
     }
   }
-  const long rss0_kib = status_kib("VmRSS:");
+  const long rss0_kib = static_cast<long>(bench::status_kib("VmRSS"));
 
   Fn plain = [&](const torch::Tensor& in) { return m.seq->forward(in); };
   int64_t plain_peak = 0;
@@ -443,7 +380,7 @@ int main(int argc, char** argv) {
   }
   struct rusage ru1;
   getrusage(RUSAGE_SELF, &ru1);
-  const long hwm_kib = std::max<long>(status_kib("VmHWM:"), 0);
+  const long hwm_kib = std::max<long>(static_cast<long>(bench::status_kib("VmHWM")), 0);
 
   std::printf("{\"lang\": \"cpp\", \"model\": \"%s\", \"threads\": %d, \"meter\": \"%s\", \"plain_peak\": %lld,\n",
               model.c_str(), torch::get_num_threads(), meter.name.c_str(), (long long)plain_peak);
@@ -463,9 +400,9 @@ int main(int argc, char** argv) {
         "  {\"name\": \"%s\", \"peak\": %lld, \"predicted\": %lld, \"predicted_ms\": %.3f, \"note\": \"%s\", "
         "\"ms\": %s, \"fwd_ms\": %s, \"bwd_ms\": %s, \"faults\": %s}%s\n",
         r.name.c_str(), (long long)r.peak, (long long)r.predicted, r.predicted_ms, r.note.c_str(),
-        json_list(r.ms).c_str(), json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(), json_list(r.faults).c_str(),
-        i + 1 < runs.size() ? "," : "");
+        bench::json_list(r.ms).c_str(), bench::json_list(r.fwd_ms).c_str(), bench::json_list(r.bwd_ms).c_str(),
+        bench::json_list(r.faults).c_str(), i + 1 < runs.size() ? "," : "");
   }
-  std::printf(" ]}\n");
+  std::printf(" ],\n \"meta\": %s}\n", bench::metadata(argc, argv).c_str());
   return 0;
 }

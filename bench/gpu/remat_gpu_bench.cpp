@@ -40,44 +40,19 @@
 #include <remat/remat.h>
 #include <remat/sequential.h>
 
+#include "bench.h"
+
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double secs_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-std::string arg(int argc, char** argv, const std::string& key, const std::string& dflt) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == key) return argv[i + 1];
-  }
-  return dflt;
-}
-bool flag(int argc, char** argv, const std::string& key) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == key) return true;
-  }
-  return false;
-}
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, sep);) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-std::string quoted(const std::string& s) {
-  std::string o = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\';
-    o += (c == '\n' || c == '\t') ? ' ' : c;
-  }
-  return o + "\"";
-}
-std::string num(double v) {
-  char b[48];
-  std::snprintf(b, sizeof b, "%.4f", v);
-  return b;
-}
+using bench::arg;
+using bench::Clock;
+using bench::double_arg;
+using bench::flag;
+using bench::int_arg;
+using bench::num;
+using bench::quoted;
+using bench::secs_since;
+using bench::split;
 
 // --- device memory and synchronization ------------------------------------------
 // Memory through remat::memory's device-aware forms: on CUDA the caching
@@ -358,22 +333,20 @@ void search(Model& m, const Bench& b, Result& r, int max_probes, int64_t max_bat
 int main(int argc, char** argv) {
   const bool quick = flag(argc, argv, "--quick");
   const std::string device = arg(argc, argv, "--device", "cuda");
-  Config c{std::stoll(arg(argc, argv, "--d-model", quick ? "64" : "2048")),
-           std::stoll(arg(argc, argv, "--heads", quick ? "4" : "16")),
-           std::stoll(arg(argc, argv, "--seq-len", quick ? "64" : "2048")),
-           std::stoll(arg(argc, argv, "--batch", quick ? "2" : "8")),
-           std::stoll(arg(argc, argv, "--blocks", quick ? "4" : "24"))};
+  Config c{int_arg(argc, argv, "--d-model", quick ? "64" : "2048"), int_arg(argc, argv, "--heads", quick ? "4" : "16"),
+           int_arg(argc, argv, "--seq-len", quick ? "64" : "2048"), int_arg(argc, argv, "--batch", quick ? "2" : "8"),
+           int_arg(argc, argv, "--blocks", quick ? "4" : "24")};
   const auto attentions = split(arg(argc, argv, "--attention", "explicit,sdpa"), ',');
   const auto strategies = split(arg(argc, argv, "--strategies", "plain,block,matmuls,auto"), ',');
   const auto searched = split(arg(argc, argv, "--search", "plain,block,matmuls,auto"), ',');
-  const int steps = std::stoi(arg(argc, argv, "--steps", quick ? "2" : "5"));
-  const int warmup = std::stoi(arg(argc, argv, "--warmup", quick ? "1" : "2"));
-  const int max_probes = std::stoi(arg(argc, argv, "--search-probes", "6"));
-  const int64_t max_batch = std::stoll(arg(argc, argv, "--max-batch", "256"));
-  const double budget_gib = std::stod(arg(argc, argv, "--budget-gib", quick ? "0.05" : "40"));
+  const int steps = static_cast<int>(int_arg(argc, argv, "--steps", quick ? "2" : "5"));
+  const int warmup = static_cast<int>(int_arg(argc, argv, "--warmup", quick ? "1" : "2"));
+  const int max_probes = static_cast<int>(int_arg(argc, argv, "--search-probes", "6"));
+  const int64_t max_batch = int_arg(argc, argv, "--max-batch", "256");
+  const double budget_gib = double_arg(argc, argv, "--budget-gib", quick ? "0.05" : "40");
   const bool autocast = arg(argc, argv, "--autocast", "bf16") == "bf16";
   const std::string json_path = arg(argc, argv, "--json", "");
-  torch::set_num_threads(std::stoi(arg(argc, argv, "--threads", quick ? "1" : "8")));
+  torch::set_num_threads(static_cast<int>(int_arg(argc, argv, "--threads", quick ? "1" : "8")));
 
   Device dev;
   if (device == "cuda") {
@@ -392,7 +365,7 @@ int main(int argc, char** argv) {
           autocast,
           budget_gib * double(int64_t{1} << 30),
           Clock::now(),
-          std::stod(arg(argc, argv, "--time-limit-s", "170"))};
+          double_arg(argc, argv, "--time-limit-s", "170")};
 
   // The SDPA path against the explicit one: one block, the same weights,
   // float32 without autocast, a small input on the device.
@@ -522,10 +495,11 @@ int main(int argc, char** argv) {
     params *= c.blocks;
   }
   std::ostringstream o;
-  o << "{\"lang\": \"cpp\", \"torch\": " << quoted(TORCH_VERSION) << ", \"device\": " << quoted(device)
-    << ", \"meter\": " << quoted(dev.meter()) << ", \"autocast\": " << quoted(autocast ? "bf16" : "off")
-    << ", \"d_model\": " << c.d_model << ", \"heads\": " << c.heads << ", \"seq_len\": " << c.seq_len
-    << ", \"batch\": " << c.batch << ", \"blocks\": " << c.blocks << ", \"params\": " << params
+  o << "{\"lang\": \"cpp\", \"meta\": " << bench::metadata(argc, argv) << ", \"torch\": " << quoted(TORCH_VERSION)
+    << ", \"device\": " << quoted(device) << ", \"meter\": " << quoted(dev.meter())
+    << ", \"autocast\": " << quoted(autocast ? "bf16" : "off") << ", \"d_model\": " << c.d_model
+    << ", \"heads\": " << c.heads << ", \"seq_len\": " << c.seq_len << ", \"batch\": " << c.batch
+    << ", \"blocks\": " << c.blocks << ", \"params\": " << params
     << ", \"sdpa_vs_explicit_max_abs_diff\": " << sdpa_max_diff
     << ", \"budget_bytes\": " << static_cast<int64_t>(b.budget_bytes) << ", \"elapsed_s\": " << num(secs_since(b.start))
     << ",\n \"runs\": [\n";

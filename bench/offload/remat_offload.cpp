@@ -18,7 +18,8 @@
 // --codecs: one forward + backward per codec with OffloadScope(kMemory)
 // (min_bytes 64 KiB): compression ratio over the saved activations, time,
 // and gradient error against plain (bitwise for lossless codecs).
-// Prints one JSON object per strategy and a table on stderr.
+// Prints a run-metadata line ({"meta": ...}, bench/common/bench.h), then one
+// JSON object per strategy (or codec), and a table on stderr.
 // Leaves out: the loss head and optimizer (the stack ends in .square().mean()).
 #include <unistd.h>
 
@@ -26,7 +27,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,32 +39,15 @@
 #include <remat/models/gpt.h>
 #include <remat/offload.h>
 
+#include "bench.h"
+
 namespace {
 
-std::string arg(int argc, char** argv, const std::string& key, const std::string& dflt) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == key) return argv[i + 1];
-  }
-  return dflt;
-}
-bool flag(int argc, char** argv, const std::string& key) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == key) return true;
-  }
-  return false;
-}
-
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-/** kB from a "Key:   123 kB" line of /proc/self/status. */
-int64_t status_kb(const std::string& key) {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);) {
-    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1));
-  }
-  return -1;
-}
+using bench::arg;
+using bench::Clock;
+using bench::flag;
+using bench::int_arg;
+using bench::ms_since;
 
 struct Config {
   int64_t d_model, heads, seq_len, batch, blocks;
@@ -126,7 +109,7 @@ int run_one(const std::string& name, const Config& c, int steps, const std::stri
   const auto offload = offload_of(name, dir);
   std::vector<double> ms, fwd_ms, bwd_ms;
   std::vector<int64_t> peak, held;
-  const int64_t rss_before = status_kb("VmRSS");
+  const int64_t rss_before = bench::status_kib("VmRSS");
   for (int i = 0; i < steps + 1; ++i) {  // step 0: warm-up (allocates the gradients)
     m.zero();
     remat::memory::reset_peak();
@@ -158,8 +141,8 @@ int run_one(const std::string& name, const Config& c, int steps, const std::stri
       "\"held_bytes\": %lld, \"rss_before_kb\": %lld, \"hwm_kb\": %lld, \"grad_hash\": "
       "\"%016llx\"}\n",
       name.c_str(), med(ms), med(fwd_ms), med(bwd_ms), (long long)*std::max_element(peak.begin(), peak.end()),
-      (long long)*std::max_element(held.begin(), held.end()), (long long)rss_before, (long long)status_kb("VmHWM"),
-      (unsigned long long)hash);
+      (long long)*std::max_element(held.begin(), held.end()), (long long)rss_before,
+      (long long)bench::status_kib("VmHWM"), (unsigned long long)hash);
   return 0;
 }
 
@@ -220,18 +203,19 @@ int run_codecs(const Config& c, const std::string& dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int threads = std::stoi(arg(argc, argv, "--threads", "1"));
+  const int threads = static_cast<int>(int_arg(argc, argv, "--threads", "1"));
   torch::set_num_threads(threads);
   const bool quick = flag(argc, argv, "--quick");
-  const Config c{std::stoll(arg(argc, argv, "--d-model", quick ? "64" : "512")),
-                 std::stoll(arg(argc, argv, "--heads", quick ? "4" : "8")),
-                 std::stoll(arg(argc, argv, "--seq-len", quick ? "64" : "512")),
-                 std::stoll(arg(argc, argv, "--batch", quick ? "2" : "4")),
-                 std::stoll(arg(argc, argv, "--blocks", quick ? "2" : "8"))};
-  const int steps = std::stoi(arg(argc, argv, "--steps", "2"));
+  const Config c{int_arg(argc, argv, "--d-model", quick ? "64" : "512"),
+                 int_arg(argc, argv, "--heads", quick ? "4" : "8"),
+                 int_arg(argc, argv, "--seq-len", quick ? "64" : "512"),
+                 int_arg(argc, argv, "--batch", quick ? "2" : "4"), int_arg(argc, argv, "--blocks", quick ? "2" : "8")};
+  const int steps = static_cast<int>(int_arg(argc, argv, "--steps", "2"));
   const std::string dir = arg(argc, argv, "--dir", "/tmp");
   const std::string run = arg(argc, argv, "--run", "");
   if (!run.empty()) return run_one(run, c, steps, dir);
+  std::printf("{\"meta\": %s}\n", bench::metadata(argc, argv).c_str());  // the run-metadata line first
+  std::fflush(stdout);
   if (flag(argc, argv, "--codecs")) return run_codecs(c, dir);
 
   // Driver: each strategy in a child process; gradients compared by hash.

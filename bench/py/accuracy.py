@@ -8,15 +8,21 @@ with plain, and prints per budget: predicted vs measured peak (measured =
 the step's tracked peak above the level before it, plus the chain input,
 which the prediction includes; the chain's output is released before
 backward, as the model assumes) and predicted vs measured step time (median
-of the timed steps). Targets: peak within 5%, time within 10%.
+of the timed steps). Targets: peak within 5%, time within 10%. Writes the
+rows with the run-metadata record to bench/results/accuracy.json
+(--quick: accuracy-quick.json).
 
   python3 bench/py/accuracy.py --build build [--quick] [--steps 3]
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import metadata, result_path, write_json  # noqa: E402
 
 
 def run(build, model, strategies, steps, warmup):
@@ -42,6 +48,7 @@ def main():
           "| measured / predicted | plain s |")
     print("|---|---|---|---|---|---|---|---|---|")
     worst_peak = worst_time = 0.0
+    rows = []
     for model in models:
         res = run(a.build, model, ["plain"] + [f"opt:{f}" for f in fractions], a.steps, a.warmup)
         plain = next(r for r in res["runs"] if r["name"] == "plain")
@@ -51,6 +58,7 @@ def main():
                 continue
             if r["predicted"] < 0:
                 print(f"| {model} | {r['name'][4:]} | {r['note']} | | | | | | |")
+                rows.append(dict(model=model, budget=r["name"][4:], note=r["note"]))
                 continue
             measured = r["peak"]  # remat_compare adds the chain input, which the prediction includes
             peak_ratio = measured / r["predicted"]
@@ -58,11 +66,16 @@ def main():
             time_ratio = t / (r["predicted_ms"] / 1e3)
             worst_peak = max(worst_peak, abs(peak_ratio - 1))
             worst_time = max(worst_time, abs(time_ratio - 1))
+            rows.append(dict(model=model, budget=r["name"][4:], predicted_bytes=r["predicted"], measured_bytes=measured,
+                             predicted_ms=r["predicted_ms"], measured_ms=t * 1e3, plain_ms=plain_s * 1e3))
             print(f"| {model} | {r['name'][4:]} | {r['predicted'] / 1e6:.1f} | {measured / 1e6:.1f} | "
                   f"{peak_ratio:.3f} | {r['predicted_ms'] / 1e3:.2f} | {t:.2f} | {time_ratio:.3f} | {plain_s:.2f} |")
         sys.stdout.flush()
     print(f"\nworst peak error {100 * worst_peak:.1f}% (target 5%), worst time error {100 * worst_time:.1f}% "
           f"(target 10%)")
+    path = result_path("accuracy", a.quick)
+    write_json(path, dict(meta=metadata(vars(a)), rows=rows, worst_peak_error=worst_peak, worst_time_error=worst_time))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

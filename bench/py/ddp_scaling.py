@@ -7,15 +7,20 @@ bucket rebuild) and the median of the rest is reported, per rank for the
 data-parallel runs, with the all-reduce figures remat-train prints:
 all-reduce ms summed over buckets (launch to completion, including waiting
 for the slower rank), the part left after backward's compute (exposed),
-and the overlapped share. Runs are interleaved over --rounds.
+and the overlapped share. Runs are interleaved over --rounds. Writes every
+round's figures with the run-metadata record to bench/results/ddp_scaling.json.
 
   python bench/py/ddp_scaling.py --build build [--rounds 2] [--checkpoint block]
 """
 import argparse
+import os
 import re
 import statistics
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import metadata, result_path, write_json  # noqa: E402
 
 STEP = re.compile(r"^(?:\[rank (\d+)/(\d+)\] )?step +(\d+)/\d+ .*? ([\d.]+) ms  peak ([\d.]+ \w+)"
                   r"(?:  all-reduce ([\d.]+) ms in (\d+) buckets \(([\d.]+) ms exposed, (\d+)% overlapped\))?")
@@ -93,6 +98,9 @@ def main():
         f = lambda v, fmt: (fmt % statistics.median(v)) if v else "-"
         print(f"| {name} | {med:.0f} ({', '.join(f'{x:.0f}' for x in ms)}) | {tokens / (med / 1e3):.0f} | "
               f"{f(ar, '%.1f')} | {f(ex, '%.1f')} | {f(ov, '%.0f%%')} | {f(bk, '%d')} | {rs[-1]['peak']} |")
+    path = result_path("ddp_scaling")
+    write_json(path, dict(meta=metadata(vars(a)), tokens_per_step=tokens, configurations=results))
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

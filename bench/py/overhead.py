@@ -5,11 +5,16 @@ median microseconds per call of plain, non-reentrant and reentrant.
 Leaves out: large layers (there the recompute, not the call, dominates).
 """
 import json
+import os
 import statistics
+import sys
 import timeit
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import metadata  # noqa: E402
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -27,4 +32,4 @@ for name, fn in cases.items():
     n = 500
     reps = timeit.repeat(fn, number=n, repeat=5)
     out[name] = statistics.median(reps) / n * 1e6
-print(json.dumps({"lang": "py", "us_per_call": out}))
+print(json.dumps({"lang": "py", "us_per_call": out, "meta": metadata()}))

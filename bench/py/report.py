@@ -1,5 +1,6 @@
-"""Renders results.json (run_all.py) as markdown tables, the targets of issue 6
-(met or missed, with figures) and the frontier chart (matplotlib PNG).
+"""Renders bench/results/compare.json (run_all.py) as markdown tables, the
+targets of issue 6 (met or missed, with figures) and the frontier chart
+(matplotlib PNG); fragments() gives gen_docs.py the same tables by name.
 Leaves out: any measuring (run_all.py does that).
 """
 import math
@@ -198,43 +199,81 @@ def chart(res, path):
     fig.savefig(path, dpi=110)
 
 
-def render(res, chart_path):
+def machine_line(res):
     mc = res["machine"]
     st = res.get("settings")
-    L = [f"Machine: {mc['nproc']} CPUs, {mc['cpu']}, torch {mc['torch']}, {mc['threads']} intra-op thread; "
-         f"wall {res.get('wall_s', 0):.0f} s" +
-         (f"; {res.get('size', '?')} sizes, {st['rounds']} rounds of {st['steps']} timed steps "
-          f"(k sweep {st['sweep_steps']}) after {st['warmup']} warm-up" if st else "") +
-         (f"; malloc {st['malloc']}" + (" (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=64 GiB, both workers)"
-                                        if st["malloc"] == "keep" else "") if st and "malloc" in st else "") +
-         (f"; 1-min load average " + ", ".join(f"{x:.1f}" for x in res["load"]) if res.get("load") else "") + ".", ""]
+    return (f"Machine: {mc['nproc']} CPUs, {mc['cpu']}, torch {mc['torch']}, {mc['threads']} intra-op thread; "
+            f"wall {res.get('wall_s', 0):.0f} s" +
+            (f"; {res.get('size', '?')} sizes, {st['rounds']} rounds of {st['steps']} timed steps "
+             f"(k sweep {st['sweep_steps']}) after {st['warmup']} warm-up" if st else "") +
+            (f"; malloc {st['malloc']}" + (" (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=64 GiB, both workers)"
+                                           if st["malloc"] == "keep" else "") if st and "malloc" in st else "") +
+            (f"; 1-min load average " + ", ".join(f"{x:.1f}" for x in res["load"]) if res.get("load") else "") + ".")
+
+
+def model_section(d):
+    """A model's summary line, main table, side-by-side table and k sweep (what follows its heading)."""
+    c = d["cpp"]
+    return "\n".join([
+        f"{c['blocks']} blocks; plain peak remat {mib(c['plain_peak'])} MiB, PyTorch {mib(d['py']['plain_peak'])} MiB; "
+        f"plain forward f = {c['f_ms']:.1f} ms, backward b = {c['b_ms']:.1f} ms (C++), "
+        f"{d['py']['f_ms']:.1f} / {d['py']['b_ms']:.1f} ms (Python).", "",
+        main_table(None, d), "", "remat and PyTorch on the same schedule (medians; x plain paired; added = (x plain - 1) x own plain):", "",
+        side_table(d), "", "checkpoint_sequential, every k measured:", "", sweep_table(d)])
+
+
+def overhead_table(o):
+    return "\n".join([
+        "| tool | plain | checkpoint | overhead |", "|---|---:|---:|---:|",
+        f"| remat (Google Benchmark) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint']:.1f} | {o['cpp']['checkpoint'] - o['cpp']['plain']:.1f} |",
+        f"| remat, preserve_rng_state(false) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint_no_rng']:.1f} | {o['cpp']['checkpoint_no_rng'] - o['cpp']['plain']:.1f} |",
+        f"| PyTorch non-reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['nonreentrant']:.1f} | {o['py']['nonreentrant'] - o['py']['plain']:.1f} |",
+        f"| PyTorch reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['reentrant']:.1f} | {o['py']['reentrant'] - o['py']['plain']:.1f} |"])
+
+
+def rss_table(rss):
+    L = ["| process | ru_maxrss growth MiB | preload peak + parameter grads MiB |", "|---|---:|---:|"]
+    for k, v in rss.items():
+        L.append(f"| {k} | {v['rss_delta_kib'] / 1024:.1f} | {(v['peak'] + v['param_bytes']) / 1048576:.1f} |")
+    return "\n".join(L)
+
+
+def compile_table(runs):
+    L = ["| strategy | peak / plain | time / plain | note |", "|---|---:|---:|---|"]
+    for r in runs:
+        L.append(f"| {name_of('py', r['name'])} | {r['peak_x']:.3f} | {r['time_x']:.3f} | {r['note']} |")
+    return "\n".join(L)
+
+
+def fragments(res):
+    """The docs' generated fragments of a compare result (gen_docs.py): NAME -> markdown.
+    compare-machine, compare-MODEL (per model), compare-overhead, compare-rss, compare-compile, compare-targets."""
+    out = {"compare-machine": machine_line(res)}
     for m, d in res["models"].items():
-        c = d["cpp"]
-        L += [f"### {m}", "",
-              f"{c['blocks']} blocks; plain peak remat {mib(c['plain_peak'])} MiB, PyTorch {mib(d['py']['plain_peak'])} MiB; "
-              f"plain forward f = {c['f_ms']:.1f} ms, backward b = {c['b_ms']:.1f} ms (C++), "
-              f"{d['py']['f_ms']:.1f} / {d['py']['b_ms']:.1f} ms (Python).", "",
-              main_table(m, d), "", "remat and PyTorch on the same schedule (medians; x plain paired; added = (x plain - 1) x own plain):", "",
-              side_table(d), "", "checkpoint_sequential, every k measured:", "", sweep_table(d), ""]
+        out[f"compare-{m}"] = model_section(d)
+    if res.get("overhead_us") is not None:
+        out["compare-overhead"] = overhead_table(res["overhead_us"])
+    out["compare-rss"] = rss_table(res.get("rss", {}))
+    if "compile" in res:
+        out["compare-compile"] = compile_table(res["compile"]["runs"])
+    out["compare-targets"] = targets(res)
+    return out
+
+
+def render(res, chart_path):
+    L = [machine_line(res), ""]
+    for m, d in res["models"].items():
+        L += [f"### {m}", "", model_section(d), ""]
     o = res.get("overhead_us")
     if o is not None:
         L += ["### per-call overhead (Linear(16,16) on (4,16), forward+backward, us per call)", "",
-              "| tool | plain | checkpoint | overhead |", "|---|---:|---:|---:|",
-              f"| remat (Google Benchmark) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint']:.1f} | {o['cpp']['checkpoint'] - o['cpp']['plain']:.1f} |",
-              f"| remat, preserve_rng_state(false) | {o['cpp']['plain']:.1f} | {o['cpp']['checkpoint_no_rng']:.1f} | {o['cpp']['checkpoint_no_rng'] - o['cpp']['plain']:.1f} |",
-              f"| PyTorch non-reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['nonreentrant']:.1f} | {o['py']['nonreentrant'] - o['py']['plain']:.1f} |",
-              f"| PyTorch reentrant (timeit) | {o['py']['plain']:.1f} | {o['py']['reentrant']:.1f} | {o['py']['reentrant'] - o['py']['plain']:.1f} |", ""]
+              overhead_table(o), ""]
     L += ["### RSS cross-check (toy GPT stack, 16 blocks, d_model 128, at both sizes; one process per strategy)", "",
-          "| process | ru_maxrss growth MiB | preload peak + parameter grads MiB |", "|---|---:|---:|"]
-    for k, v in res.get("rss", {}).items():
-        L.append(f"| {k} | {v['rss_delta_kib'] / 1024:.1f} | {(v['peak'] + v['param_bytes']) / 1048576:.1f} |")
-    L.append("")
+          rss_table(res.get("rss", {})), ""]
     if "compile" in res:
-        L += ["### torch.compile (GPT stack, Python only, not interleaved)", "",
-              "| strategy | peak / plain | time / plain | note |", "|---|---:|---:|---|"]
-        for r in res["compile"]["runs"]:
-            L.append(f"| {name_of('py', r['name'])} | {r['peak_x']:.3f} | {r['time_x']:.3f} | {r['note']} |")
-        L.append("")
+        L += ["### torch.compile (GPT stack, Python only, not interleaved)", "", compile_table(res["compile"]["runs"]),
+              ""]
     L += ["### targets", "", targets(res), ""]
-    chart(res, chart_path)
+    if chart_path:
+        chart(res, chart_path)
     return "\n".join(L)

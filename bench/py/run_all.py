@@ -10,23 +10,24 @@ remat_compare) and the Python worker (worker.py) alternately, A B A B, for
 step times of all rounds (medians, ratios to the same process's plain run);
 then the per-call overhead (Google Benchmark vs timeit, alternately), an RSS
 cross-check (one process per strategy) and, with --compile, torch.compile at
-activation-memory budgets. Writes <build>/bench/compare/results.json and
-results.md and docs/img/frontier.png (--quick: results-quick.json,
-results-quick.md, frontier-quick.png beside them; the docs' toy figures are
-kept); results.json is rewritten after every model, so a run stopped early
-keeps what it measured (--report-only renders it). Prints the tables and targets.
+activation-memory budgets. Writes bench/results/compare.json (with the
+run-metadata record, bench/py/common.py) and compare.md; `make bench` then
+runs gen_docs.py, which renders the docs' generated tables and
+docs/img/frontier.png from it (--quick: compare-quick.json, compare-quick.md
+and frontier-quick.png in bench/results/, ignored by git); the JSON is rewritten
+after every model, so a run stopped early keeps what it measured
+(--report-only renders it; it also reads the old <build>/bench/compare/
+results.json). Prints the tables and targets.
 Leaves out: multi-threaded runs (one intra-op thread throughout).
 """
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from common import HERE, RESULTS, ROOT, load_json, med, metadata, result_path, write_json
+import common
 BLOCKS = {"mlp": 24, "gpt": 16, "resnet": 8, "mlp-ref": 24, "gpt-ref": 8, "resnet-ref": 6}
 BUDGETS = [0.5, 0.35, 0.25, 0.15]
 # Reference sizes: steps take seconds, so fewer strategies and 2-3 values of k.
@@ -37,16 +38,7 @@ REF = dict(models="gpt-ref,resnet-ref,mlp-ref", rounds=2, steps=3, sweep_steps=3
 
 
 def run(cmd, env, timeout):
-    t0 = time.time()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise SystemExit(f"{cmd[0]} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    print(f"  {os.path.basename(cmd[0])} {' '.join(cmd[1:5])} ... {time.time() - t0:.0f} s", flush=True)
-    return p.stdout
-
-
-def med(v):
-    return statistics.median(v) if v else float("nan")
+    return common.run(cmd, env, timeout).stdout
 
 
 def merge(outs):
@@ -138,8 +130,9 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also torch.compile at budgets (minutes per budget)")
     ap.add_argument("--compile-budgets", default="1.0,0.5,0.15")
     ap.add_argument("--compile-only", action="store_true", help="only torch.compile, into results.json")
-    ap.add_argument("--report-only", action="store_true", help="re-render results.json")
-    ap.add_argument("--chart", help="docs/img/frontier.png (--quick: <build>/bench/compare/frontier-quick.png)")
+    ap.add_argument("--report-only", action="store_true", help="re-render bench/results/compare.json")
+    ap.add_argument("--chart", help="a frontier PNG to draw (--quick: bench/results/frontier-quick.png; reference: "
+                                    "none, gen_docs.py draws docs/img/frontier.png)")
     ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
                     help="keep (default): both workers' glibc malloc keeps freed memory (MALLOC_MMAP_MAX_=0, "
                          "MALLOC_TRIM_THRESHOLD_=64 GiB), so neither process faults its heap in again every step "
@@ -151,30 +144,29 @@ def main():
             setattr(a, k, v)
     b = os.path.join(a.build, "bench")
     a.compare, a.overhead = os.path.join(b, "remat_compare"), os.path.join(b, "remat_overhead")
-    outdir = os.path.join(b, "compare")
-    os.makedirs(outdir, exist_ok=True)
     suffix = "-quick" if a.quick else ""
-    path = os.path.join(outdir, f"results{suffix}.json")
-    if a.chart is None:
-        a.chart = os.path.join(outdir, "frontier-quick.png") if a.quick else os.path.join(ROOT, "docs", "img",
-                                                                                          "frontier.png")
+    path = result_path("compare", a.quick)
+    old_path = os.path.join(b, "compare", f"results{suffix}.json")  # before bench/results/
+    if a.chart is None and a.quick:
+        a.chart = os.path.join(RESULTS, "frontier-quick.png")
     env = dict(os.environ, LD_PRELOAD=os.path.join(b, "libremat_preload.so"), OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
     rss_env = dict(env)
     if a.malloc == "keep":
         env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(64 << 30))
     if a.compile_only:  # add torch.compile to an earlier run's results
-        res = json.load(open(path))
+        res = load_json(path, old_path)
         res["compile"] = compile_runs(a, env)
-        json.dump(res, open(path, "w"), indent=1)
+        write_json(path, res)
     elif a.report_only:
-        res = json.load(open(path))
+        res = load_json(path, old_path)
     else:
         t0 = time.time()
-        res = {"models": {}, "machine": machine(), "size": "quick" if a.quick else "reference",
-               "settings": dict(rounds=a.rounds, steps=a.steps, sweep_steps=a.sweep_steps, warmup=a.warmup,
-                                malloc=a.malloc),
-               "load": [os.getloadavg()[0]]}
+        settings = dict(rounds=a.rounds, steps=a.steps, sweep_steps=a.sweep_steps, warmup=a.warmup,
+                        malloc=a.malloc, models=a.models)
+        meta = metadata(settings)
+        res = {"meta": meta, "models": {}, "machine": machine(meta), "size": "quick" if a.quick else "reference",
+               "settings": settings, "load": [os.getloadavg()[0]]}
         # The short parts first, then one model at a time, saved after each.
         res["overhead_us"] = overhead(a, env)
         res["rss"] = rss(a, rss_env)
@@ -182,7 +174,7 @@ def main():
             res["models"][m] = compare_model(m, a, env)
             res["load"].append(os.getloadavg()[0])
             res["wall_s"] = time.time() - t0
-            json.dump(res, open(path, "w"), indent=1)
+            write_json(path, res)
         if a.compile:
             res["compile"] = compile_runs(a, env)
         elif os.path.exists(path):  # keep an earlier torch.compile run
@@ -190,18 +182,20 @@ def main():
             if "compile" in old:
                 res["compile"] = old["compile"]
         res["wall_s"] = time.time() - t0
-        json.dump(res, open(path, "w"), indent=1)
+        write_json(path, res)
     import report
     md = report.render(res, a.chart)
-    open(os.path.join(outdir, f"results{suffix}.md"), "w").write(md)
+    md_path = os.path.join(RESULTS, f"compare{suffix}.md")
+    with open(md_path, "w") as f:
+        f.write(md)
     print(md)
-    print(f"wrote {path}, {os.path.join(outdir, f'results{suffix}.md')}, {a.chart}")
+    print(f"wrote {path}, {md_path}" + (f", {a.chart}" if a.chart else ""))
 
 
-def machine():
+def machine(meta):
+    """The machine line report.py renders (the run-metadata record has the rest)."""
     import torch
-    model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    return dict(nproc=os.cpu_count(), cpu=model, torch=torch.__version__, threads=1,
+    return dict(nproc=meta["nproc"], cpu=meta["cpu"], torch=meta["torch"], threads=1,
                 parallel=torch.__config__.parallel_info().splitlines()[-1].strip())
 
 

@@ -13,20 +13,21 @@ activation memory (peak bytes during forward + backward above the bytes alive
 before the forward: parameters, their zeroed gradients and the input are
 excluded; activations, backward temporaries, activation gradients and the
 input's gradient are in), the bytes held after the forward, and step time.
-Writes <build>/bench/selective/results.json and results.md; prints the
-target line (one remat selective setting at <= 0.5x plain activation memory
-and <= 1.10x plain step time). --quick: a toy size for smoke runs only.
+Writes bench/results/selective.json (with the run-metadata record,
+common.py) and selective.md (--quick: selective-quick.json / .md, not checked
+in); gen_docs.py renders its table as the fragment selective-results. Prints
+the target line (one remat selective setting at <= 0.5x plain activation
+memory and <= 1.10x plain step time). --quick: a toy size for smoke runs only.
 """
 import argparse
 import difflib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from common import HERE, RESULTS, ROOT, load_json, med, metadata, result_path, write_json
 REFERENCE = dict(d_model=512, heads=8, seq_len=512, batch=4, blocks=8)  # ../shared/DESIGN.md, CPU
 QUICK = dict(d_model=64, heads=4, seq_len=64, batch=2, blocks=2)
 OPS_SIZE = dict(d_model=32, heads=2, seq_len=8, batch=2, blocks=1)
@@ -66,10 +67,6 @@ def run(cmd, env, timeout):
     print(f"  {os.path.basename(cmd[0] if cmd[0].endswith('bench') else cmd[1])} ... {time.time() - t0:.0f} s",
           flush=True)
     return json.loads(p.stdout)
-
-
-def med(v):
-    return statistics.median(v) if v else float("nan")
 
 
 def op_check(exe, env):
@@ -186,25 +183,28 @@ def render(res):
     return "\n".join(out)
 
 
+def fragments(res):
+    """The docs' generated fragments of a selective result (gen_docs.py): NAME -> markdown."""
+    return {"selective-results": render(res)}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--build", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "build"))
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per strategy per round")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="toy size, for smoke runs only")
-    ap.add_argument("--report-only", action="store_true", help="re-pool and re-render results.json")
+    ap.add_argument("--report-only", action="store_true", help="re-pool and re-render bench/results/selective.json")
     a = ap.parse_args()
     b = os.path.join(a.build, "bench")
     exe, preload = os.path.join(b, "remat_selective_bench"), os.path.join(b, "libremat_preload.so")
-    outdir = os.path.join(b, "selective")
-    os.makedirs(outdir, exist_ok=True)
-    path = os.path.join(outdir, "results.json")
-    if a.report_only:  # re-pools the raw step data
-        res = json.load(open(path))
+    path = result_path("selective", a.quick)
+    if a.report_only:  # re-pools the raw step data (also from the old <build>/bench/selective/results.json)
+        res = load_json(path, os.path.join(b, "selective", "results.json"))
         res["cpp"], res["py"] = pool(res["raw"]["cpp"]), pool(res["raw"]["py"])
         res["met"], res["target"] = target(res["cpp"])
-        json.dump(res, open(path, "w"), indent=1)
+        write_json(path, res)
     else:
         for f in (exe, preload):
             if not os.path.exists(f):
@@ -223,18 +223,21 @@ def main():
             outs["py"].append(run([sys.executable, os.path.join(HERE, "selective_worker.py"), *common,
                                    "--strategies", ",".join(PY)], env, 1200))
         import torch
-        res = dict(size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup, op_check=oc,
+        meta = metadata(dict(size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup))
+        res = dict(meta=meta, size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup, op_check=oc,
                    torch=torch.__version__, nproc=os.cpu_count(),
                    malloc_env={k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
                    param_bytes=outs["cpp"][0]["param_bytes"], input_bytes=outs["cpp"][0]["input_bytes"],
                    cpp=pool(outs["cpp"]), py=pool(outs["py"]), raw=outs)
         res["met"], res["target"] = target(res["cpp"])
         res["wall_s"] = time.time() - t0
-        json.dump(res, open(path, "w"), indent=1)
+        write_json(path, res)
     md = render(res)
-    open(os.path.join(outdir, "results.md"), "w").write(md)
+    md_path = os.path.join(RESULTS, f"selective{'-quick' if a.quick else ''}.md")
+    with open(md_path, "w") as f:
+        f.write(md)
     print(md)
-    print(f"wrote {path}, {os.path.join(outdir, 'results.md')}")
+    print(f"wrote {path}, {md_path}")
     print(res["target"])
 
 

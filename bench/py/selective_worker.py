@@ -18,7 +18,6 @@ Each warm-up step checks the gradients against plain's bitwise (exit 3 if not).
 Prints one JSON object on stdout.
 """
 import argparse
-import ctypes
 import functools
 import json
 import os
@@ -32,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
+from common import Meter, metadata  # noqa: E402
 
 # remat::policy::matmul_ops() (src/region/selective.cpp); linear and matmul are
 # CompositeImplicitAutograd, so neither remat's policy nor SAC ever sees them.
@@ -49,28 +49,6 @@ def overloads(names):
         if packet is not None:
             out += [getattr(packet, o) for o in packet.overloads()]
     return out
-
-
-class Meter:
-    """The preload library's counters, found in the process (LD_PRELOAD)."""
-
-    def __init__(self):
-        lib = ctypes.CDLL(None)
-        try:
-            self.current = lib.remat_preload_current_bytes
-            self.peak = lib.remat_preload_peak_bytes
-            self.reset = lib.remat_preload_reset_peak
-            installed = lib.remat_preload_installed()
-        except AttributeError:
-            sys.exit("selective_worker.py: run with LD_PRELOAD=<build>/bench/libremat_preload.so")
-        self.current.restype = self.peak.restype = ctypes.c_int64
-        before = self.current()
-        t = torch.empty(1 << 20, dtype=torch.float32)
-        seen = self.current() - before
-        del t
-        if not installed or seen != 4 << 20 or self.current() != before:
-            sys.exit(f"selective_worker.py: the preload counter does not see torch (installed={installed}, "
-                     f"saw {seen} bytes)")
 
 
 def sac(ops):
@@ -136,7 +114,7 @@ def main():
     if a.ops:
         op_sequence(a)
         return
-    meter = Meter()
+    meter = Meter("selective_worker.py")
     seq = nn.Sequential(*[models.GptBlock(a.d_model, a.heads) for _ in range(a.blocks)])
     seq.train()
     x = torch.randn(a.batch, a.seq_len, a.d_model, requires_grad=True)
@@ -194,7 +172,8 @@ def main():
         del r["fn"]
     print(json.dumps(dict(lang="py", threads=torch.get_num_threads(), d_model=a.d_model, heads=a.heads,
                           seq_len=a.seq_len, batch=a.batch, blocks=a.blocks, torch=torch.__version__,
-                          param_bytes=sum(p.nbytes for p in params), input_bytes=x.nbytes, runs=runs)))
+                          param_bytes=sum(p.nbytes for p in params), input_bytes=x.nbytes, runs=runs,
+                          meta=metadata())))
     sys.exit(0 if all(r["grads_equal"] for r in runs) else 3)
 
 

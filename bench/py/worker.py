@@ -11,7 +11,6 @@ with activation_memory_budget B; slow to compile, run on its own).
 Leaves out: the loss head and optimizer (the chain ends in .sum()).
 """
 import argparse
-import ctypes
 import functools
 import json
 import os
@@ -24,37 +23,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential, create_sel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
-
-
-class Meter:
-    """The preload library's counters, found in the process (LD_PRELOAD)."""
-
-    def __init__(self):
-        lib = ctypes.CDLL(None)
-        try:
-            self.current = lib.remat_preload_current_bytes
-            self.peak = lib.remat_preload_peak_bytes
-            self.reset = lib.remat_preload_reset_peak
-            installed = lib.remat_preload_installed()
-        except AttributeError:
-            sys.exit("worker.py: run with LD_PRELOAD=<build>/bench/libremat_preload.so")
-        self.current.restype = self.peak.restype = ctypes.c_int64
-        # It must see torch's allocations: 4 MiB in, 4 MiB out.
-        before = self.current()
-        t = torch.empty(1 << 20, dtype=torch.float32)
-        seen = self.current() - before
-        del t
-        if not installed or seen != 4 << 20 or self.current() != before:
-            sys.exit(f"worker.py: the preload counter does not see torch (installed={installed}, saw {seen} bytes)")
-
-
-def status_kib(key):
-    """A field of /proc/self/status in KiB ('VmRSS:', 'VmHWM:'), -1 if absent."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    return -1
+from common import Meter, metadata, status_kib  # noqa: E402
 
 
 def per_block(seq, wrap):
@@ -102,7 +71,7 @@ def main():
     a = ap.parse_args()
     os.environ.pop("LD_PRELOAD", None)  # loaded already; keep it out of compiler subprocesses
     torch.set_num_threads(a.threads)
-    meter = Meter()
+    meter = Meter("worker.py")
     seq, x = models.build(a.model)
     seq.train()
     # RSS cross-check: reset the high-water mark (VmHWM, what ru_maxrss reports)
@@ -175,7 +144,7 @@ def main():
     print(json.dumps(dict(lang="py", model=a.model, threads=torch.get_num_threads(), meter="preload",
                           plain_peak=plain_peak, blocks=len(seq), input_bytes=x.nbytes,
                           param_bytes=sum(p.nbytes for p in params), rss_delta_kib=rss1 - rss0,
-                          rss_mode=a.rss == "1", torch=torch.__version__, runs=runs)))
+                          rss_mode=a.rss == "1", torch=torch.__version__, runs=runs, meta=metadata())))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@
 // the given size), for the op-for-op check against the Python model.
 // Prints one JSON object on stdout.
 // Leaves out: the loss head and optimizer (the stack ends in .sum()).
-#include <dlfcn.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,7 +31,6 @@
 #include <cstring>
 #include <functional>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -45,72 +42,15 @@
 #include <remat/policy.h>
 #include <remat/selective.h>
 
+#include "bench.h"
+
 namespace {
 
-struct Meter {  // the preload library's counters (required: both workers use them)
-  int64_t (*current)() = nullptr;
-  int64_t (*peak)() = nullptr;
-  void (*reset)() = nullptr;
-  int (*installed)() = nullptr;
-  Meter() {
-    current = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_current_bytes"));
-    peak = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_peak_bytes"));
-    reset = reinterpret_cast<void (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_reset_peak"));
-    installed = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "remat_preload_installed"));
-    if (!current || !peak || !reset || !installed || installed() != 1) {
-      std::fprintf(stderr, "remat_selective_bench: run with LD_PRELOAD=<build>/bench/libremat_preload.so\n");
-      std::exit(2);
-    }
-    const int64_t before = current();  // it must see torch's allocations: 4 MiB in, 4 MiB out
-    int64_t seen = 0;
-    {
-      auto t = torch::empty({1 << 20}, torch::kFloat32);
-      seen = current() - before;
-    }
-    if (seen != (4 << 20) || current() != before) {
-      std::fprintf(stderr, "remat_selective_bench: the preload counter does not see torch (saw %lld bytes)\n",
-                   (long long)seen);
-      std::exit(2);
-    }
-  }
-};
-
-std::string arg(int argc, char** argv, const std::string& key, const std::string& dflt) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == key) return argv[i + 1];
-  }
-  return dflt;
-}
-bool flag(int argc, char** argv, const std::string& key) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == key) return true;
-  }
-  return false;
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, sep);) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
-std::string json_list(const std::vector<double>& v) {
-  std::string s = "[";
-  char buf[32];
-  for (size_t i = 0; i < v.size(); ++i) {
-    std::snprintf(buf, sizeof buf, "%s%.3f", i ? ", " : "", v[i]);
-    s += buf;
-  }
-  return s + "]";
-}
-std::string json_list(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
+using bench::arg;
+using bench::Clock;
+using bench::int_arg;
+using bench::minor_faults;
+using bench::ms_since;
 
 /** nullopt: plain. Otherwise the options every GptBlock is switched on with. */
 std::optional<remat::CheckpointOptions> options_of(const std::string& s) {
@@ -127,16 +67,6 @@ std::optional<remat::CheckpointOptions> options_of(const std::string& s) {
   std::exit(2);
 }
 
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-/** Minor page faults of this process so far (fresh pages the kernel maps in). */
-int64_t minor_faults() {
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_minflt;
-}
-
 struct Config {
   int64_t d_model, heads, seq_len, batch, blocks;
 };
@@ -144,13 +74,13 @@ struct Config {
 }  // namespace
 
 int main(int argc, char** argv) {
-  torch::set_num_threads(std::stoi(arg(argc, argv, "--threads", "1")));
-  const Config c{std::stoll(arg(argc, argv, "--d-model", "512")), std::stoll(arg(argc, argv, "--heads", "8")),
-                 std::stoll(arg(argc, argv, "--seq-len", "512")), std::stoll(arg(argc, argv, "--batch", "4")),
-                 std::stoll(arg(argc, argv, "--blocks", "8"))};
+  torch::set_num_threads(static_cast<int>(int_arg(argc, argv, "--threads", "1")));
+  const Config c{int_arg(argc, argv, "--d-model", "512"), int_arg(argc, argv, "--heads", "8"),
+                 int_arg(argc, argv, "--seq-len", "512"), int_arg(argc, argv, "--batch", "4"),
+                 int_arg(argc, argv, "--blocks", "8")};
   torch::manual_seed(0);
 
-  if (flag(argc, argv, "--ops")) {  // the ops of one block's first run, as the policy sees them
+  if (bench::flag(argc, argv, "--ops")) {  // the ops of one block's first run, as the policy sees them
     std::vector<std::string> seen;
     remat::Policy log("log", [&seen](const remat::OpCall& call) {
       if (call.tag().empty()) seen.push_back(call.name() + (call.overload().empty() ? "" : "." + call.overload()));
@@ -168,12 +98,12 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  const int steps = std::stoi(arg(argc, argv, "--steps", "3"));
-  const int warmup = std::max(1, std::stoi(arg(argc, argv, "--warmup", "1")));
-  auto names = split(arg(argc, argv, "--strategies", "plain,full,matmuls,megatron"), ',');
+  const int steps = static_cast<int>(int_arg(argc, argv, "--steps", "3"));
+  const int warmup = std::max(1, static_cast<int>(int_arg(argc, argv, "--warmup", "1")));
+  auto names = bench::split(arg(argc, argv, "--strategies", "plain,full,matmuls,megatron"), ',');
   if (names.empty() || names[0] != "plain") names.insert(names.begin(), "plain");  // the reference
 
-  Meter meter;
+  bench::Meter meter("remat_selective_bench", true);
   torch::nn::Sequential seq;
   for (int64_t i = 0; i < c.blocks; ++i) seq->push_back(remat::models::GptBlock(c.d_model, c.heads, 0.0));
   seq->train();
@@ -276,10 +206,10 @@ int main(int argc, char** argv) {
         "%s, "
         "\"fwd_ms\": %s, \"bwd_ms\": %s}%s\n",
         r.name.c_str(), r.policy.c_str(), r.grads_equal ? "true" : "false", (long long)r.ops_saved,
-        (long long)r.ops_replayed, (long long)r.ops_recomputed, json_list(r.peak).c_str(), json_list(r.held).c_str(),
-        json_list(r.minflt).c_str(), json_list(r.ms).c_str(), json_list(r.fwd_ms).c_str(), json_list(r.bwd_ms).c_str(),
-        i + 1 < runs.size() ? "," : "");
+        (long long)r.ops_replayed, (long long)r.ops_recomputed, bench::json_list(r.peak).c_str(),
+        bench::json_list(r.held).c_str(), bench::json_list(r.minflt).c_str(), bench::json_list(r.ms, 3).c_str(),
+        bench::json_list(r.fwd_ms, 3).c_str(), bench::json_list(r.bwd_ms, 3).c_str(), i + 1 < runs.size() ? "," : "");
   }
-  std::printf(" ]}\n");
+  std::printf(" ],\n \"meta\": %s}\n", bench::metadata(argc, argv).c_str());
   return all_equal ? 0 : 3;
 }

@@ -1,0 +1,117 @@
+"""Renders the docs' benchmark tables and figures from bench/results/ (`make bench` ends with it).
+
+Each result file gives named markdown fragments (report.fragments for
+compare.json, selective.fragments for selective.json); in the docs a fragment
+stands between
+    <!-- generated: NAME -->
+    ...
+    <!-- /generated -->
+and is replaced (a blank line on either side, for markdown), markers kept; a marker whose result file is absent is left as
+it is (and listed). Images: docs/img/frontier.png from compare.json.
+--quick reads the *-quick.json files and writes nowhere in docs/: copies of
+the docs with the fragments substituted, every fragment as NAME.md and the
+images go to bench/results/docs-quick/ (or --out), to check the generator
+and look at a smoke run; there the toy models' sections fill the reference
+models' markers (compare-gpt for compare-gpt-ref). --check only lists markers and fragments.
+Leaves out: measuring (run_all.py, selective.py) and the prose around the
+tables (written by hand from the figures).
+"""
+import argparse
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import RESULTS, ROOT, load_json  # noqa: E402
+
+DOCS = ["docs/BENCHMARKS.md", "README.md"]
+MARKER = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- /generated -->)", re.S)
+
+
+def fragments(quick):
+    """NAME -> markdown from every result file there is, and NAME -> (draw, file name) for the images."""
+    suffix = "-quick" if quick else ""
+    frags, images = {}, {}
+    path = os.path.join(RESULTS, f"compare{suffix}.json")
+    if os.path.exists(path):
+        import report
+        res = load_json(path)
+        frags.update(report.fragments(res))
+        if quick:  # the toy models stand in for the reference ones: every marker is exercised (in the copy)
+            frags.update({f"{k}-ref": v for k, v in list(frags.items()) if f"{k}-ref" not in frags and
+                          k[len("compare-"):] in res["models"]})
+        images["frontier.png"] = lambda out, res=res: report.chart(res, out)
+    path = os.path.join(RESULTS, f"selective{suffix}.json")
+    if os.path.exists(path):
+        import selective
+        frags.update(selective.fragments(load_json(path)))
+    return frags, images
+
+
+def substitute(text, frags):
+    """`text` with every known fragment in place; (new text, names replaced, names left)."""
+    done, left = [], []
+
+    def one(m):
+        name = m.group(2)
+        if name not in frags:
+            left.append(name)
+            return m.group(0)
+        done.append(name)
+        return m.group(1) + "\n" + frags[name].strip("\n") + "\n\n" + m.group(4)
+
+    return MARKER.sub(one, text), done, left
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="render the *-quick.json results into --out, not docs/")
+    ap.add_argument("--out", help="where --quick writes (bench/results/docs-quick)")
+    ap.add_argument("--check", action="store_true", help="list markers and fragments, write nothing")
+    a = ap.parse_args(argv)
+    frags, images = fragments(a.quick)
+    if not frags:
+        print(f"gen_docs: no results in {RESULTS} ({'*-quick.json' if a.quick else '*.json'}); docs left as they are")
+        return 0
+    out = a.out or os.path.join(RESULTS, "docs-quick")
+    used = set()
+    for rel in DOCS:
+        src = os.path.join(ROOT, rel)
+        if not os.path.exists(src):
+            continue
+        with open(src) as f:
+            text = f.read()
+        new, done, left = substitute(text, frags)
+        used.update(done)
+        print(f"{rel}: {len(done)} generated ({', '.join(done) or '-'})" +
+              (f"; no results for {', '.join(left)}, kept" if left else ""))
+        if a.check or not done:
+            continue
+        dst = os.path.join(out, rel) if a.quick else src
+        if a.quick or new != text:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            with open(dst, "w") as f:
+                f.write(new)
+    unused = sorted(set(frags) - used)
+    if unused:
+        print(f"fragments with no marker in the docs: {', '.join(unused)}")
+    if a.check:
+        return 0
+    if a.quick:  # every fragment on its own, for a look
+        os.makedirs(os.path.join(out, "fragments"), exist_ok=True)
+        for name, md in frags.items():
+            with open(os.path.join(out, "fragments", f"{name}.md"), "w") as f:
+                f.write(md.rstrip("\n") + "\n")
+    img = os.path.join(out, "img") if a.quick else os.path.join(ROOT, "docs", "img")
+    os.makedirs(img, exist_ok=True)
+    for name, draw in images.items():
+        draw(os.path.join(img, name))
+        print(f"drew {os.path.join(img, name)}")
+    if a.quick:
+        print(f"wrote {out} (docs/ untouched)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
