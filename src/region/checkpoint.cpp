@@ -565,7 +565,8 @@ void Frame::recompute() {
     }
     const bool rng = options.preserve_rng_state();
     SeededGate gate;
-    dispatch::Scope gated(&gate);
+    std::optional<dispatch::Scope> gated;  // only a re-run that replays RNG holds the lock it gates
+    if (rng) gated.emplace(&gate);
     struct Gate {
       bool on, before;
       explicit Gate(bool o) : on(o), before(o && gate_rng_hold(true)) {}
