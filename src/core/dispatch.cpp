@@ -53,9 +53,9 @@ void install() {
   std::call_once(once, [] {
     if (c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kKey)) {
       throw Error(
-          "[remat] selective checkpointing needs the dispatcher's Fake key, but another library "
-          "(Python's FakeTensor support, in a Python process) already registered a fallback on it; "
-          "use remat's selective policies from a C++-only process, or checkpoint without a policy.");
+          "[remat] checkpoint regions need the dispatcher's Fake key (they see the ops they run), but another "
+          "library (Python's FakeTensor support, in a Python process) already registered a fallback on it; "
+          "use remat from a C++-only process.");
     }
     lib = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kKey, __FILE__, __LINE__);
     lib->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
