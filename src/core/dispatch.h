@@ -12,7 +12,7 @@
 // (checked at install: hasBackendFallbackForDispatchKey); Python's
 // FakeTensor uses the Python key, and a process with Python's fallback on
 // Fake is refused loudly. The key is in this thread's TLS include set only
-// while an Interceptor is pushed (a Scope lives), so with no policy active
+// while an Interceptor is pushed (a Scope lives), so outside regions
 // no op pays anything: the dispatcher never computes Fake into a key set.
 // With one active, each op pays one boxed call (~1-2 us on this machine),
 // negligible next to the kernels at the reference sizes. The fallback runs
