@@ -38,33 +38,31 @@ OpCall call_of(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> inputs,
   return OpCall(&op, op_name(op), op.operator_name().overload_name, inputs, tag);
 }
 
-/** An alias of t that shares its storage and version counter but not its
- *  TensorImpl (autograd attaches history to what an op returns). */
-c10::IValue alias_of(const c10::IValue& v) {
+/** v with f applied to each defined tensor (a tensor, or each of a list);
+ *  other values as they are. */
+template <class F>
+c10::IValue map_tensors(const c10::IValue& v, F f) {
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
-    return t.defined() ? c10::IValue(t.tensor_data()) : v;
+    return t.defined() ? c10::IValue(f(t)) : v;
   }
   if (v.isTensorList()) {
     std::vector<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorVector()) out.push_back(t.defined() ? t.tensor_data() : t);
+    for (const at::Tensor& t : v.toTensorVector()) out.push_back(t.defined() ? f(t) : t);
     return c10::IValue(out);
   }
   return v;
 }
 
-/** A copy of v's tensors (a tensor, or each of a list), other values as is. */
+/** Aliases that share storage and version counter but not the TensorImpl
+ *  (autograd attaches history to what an op returns). */
+c10::IValue alias_of(const c10::IValue& v) {
+  return map_tensors(v, [](const at::Tensor& t) { return t.tensor_data(); });
+}
+
+/** Copies of v's tensors. */
 c10::IValue copy_of(const c10::IValue& v) {
-  if (v.isTensor()) {
-    const at::Tensor& t = v.toTensor();
-    return t.defined() ? c10::IValue(t.clone()) : v;
-  }
-  if (v.isTensorList()) {
-    std::vector<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorVector()) out.push_back(t.defined() ? t.clone() : t);
-    return c10::IValue(out);
-  }
-  return v;
+  return map_tensors(v, [](const at::Tensor& t) { return t.clone(); });
 }
 
 /** Inference tensors have no version counter (InferenceMode inside a region). */
