@@ -4,7 +4,8 @@
 //  B. uneven MLP and GPT block stack: the optimal plan (CheckpointedSequential)
 //     against checkpoint_sequential with the best k that fits the same budget,
 //     at budgets of 0.5, 0.35, 0.25, 0.15 of the plain run's peak.
-// Leaves out: comparison with Python PyTorch (see the benchmarks issue).
+// Leaves out: comparison with Python PyTorch (bench/compare/remat_compare.cpp
+// and bench/py/run_all.py, `make bench`).
 #include <torch/torch.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// remat_soak: long soak (issue #14). Trains a small GPT block stack
+// remat_soak: long soak (leaks and growth over thousands of steps). Trains a small GPT block stack
 // (remat::models::GptBlock, d_model 64, 4 heads, T 32, batch 4, 6 blocks,
 // dropout 0.1, Adam) for N steps (default 2,000) under each strategy:
 // plain, remat::checkpoint per block, checkpoint_sequential (2 segments),

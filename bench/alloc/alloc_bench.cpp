@@ -1,5 +1,5 @@
 // remat_alloc_bench: the cost remat's counting allocator adds to every CPU
-// allocation in the process (issue #16 item 9). ns per alloc+free of
+// allocation in the process (it wraps c10's CPU allocator). ns per alloc+free of
 // torch::empty({64}) (256 B), 1 and 2 threads, in four phases of one
 // process:
 //   1. LibTorch's allocator alone (remat not installed yet);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bench/gpu/check.sh: the GPU check of issue #15, one run within 8 minutes on
+# bench/gpu/check.sh: the GPU check (build, test_cuda, the reference GPU
+# workload against PyTorch), one run within 8 minutes on
 # the lent GPU machine (one H200, Python PyTorch with CUDA, no registry):
 #   0. preflight: Python torch (and its LibTorch, torch.utils.cmake_prefix_path),
 #      cmake, ninja, a C++ compiler, nvcc, GoogleTest, nlohmann-json, CLI11,

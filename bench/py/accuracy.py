@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Cost-model accuracy at reference sizes (issue #11 item 2).
+"""Cost-model accuracy at reference sizes: the planner's predicted peak and step
+time against one measured step (docs/BENCHMARKS.md, "Planner: predicted
+against measured").
 
 For each model (mlp-ref, gpt-ref, resnet-ref of bench/compare/remat_compare,
 DESIGN.md's CPU reference shapes) runs CheckpointedSequential with the

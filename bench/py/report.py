@@ -1,5 +1,7 @@
 """Renders bench/results/compare.json (run_all.py) as markdown tables, the
-targets of issue 6 (met or missed, with figures) and the frontier chart
+targets the comparison is held to (per-block cost, never slower than
+PyTorch on the same schedule, per-call overhead, the planner against
+checkpoint_sequential's frontier; met or missed, with figures) and the frontier chart
 (matplotlib PNG); fragments() gives gen_docs.py the same tables by name.
 Leaves out: any measuring (run_all.py does that).
 """

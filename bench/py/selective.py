@@ -1,4 +1,5 @@
-"""Selective checkpointing on the GPT block stack: remat (C++) against PyTorch SAC (issue #10).
+"""Selective checkpointing on the GPT block stack: remat (C++) against PyTorch SAC
+(docs/BENCHMARKS.md, "Selective checkpointing").
 
 Builds nothing: takes --build DIR with remat_selective_bench and
 libremat_preload.so built (ninja -C DIR remat_selective_bench remat_preload).

@@ -1,4 +1,5 @@
-"""The Python (torch 2.13) half of the selective-checkpointing benchmark (issue #10).
+"""The Python (torch 2.13) half of the selective-checkpointing benchmark
+(docs/BENCHMARKS.md, "Selective checkpointing").
 
 Mirrors bench/selective/remat_selective.cpp: a stack of GPT blocks
 (models.GptBlock, the port of remat::models::GptBlock: pre-LN, explicit causal

@@ -1,5 +1,5 @@
 // remat_selective_bench: the C++ (remat) half of the selective-checkpointing
-// benchmark of issue #10 (bench/py/selective.py drives it, against
+// benchmark (bench/py/selective.py drives it, against
 // bench/py/selective_worker.py; docs/BENCHMARKS.md, "Selective
 // checkpointing"). A stack of remat::models::GptBlock (dropout 0, explicit
 // attention), switched between strategies with remat::enable_checkpointing
