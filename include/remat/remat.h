@@ -7,6 +7,7 @@
 
 #include <remat/checkpoint.h>
 #include <remat/checkpointable.h>
+#include <remat/chunked.h>
 #include <remat/error.h>
 #include <remat/hooks.h>
 #include <remat/memory.h>

@@ -10,6 +10,7 @@
 #include <string>
 
 #include <remat/checkpoint.h>
+#include <remat/chunked.h>
 #include <remat/error.h>
 #include <remat/selective.h>
 
@@ -70,25 +71,34 @@ torch::Tensor CausalSelfAttentionImpl::attend(const torch::Tensor& x) {  // (B, 
   return resid_drop(checkpoint_name(linear(proj, y), "attn_out"));                                     // (B, T, C)
 }
 
-MlpImpl::MlpImpl(int64_t d_model, double dropout)
+MlpImpl::MlpImpl(int64_t d_model, double dropout, int64_t chunks)
     : fc(register_module("fc", torch::nn::Linear(d_model, 4 * d_model))),
       proj(register_module("proj", torch::nn::Linear(4 * d_model, d_model))),
-      drop(register_module("drop", torch::nn::Dropout(dropout))) {}
+      drop(register_module("drop", torch::nn::Dropout(dropout))),
+      chunks_(chunks) {}
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return checkpointed([this](const torch::Tensor& h) { return transform(h); }, x);
 }
 
-torch::Tensor MlpImpl::transform(const torch::Tensor& x) {                                     // (B, T, C)
+torch::Tensor MlpImpl::transform(const torch::Tensor& x) {  // (B, T, C)
+  if (chunks_ <= 0) return body(x);
+  // A slice of dim 1 is strided when B > 1; contiguous, so that linear() is
+  // one addmm (a name reaches it) rather than matmul + an in-place bias add.
+  return chunked([this](const std::vector<torch::Tensor>& in) { return body(in[0].contiguous()); }, {x},
+                 ChunkOptions(1, chunks_));
+}
+
+torch::Tensor MlpImpl::body(const torch::Tensor& x) {                                          // (B, T', C)
   auto h = checkpoint_name(torch::gelu(checkpoint_name(linear(fc, x), "mlp_fc")), "mlp_act");  // (B, T, 4C)
   return drop(checkpoint_name(linear(proj, h), "mlp_out"));                                    // (B, T, C)
 }
 
-GptBlockImpl::GptBlockImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa)
+GptBlockImpl::GptBlockImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa, int64_t mlp_chunks)
     : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
       ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
       attn(register_module("attn", CausalSelfAttention(d_model, heads, dropout, sdpa))),
-      mlp(register_module("mlp", Mlp(d_model, dropout))) {}
+      mlp(register_module("mlp", Mlp(d_model, dropout, mlp_chunks))) {}
 
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   return checkpointed([this](const torch::Tensor& h) { return body(h); }, x);
@@ -113,11 +123,16 @@ GptImpl::GptImpl(const GptConfig& c) : config_(c) {
   if (c.dropout < 0.0 || c.dropout >= 1.0) {
     throw Error("[remat::models] dropout must be in [0, 1), got " + std::to_string(c.dropout) + ".");
   }
+  if (c.loss_chunks < 0 || c.mlp_chunks < 0) {
+    throw Error("[remat::models] loss_chunks and mlp_chunks must be >= 0 (0: unchunked), got " + str(c.loss_chunks) +
+                " and " + str(c.mlp_chunks) + ". Fix --loss-chunks / --mlp-chunks.");
+  }
   wte = register_module("wte", torch::nn::Embedding(c.vocab, c.d_model));
   wpe = register_module("wpe", torch::nn::Embedding(c.seq_len, c.d_model));
   drop = register_module("drop", torch::nn::Dropout(c.dropout));
   blocks = register_module("blocks", torch::nn::Sequential());
-  for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c.d_model, c.heads, c.dropout, c.sdpa));
+  for (int64_t i = 0; i < c.layers; ++i)
+    blocks->push_back(GptBlock(c.d_model, c.heads, c.dropout, c.sdpa, c.mlp_chunks));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
 
   // GPT-2 initialisation.
@@ -146,6 +161,14 @@ torch::Tensor GptImpl::embed(const torch::Tensor& idx) {  // (B, T)
 
 torch::Tensor GptImpl::head(const torch::Tensor& h) {  // (B, T, C)
   return torch::linear(ln_f(h), wte->weight);          // (B, T, vocab)
+}
+
+torch::Tensor GptImpl::loss(const torch::Tensor& h, const torch::Tensor& targets) {  // (B, T, C), (B, T)
+  if (config_.loss_chunks > 0) {
+    return chunked_cross_entropy(ln_f(h), wte->weight, targets, ChunkedCrossEntropyOptions(config_.loss_chunks));
+  }
+  auto logits = head(h);  // (B, T, V)
+  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) { return head(blocks->forward(embed(idx))); }

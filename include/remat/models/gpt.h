@@ -46,6 +46,14 @@ struct GptConfig {
   /** Attention through at::scaled_dot_product_attention (is_causal) instead
    *  of the explicit scores/softmax. Default false. */
   bool sdpa = false;
+  /** > 0: loss() computes the head and cross-entropy in this many slices of
+   *  the tokens (remat::chunked_cross_entropy), never holding the whole
+   *  (B, T, vocab) logits or their gradient. 0 (default): the full logits. */
+  int64_t loss_chunks = 0;
+  /** > 0: each MLP runs over this many slices of the sequence, each
+   *  checkpointed (remat::chunked), so one slice's (B, T / mlp_chunks, 4C)
+   *  intermediates exist at a time. 0 (default): unchunked. */
+  int64_t mlp_chunks = 0;
 };
 
 /** Megatron-style selective recompute for these blocks (Korthikanti et al.
@@ -87,17 +95,23 @@ TORCH_MODULE(CausalSelfAttention);
  *  mlp_act, mlp_out. Checkpointable. */
 class MlpImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
-  /** d_model channels in and out, 4 d_model hidden; dropout on the output. */
-  MlpImpl(int64_t d_model, double dropout);
+  /** d_model channels in and out, 4 d_model hidden; dropout on the output;
+   *  chunks > 0: transform() over that many slices of dim 1 (GptConfig::mlp_chunks). */
+  MlpImpl(int64_t d_model, double dropout, int64_t chunks = 0);
   /** transform(x) through the checkpoint switch (checkpointed()). */
   torch::Tensor forward(const torch::Tensor& x);
-  /** forward() without the switch: drop(proj(gelu(fc(x)))). */
+  /** forward() without the switch: drop(proj(gelu(fc(x)))), slice by
+   *  slice of the sequence when built with chunks > 0. */
   torch::Tensor transform(const torch::Tensor& x);
   /** The up (C -> 4C) and down (4C -> C) projections. */
   ///@{
   torch::nn::Linear fc{nullptr}, proj{nullptr};
   ///@}
   torch::nn::Dropout drop{nullptr};  ///< dropout on the output
+
+ private:
+  torch::Tensor body(const torch::Tensor& x);
+  int64_t chunks_;
 };
 /** The module holder of MlpImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(Mlp);
@@ -106,8 +120,9 @@ TORCH_MODULE(Mlp);
  *  Checkpointable, as are its attn and mlp. */
 class GptBlockImpl : public torch::nn::Module, public remat::Checkpointable {
  public:
-  /** Arguments as CausalSelfAttentionImpl's; d_model channels in and out. */
-  GptBlockImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa = false);
+  /** Arguments as CausalSelfAttentionImpl's; d_model channels in and out;
+   *  mlp_chunks as GptConfig::mlp_chunks. */
+  GptBlockImpl(int64_t d_model, int64_t heads, double dropout, bool sdpa = false, int64_t mlp_chunks = 0);
   /** body(x) through the checkpoint switch (checkpointed()): (B, T, C) -> (B, T, C). */
   torch::Tensor forward(const torch::Tensor& x);
   /** forward() without the switch. */
@@ -133,6 +148,9 @@ class GptImpl : public torch::nn::Module {
   torch::Tensor embed(const torch::Tensor& idx);
   /** h (B, T, C) -> logits (B, T, vocab), through the tied token embedding. */
   torch::Tensor head(const torch::Tensor& h);
+  /** Mean cross-entropy of head(h) against targets (B, T) int64, in
+   *  float32: chunked (GptConfig::loss_chunks) or through the full logits. */
+  torch::Tensor loss(const torch::Tensor& h, const torch::Tensor& targets);
   /** head(blocks->forward(embed(idx))): (B, T) -> (B, T, vocab). */
   torch::Tensor forward(const torch::Tensor& idx);
   /** The output projection: the token embedding's weight (vocab, C), shared. */
