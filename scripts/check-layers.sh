@@ -33,7 +33,7 @@ LAYERS=(plan core offload region chain "models parallel")
 # no source includes it.
 PUBLIC=(error.h:core hooks.h:core memory.h:core
   offload.h:offload
-  policy.h:region checkpoint.h:region selective.h:region checkpointable.h:region
+  policy.h:region checkpoint.h:region selective.h:region checkpointable.h:region chunked.h:region
   profile.h:chain sequential.h:chain
   remat.h:umbrella)
 
