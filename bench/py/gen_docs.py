@@ -1,7 +1,8 @@
 """Renders the docs' benchmark tables and figures from bench/results/ (`make bench` ends with it).
 
 Each result file gives named markdown fragments (report.fragments for
-compare.json, selective.fragments for selective.json); in the docs a fragment
+compare.json, selective.fragments for selective.json, longctx.fragments for
+longctx.json with longctx-py.json: the fragment `longctx`); in the docs a fragment
 stands between
     <!-- generated: NAME -->
     ...
@@ -46,6 +47,8 @@ def fragments(quick):
     if os.path.exists(path):
         import selective
         frags.update(selective.fragments(load_json(path)))
+    import longctx  # JSON lines: longctx.json (remat_longctx) and longctx-py.json (the Python anchor)
+    frags.update(longctx.fragments(quick))
     return frags, images
 
 

@@ -17,7 +17,10 @@ docs/img/frontier.png from it (--quick: compare-quick.json, compare-quick.md
 and frontier-quick.png in bench/results/, ignored by git); the JSON is rewritten
 after every model, so a run stopped early keeps what it measured
 (--report-only renders it; it also reads the old <build>/bench/compare/
-results.json). Prints the tables and targets.
+results.json). Prints the tables and targets. Last, the long-context
+benchmark (bench/py/longctx.py: remat_longctx and its Python anchor, same
+environment; bench/results/longctx.json and longctx-py.json, --quick:
+*-quick.json; --longctx skip leaves it out, --longctx only runs just it).
 Leaves out: multi-threaded runs (one intra-op thread throughout).
 """
 import argparse
@@ -131,6 +134,9 @@ def main():
     ap.add_argument("--compile-budgets", default="1.0,0.5,0.15")
     ap.add_argument("--compile-only", action="store_true", help="only torch.compile, into results.json")
     ap.add_argument("--report-only", action="store_true", help="re-render bench/results/compare.json")
+    ap.add_argument("--longctx", choices=["run", "skip", "only"], default="run",
+                    help="the long-context benchmark (bench/py/longctx.py) after the comparison: run (default), "
+                         "skip, or only it (minutes at the reference size, seconds with --quick)")
     ap.add_argument("--chart", help="a frontier PNG to draw (--quick: bench/results/frontier-quick.png; reference: "
                                     "none, gen_docs.py draws docs/img/frontier.png)")
     ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
@@ -154,6 +160,10 @@ def main():
     rss_env = dict(env)
     if a.malloc == "keep":
         env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(64 << 30))
+    if a.longctx == "only":
+        import longctx
+        longctx.drive(a.build, a.quick, env)
+        return
     if a.compile_only:  # add torch.compile to an earlier run's results
         res = load_json(path, old_path)
         res["compile"] = compile_runs(a, env)
@@ -183,6 +193,9 @@ def main():
                 res["compile"] = old["compile"]
         res["wall_s"] = time.time() - t0
         write_json(path, res)
+    if a.longctx == "run" and not (a.report_only or a.compile_only):
+        import longctx
+        longctx.drive(a.build, a.quick, env)
     import report
     md = report.render(res, a.chart)
     md_path = os.path.join(RESULTS, f"compare{suffix}.md")
