@@ -15,9 +15,12 @@
 #      auto) and Python PyTorch (bench/gpu/gpu_bench.py: plain, per-block
 #      torch.utils.checkpoint, SAC, then torch.compile with
 #      activation_memory_budget under what time is left): peak CUDA memory,
-#      step time, tokens/s, largest batch within --budget-gib (default 40).
+#      step time, tokens/s, largest batch within --budget-gib (default 40);
+#   4. long context (bench/gpu/remat_longctx_gpu.cpp): remat's whole GPT
+#      step with a 32k vocabulary, plain and per-block against the chunked
+#      head + loss and MLP: peaks, step times, longest sequence under a cap.
 # Every phase has a timeout cut to what is left of the deadline (470 s).
-# Writes check.log, build.log, tests.log, bench.log, results.json and
+# Writes check.log, build.log, tests.log, bench.log, longctx.log, longctx.json, results.json and
 # summary.md to $OUT if set, else bench/gpu/out.
 #
 # Usage: bench/gpu/check.sh [--quick] [--build-only] [--skip-build]
@@ -29,7 +32,7 @@
 # (bench/gpu/deps, from pack-deps.sh: used only for what the machine lacks;
 # CHECK_FORCE_DEPS=1 uses it for everything it holds), REMAT_CUDA (ON),
 # CHECK_DEADLINE_S (470), BUILD_TIMEOUT_S (300), BUDGET_GIB (40), CPP_ARGS / PY_ARGS (extra bench
-# arguments), COMPILE_BUDGET (0.5).
+# arguments), LONGCTX_ARGS (extra remat_longctx_gpu arguments), COMPILE_BUDGET (0.5).
 # On the device tool: bash bench/gpu/pack-deps.sh here, then
 #   run(command="bash bench/gpu/check.sh", carry=["bench/gpu/deps"], timeout_s=540)
 set -uo pipefail
@@ -271,7 +274,7 @@ for m in "${missing[@]}"; do say "MISSING: $m"; done
 cuda_opt=${REMAT_CUDA:-ON}
 ((quick)) && cuda_opt=${REMAT_CUDA:-AUTO}
 built=0
-targets=(remat remat_models remat_gpu_bench)
+targets=(remat remat_models remat_gpu_bench remat_longctx_gpu)
 if ((skip_build)); then
   [[ -x $build/bench/gpu/remat_gpu_bench ]] && built=1
   record build skipped 0 "--skip-build ($([[ $built == 1 ]] && echo "binaries found" || echo "no binaries in $build"))"
@@ -322,7 +325,7 @@ else
     keep_going=()  # a test that does not compile must not cost the benchmark its binary
     [[ $gen == Ninja ]] && keep_going=(-- -k 0)
     [[ $gen != Ninja ]] && keep_going=(-- -k)
-    rm -f "$build/bench/gpu/remat_gpu_bench" "$build/tests/test_cuda"
+    rm -f "$build/bench/gpu/remat_gpu_bench" "$build/bench/gpu/remat_longctx_gpu" "$build/tests/test_cuda"
     run_phase build "$(budget "${BUILD_TIMEOUT_S:-300}" 150)" "$out/build.log" \
       cmake --build "$build" -j"$jobs" --target "${targets[@]}" "${keep_going[@]}"
     [[ -x $build/bench/gpu/remat_gpu_bench ]] && built=1
@@ -363,6 +366,17 @@ else
       --json "$work/cpp.json" --time-limit-s $((t > 40 ? t - 30 : t / 2)) ${CPP_ARGS:-}
   else
     record bench-cpp skipped 0 "not built"
+  fi
+  # Long context: the whole GPT step with a 32k vocabulary, chunked head +
+  # loss and MLP against plain and per-block (bench/gpu/remat_longctx_gpu.cpp).
+  if [[ -x $build/bench/gpu/remat_longctx_gpu ]]; then
+    t=$(budget 130 $((compile ? 180 : 100)))
+    # shellcheck disable=SC2086
+    run_phase longctx "$t" "$out/longctx.log" "$build/bench/gpu/remat_longctx_gpu" --device "$device" \
+      $( ((quick)) && echo --quick) --json "$out/longctx.json" --time-limit-s $((t > 40 ? t - 30 : t / 2)) \
+      ${LONGCTX_ARGS:-}
+  else
+    record longctx skipped 0 "not built"
   fi
   if [[ -n $py ]]; then
     t=$(budget 120 $((compile ? 60 : 0)))
