@@ -352,7 +352,7 @@ TEST(Checkpoint, ThreadsReplayDropoutMasksExactly) {
   }
 }
 
-// Issue 16 item 6: BatchNorm saves its running statistics; a re-run must
+// BatchNorm saves its running statistics; a re-run must
 // start from the values the first run saw, or kValues reports a difference.
 TEST(Checkpoint, ValuesCheckWithBatchNormRewindsBuffers) {
   torch::manual_seed(4);
@@ -379,7 +379,7 @@ TEST(Checkpoint, ValuesCheckWithBatchNormRewindsBuffers) {
   for (size_t i = 0; i < bufs.size(); ++i) EXPECT_TRUE(torch::equal(bufs[i], after_plain[i])) << "buffer " << i;
 }
 
-// Issue 16 item 7: the inner region saves its input (pow) and a value it
+// The inner region saves its input (pow) and a value it
 // must recompute (tanh); one unpack takes the input slot, which fetches the
 // inputs through the outer frame, and the recompute must not fetch them
 // again. The outer function runs exactly twice (forward + one recompute);
@@ -604,7 +604,7 @@ TEST(CheckpointErrors, ModuleParameterModifiedBeforeBackward) {
 namespace {
 
 TEST(CheckpointSequential, ModuleListVectorAndCallables) {
-  // Issue #13 item 4: beyond torch::nn::Sequential.
+  // Any module, not only torch::nn::Sequential.
   torch::manual_seed(12);
   auto seq = make_mlp(6, 16);
   auto x = torch::randn({4, 16}, torch::requires_grad());

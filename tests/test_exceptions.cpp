@@ -1,4 +1,4 @@
-// Exception safety (issue #14): a user exception thrown inside a
+// Exception safety: a user exception thrown inside a
 // checkpointed function, in the forward or in the recompute that backward
 // triggers, reaches the caller unchanged and leaves the thread as it was:
 //  - hook stack: remat::current_hooks() is what it was before the call (a

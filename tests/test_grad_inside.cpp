@@ -1,4 +1,4 @@
-// Higher-order autograd inside checkpointed regions (issue #13 item 1): a
+// Higher-order autograd inside checkpointed regions: a
 // region whose function itself calls autograd::grad or backward (gradient
 // penalty, forces = -dE/dx), the nesting patterns of PyTorch's
 // test_nested_checkpoint, early stop firing inside an inner backward, a

@@ -1,7 +1,7 @@
 // remat::OffloadScope: disk, memory (codecs) and host targets give bitwise
 // equal gradients (lossless) or a bounded error (lossy) against a plain run;
-// prefetch depths, in-flight bounds, sharing, retain_graph; and the faults of
-// issue #12 (bad directory, failed writes, deleted or truncated files, failed
+// prefetch depths, in-flight bounds, sharing, retain_graph; and the I/O faults
+// (bad directory, failed writes, deleted or truncated files, failed
 // reads), each with its error pinned and the directory listed afterwards;
 // lossy codecs give one result whether writes are pending or done; graphs
 // and threads sharing a store never deadlock (run under a watchdog).

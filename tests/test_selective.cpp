@@ -524,7 +524,7 @@ TEST(SavedResiduals, TotalsEqualMeasuredBytes) {
 namespace {
 
 TEST(RecomputeSideEffects, BatchNormThroughALambdaUpdatesStatisticsOnce) {
-  // Issue #13 item 2: a lambda (not a module holder) around BatchNorm; the
+  // A lambda (not a module holder) around BatchNorm; the
   // recompute's writes to the running statistics are undone.
   torch::manual_seed(10);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(4, 4, 3).padding(1));
@@ -567,7 +567,7 @@ TEST(RecomputeSideEffects, BatchNormThroughALambdaUpdatesStatisticsOnce) {
 namespace {
 
 TEST(CheckpointDebug, DeterminismErrorShowsTheOpSequencesAligned) {
-  // Issue #13 item 3: a function that runs an extra op when recomputed.
+  // A function that runs an extra op when recomputed.
   auto x = torch::randn({4, 3}, torch::requires_grad());
   int calls = 0;
   auto f = [&calls](const torch::Tensor& h) {
@@ -633,7 +633,7 @@ TEST(CheckpointDebug, ProcessWideDefault) {
   EXPECT_NE(back.find("differs between the forward and the recomputation"), std::string::npos) << back;
 }
 
-// kOffload (issue #12): a policy's saved outputs go to the region's offload
+// kOffload: a policy's saved outputs go to the region's offload
 // target when its forward ends and come back in the recompute: gradients
 // bitwise as plain (dropout on), less held after the forward than keeping
 // them, no file left, and an offload policy without a target is an error.

@@ -254,11 +254,11 @@ int64_t step_peak(const std::function<torch::Tensor(const torch::Tensor&)>& fn, 
   return probe.peak_bytes();
 }
 
-// Issue #11 item 1: the planned runtime running checkpoint_sequential's
-// placement (segments(k) = uniform:k) peaks no higher than the hook runtime
-// running it (+2%). It used to hold two activations more in every stage
-// backward: the gradient at the stage's output (pinned by Engine::execute's
-// inputs) and the output itself (26.2 MB on a 100-image ResNet).
+// The planned runtime running checkpoint_sequential's placement
+// (segments(k) = uniform:k) peaks no higher than the hook runtime running it
+// (+2%): a stage's backward holds neither the gradient at its output
+// (pinned by Engine::execute's inputs) nor the output itself (two
+// activations, 26.2 MB on a 100-image ResNet).
 TEST(CheckpointedSequential, PeakNoHigherThanCheckpointSequentialForTheSamePlacement) {
   remat::memory::enable_tracking();
   std::vector<MemoryCase> cases = {
@@ -300,7 +300,7 @@ struct ThreeLinearImpl : torch::nn::Module {
 };
 TORCH_MODULE(ThreeLinear);
 
-// Issue #11 item 1 (NOTE [early delivery] in src/chain/grad_edges.h): a stage's
+// NOTE [early delivery] in src/chain/grad_edges.h): a stage's
 // parameter gradients land in .grad one by one during its backward, as in
 // the hook runtime, not all together at its end. On stages of three
 // 512x512 weights (1 MiB each) and small activations, with .grad allocated
@@ -394,7 +394,7 @@ TEST(CheckpointedSequential, ProfileExportsRematPlanJson) {
   EXPECT_EQ(back.stages[1].saved_bytes, chain.stages[1].saved_bytes);
 }
 
-// ---- gradients through autograd (issue 16: hooks, autograd::grad, retain and create_graph) ----
+// ---- gradients through autograd (hooks, autograd::grad, retain and create_graph) ----
 
 /** Counts hook calls per parameter and records the gradient each saw. */
 struct HookLog {
@@ -700,7 +700,7 @@ TEST(CheckpointedSequential, RealModuleCallsMatchTheSchedule) {
   }
 }
 
-// ---- drop-in use inside a model (issue #11 item 4) ----
+// ---- drop-in use inside a model ----
 
 /** A model as users write one: a Sequential body under "body", a head.
  *  The body is called through a std::function so that it can be swapped at
@@ -787,7 +787,7 @@ TEST(CheckpointedSequentialDropIn, ModeReachesTheWrappedSequential) {
   EXPECT_TRUE(seq->is_training());
 }
 
-// ---- budgets (issue #11 item 3) ----
+// ---- budgets ----
 
 TEST(CheckpointedSequential, BudgetAsAFractionOfThePlainPeak) {
   auto seq = six_gpt_blocks();
@@ -890,7 +890,7 @@ TEST(CheckpointedSequentialErrors, ExplicitScheduleThatDoesNotFit) {
 
 namespace {
 
-// ---- side effects of re-runs and profiling (issue item 4) ----
+// ---- side effects of re-runs and profiling ----
 
 /** Linear then relu(bn(x)) with the BatchNorm owned outside the Sequential
  *  (called from a lambda): its statistics are not the stage's buffers. */
@@ -940,7 +940,7 @@ TEST(CheckpointedSequential, BatchNormsOwnedElsewhereMoveAsInAPlainStep) {
   EXPECT_TRUE(saw_multilevel);
 }
 
-// ---- stages that write their input in place (issue item 10) ----
+// ---- stages that write their input in place ----
 
 /** LeakyReLU(inplace) on the block's input, then a skip that reads the
  *  (modified) input. */
@@ -1031,7 +1031,7 @@ TEST(CheckpointedSequentialErrors, AStageThatWritesItsInputOnSomeCallsOnly) {
   g_write_input = false;
 }
 
-// ---- a budget fraction that cannot be met names the fraction (issue item 13) ----
+// ---- a budget fraction that cannot be met names the fraction ----
 
 TEST(CheckpointedSequentialErrors, InfeasibleBudgetFractionNamesTheFraction) {
   auto seq = make_mlp(4, 16);
@@ -1057,7 +1057,7 @@ TEST(CheckpointedSequentialErrors, InfeasibleBudgetFractionNamesTheFraction) {
   }
 }
 
-// ---- the drop-in with a Sequential member (issue item 14) ----
+// ---- the drop-in with a Sequential member ----
 
 /** The usual C++ model: a Sequential member registered as "body", called
  *  by forward. */

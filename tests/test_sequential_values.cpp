@@ -1,5 +1,5 @@
-// CheckpointedSequential beyond one Sequential of tensor-to-tensor modules
-// (issue #11 item 4): a chain over several Sequentials (a ResNet's layers)
+// CheckpointedSequential beyond one Sequential of tensor-to-tensor modules:
+// a chain over several Sequentials (a ResNet's layers)
 // that stay registered in their model, and stages that take and return a
 // vector or tuple of tensors (hidden state and a mask, a skip tensor).
 // Gradients are compared bitwise against the plain run under every kind of
@@ -403,7 +403,7 @@ TEST(CheckpointedSequentialValues, TupleResultAndAMaskWithoutGradient) {
   expect_bitwise_equal(grads_of(*open, in.x), got);
 }
 
-// ---- whole-step budgets (issue #11 item 3) ----
+// ---- whole-step budgets ----
 
 /** A small GPT: embedding, a chain of blocks, final LayerNorm and a head,
  *  cross-entropy loss. */

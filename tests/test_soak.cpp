@@ -1,4 +1,4 @@
-// Short soak (issue #14): a small GPT-ish stack with dropout trained with
+// Short soak: a small GPT-ish stack with dropout trained with
 // Adam for 300 steps under each strategy (plain, remat::checkpoint per
 // block, checkpoint_sequential, CheckpointedSequential with a budget). At
 // the same point of every step (after opt.step(), the step's tensors

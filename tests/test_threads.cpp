@@ -1,4 +1,4 @@
-// Threads (issue #14): remat from several threads at once. Every test name
+// Threads: remat from several threads at once. Every test name
 // contains "Thread": `make test-tsan` runs `ctest -R Thread` under
 // ThreadSanitizer.
 //
@@ -108,7 +108,7 @@ TEST(Threads, SeparateModelsBitwiseAgainstSerial) {
   // Install remat's counting allocator before the threads (the profiler's
   // first Probe would install it): c10::SetCPUAllocator publishes it with a
   // plain store, so a thread allocating while another installs it is a data
-  // race TSan reports (remat::memory, reported in issue #14).
+  // race TSan reports (remat::memory; docs/RELIABILITY.md, "Sanitizers").
   { remat::memory::Probe install; }
   std::vector<std::vector<torch::Tensor>> got(kThreads), want(kThreads);
   std::barrier start(kThreads);

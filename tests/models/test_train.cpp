@@ -273,14 +273,14 @@ TEST(Models, SplitBlocksLowerThePlannersFloor) {
 
 // Every head passes the block's input on: its output (first(x), x) holds
 // x, which the profile records as the head's shared_input_bytes, so a plan
-// keeping both boundaries counts x once. Store-all on the split chain was
-// predicted 11% high (x twice per block); now every budget's measured peak
-// is within 2% above / 3% below its prediction, as on the unsplit chains
-// (MeasuredPeakWithinBudget...). Issue #11 item 1 on this chain: store-all
-// peaks no higher than plain (+2%). It measured 4.5% above plain on the
-// reference ResNet while the head computed the projection shortcut: a
-// boundary value, live with the stored boundaries, where the whole block
-// frees it after the add.
+// keeping both boundaries counts x once (counted twice, store-all would be
+// predicted 11% high). Every budget's measured peak is within 2% above / 3%
+// below its prediction, as on the unsplit chains
+// (MeasuredPeakWithinBudget...). Store-all peaks no higher than plain
+// (+2%): the tail, not the head, computes the projection shortcut, which as
+// a head output would be a boundary value live with the stored boundaries
+// (4.5% above plain on the reference ResNet) where the whole block frees it
+// after the add.
 TEST(Models, SplitBlocksPeakMatchesPrediction) {
   // bench/compare's resnet-ref at a quarter of its width and batch: 3
   // stages x 2 basic blocks, the second of each stage with an identity

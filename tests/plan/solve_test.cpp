@@ -495,10 +495,11 @@ TEST(Optimal, CoarseDiscretizationIsRefined) {
   EXPECT_LE(q.relative_gap(), rp::kOptimalGapTarget);
 }
 
-// Issue #17: at 500 slots the rounded DP rejected budgets just above the
-// smallest feasible peak and optimal() fell back to the min-peak schedule, up
-// to 48% slower than the exact optimum on this 24-stage chain (525 bytes:
-// 423.75 ms against 286.50 ms). Now within 1% of the exact DP (here equal).
+// At 500 slots the rounded DP can reject budgets just above the smallest
+// feasible peak; optimal() must then refine rather than fall back to the
+// min-peak schedule, which is 48% slower than the exact optimum on this
+// 24-stage chain (525 bytes: 423.75 ms against 286.50 ms). It must land
+// within 1% of the exact DP (here equal).
 TEST(Optimal, NoFallbackLossNearTheSmallestPeak) {
   std::mt19937 rng(95);
   const rp::Chain c = random_chain(rng, 24, 1, 100, true);
