@@ -27,7 +27,9 @@ demo: build
 # batch 4; MLP 24 x 1024, batch 2048; ResNet 3 stages, width 32, batch 100),
 # 2 rounds of 3 timed steps, both workers keeping their freed heap
 # (run_all.py --malloc keep), ~33 minutes on the 2 cores, idle
-# (docs/BENCHMARKS.md). Results: bench/results/compare.json; then
+# (docs/BENCHMARKS.md). Results: bench/results/compare.json; then the
+# long-context benchmark (bench/py/longctx.py: the GPT training step with a
+# 32k vocabulary, ~5 minutes; longctx.json, longctx-py.json); then
 # bench/py/gen_docs.py renders the docs' generated tables and
 # docs/img/frontier.png from bench/results/. bench-quick: the toy sizes, every
 # strategy, ~7 minutes, for smoke runs: bench/results/compare-quick.json (not

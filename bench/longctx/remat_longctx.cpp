@@ -24,8 +24,11 @@
 // (c10's CPU allocator) above the bytes alive at the step's start. From the
 // second step on the gradients, the parameters and AdamW's state are alive
 // at the start, so the peak covers activations, the loss and head's
-// temporaries, activation gradients, recompute and the optimizer's
-// temporaries, not the parameter gradients. Under LD_PRELOAD of
+// temporaries, activation gradients, recompute, fresh parameter gradients
+// before they are accumulated and the optimizer's temporaries, not the
+// gradient buffers themselves. The peak of each phase (forward with the
+// loss, backward, optimizer step; each above the same start) is recorded too,
+// so a record says which phase sets the peak. Under LD_PRELOAD of
 // bench/preload the same peak is also read from that counter (the one the
 // Python anchor, bench/py/longctx.py, reads).
 // The warm-up step checks that every strategy's loss equals plain's within a
@@ -87,40 +90,50 @@ struct Run {
   int64_t warmup_peak = 0;  // its peak (gradients and AdamW state allocated then)
   std::vector<double> ms, fwd_ms, bwd_ms, opt_ms;
   std::vector<int64_t> peak, peak_preload, held;  // per timed step; held: bytes alive after the step above its start
+  std::vector<int64_t> peak_fwd, peak_bwd, peak_opt;  // per timed step: the peak within each phase
 };
 
 struct Measured {
   double ms, fwd_ms, bwd_ms, opt_ms, loss;
   int64_t peak, peak_preload, held;
+  int64_t peak_fwd, peak_bwd, peak_opt;  // remat::memory's peak in forward (with the loss), backward, optimizer step
 };
 
 Measured step(Run& r, const torch::Tensor& idx, const torch::Tensor& targets, bench::Meter& meter) {
   const auto t0 = bench::Clock::now();
   r.opt->zero_grad(/*set_to_none=*/false);  // gradients stay allocated
   const int64_t base = remat::memory::current_bytes(), base_preload = meter.current();
+  int64_t peak[3], peak_preload = 0;  // per phase, above base
+  auto phase = [&](int i) {           // the phase's peaks; restarts both counters' peaks
+    peak[i] = remat::memory::peak_bytes() - base;
+    peak_preload = std::max(peak_preload, meter.peak() - base_preload);
+    remat::memory::reset_peak();
+    meter.reset();
+  };
   remat::memory::reset_peak();
   meter.reset();
   auto h = r.net->blocks->forward(r.net->embed(idx));  // (B, T, C)
   auto loss = r.net->loss(h, targets);                 // ()
   h = torch::Tensor();
   const double fwd = bench::ms_since(t0);
+  phase(0);
   const auto t1 = bench::Clock::now();
   loss.backward();
   const double bwd = bench::ms_since(t1);
+  phase(1);
   const auto t2 = bench::Clock::now();
   r.opt->step();
   const double opt = bench::ms_since(t2);
   const double ms = bench::ms_since(t0);
+  phase(2);
   const double value = loss.item<double>();
   loss = torch::Tensor();
-  return {ms,
-          fwd,
-          bwd,
-          opt,
-          value,
-          remat::memory::peak_bytes() - base,
-          meter.peak() - base_preload,
-          remat::memory::current_bytes() - base};
+  return {ms,           fwd,
+          bwd,          opt,
+          value,        std::max({peak[0], peak[1], peak[2]}),
+          peak_preload, remat::memory::current_bytes() - base,
+          peak[0],      peak[1],
+          peak[2]};
 }
 
 std::string strategy_record(const Run& r, const Run& plain, const GptConfig& c, const std::string& meter_name) {
@@ -148,7 +161,9 @@ std::string strategy_record(const Run& r, const Run& plain, const GptConfig& c, 
   o += ", \"step_ms\": " + bench::json_list(r.ms, 1) + ", \"fwd_ms\": " + bench::json_list(r.fwd_ms, 1) +
        ", \"bwd_ms\": " + bench::json_list(r.bwd_ms, 1) + ", \"opt_ms\": " + bench::json_list(r.opt_ms, 1) +
        ", \"time_x_rounds\": " + bench::json_list(ratio, 4) + ", \"peaks\": " + bench::json_list(r.peak) +
-       ", \"held_bytes\": " + bench::json_list(r.held) + "}";
+       ", \"held_bytes\": " + bench::json_list(r.held) + ", \"peak_fwd_bytes\": " + bench::json_list(r.peak_fwd) +
+       ", \"peak_bwd_bytes\": " + bench::json_list(r.peak_bwd) +
+       ", \"peak_opt_bytes\": " + bench::json_list(r.peak_opt) + "}";
   return o;
 }
 
@@ -273,6 +288,9 @@ int main(int argc, char** argv) {
       r.peak.push_back(m.peak);
       r.peak_preload.push_back(m.peak_preload);
       r.held.push_back(m.held);
+      r.peak_fwd.push_back(m.peak_fwd);
+      r.peak_bwd.push_back(m.peak_bwd);
+      r.peak_opt.push_back(m.peak_opt);
     }
     std::fprintf(stderr, "  round %lld/%lld: plain %.0f ms\n", (long long)round, (long long)rounds, runs[0].ms.back());
   }

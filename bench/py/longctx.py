@@ -101,7 +101,8 @@ def anchor(a):
     for name in ("plain", "block"):
         net = build(size, a.seed)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=1e-2, foreach=False)
-        runs.append(dict(name=name, net=net, opt=opt, ms=[], fwd_ms=[], bwd_ms=[], opt_ms=[], peak=[], held=[]))
+        runs.append(dict(name=name, net=net, opt=opt, ms=[], fwd_ms=[], bwd_ms=[], opt_ms=[], peak=[], held=[],
+                         peak_fwd=[], peak_bwd=[], peak_opt=[]))
     param_bytes = sum(p.nbytes for p in runs[0]["net"].parameters())
 
     def batch(rnd):  # (B, T) inputs and next-token targets
@@ -115,20 +116,30 @@ def anchor(a):
         opt.zero_grad(set_to_none=False)  # gradients stay allocated
         base = meter.current()
         meter.reset()
+        peaks = []
+
+        def phase():  # the phase's peak above the step's start; restarts the peak
+            peaks.append(meter.peak() - base)
+            meter.reset()
+
         h = net.embed(idx)
         for b in net.blocks:
             h = checkpoint(b, h, use_reentrant=False) if r["name"] == "block" else b(h)
         loss = net.loss(h, tgt)
         del h
         t1 = time.perf_counter()
+        phase()
         loss.backward()
         t2 = time.perf_counter()
+        phase()
         opt.step()
         t3 = time.perf_counter()
+        phase()
         value = loss.item()
         del loss
         return dict(ms=(t3 - t0) * 1e3, fwd_ms=(t1 - t0) * 1e3, bwd_ms=(t2 - t1) * 1e3, opt_ms=(t3 - t2) * 1e3,
-                    loss=value, peak=meter.peak() - base, held=meter.current() - base)
+                    loss=value, peak=max(peaks), held=meter.current() - base, peak_fwd=peaks[0], peak_bwd=peaks[1],
+                    peak_opt=peaks[2])
 
     print(f"longctx.py: {size}, {torch.get_num_threads()} threads, {param_bytes / 2**20:.1f} MiB of parameters, "
           f"{rounds} rounds", file=sys.stderr, flush=True)
@@ -148,7 +159,7 @@ def anchor(a):
         idx, tgt = batch(rnd)
         for r in runs:
             m = step(r, idx, tgt)
-            for k in ("ms", "fwd_ms", "bwd_ms", "opt_ms", "peak", "held"):
+            for k in ("ms", "fwd_ms", "bwd_ms", "opt_ms", "peak", "held", "peak_fwd", "peak_bwd", "peak_opt"):
                 r[k].append(m[k])
         print(f"  round {rnd}/{rounds}: plain {plain['ms'][-1]:.0f} ms", file=sys.stderr, flush=True)
     settings = dict(rounds=rounds, warmup=1, threads=torch.get_num_threads(), seed=a.seed,
@@ -167,7 +178,8 @@ def anchor(a):
                    time_x_min=min(ratio), time_x_max=max(ratio), peak_bytes=int(peak), peak_x=peak / plain_peak,
                    peak_preload_bytes=int(peak), warmup_peak_bytes=r["warmup_peak"], step_ms=r["ms"],
                    fwd_ms=r["fwd_ms"], bwd_ms=r["bwd_ms"], opt_ms=r["opt_ms"], time_x_rounds=ratio, peaks=r["peak"],
-                   held_bytes=r["held"])
+                   held_bytes=r["held"], peak_fwd_bytes=r["peak_fwd"], peak_bwd_bytes=r["peak_bwd"],
+                   peak_opt_bytes=r["peak_opt"])
         lines.append(rec)
         print(f"{r['name'] + ': ' + LABELS[r['name']]:<56} {peak / 2**20:9.1f} {peak / plain_peak:7.2f}x "
               f"{rec['median_step_ms'] / 1e3:7.2f} {rec['time_x']:8.3f}x [{min(ratio):.3f}-{max(ratio):.3f}]")
@@ -214,6 +226,14 @@ def paired(a, b):
     return statistics.median(q), min(q), max(q)
 
 
+def phase(r):
+    """Which phase of the step sets the peak: forward (with the loss), backward or the optimizer step."""
+    peaks = {k: statistics.median(r.get(f"peak_{k}_bytes") or [0]) for k in ("fwd", "bwd", "opt")}
+    if not any(peaks.values()):
+        return "-"
+    return {"fwd": "forward", "bwd": "backward", "opt": "optimizer"}[max(peaks, key=peaks.get)]
+
+
 def render(cpp, py):
     meta, rows = cpp
     s, st = meta["size"], meta["settings"]
@@ -230,14 +250,15 @@ def render(cpp, py):
            f"start ({'the LD_PRELOAD counter of bench/preload in both languages' if preload else 'remat::memory'}); "
            f"gradients are zeroed in place, so parameters, their gradients and AdamW's state are alive at the start "
            f"and not in the peak (fresh gradients before they are accumulated are). Step: zero_grad to the end of "
-           f"the optimizer step, median over the rounds; time vs plain: the median over rounds of the step time / "
+           f"the optimizer step, median over the rounds; peak in: the phase whose own peak is the step's (forward "
+           f"with the loss, backward, optimizer step); time vs plain: the median over rounds of the step time / "
            f"plain's in the same round [min-max], against the same language's plain.", "",
-           "| | strategy | peak MiB | peak vs plain | step s | time vs plain, median [range] |",
-           "|---|---|---:|---:|---:|---|"]
+           "| | strategy | peak MiB | peak vs plain | peak in | step s | time vs plain, median [range] |",
+           "|---|---|---:|---:|---|---:|---|"]
 
     def row(lang, r, p):
         step_s = r["median_step_ms"] / 1e3
-        out.append(f"| {lang} | {r['label']} | {r[key] / 2**20:.1f} | {r[key] / p[key]:.3f} | "
+        out.append(f"| {lang} | {r['label']} | {r[key] / 2**20:.1f} | {r[key] / p[key]:.3f} | {phase(r)} | "
                    f"{step_s:.{2 if step_s >= 0.1 else 4}f} | {r['time_x']:.3f} [{r['time_x_min']:.3f}-{r['time_x_max']:.3f}] |")
 
     for r in rows:
