@@ -32,6 +32,7 @@
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
+#include <remat/models/tokenizer.h>
 #include <remat/offload.h>
 #include <remat/plan/error.h>
 #include <remat/plan/solve.h>
@@ -148,8 +149,10 @@ struct Trainer::Impl {
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // AdamW, or SGD (TrainConfig::optimizer)
   at::Generator data_gen;
   torch::Tensor tokens;   // (N) int64 ids of the text (GPT)
-  int64_t vocab = 0;      // distinct bytes of the text (GPT)
+  int64_t vocab = 0;      // tok->vocab_size() (GPT)
   torch::Tensor teacher;  // (classes, 3 * 16) fixed labelling map (ResNet)
+  /** GPT: from TrainConfig::tokenizer and vocab_size, else the characters. */
+  std::optional<Tokenizer> tok;
   int64_t steps_done = 0;
   int64_t params = 0;
   remat::CheckpointedSequential auto_net{nullptr};
@@ -165,20 +168,35 @@ struct Trainer::Impl {
                   ". Pass an existing text file with --data.");
     }
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (static_cast<int64_t>(text.size()) < cfg.seq_len + 2) {
-      throw Error("[remat::train] --data file '" + cfg.data_path + "' has " + str(static_cast<int64_t>(text.size())) +
-                  " bytes, fewer than seq_len + 2 = " + str(cfg.seq_len + 2) +
+    if (cfg.vocab_size < 0) {
+      throw Error("[remat::train] --vocab-size must be >= 0 (0: no SentencePiece training), got " +
+                  str(cfg.vocab_size) + ". Pass e.g. --vocab-size 8000, or 0 for the character level.");
+    }
+    if (cfg.vocab_size > 0) {
+      tok = Tokenizer::train_sentencepiece(cfg.data_path, cfg.vocab_size, cfg.tokenizer);
+    } else if (!cfg.tokenizer.empty()) {
+      std::error_code ec;
+      if (!std::filesystem::exists(cfg.tokenizer, ec)) {
+        throw Error("[remat::train] --tokenizer file '" + cfg.tokenizer +
+                    "' does not exist. Train one on --data with --vocab-size N --tokenizer " + cfg.tokenizer +
+                    " (e.g. --vocab-size 8000), or drop --tokenizer for the character level.");
+      }
+      tok = Tokenizer::load(cfg.tokenizer);
+    } else {
+      if (static_cast<int64_t>(text.size()) < cfg.seq_len + 2) {
+        throw Error("[remat::train] --data file '" + cfg.data_path + "' has " + str(static_cast<int64_t>(text.size())) +
+                    " bytes, fewer than seq_len + 2 = " + str(cfg.seq_len + 2) +
+                    ". Use a longer text or a smaller --seq-len.");
+      }
+      tok = Tokenizer::characters(text);  // ids by byte value of the distinct bytes
+    }
+    const std::vector<int64_t> ids = tok->encode(text);
+    if (static_cast<int64_t>(ids.size()) < cfg.seq_len + 2) {
+      throw Error("[remat::train] --data file '" + cfg.data_path + "' has " + str(static_cast<int64_t>(ids.size())) +
+                  " tokens (" + tok->describe() + "), fewer than seq_len + 2 = " + str(cfg.seq_len + 2) +
                   ". Use a longer text or a smaller --seq-len.");
     }
-    std::array<int64_t, 256> id;
-    id.fill(-1);
-    for (unsigned char ch : text) id[ch] = 0;
-    vocab = 0;
-    for (auto& v : id) {
-      if (v == 0) v = vocab++;
-    }
-    std::vector<int64_t> ids(text.size());
-    for (size_t i = 0; i < text.size(); ++i) ids[i] = id[static_cast<unsigned char>(text[i])];
+    vocab = tok->vocab_size();
     tokens = torch::tensor(ids, torch::kLong);  // (N)
   }
 
@@ -261,6 +279,8 @@ struct Trainer::Impl {
     os << cfg.model << " layers=" << cfg.layers << " d_model=" << cfg.d_model;
     if (gpt) {
       os << " heads=" << cfg.heads << " seq_len=" << cfg.seq_len << " vocab=" << vocab;
+      // The character level adds nothing (checkpoints from before tokenizers match).
+      if (tok && !tok->is_characters()) os << " tokenizer=" << tok->fingerprint();
     } else {
       os << " classes=" << cfg.classes;
     }
@@ -498,6 +518,22 @@ void Trainer::load(const std::string& path) {
                 ". Pass a file written by --save.");
   }
   if (config.toStringRef() != m.fingerprint()) {
+    // " vocab=N[ tokenizer=...]" up to the next field: another vocabulary
+    // with the same architecture gets its own remedy.
+    auto split = [](const std::string& f) {
+      const auto at = f.find(" vocab=");
+      if (at == std::string::npos) return std::pair<std::string, std::string>{f, ""};
+      const auto end = std::min(f.size(), f.find(" optimizer=", at));
+      return std::pair<std::string, std::string>{f.substr(0, at) + f.substr(end), f.substr(at + 1, end - at - 1)};
+    };
+    const auto [theirs_rest, theirs_vocab] = split(config.toStringRef());
+    const auto [ours_rest, ours_vocab] = split(m.fingerprint());
+    if (m.gpt && theirs_rest == ours_rest && theirs_vocab != ours_vocab) {
+      throw Error("[remat::train] checkpoint '" + path + "' was trained with another vocabulary ('" + theirs_vocab +
+                  "'); this run's is '" + ours_vocab + "', " + m.tok->describe() +
+                  ". Resume with the tokenizer it was trained with: the same --tokenizer PATH (none for the "
+                  "character level) and --data.");
+    }
     throw Error("[remat::train] checkpoint '" + path + "' is for '" + config.toStringRef() + "', this run is '" +
                 m.fingerprint() + "'. Resume with the same model flags and data.");
   }
@@ -515,6 +551,7 @@ void Trainer::load(const std::string& path) {
 }
 
 int64_t Trainer::steps_done() const { return impl_->steps_done; }
+const Tokenizer* Trainer::tokenizer() const { return impl_->tok ? &*impl_->tok : nullptr; }
 std::shared_ptr<torch::nn::Module> Trainer::module() const { return impl_->module; }
 const TrainConfig& Trainer::config() const { return impl_->cfg; }
 
@@ -812,8 +849,33 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
       max_value = 65536;
     }
   }
+  // The probes load one SentencePiece model, trained here once, instead of
+  // training one each: into config.tokenizer, or a temporary file removed
+  // on return.
+  TrainConfig base = config;
+  struct RemoveOnReturn {
+    std::filesystem::path path;
+    ~RemoveOnReturn() {
+      std::error_code ignore;
+      if (!path.empty()) std::filesystem::remove(path, ignore);
+    }
+  } temp_model;
+  if (config.vocab_size > 0) {
+    if (base.tokenizer.empty()) {
+      temp_model.path =
+          std::filesystem::temp_directory_path() / ("remat-tokenizer-" + std::to_string(::getpid()) + ".model");
+      base.tokenizer = temp_model.path.string();
+    }
+    Tokenizer::train_sentencepiece(config.data_path, config.vocab_size, base.tokenizer);
+    base.vocab_size = 0;
+  }
+  if (options.max_value <= 0 && seq && !base.tokenizer.empty()) {
+    std::ifstream in(config.data_path, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    max_value = static_cast<int64_t>(Tokenizer::load(base.tokenizer).encode(text).size()) - 2;  // tokens, not bytes
+  }
   auto config_at = [&](int64_t v, int64_t budget) {
-    TrainConfig c = config;
+    TrainConfig c = base;
     (seq ? c.seq_len : c.batch) = v;
     c.save_path.clear();
     if (c.checkpoint == Strategy::kAuto) c.memory_budget_bytes = budget;
@@ -959,8 +1021,12 @@ std::string Trainer::summary() const {
   os << std::fixed << std::setprecision(2);
   if (m.gpt) {
     os << "gpt: " << c.layers << " layers, d_model " << c.d_model << ", " << c.heads << " heads, seq " << c.seq_len
-       << ", vocab " << m.vocab << ", " << static_cast<double>(m.params) / 1e6 << "M params; data " << c.data_path
-       << " (" << m.tokens.size(0) << " chars)";
+       << ", vocab " << m.vocab << ", " << static_cast<double>(m.params) / 1e6 << "M params; data " << c.data_path;
+    if (m.tok->is_characters()) {
+      os << " (" << m.tokens.size(0) << " chars)";
+    } else {
+      os << " (" << m.tokens.size(0) << " tokens); tokenizer " << m.tok->describe();
+    }
   } else {
     os << "resnet" << c.layers << ": width " << c.d_model << ", " << c.classes << " classes, " << c.image_size << "x"
        << c.image_size << " synthetic images, " << static_cast<double>(m.params) / 1e6 << "M params";

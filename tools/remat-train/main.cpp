@@ -192,6 +192,12 @@ int main(int argc, char** argv) {
   app.add_option("--clip-norm", cfg.clip_norm, "max global gradient norm (0: off)")->capture_default_str();
   app.add_flag("--bf16", cfg.bf16, "forward under CPU autocast to bfloat16");
   app.add_option("--data", cfg.data_path, "text file for the GPT")->capture_default_str();
+  app.add_option("--tokenizer", cfg.tokenizer,
+                 "GPT: SentencePiece .model file to load, or with --vocab-size where to write the one trained "
+                 "(default: character level)");
+  app.add_option("--vocab-size", cfg.vocab_size,
+                 "GPT: train a SentencePiece BPE tokenizer of N pieces on --data (0: no training)")
+      ->capture_default_str();
   app.add_option("--threads", cfg.threads, "torch intra-op threads")->capture_default_str();
   app.add_option("--save", cfg.save_path, "write a checkpoint here at the end (atomically)");
   app.add_option("--resume", cfg.resume_path, "continue from a checkpoint written by --save");

@@ -1,9 +1,9 @@
-// The training loop behind remat-train and the demo: builds a GPT (character-
-// level on a text file) or a ResNet (synthetic images labelled by a fixed
-// random linear teacher, so the loss can fall), wraps its blocks in one
-// checkpoint strategy, and runs AdamW steps with gradient accumulation,
-// clipping, optional bf16 CPU autocast, per-step telemetry (loss, items/s,
-// step time, peak memory) and exact save/resume.
+// The training loop behind remat-train and the demo: builds a GPT (on a text
+// file, character level or SentencePiece subwords) or a ResNet (synthetic
+// images labelled by a fixed random linear teacher, so the loss can fall),
+// wraps its blocks in one checkpoint strategy, and runs AdamW steps with
+// gradient accumulation, clipping, optional bf16 CPU autocast, per-step
+// telemetry (loss, items/s, step time, peak memory) and exact save/resume.
 // Leaves out: evaluation/validation splits, learning-rate schedules, data
 // loaders with workers, multi-process training, GPU devices.
 #pragma once
@@ -15,6 +15,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <remat/models/tokenizer.h>
 
 namespace at {
 class Tensor;
@@ -98,8 +100,16 @@ struct TrainConfig {
   double clip_norm = 0.0;
   /** Forward under CPU autocast to bfloat16. */
   bool bf16 = false;
-  /** Text the GPT trains on (character level). */
+  /** Text the GPT trains on (character level unless tokenizer or vocab_size is set). */
   std::string data_path = "/usr/share/common-licenses/GPL-3";
+  /** GPT tokenizer: "" (default) the character level (the distinct bytes of
+   *  data_path); else a SentencePiece .model file (Tokenizer::load), or,
+   *  with vocab_size > 0, where the model trained on data_path is written. */
+  std::string tokenizer;
+  /** GPT: > 0 trains a SentencePiece BPE model of this many pieces on
+   *  data_path (Tokenizer::train_sentencepiece; saved to tokenizer when it
+   *  is set, else kept in memory). Default 0: no training. */
+  int64_t vocab_size = 0;
   /** torch::set_num_threads; 0 leaves torch's setting. */
   int threads = 2;
   /** Where run() saves a checkpoint at the end ("" = nowhere). */
@@ -154,7 +164,7 @@ struct FitOptions {
   FitDimension dimension = FitDimension::kSeqLen;  ///< the value searched; default kSeqLen
   /** Answers are multiples of step (tokens or sequences). Default 1. */
   int64_t step = 1;
-  /** Largest value tried; 0: the data's limit (text bytes - 2) for seq_len,
+  /** Largest value tried; 0: the data's limit (its tokens - 2) for seq_len,
    *  65536 for batch. */
   int64_t max_value = 0;
   /** Measure one real step at the answer (stepping down while it exceeds the
@@ -255,8 +265,11 @@ class Trainer {
   int64_t steps_done() const;
   /** The model (a GptImpl or ResNetImpl). */
   std::shared_ptr<torch::nn::Module> module() const;
-  /** One line: model, size, data, strategy, threads. */
+  /** One line: model, size, data, tokenizer, strategy, threads. */
   std::string summary() const;
+  /** The GPT's tokenizer (its vocab_size() is the model's vocabulary);
+   *  nullptr for the ResNet. */
+  const Tokenizer* tokenizer() const;
   /** With --checkpoint auto after a step: forward executions per stage of
    *  the planned chain in the last step (the plan's count; > 1 where a stage
    *  was recomputed): a GPT block, or a ResNet block's two halves
