@@ -145,6 +145,8 @@ struct Trainer::Impl {
   bool gpt = true;
   std::shared_ptr<torch::nn::Module> module;
   std::function<torch::Tensor(const torch::Tensor&)> embed, head;
+  /** Mean cross-entropy of head(h) against the targets (the GPT's loss(), chunked or not). */
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss;
   torch::nn::Sequential blocks{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // AdamW, or SGD (TrainConfig::optimizer)
   at::Generator data_gen;
@@ -249,8 +251,8 @@ struct Trainer::Impl {
   /** Mean cross-entropy of one micro-batch. */
   torch::Tensor loss_of(const torch::Tensor& x, const torch::Tensor& y) {
     Bf16Autocast autocast(cfg.bf16);
-    auto logits = head(run_blocks(embed(x)));  // GPT (B, T, V), ResNet (B, classes)
-    if (gpt) return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), y.reshape({-1}));
+    if (gpt) return loss(run_blocks(embed(x)), y);  // head + loss: (B, T, C) -> ()
+    auto logits = head(run_blocks(embed(x)));       // (B, classes)
     return torch::cross_entropy_loss(logits.to(torch::kFloat), y);
   }
 
@@ -367,11 +369,15 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     g.heads = c.heads;
     g.layers = c.layers;
     g.dropout = c.dropout;
+    g.sdpa = c.sdpa;
+    g.loss_chunks = c.loss_chunks;
+    g.mlp_chunks = c.mlp_chunks;
     Gpt net(g);
     m.module = net.ptr();
     m.blocks = net->blocks;
     m.embed = [net](const torch::Tensor& x) mutable { return net->embed(x); };
     m.head = [net](const torch::Tensor& h) mutable { return net->head(h); };
+    m.loss = [net](const torch::Tensor& h, const torch::Tensor& y) mutable { return net->loss(h, y); };
   } else {
     ResNetConfig r;
     r.depth = c.layers;
@@ -649,12 +655,10 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
   chain_seq->push_back("embed", torch::nn::Functional([&m](const torch::Tensor& idx) { return m.embed(idx); }));
   chain_seq->extend(*m.blocks);
   const int64_t accum = m.cfg.grad_accum;
-  chain_seq->push_back(
-      "head_loss", torch::nn::Functional([&m, y = y, accum](const torch::Tensor& h) {
-        auto logits = m.head(h);  // (B, T, V)
-        auto l = torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), y.reshape({-1}));
-        return accum == 1 ? l : l / static_cast<double>(accum);
-      }));
+  chain_seq->push_back("head_loss", torch::nn::Functional([&m, y = y, accum](const torch::Tensor& h) {
+                         auto l = m.loss(h, y);  // head + cross-entropy, chunked or not
+                         return accum == 1 ? l : l / static_cast<double>(accum);
+                       }));
   const bool selective = m.cfg.checkpoint == Strategy::kSelective;
   if (selective && m.cfg.policy == "attention") {
     throw Error(
@@ -1037,6 +1041,9 @@ std::string Trainer::summary() const {
   if (c.checkpoint == Strategy::kSelective) os << " (policy " << c.policy << ")";
   if (c.checkpoint == Strategy::kAuto) os << " (budget " << format_bytes(c.memory_budget_bytes) << ")";
   if (c.checkpoint == Strategy::kOffload) os << " (files in " << c.offload_dir << ")";
+  if (m.gpt && c.sdpa) os << "; sdpa attention";
+  if (m.gpt && c.loss_chunks > 0) os << "; head + loss in " << c.loss_chunks << " chunks";
+  if (m.gpt && c.mlp_chunks > 0) os << "; MLP in " << c.mlp_chunks << " chunks";
   if (c.bf16) os << "; bf16 autocast";
   const int threads = torch::get_num_threads();
   os << "; " << threads << (threads == 1 ? " thread" : " threads");

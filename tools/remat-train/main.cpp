@@ -169,6 +169,12 @@ int main(int argc, char** argv) {
   app.add_option("--steps", cfg.steps, "optimizer steps (total, counting resumed ones)")->capture_default_str();
   app.add_option("--lr", cfg.lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--dropout", cfg.dropout, "GPT dropout probability")->capture_default_str();
+  app.add_flag("--sdpa", cfg.sdpa, "GPT attention through scaled_dot_product_attention (no T x T scores kept)");
+  app.add_option("--loss-chunks", cfg.loss_chunks,
+                 "GPT: head and cross-entropy over N slices of the tokens, never the whole logits (0: off)")
+      ->capture_default_str();
+  app.add_option("--mlp-chunks", cfg.mlp_chunks, "GPT: each MLP over N checkpointed slices of the sequence (0: off)")
+      ->capture_default_str();
   app.add_option("--seed", cfg.seed, "seed of parameters, dropout and data")->capture_default_str();
   app.add_option("--checkpoint", checkpoint, "none, block, sqrt, selective, auto or offload")
       ->check(CLI::IsMember({"none", "block", "sqrt", "selective", "auto", "offload"}))

@@ -79,6 +79,15 @@ struct TrainConfig {
   double weight_decay = 0.01;
   /** GPT dropout probability. */
   double dropout = 0.0;
+  /** GPT attention through at::scaled_dot_product_attention (no (B, H, T, T)
+   *  scores kept; GptConfig::sdpa). Default false: explicit attention. */
+  bool sdpa = false;
+  /** GPT: > 0 computes the head and loss in this many slices of the tokens
+   *  (GptConfig::loss_chunks, remat::chunked_cross_entropy). Default 0. */
+  int64_t loss_chunks = 0;
+  /** GPT: > 0 runs each MLP over this many checkpointed slices of the
+   *  sequence (GptConfig::mlp_chunks, remat::chunked). Default 0. */
+  int64_t mlp_chunks = 0;
   /** Seeds parameters, dropout (global CPU generator) and data (own generator). */
   uint64_t seed = 1337;
   Strategy checkpoint = Strategy::kNone;  ///< how the blocks are checkpointed; default kNone
