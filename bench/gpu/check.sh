@@ -180,23 +180,33 @@ done
 ((${#carried_deps[@]})) && prefixes+=("$deps")
 pkgconf_env=() pkgconf_arg=()
 need_pc=0
-if ((force)) || ! command -v pkg-config >/dev/null || ! pkg-config --exists libzstd liblz4 2>/dev/null; then need_pc=1; fi
+if ((force)) || ! command -v pkg-config >/dev/null || ! pkg-config --exists libzstd liblz4 sentencepiece 2>/dev/null; then
+  need_pc=1
+fi
 if ((need_pc)); then
   first_file() { local f; for f in "$@"; do [[ -f $f ]] && echo "$f" && return; done; }
   if [[ -n $(first_file "$deps"/lib/libzstd.so.*) && -n $(first_file "$deps"/lib/liblz4.so.*) ]]; then
     d=$build/_deps
     mkdir -p "$d/lib/pkgconfig" "$d/bin"
     ln -sfn "$deps/include" "$d/include"
-    for lib in libzstd liblz4; do
+    for lib in libzstd liblz4 libsentencepiece libsentencepiece_train; do
       real=$(first_file "$deps"/lib/$lib.so.*)
-      ver=$(cat "$deps/lib/$lib.version" 2>/dev/null || basename "$real" | sed "s/^$lib\.so\.//")
+      [[ -n $real ]] || continue
       ln -sfn "$real" "$d/lib/$lib.so"
       ln -sfn "$real" "$d/lib/$(basename "$real" | sed -E 's/(\.so\.[0-9]+).*/\1/')"
-      # shellcheck disable=SC2016  # ${prefix} and ${libdir} are pkg-config's
-      printf 'prefix=%s\nlibdir=${prefix}/lib\nincludedir=${prefix}/include\nName: %s\nDescription: carried by bench/gpu/pack-deps.sh\nVersion: %s\nLibs: -L${libdir} -l%s\nCflags: -I${includedir}\n' \
-        "$d" "$lib" "$ver" "${lib#lib}" >"$d/lib/pkgconfig/$lib.pc"
     done
-    carried_deps+=(zstd lz4)
+    # One .pc per pkg-config module: (module, its libraries).
+    for mod in "libzstd zstd" "liblz4 lz4" "sentencepiece sentencepiece sentencepiece_train"; do
+      read -r name libs <<<"$mod"
+      first=${libs%% *}
+      [[ -e $d/lib/lib$first.so ]] || continue
+      ver=$(cat "$deps/lib/lib$first.version" 2>/dev/null || basename "$(readlink "$d/lib/lib$first.so")" | sed "s/^lib$first\.so\.//")
+      flags=$(for l in $libs; do printf -- ' -l%s' "$l"; done)
+      # shellcheck disable=SC2016  # ${prefix} and ${libdir} are pkg-config's
+      printf 'prefix=%s\nlibdir=${prefix}/lib\nincludedir=${prefix}/include\nName: %s\nDescription: carried by bench/gpu/pack-deps.sh\nVersion: %s\nLibs: -L${libdir}%s\nCflags: -I${includedir}\n' \
+        "$d" "$name" "$ver" "$flags" >"$d/lib/pkgconfig/$name.pc"
+    done
+    carried_deps+=(zstd lz4 sentencepiece)
     pkgconf_env=(env "PKG_CONFIG_PATH=$d/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}")
     if ((force)) || ! command -v pkg-config >/dev/null; then
       # A stand-in that answers CMake's FindPkgConfig from the .pc files above.
@@ -225,8 +235,8 @@ for m in "\${mods[@]}"; do
     version) sed -n 's/^Version: //p' "\$f" ;;
     I) echo "-I$d/include" ;;
     L) echo "-L$d/lib" ;;
-    l) echo "-l\${m#lib}" ;;
-    libs) echo "-L$d/lib -l\${m#lib}" ;;
+    l) sed -n 's/^Libs: -L[^ ]* //p' "\$f" ;;
+    libs) sed -n 's/^Libs: -L[^ ]* //p' "\$f" | sed "s|^|-L$d/lib |" ;;
     var:prefix) echo "$d" ;;
     var:libdir) echo "$d/lib" ;;
     var:includedir) echo "$d/include" ;;
@@ -239,7 +249,7 @@ EOF
       pkgconf_arg=("-DPKG_CONFIG_EXECUTABLE=$d/bin/pkg-config")
     fi
   else
-    missing+=("zstd/lz4 development files and pkg-config (Debian: libzstd-dev liblz4-dev pkgconf); carry them with pack-deps.sh: configure fails")
+    missing+=("zstd/lz4/SentencePiece development files and pkg-config (Debian: libzstd-dev liblz4-dev libsentencepiece-dev pkgconf); carry them with pack-deps.sh: configure fails")
   fi
 fi
 ((${#carried_deps[@]})) && say "using carried dependencies ($deps): ${carried_deps[*]}"

@@ -5,7 +5,8 @@
 # uses each piece only where the machine has none of its own:
 #   include/ + share/cmake/   nlohmann-json and CLI11 (header-only, with their
 #                             CMake package files)
-#   include/ + lib/           zstd and lz4 headers and shared libraries
+#   include/ + lib/           zstd, lz4 and SentencePiece headers and shared
+#                             libraries
 #                             (check.sh writes their .pc files, and a
 #                             pkg-config stand-in if the machine has none)
 #   googletest/               Debian's GoogleTest sources (check.sh builds
@@ -33,12 +34,13 @@ copy /usr/include/nlohmann /usr/include/CLI "$dst/include"
 copy /usr/include/zstd.h /usr/include/zdict.h /usr/include/zstd_errors.h "$dst/include"
 copy /usr/include/lz4.h /usr/include/lz4hc.h /usr/include/lz4frame.h /usr/include/lz4frame_static.h "$dst/include"
 copy /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 "$dst/share/cmake"
+copy /usr/include/sentencepiece_processor.h /usr/include/sentencepiece_trainer.h "$dst/include"
 # The shared libraries under their real names; check.sh makes the links.
-for lib in libzstd liblz4; do
+for lib in libzstd liblz4 libsentencepiece libsentencepiece_train; do
   real=$(readlink -f "$libdir/$lib.so" 2>/dev/null || true)
   if [[ -f $real ]]; then
     cp "$real" "$dst/lib/"
-    pkg-config --modversion "$lib" >"$dst/lib/$lib.version" 2>/dev/null || true
+    pkg-config --modversion "${lib/#libsentencepiece*/sentencepiece}" >"$dst/lib/$lib.version" 2>/dev/null || true
   else
     missing+=("$libdir/$lib.so")
   fi
