@@ -32,7 +32,8 @@
 # (bench/gpu/deps, from pack-deps.sh: used only for what the machine lacks;
 # CHECK_FORCE_DEPS=1 uses it for everything it holds), REMAT_CUDA (ON),
 # CHECK_DEADLINE_S (470), BUILD_TIMEOUT_S (300), BUDGET_GIB (40), CPP_ARGS / PY_ARGS (extra bench
-# arguments), LONGCTX_ARGS (extra remat_longctx_gpu arguments), COMPILE_BUDGET (0.5).
+# arguments), LONGCTX_ARGS (extra remat_longctx_gpu arguments), LONGCTX_S (its seconds, 130),
+# COMPILE_BUDGET (0.5).
 # On the device tool: bash bench/gpu/pack-deps.sh here, then
 #   run(command="bash bench/gpu/check.sh", carry=["bench/gpu/deps"], timeout_s=540)
 set -uo pipefail
@@ -380,7 +381,7 @@ else
   # Long context: the whole GPT step with a 32k vocabulary, chunked head +
   # loss and MLP against plain and per-block (bench/gpu/remat_longctx_gpu.cpp).
   if [[ -x $build/bench/gpu/remat_longctx_gpu ]]; then
-    t=$(budget 130 $((compile ? 180 : 100)))
+    t=$(budget "${LONGCTX_S:-130}" $((compile ? 180 : 100)))
     # shellcheck disable=SC2086
     run_phase longctx "$t" "$out/longctx.log" "$build/bench/gpu/remat_longctx_gpu" --device "$device" \
       $( ((quick)) && echo --quick) --json "$out/longctx.json" --time-limit-s $((t > 40 ? t - 30 : t / 2)) \
