@@ -11,9 +11,9 @@
 // seed:
 //   plain            no checkpointing, the full logits
 //   block            every GptBlock checkpointed (enable_checkpointing)
-//   chunk            head + loss in --loss-chunks slices of the tokens
+//   chunk            head + loss in --loss-chunks (8) slices of the tokens
 //                    (GptConfig::loss_chunks: chunked_cross_entropy)
-//   chunk_mlp        chunk, and each MLP over --mlp-chunks checkpointed slices
+//   chunk_mlp        chunk, and each MLP over --mlp-chunks (8) checkpointed slices
 //                    of the sequence (GptConfig::mlp_chunks)
 //   chunk_block      chunk + block
 //   chunk_mlp_block  chunk_mlp + block
@@ -172,7 +172,7 @@ std::string strategy_record(const Run& r, const Run& plain, const GptConfig& c, 
 int main(int argc, char** argv) {
   if (bench::flag(argc, argv, "--help")) {
     std::printf(
-        "remat_longctx [--quick] [--rounds N (5; --quick 3)] [--threads 1] [--seed 0] [--loss-chunks 16]\n"
+        "remat_longctx [--quick] [--rounds N (5; --quick 3)] [--threads 1] [--seed 0] [--loss-chunks 8]\n"
         "  [--mlp-chunks 8] [--strategies plain,block,chunk,chunk_mlp,chunk_block,chunk_mlp_block]\n"
         "  [--d-model --heads --blocks --seq-len --batch --vocab] [--out FILE]\n"
         "The reference GPT training step with a 32k vocabulary under chunked loss / MLP and block\n"
@@ -191,10 +191,14 @@ int main(int argc, char** argv) {
   const int64_t rounds = bench::int_arg(argc, argv, "--rounds", quick ? "3" : "5");
   const int64_t threads = bench::int_arg(argc, argv, "--threads", "1");
   const int64_t seed = bench::int_arg(argc, argv, "--seed", "0");
-  // 16 slices of B*T = 2048 tokens: 128 x 32000 float32 logits, 16 MiB a
-  // slice, below one (B, H, T, T) attention tensor (32 MiB), so the head no
-  // longer sets the peak; more slices save little more and shrink the GEMMs.
-  const int64_t loss_chunks = bench::int_arg(argc, argv, "--loss-chunks", "16");
+  // 8 slices of B*T = 2048 tokens: 256 x 32000 float32 logits, 31 MiB a
+  // slice. Measured at the reference size (3 rounds each, 4/8/16/32
+  // slices): with block checkpointing the peak is 231.5 MiB at 4 slices and
+  // 210.8 MiB from 8 on (one block's recompute sets it then); without it
+  // 970/939/923/915 MiB; the step time grows with the slices (chunked
+  // head+loss against plain 0.95/1.00/1.03/1.12x: each slice is one more
+  // pass over the (vocab, C) weight gradient). 8 is the knee.
+  const int64_t loss_chunks = bench::int_arg(argc, argv, "--loss-chunks", "8");
   // 8 slices of T: one slice's (B, T/8, 4C) MLP intermediates, 2 MiB each.
   const int64_t mlp_chunks = bench::int_arg(argc, argv, "--mlp-chunks", "8");
   const std::string names =
