@@ -60,7 +60,7 @@ Redirected redirect_gradient_edges(const std::vector<at::Tensor>& outs, const st
           nr = it->second;
         } else {
           // The sink's input takes the metadata the target's node expects.
-          auto sink = c10::make_intrusive<GradSink>();
+          auto sink = make_node<GradSink>();
           const auto& meta = next->input_metadata(e.input_nr);
           if (meta.was_default_constructed()) {
             sink->add_input_metadata(torch::autograd::Node::undefined_input());
@@ -127,7 +127,7 @@ torch::autograd::variable_list backward_releasing(std::vector<at::Tensor> outs, 
     out = at::Tensor();
   }
   const at::Tensor dummy = at::zeros({}, gs.at(0).options());  // the seed's own (ignored) input
-  auto seed = c10::make_intrusive<SeedGrad>(std::move(gs), std::move(out_edges), dummy);
+  auto seed = make_node<SeedGrad>(std::move(gs), std::move(out_edges), dummy);
   return torch::autograd::Engine::get_default_engine().execute({torch::autograd::Edge(seed, 0)}, {dummy}, keep_graph,
                                                                /*create_graph=*/false, /*accumulate_grad=*/false,
                                                                outputs);

@@ -23,6 +23,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 
+#include "../core/node_ptr.h"
+
 namespace remat::detail {
 
 /** Receives one redirected gradient: captured there by Engine::execute, or
@@ -49,8 +51,8 @@ struct DeliverHook : torch::autograd::FunctionPreHook {
 };
 
 struct Redirected {
-  std::vector<c10::intrusive_ptr<GradSink>> sinks;  // one per distinct redirected edge
-  std::vector<DeliverHook*> hooks;                  // owned by their sinks
+  std::vector<NodePtr<GradSink>> sinks;  // one per distinct redirected edge
+  std::vector<DeliverHook*> hooks;       // owned by their sinks
   /** Per target: the sink input its gradient arrives at, or -1 when the
    *  graph does not reach it. */
   std::vector<int64_t> target_input;

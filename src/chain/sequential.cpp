@@ -148,7 +148,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
   // lets the stage's inner backward deliver the gradient itself (set by
   // begin_backward); the outer edges invalidated meanwhile, with their node.
   std::vector<std::vector<char>> deliver;
-  std::vector<std::pair<c10::intrusive_ptr<ta::Node>, std::vector<std::pair<size_t, ta::Edge>>>> detached_edges;
+  std::vector<std::pair<detail::AnyNodePtr, std::vector<std::pair<size_t, ta::Edge>>>> detached_edges;
   ta::Node* running = nullptr;  // the node whose apply runs
   // create_graph: per stage, the node's outputs computed by node L-1.
   bool higher_order = false;
@@ -405,7 +405,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
    *  gradient. Put back by a callback at the end of the backward (so the
    *  graph is whole for a retained second backward). */
   void detach_edges(const std::vector<size_t>& outputs) {
-    auto node = c10::intrusive_ptr<ta::Node>::reclaim_copy(running);
+    auto node = detail::node_ref(running);
     std::vector<std::pair<size_t, ta::Edge>> saved;
     for (size_t k : outputs) {
       saved.emplace_back(k, node->next_edge(k));
@@ -1146,9 +1146,9 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
   // One node per stage. Node i's first edges lead to node i-1, one per
   // tensor of a_i (node 0's to the tensors of x), then one per parameter.
   namespace ta = torch::autograd;
-  std::vector<c10::intrusive_ptr<detail::StageBackward>> nodes(L);
+  std::vector<detail::NodePtr<detail::StageBackward>> nodes(L);
   for (int i = 0; i < L; ++i) {
-    auto node = c10::make_intrusive<detail::StageBackward>();
+    auto node = detail::make_node<detail::StageBackward>();
     node->stage = i;
     node->exec = exec;
     ta::edge_list edges;

@@ -15,6 +15,7 @@
 
 #include <remat/error.h>
 
+#include "node_ptr.h"
 #include "rng_lock.h"
 
 namespace remat {
@@ -28,8 +29,7 @@ thread_local size_t t_disabled_below = 0;
 thread_local int t_keep_leaf_grads = 0;
 
 namespace ta = torch::autograd;
-// shared_ptr or intrusive_ptr, depending on the LibTorch version.
-using NodePtr = std::decay_t<decltype(std::declval<ta::Edge>().function)>;
+using NodePtr = detail::AnyNodePtr;  // shared_ptr or intrusive_ptr (node_ptr.h)
 
 /** The AccumulateGrad nodes reachable from roots, each with its leaf's
  *  current .grad (undefined included). */
