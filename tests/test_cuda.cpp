@@ -456,7 +456,10 @@ TEST(CudaChunked, CrossEntropyMatchesAndPeaksBelowTheLogits) {
   EXPECT_LE(rel_err(l1, l0), 1e-5);
   EXPECT_LE(rel_err(gh1, gh0), 1e-4);  // CUDA reductions and products reorder sums
   EXPECT_LE(rel_err(gw1, gw0), 1e-4);
-  EXPECT_LT(peak1, N * V * 4 / 4);
+  // What it may hold: the gradients of h and w (w's twice where backward
+  // scales it by the loss's gradient), and a few copies of one slice's logits.
+  EXPECT_LT(peak1, 2 * V * C * 4 + 2 * N * C * 4 + 4 * (N / 16) * V * 4);
+  EXPECT_LT(peak1, N * V * 4 / 2);
   EXPECT_GT(peak0, 2 * N * V * 4);
 }
 

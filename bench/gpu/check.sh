@@ -8,7 +8,7 @@
 #   1. configure and build remat against that LibTorch with -DREMAT_CUDA=ON,
 #      only the targets needed (remat, remat_models, remat_gpu_bench, and
 #      test_cuda when tests/test_cuda.cpp and GoogleTest are there);
-#   2. run test_cuda;
+#   2. run test_engine_order and test_cuda;
 #   3. the GPT benchmark at DESIGN.md's reference GPU size (bf16 autocast,
 #      explicit and SDPA attention): C++ remat (bench/gpu/remat_gpu_bench.cpp:
 #      plain, per-block checkpoint, selective save_matmuls, CheckpointedSequential
@@ -332,11 +332,12 @@ else
     fi
   fi
   if [[ ${phases[-1]} == configure*"|ok|"* ]]; then
-    [[ $tests == ON ]] && targets+=(test_cuda)
+    [[ $tests == ON ]] && targets+=(test_cuda test_engine_order)
     keep_going=()  # a test that does not compile must not cost the benchmark its binary
     [[ $gen == Ninja ]] && keep_going=(-- -k 0)
     [[ $gen != Ninja ]] && keep_going=(-- -k)
-    rm -f "$build/bench/gpu/remat_gpu_bench" "$build/bench/gpu/remat_longctx_gpu" "$build/tests/test_cuda"
+    rm -f "$build/bench/gpu/remat_gpu_bench" "$build/bench/gpu/remat_longctx_gpu" "$build/tests/test_cuda" \
+      "$build/tests/test_engine_order"
     run_phase build "$(budget "${BUILD_TIMEOUT_S:-300}" 150)" "$out/build.log" \
       cmake --build "$build" -j"$jobs" --target "${targets[@]}" "${keep_going[@]}"
     [[ -x $build/bench/gpu/remat_gpu_bench ]] && built=1
@@ -355,7 +356,11 @@ if ((build_only)); then
 elif [[ -z $test_bin ]]; then
   record tests skipped 0 "no test_cuda binary$([[ $tests == OFF ]] && echo " (tests not configured)")"
 else
-  run_phase tests "$(budget 60 200)" "$out/tests.log" "$test_bin" --gtest_color=no
+  # test_engine_order first, in a process of its own (a plain backward before the first checkpoint).
+  order_bin=$(dirname "$test_bin")/test_engine_order
+  [[ -x $order_bin ]] && test_bin_cmd=(bash -c "'$order_bin' --gtest_color=no; r=\$?; '$test_bin' --gtest_color=no && exit \$r") ||
+    test_bin_cmd=("$test_bin" --gtest_color=no)
+  run_phase tests "$(budget 60 200)" "$out/tests.log" "${test_bin_cmd[@]}"
   say "tests: $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \] [0-9]' "$out/tests.log" | tr '\n' ' ')"
 fi
 

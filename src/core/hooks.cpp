@@ -5,11 +5,13 @@
 // thread's stack. The empty-stack path is one thread-local load.
 #include <remat/hooks.h>
 
+#include <algorithm>
 #include <mutex>
 #include <typeinfo>
 #include <unordered_set>
 #include <vector>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
@@ -61,6 +63,7 @@ struct RematEngine final : ta::Engine {
   }
   ta::variable_list execute(const ta::edge_list& roots, const ta::variable_list& inputs, bool keep_graph,
                             bool create_graph, bool accumulate_grad, const ta::edge_list& outputs) override {
+    ensure_device_threads();
     // A backward started inside a region that holds the RNG lock may run on
     // a device thread that needs it (NOTE [RNG lock lent to device threads]).
     detail::RngLockLend lend;
@@ -81,6 +84,33 @@ struct RematEngine final : ta::Engine {
   }
   // Device worker threads must stop before the base destructor runs.
   ~RematEngine() override { stop(); }
+
+  // NOTE [device threads of remat's engine]: Engine starts its device
+  // threads (one per accelerator, with their ready queues) under one
+  // process-wide once flag in engine.cpp, not one per engine. remat's engine
+  // becomes the default at the first checkpoint; when a backward ran on the
+  // stock engine before (a plain warm-up step on a GPU), the flag is spent
+  // and this engine has no device queue: its first backward on a device
+  // failed an INTERNAL ASSERT in Engine::ready_queue (seen on an H200). So
+  // once, before the first backward: start them the usual way, and where
+  // that did nothing although there are devices, start them directly.
+  void ensure_device_threads() {
+    std::call_once(threads_once_, [this] {
+      initialize_device_threads_pool();
+      c10::DeviceIndex devices = 0;
+      for (const auto& impl_atomic : c10::impl::device_guard_impl_registry) {
+        const auto* impl = impl_atomic.load();
+        if (impl == nullptr) continue;
+        const auto type = impl->type();  // these run on the CPU ready queue (as in engine.cpp)
+        if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta || type == c10::DeviceType::Lazy) continue;
+        devices = std::max(devices, impl->deviceCount());
+      }
+      if (devices > 0 && device_ready_queues_.empty()) start_device_threads();
+    });
+  }
+
+ private:
+  std::once_flag threads_once_;
 };
 
 RematEngine& remat_engine() {
