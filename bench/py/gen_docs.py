@@ -2,13 +2,16 @@
 
 Each result file gives named markdown fragments (report.fragments for
 compare.json, selective.fragments for selective.json, longctx.fragments for
-longctx.json with longctx-py.json: the fragment `longctx`); in the docs a fragment
+longctx.json with longctx-py.json: the fragment `longctx`, long_context_fits.fragments
+for long_context_fits.json: `long-context-fits`, gpu_results.fragments for
+gpu-h200.json: `gpu-blocks`, `gpu-longctx`); in the docs a fragment
 stands between
     <!-- generated: NAME -->
     ...
     <!-- /generated -->
 and is replaced (a blank line on either side, for markdown), markers kept; a marker whose result file is absent is left as
-it is (and listed). Images: docs/img/frontier.png from compare.json.
+it is (and listed). Images: docs/img/frontier.png from compare.json, docs/img/long_context_fits.png
+from long_context_fits.json.
 --quick reads the *-quick.json files and writes nowhere in docs/: copies of
 the docs with the fragments substituted, every fragment as NAME.md and the
 images go to bench/results/docs-quick/ (or --out), to check the generator
@@ -26,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import RESULTS, ROOT, load_json  # noqa: E402
 
-DOCS = ["docs/BENCHMARKS.md", "README.md"]
+DOCS = ["docs/BENCHMARKS.md", "docs/long-context.md", "docs/gpu.md", "README.md"]
 MARKER = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 
@@ -47,6 +50,16 @@ def fragments(quick):
     if os.path.exists(path):
         import selective
         frags.update(selective.fragments(load_json(path)))
+    path = os.path.join(RESULTS, f"long_context_fits{suffix}.json")
+    if os.path.exists(path):
+        import long_context_fits
+        res = load_json(path)
+        frags.update(long_context_fits.fragments(res))
+        title = "longest trainable sequence per memory cap, measured"
+        images["long_context_fits.png"] = lambda out, res=res: long_context_fits.chart(res["rows"], out, title)
+    if not quick:  # figures of a GPU run (bench/gpu/check.sh on a lent machine); nothing to smoke-test
+        import gpu_results
+        frags.update(gpu_results.fragments())
     import longctx  # JSON lines: longctx.json (remat_longctx) and longctx-py.json (the Python anchor)
     frags.update(longctx.fragments(quick))
     return frags, images
