@@ -4,7 +4,8 @@ Each result file gives named markdown fragments (report.fragments for
 compare.json, selective.fragments for selective.json, longctx.fragments for
 longctx.json with longctx-py.json: the fragment `longctx`, long_context_fits.fragments
 for long_context_fits.json: `long-context-fits`, gpu_results.fragments for
-gpu-h200.json: `gpu-blocks`, `gpu-longctx`); in the docs a fragment
+gpu-h200.json: `gpu-blocks`, `gpu-longctx`; headline.fragments: `readme-headline`
+from all of them); in the docs a fragment
 stands between
     <!-- generated: NAME -->
     ...
@@ -60,6 +61,9 @@ def fragments(quick):
     if not quick:  # figures of a GPU run (bench/gpu/check.sh on a lent machine); nothing to smoke-test
         import gpu_results
         frags.update(gpu_results.fragments())
+    if not quick:
+        import headline  # the README's table, from whichever of the files above exist
+        frags.update(headline.fragments())
     import longctx  # JSON lines: longctx.json (remat_longctx) and longctx-py.json (the Python anchor)
     frags.update(longctx.fragments(quick))
     return frags, images

@@ -105,7 +105,13 @@ struct RematEngine final : ta::Engine {
         if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta || type == c10::DeviceType::Lazy) continue;
         devices = std::max(devices, impl->deviceCount());
       }
-      if (devices > 0 && device_ready_queues_.empty()) start_device_threads();
+      if (devices > 0 && device_ready_queues_.empty()) {
+        start_device_threads();
+      } else if (!thread_pool_shared_) {
+        // No device, but the pool of threads for deeply nested (reentrant)
+        // backwards is made by start_device_threads too.
+        thread_pool_shared_ = std::make_shared<ThreadPoolShared>();
+      }
     });
   }
 
