@@ -175,8 +175,10 @@ struct ChunkedCe : torch::autograd::Function<ChunkedCe> {
                                                  torch::autograd::variable_list grad_out) {
     auto saved = ctx->get_saved_variables();
     const auto& g = grad_out[0];  // () float32
-    // loss.backward() passes exactly 1: hand the gradients over unscaled.
-    const bool one = g.device().is_cpu() && g.item<double>() == 1.0;
+    // loss.backward() passes exactly 1: hand the gradients over unscaled,
+    // without a second (vocab, C) weight gradient (on a GPU the check costs
+    // one synchronization per backward, as Liger's fused loss pays too).
+    const bool one = g.item<double>() == 1.0;
     auto scaled = [&](const at::Tensor& t) {
       if (!t.defined()) return at::Tensor();
       return one ? t : t * g.to(t.scalar_type());
