@@ -375,4 +375,9 @@ TEST(ChunkedCrossEntropy, ErrorsNameTheValue) {
             "[remat::chunked_cross_entropy] targets are Float; class probabilities are not supported. Pass class "
             "ids (int64, e.g. targets.to(torch::kLong)).");
   EXPECT_EQ(c.h.grad().defined(), false) << "an error changes no gradient";
+  auto l = remat::chunked_cross_entropy(c.h, c.w, c.t, o);
+  EXPECT_EQ(thrown([&] { torch::autograd::grad({l}, {c.h}, {}, /*retain_graph=*/true, /*create_graph=*/true); }),
+            "[remat::chunked_cross_entropy] its gradient is computed in forward and is not differentiable again (a "
+            "backward with create_graph, e.g. a gradient penalty through the loss). Use the unchunked loss "
+            "(torch::nn::functional::cross_entropy on the logits) where a second derivative is needed.");
 }

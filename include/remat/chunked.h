@@ -103,8 +103,9 @@ struct ChunkedCrossEntropyOptions {
  *  and bias held from forward to backward, plus one slice's logits (about
  *  two copies of rows / chunks x vocab floats) while it runs. The matrix
  *  products run in the autocast dtype when autocast is on, as linear()
- *  would; the softmax in float32. The gradient is not differentiable again
- *  (no double backward). Equal to the unchunked loss up to floating-point
+ *  would; the softmax in float32. The gradient is not differentiable again:
+ *  a backward with create_graph throws remat::Error (no double backward).
+ *  Equal to the unchunked loss up to floating-point
  *  reassociation. Throws remat::Error for chunks < 1, label_smoothing
  *  outside [0, 1], shapes that do not match (naming them), or integer
  *  targets out of range. */

@@ -173,6 +173,12 @@ struct ChunkedCe : torch::autograd::Function<ChunkedCe> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
+    if (at::GradMode::is_enabled()) {  // backward(create_graph=true): the result would miss its own graph
+      throw Error(
+          "[remat::chunked_cross_entropy] its gradient is computed in forward and is not differentiable again "
+          "(a backward with create_graph, e.g. a gradient penalty through the loss). Use the unchunked loss "
+          "(torch::nn::functional::cross_entropy on the logits) where a second derivative is needed.");
+    }
     auto saved = ctx->get_saved_variables();
     const auto& g = grad_out[0];  // () float32
     // loss.backward() passes exactly 1: hand the gradients over unscaled,
