@@ -83,14 +83,20 @@ def fragments(res):
     """gen_docs.py's fragments: long-context-fits (a table per cap, with how the rows were taken)."""
     rows, m = res["rows"], res["metadata"]
     st = m.get("settings", {})
-    parts = [f"GPT {st.get('model', '?')}, batch {st.get('batch', '?')}, SentencePiece vocabulary "
+    parts = [f"{st.get('model', '?').replace('gpt', 'GPT', 1)}, batch {st.get('batch', '?')}, SentencePiece vocabulary "
              f"{st.get('vocab_size', '?')}, --loss-chunks {st.get('loss_chunks', '?')}, --mlp-chunks "
              f"{st.get('mlp_chunks', '?')}, answers in steps of {st.get('seq_step', '?')} tokens; "
-             f"{m.get('cpu', '?')}, {m.get('threads', '?')} thread(s), commit {m.get('git_commit', '?')[:7]}, "
+             f"{m.get('cpu', '?')}, remat-train with {st.get('threads', '?')} intra-op thread(s), commit "
+             f"{m.get('git_commit', '?')[:7]}, "
              f"{m.get('date_utc', '?')[:10]}. Each answer is predicted, then verified by measured steps at it and at "
              "the next step up (\"at +step\"); offload is searched by measured steps alone."]
     for cap in dict.fromkeys(r["cap"] for r in rows):
         parts.append(table(rows, cap))
+        by = {r["key"]: r["max_seq_len"] for r in rows if r["cap"] == cap}
+        if all(k in by for k in ("none", "block", "loss_block")):
+            parts.append(f"Under {cap}, chunked head+loss with per-block checkpointing trains "
+                         f"{by['loss_block'] / by['none']:.2f}x plain's sequence and {by['loss_block'] / by['block']:.2f}x "
+                         "per-block checkpointing's alone.")
     return {"long-context-fits": "\n\n".join(parts)}
 
 
