@@ -8,7 +8,7 @@ VENV="${REMAT_VENV:-$HOME/.cache/remat/venv}"
 TORCH_VERSION="${REMAT_TORCH_VERSION:-2.13.0}"
 
 pkgs=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev libgloo-dev
-      libbenchmark-dev nlohmann-json3-dev libcli11-dev pkg-config libzstd-dev liblz4-dev libsentencepiece-dev)
+      libbenchmark-dev nlohmann-json3-dev libcli11-dev pkg-config libzstd-dev liblz4-dev libsentencepiece-dev libglpk-dev)
 # The API reference (make docs, scripts/api-docs.sh): `setup.sh --docs`
 # installs only these, so that make test does not fetch doxygen and the LLVM
 # libraries it links (about 45 MB).

@@ -1,0 +1,127 @@
+// The planner's model of a whole training step: the measured memory of one
+// profiled step, cut into segments at the events of its units (forward
+// begin and end, backward begin and end of every call of every unit), and
+// per unit a menu of options with their measured costs per call. A choice
+// of one option per unit changes the memory of the segments each call
+// covers (its forward, the interval it keeps bytes live, its backward) and
+// adds time; the solver picks the fastest choice whose predicted peak fits
+// a budget, exactly (an integer program, solved by GLPK). Torch-free: the
+// auto layer (src/auto) fills a StepModel from a profiled step.
+//
+// Memory rule: under a choice, segment s peaks at
+//   segment_peak_bytes[s] + sum over calls c of their unit u with option k:
+//     forward_peak(k) - forward_peak(0)    for s in [forward_begin, forward_end)
+//     kept(k) - kept(0)                    for s in [forward_end, backward_begin)
+//     backward_peak(k) - backward_peak(0)  for s in [backward_begin, backward_end)
+// where option 0 is the one the step was profiled with. Time: the profiled
+// step's time plus, per call, time(k) - time(0).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat::plan {
+
+/** What one call of a unit costs under one option. Bytes are measured
+ *  from the bytes live when the call's forward starts. */
+struct StepCost {
+  /** Forward plus backward time of the call (recompute, transfers
+   *  included), ms. */
+  double time_ms = 0;
+  /** Peak during the call's forward, bytes above its start. */
+  int64_t forward_peak_bytes = 0;
+  /** Held from the end of its forward to the start of its backward, bytes
+   *  above its start (its outputs included). */
+  int64_t kept_bytes = 0;
+  /** Peak during its backward, bytes above its forward's start (what it
+   *  keeps, the gradients and the recompute's working set included). */
+  int64_t backward_peak_bytes = 0;
+};
+
+/** One call of a unit in the step: where its windows lie on the segment
+ *  axis (0 <= forward_begin <= forward_end <= backward_begin <=
+ *  backward_end <= segments), and its cost under each option of its unit. */
+struct StepCall {
+  /** Segment indices where its forward, kept interval and backward start;
+   *  backward_end is one past its backward's last segment. */
+  ///@{
+  int64_t forward_begin = 0, forward_end = 0, backward_begin = 0, backward_end = 0;
+  ///@}
+  /** One per option of the unit, in the unit's order. */
+  std::vector<StepCost> costs;
+};
+
+/** A unit: one decision (the same option for all its calls). */
+struct StepUnit {
+  std::string name;                  ///< for reports and errors ("blocks.3")
+  std::vector<std::string> options;  ///< option names; [0] is the one profiled ("keep")
+  std::vector<StepCall> calls;       ///< every call in the step, in forward order
+};
+
+/** The profiled step. */
+struct StepModel {
+  /** Peak bytes of each segment of the profiled step (everything live: the
+   *  units' kept bytes, parameters, gradients, optimizer state...). */
+  std::vector<int64_t> segment_peak_bytes;
+  /** Optional, one per segment: what ran then ("forward of blocks.3"). */
+  std::vector<std::string> segment_labels;
+  /** Time of the profiled step, ms. */
+  double step_time_ms = 0;
+  /** The units. */
+  std::vector<StepUnit> units;
+};
+
+/** Throws remat::Error naming the first inconsistency (windows out of
+ *  order or range, a cost list of the wrong length, negative bytes, a
+ *  non-finite time, an empty menu). */
+void validate(const StepModel& model);
+
+/** A choice of one option per unit and what it is predicted to cost. */
+struct StepPrediction {
+  std::vector<int> choice;             ///< option index per unit
+  int64_t peak_bytes = 0;              ///< max over segments
+  int64_t peak_segment = -1;           ///< where it is reached
+  double time_ms = 0;                  ///< step time
+  std::vector<int64_t> segment_bytes;  ///< predicted peak of every segment
+};
+
+/** The prediction of a choice (one option index per unit). Exact under the
+ *  memory rule above, in integer bytes. */
+StepPrediction simulate_step(const StepModel& model, const std::vector<int>& choice);
+
+/** Solver settings. */
+struct StepSolveOptions {
+  /** Stop the integer program after this long, s, and report the gap. */
+  double time_limit_s = 30;
+};
+
+/** The solver's answer. */
+struct StepPlan {
+  StepPrediction prediction;  ///< the choice and its cost
+  int64_t budget_bytes = 0;   ///< what it was solved for
+  /** True when the solver proved the choice optimal (gap 0). */
+  bool optimal = false;
+  /** (time - best bound) / best bound when stopped early; 0 when optimal. */
+  double relative_gap = 0;
+  double solve_ms = 0;  ///< wall time of the solve, ms
+  /** Rows and columns of the integer program after removing rows that
+   *  every choice satisfies. */
+  ///@{
+  int64_t rows = 0, columns = 0;
+  ///@}
+};
+
+/** The fastest choice whose predicted peak is <= budget_bytes. Throws
+ *  remat::Error when none fits: the message gives the smallest feasible
+ *  peak and the unit whose window sets it. */
+StepPlan solve_step(const StepModel& model, int64_t budget_bytes, const StepSolveOptions& options = {});
+
+/** The choice with the smallest predicted peak (the fastest among those). */
+StepPlan min_peak_step(const StepModel& model, const StepSolveOptions& options = {});
+
+/** "forward of blocks.3 (call 2)", "kept by ...", or the segment's label, or
+ *  "outside every unit": who is running at segment s. */
+std::string describe_segment(const StepModel& model, int64_t segment);
+
+}  // namespace remat::plan

@@ -1,0 +1,419 @@
+// The whole-step model's simulator and its exact solver: a 0-1 integer
+// program (one binary per unit and non-profiled option, a row per distinct
+// memory constraint), solved by GLPK's branch and cut. Leaves out
+// heuristics: GLPK proves optimality or reports its gap at the time limit.
+#include "remat/plan/step.h"
+
+#include <glpk.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include "remat/plan/error.h"
+
+namespace remat::plan {
+namespace {
+
+std::string unit_label(const StepModel& m, size_t u) {
+  return "unit " + std::to_string(u) + " ('" + m.units[u].name + "')";
+}
+
+// The segment's classes for one call: 0 outside, 1 forward, 2 kept, 3 backward.
+int klass(const StepCall& c, int64_t s) {
+  if (s >= c.forward_begin && s < c.forward_end) return 1;
+  if (s >= c.forward_end && s < c.backward_begin) return 2;
+  if (s >= c.backward_begin && s < c.backward_end) return 3;
+  return 0;
+}
+
+int64_t delta(const StepCall& c, int cls, int k) {
+  const StepCost& a = c.costs[k];
+  const StepCost& b = c.costs[0];
+  switch (cls) {
+    case 1: return a.forward_peak_bytes - b.forward_peak_bytes;
+    case 2: return a.kept_bytes - b.kept_bytes;
+    case 3: return a.backward_peak_bytes - b.backward_peak_bytes;
+    default: return 0;
+  }
+}
+
+double added_ms(const StepUnit& u, int k) {
+  double t = 0;
+  for (const StepCall& c : u.calls) t += c.costs[k].time_ms - c.costs[0].time_ms;
+  return t;
+}
+
+// One memory constraint: rhs_bytes - sum(coef * x) >= 0, where x are the
+// non-profiled options of the units the segment touches.
+struct Row {
+  int64_t peak_bytes;                                          // the profiled segment's peak
+  int64_t segment;                                             // a segment reaching it
+  std::vector<std::pair<std::vector<int64_t>, size_t>> units;  // (delta per option >= 1, unit index)
+};
+
+// Distinct constraints: segments touched by the same (call, class) set
+// differ only in their profiled peak, so the largest one stands for all.
+std::vector<Row> rows_of(const StepModel& m) {
+  const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
+  std::map<std::vector<int64_t>, size_t> seen;
+  std::vector<Row> rows;
+  for (int64_t s = 0; s < n; ++s) {
+    std::vector<int64_t> key;
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      const auto& calls = m.units[u].calls;
+      for (size_t c = 0; c < calls.size(); ++c) {
+        if (int cls = klass(calls[c], s)) {
+          key.push_back(static_cast<int64_t>(u));
+          key.push_back(static_cast<int64_t>(c) * 4 + cls);
+        }
+      }
+    }
+    auto it = seen.find(key);
+    if (it != seen.end()) {
+      Row& r = rows[it->second];
+      if (m.segment_peak_bytes[s] > r.peak_bytes) {
+        r.peak_bytes = m.segment_peak_bytes[s];
+        r.segment = s;
+      }
+      continue;
+    }
+    Row r{m.segment_peak_bytes[s], s, {}};
+    for (size_t i = 0; i < key.size(); i += 2) {
+      const size_t u = static_cast<size_t>(key[i]);
+      const StepCall& c = m.units[u].calls[key[i + 1] / 4];
+      const int cls = static_cast<int>(key[i + 1] % 4);
+      const size_t options = m.units[u].options.size();
+      if (r.units.empty() || r.units.back().second != u) r.units.push_back({std::vector<int64_t>(options - 1, 0), u});
+      for (size_t k = 1; k < options; ++k) r.units.back().first[k - 1] += delta(c, cls, static_cast<int>(k));
+    }
+    seen.emplace(std::move(key), rows.size());
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+struct GlpProb {
+  glp_prob* p = glp_create_prob();
+  ~GlpProb() { glp_delete_prob(p); }
+};
+
+struct Gap {
+  double gap = 0;
+};
+void gap_callback(glp_tree* tree, void* info) {
+  if (glp_ios_reason(tree) == GLP_IBINGO || glp_ios_reason(tree) == GLP_ISELECT) {
+    static_cast<Gap*>(info)->gap = glp_ios_mip_gap(tree);
+  }
+}
+
+// Solves: min sum(time * x) [+ peak variable when min_peak], subject to one
+// option per unit and every row within budget (or within the peak variable).
+// Returns false when the program has no solution.
+struct MipResult {
+  std::vector<int> choice;
+  bool optimal = false;
+  double gap = 0;
+  int64_t rows = 0, columns = 0;
+};
+bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_bytes, bool min_peak,
+               const StepSolveOptions& opt, MipResult* out) {
+  GlpProb prob;
+  glp_prob* p = prob.p;
+  glp_set_obj_dir(p, GLP_MIN);
+  // Columns: x(u, k) for k >= 1; then the peak variable.
+  std::vector<int> first_col(m.units.size(), 0);
+  int cols = 0;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    first_col[u] = cols + 1;
+    cols += static_cast<int>(m.units[u].options.size()) - 1;
+  }
+  const int peak_col = min_peak ? cols + 1 : 0;
+  if (min_peak) ++cols;
+  if (cols == 0) return false;
+  glp_add_cols(p, cols);
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+      const int j = first_col[u] + static_cast<int>(k) - 1;
+      glp_set_col_kind(p, j, GLP_BV);
+      // The peak program minimizes the peak first; time breaks ties only
+      // in the second solve (solve_step at the peak found).
+      glp_set_obj_coef(p, j, min_peak ? 0.0 : added_ms(m.units[u], static_cast<int>(k)));
+    }
+  }
+  if (min_peak) {
+    glp_set_col_bnds(p, peak_col, GLP_FR, 0, 0);
+    glp_set_obj_coef(p, peak_col, 1.0);
+  }
+  std::vector<int> ia{0}, ja{0};
+  std::vector<double> ar{0};
+  int row = 0;
+  // One option per unit.
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    if (m.units[u].options.size() < 2) continue;
+    glp_add_rows(p, 1);
+    ++row;
+    glp_set_row_bnds(p, row, GLP_UP, 0, 1);
+    for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+      ia.push_back(row);
+      ja.push_back(first_col[u] + static_cast<int>(k) - 1);
+      ar.push_back(1);
+    }
+  }
+  for (const Row& r : rows) {
+    glp_add_rows(p, 1);
+    ++row;
+    if (min_peak) {
+      glp_set_row_bnds(p, row, GLP_UP, 0, -static_cast<double>(r.peak_bytes) / kMiB);
+      ia.push_back(row);
+      ja.push_back(peak_col);
+      ar.push_back(-1);
+    } else {
+      glp_set_row_bnds(p, row, GLP_UP, 0, static_cast<double>(budget_bytes - r.peak_bytes) / kMiB);
+    }
+    for (const auto& [deltas, u] : r.units) {
+      for (size_t k = 0; k < deltas.size(); ++k) {
+        if (deltas[k] == 0) continue;
+        ia.push_back(row);
+        ja.push_back(first_col[u] + static_cast<int>(k));
+        ar.push_back(static_cast<double>(deltas[k]) / kMiB);
+      }
+    }
+  }
+  if (row == 0) return false;
+  glp_load_matrix(p, static_cast<int>(ia.size()) - 1, ia.data(), ja.data(), ar.data());
+  glp_iocp parm;
+  glp_init_iocp(&parm);
+  parm.presolve = GLP_ON;
+  parm.msg_lev = GLP_MSG_OFF;
+  parm.tm_lim = static_cast<int>(std::min(opt.time_limit_s * 1000.0, 2e9));
+  Gap gap;
+  parm.cb_func = gap_callback;
+  parm.cb_info = &gap;
+  const int ret = glp_intopt(p, &parm);
+  const int status = glp_mip_status(p);
+  out->rows = row;
+  out->columns = cols;
+  if (ret != 0 && ret != GLP_ETMLIM && ret != GLP_ENOPFS && ret != GLP_ENODFS) {
+    throw Error("[remat::plan] internal: GLPK's glp_intopt returned " + std::to_string(ret) +
+                " on the step model; please report it with the model.");
+  }
+  if (status != GLP_OPT && status != GLP_FEAS) return false;
+  out->choice.assign(m.units.size(), 0);
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+      if (glp_mip_col_val(p, first_col[u] + static_cast<int>(k) - 1) > 0.5) out->choice[u] = static_cast<int>(k);
+    }
+  }
+  out->optimal = status == GLP_OPT;
+  out->gap = out->optimal ? 0 : gap.gap;
+  return true;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The profiled choice's rows that some choice can break: the rest are kept
+// out of the program.
+std::vector<Row> binding_rows(const StepModel& m, const std::vector<Row>& rows, int64_t budget_bytes) {
+  std::vector<Row> out;
+  for (const Row& r : rows) {
+    int64_t worst = r.peak_bytes;
+    for (const auto& [deltas, u] : r.units) {
+      (void)u;
+      int64_t most = 0;  // the profiled option adds nothing
+      for (int64_t d : deltas) most = std::max(most, d);
+      worst += most;
+    }
+    if (worst > budget_bytes) out.push_back(r);
+  }
+  (void)m;
+  return out;
+}
+
+}  // namespace
+
+void validate(const StepModel& m) {
+  const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
+  if (!m.segment_labels.empty() && static_cast<int64_t>(m.segment_labels.size()) != n) {
+    throw Error("[remat::plan] the step model has " + std::to_string(m.segment_labels.size()) + " segment labels for " +
+                std::to_string(n) + " segments; give one per segment or none.");
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    if (m.segment_peak_bytes[s] < 0) {
+      throw Error("[remat::plan] segment " + std::to_string(s) + " of the step model peaks at " +
+                  std::to_string(m.segment_peak_bytes[s]) + " bytes; peaks must be >= 0.");
+    }
+  }
+  if (!std::isfinite(m.step_time_ms) || m.step_time_ms < 0) {
+    throw Error("[remat::plan] the step model's step_time_ms is " + std::to_string(m.step_time_ms) +
+                "; it must be finite and >= 0.");
+  }
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const StepUnit& unit = m.units[u];
+    if (unit.options.empty()) {
+      throw Error("[remat::plan] " + unit_label(m, u) + " has no options; give at least the profiled one.");
+    }
+    for (size_t c = 0; c < unit.calls.size(); ++c) {
+      const StepCall& call = unit.calls[c];
+      const std::string where = unit_label(m, u) + " call " + std::to_string(c);
+      if (!(0 <= call.forward_begin && call.forward_begin <= call.forward_end &&
+            call.forward_end <= call.backward_begin && call.backward_begin <= call.backward_end &&
+            call.backward_end <= n)) {
+        throw Error("[remat::plan] " + where + " has windows [" + std::to_string(call.forward_begin) + ", " +
+                    std::to_string(call.forward_end) + ", " + std::to_string(call.backward_begin) + ", " +
+                    std::to_string(call.backward_end) + "]; they must be ordered and within the " + std::to_string(n) +
+                    " segments.");
+      }
+      if (call.costs.size() != unit.options.size()) {
+        throw Error("[remat::plan] " + where + " has " + std::to_string(call.costs.size()) + " costs for " +
+                    std::to_string(unit.options.size()) + " options; give one per option.");
+      }
+      for (size_t k = 0; k < call.costs.size(); ++k) {
+        const StepCost& cost = call.costs[k];
+        if (!std::isfinite(cost.time_ms) || cost.forward_peak_bytes < 0 || cost.kept_bytes < 0 ||
+            cost.backward_peak_bytes < 0) {
+          throw Error("[remat::plan] " + where + " option '" + unit.options[k] +
+                      "' has a non-finite time or negative bytes.");
+        }
+      }
+    }
+  }
+}
+
+StepPrediction simulate_step(const StepModel& m, const std::vector<int>& choice) {
+  validate(m);
+  if (choice.size() != m.units.size()) {
+    throw Error("[remat::plan] a choice of " + std::to_string(choice.size()) + " options for " +
+                std::to_string(m.units.size()) + " units; give one option index per unit.");
+  }
+  StepPrediction out;
+  out.choice = choice;
+  out.segment_bytes = m.segment_peak_bytes;
+  out.time_ms = m.step_time_ms;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const int k = choice[u];
+    if (k < 0 || k >= static_cast<int>(m.units[u].options.size())) {
+      throw Error("[remat::plan] option " + std::to_string(k) + " of " + unit_label(m, u) + ", which has " +
+                  std::to_string(m.units[u].options.size()) + " options.");
+    }
+    if (k == 0) continue;
+    out.time_ms += added_ms(m.units[u], k);
+    for (const StepCall& c : m.units[u].calls) {
+      for (int64_t s = c.forward_begin; s < c.backward_end; ++s) out.segment_bytes[s] += delta(c, klass(c, s), k);
+    }
+  }
+  out.peak_bytes = 0;
+  for (size_t s = 0; s < out.segment_bytes.size(); ++s) {
+    if (out.peak_segment < 0 || out.segment_bytes[s] > out.peak_bytes) {
+      out.peak_bytes = out.segment_bytes[s];
+      out.peak_segment = static_cast<int64_t>(s);
+    }
+  }
+  return out;
+}
+
+std::string describe_segment(const StepModel& m, int64_t s) {
+  // The innermost window: the shortest forward or backward window holding s.
+  int64_t best = std::numeric_limits<int64_t>::max();
+  std::string what;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const auto& calls = m.units[u].calls;
+    for (size_t c = 0; c < calls.size(); ++c) {
+      const int cls = klass(calls[c], s);
+      if (cls != 1 && cls != 3) continue;
+      const int64_t len =
+          cls == 1 ? calls[c].forward_end - calls[c].forward_begin : calls[c].backward_end - calls[c].backward_begin;
+      if (len < best) {
+        best = len;
+        what =
+            std::string(cls == 1 ? "the forward" : "the backward") + " of unit '" + m.units[u].name + "'" +
+            (calls.size() > 1 ? " (call " + std::to_string(c + 1) + " of " + std::to_string(calls.size()) + ")" : "");
+      }
+    }
+  }
+  if (!what.empty()) return what;
+  if (s >= 0 && s < static_cast<int64_t>(m.segment_labels.size()) && !m.segment_labels[s].empty()) {
+    return m.segment_labels[s];
+  }
+  return "outside every unit";
+}
+
+StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
+  validate(m);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<Row> rows = rows_of(m);
+  MipResult r;
+  std::vector<int> choice(m.units.size(), 0);
+  if (solve_mip(m, rows, 0, /*min_peak=*/true, opt, &r)) choice = r.choice;
+  // The fastest choice at that peak (the peak program ignores time).
+  const int64_t peak = simulate_step(m, choice).peak_bytes;
+  StepPlan plan = solve_step(m, peak, opt);
+  plan.solve_ms = ms_since(t0);
+  return plan;
+}
+
+StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
+  validate(m);
+  if (budget_bytes <= 0) {
+    throw Error("[remat::plan] budget_bytes is " + std::to_string(budget_bytes) + "; give a positive budget.");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<Row> all = rows_of(m);
+  StepPlan plan;
+  plan.budget_bytes = budget_bytes;
+  // GLPK works in doubles: a choice it accepts within its tolerance is
+  // checked in integer bytes and, if over, solved again with the budget
+  // lowered by the excess and a margin that grows (64 B, 256 B, ...).
+  int64_t target = budget_bytes;
+  for (int attempt = 0; attempt < 6; ++attempt) {
+    const std::vector<Row> rows = binding_rows(m, all, target);
+    MipResult r;
+    bool found;
+    if (rows.empty()) {
+      // Every choice fits: the fastest option of each unit, independently.
+      r.choice.assign(m.units.size(), 0);
+      for (size_t u = 0; u < m.units.size(); ++u) {
+        for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+          if (added_ms(m.units[u], static_cast<int>(k)) < added_ms(m.units[u], r.choice[u])) {
+            r.choice[u] = static_cast<int>(k);
+          }
+        }
+      }
+      r.optimal = true;
+      found = true;
+    } else {
+      found = solve_mip(m, rows, target, /*min_peak=*/false, opt, &r);
+    }
+    if (!found) break;
+    StepPrediction pred = simulate_step(m, r.choice);
+    if (pred.peak_bytes <= budget_bytes) {
+      plan.prediction = std::move(pred);
+      plan.optimal = r.optimal;
+      plan.relative_gap = r.gap;
+      plan.rows = r.rows;
+      plan.columns = r.columns;
+      plan.solve_ms = ms_since(t0);
+      return plan;
+    }
+    target = budget_bytes - (pred.peak_bytes - budget_bytes) - (int64_t{64} << (2 * attempt));
+  }
+  // Nothing fits: say how low the step can go and who sets that floor.
+  MipResult r;
+  std::vector<int> choice(m.units.size(), 0);
+  if (solve_mip(m, all, 0, /*min_peak=*/true, opt, &r)) choice = r.choice;
+  const StepPrediction low = simulate_step(m, choice);
+  throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) +
+              "; the smallest feasible peak is " + format_bytes(low.peak_bytes) + ", reached in " +
+              describe_segment(m, low.peak_segment) +
+              ". Raise the memory budget, or give the planner more levers (AutoOptions().offload(...)).");
+}
+
+}  // namespace remat::plan

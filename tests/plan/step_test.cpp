@@ -1,0 +1,261 @@
+// Tests of the whole-step model: solve_step and min_peak_step against a
+// brute force over every choice (its own evaluation of the memory rule of
+// step.h), on random chains, skip-connected and GAN-like steps (a unit called
+// twice); the errors of validate and of an infeasible budget, pinned.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "remat/plan/error.h"
+#include "remat/plan/step.h"
+
+namespace rp = remat::plan;
+
+namespace {
+
+// Memory of segment s under `choice`, written from the rule in step.h.
+int64_t brute_segment(const rp::StepModel& m, const std::vector<int>& choice, int64_t s) {
+  int64_t bytes = m.segment_peak_bytes[s];
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (const rp::StepCall& c : m.units[u].calls) {
+      const rp::StepCost& a = c.costs[choice[u]];
+      const rp::StepCost& b = c.costs[0];
+      if (c.forward_begin <= s && s < c.forward_end) bytes += a.forward_peak_bytes - b.forward_peak_bytes;
+      if (c.forward_end <= s && s < c.backward_begin) bytes += a.kept_bytes - b.kept_bytes;
+      if (c.backward_begin <= s && s < c.backward_end) bytes += a.backward_peak_bytes - b.backward_peak_bytes;
+    }
+  }
+  return bytes;
+}
+
+struct Brute {
+  double best_time = std::numeric_limits<double>::infinity();
+  int64_t min_peak = std::numeric_limits<int64_t>::max();
+};
+
+// Over every choice: the fastest within budget, and the smallest peak.
+Brute brute(const rp::StepModel& m, int64_t budget) {
+  Brute out;
+  std::vector<int> choice(m.units.size(), 0);
+  while (true) {
+    int64_t peak = 0;
+    for (int64_t s = 0; s < static_cast<int64_t>(m.segment_peak_bytes.size()); ++s) {
+      peak = std::max(peak, brute_segment(m, choice, s));
+    }
+    double t = m.step_time_ms;
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      for (const rp::StepCall& c : m.units[u].calls) t += c.costs[choice[u]].time_ms - c.costs[0].time_ms;
+    }
+    out.min_peak = std::min(out.min_peak, peak);
+    if (peak <= budget) out.best_time = std::min(out.best_time, t);
+    size_t u = 0;
+    for (; u < choice.size(); ++u) {
+      if (++choice[u] < static_cast<int>(m.units[u].options.size())) break;
+      choice[u] = 0;
+    }
+    if (u == choice.size()) break;
+  }
+  return out;
+}
+
+// A random option menu per call: keep first (most memory, least time), the
+// others trade kept bytes for time, like recompute, selective and offload.
+rp::StepCall random_call(std::mt19937& rng, int options, int64_t fb, int64_t fe, int64_t bb, int64_t be) {
+  std::uniform_int_distribution<int> mib(1, 64);
+  std::uniform_real_distribution<double> ms(0.5, 20);
+  rp::StepCall c{fb, fe, bb, be, {}};
+  const int64_t MiB = 1 << 20;
+  rp::StepCost keep{ms(rng), mib(rng) * MiB, 0, 0};
+  keep.kept_bytes = keep.forward_peak_bytes - mib(rng) % 8 * MiB / 8;
+  if (keep.kept_bytes < 0) keep.kept_bytes = 0;
+  keep.backward_peak_bytes = keep.kept_bytes + mib(rng) * MiB / 4;
+  c.costs.push_back(keep);
+  for (int k = 1; k < options; ++k) {
+    rp::StepCost o = keep;
+    o.kept_bytes = keep.kept_bytes * (mib(rng) % 10) / 10;
+    o.forward_peak_bytes = std::max(o.kept_bytes, keep.forward_peak_bytes - mib(rng) * MiB / 16);
+    o.backward_peak_bytes = keep.backward_peak_bytes + mib(rng) * MiB / 8;
+    o.time_ms = keep.time_ms + ms(rng) * (10 - o.kept_bytes * 10 / std::max<int64_t>(1, keep.kept_bytes)) / 10;
+    c.costs.push_back(o);
+  }
+  return c;
+}
+
+// A chain: forwards in order, backwards in reverse, with `gap` segments of
+// other work (a head, a loss) between; segment peaks grow with what is live.
+rp::StepModel random_chain(std::mt19937& rng, int units, int max_options) {
+  std::uniform_int_distribution<int> opts(1, max_options);
+  rp::StepModel m;
+  m.step_time_ms = 100;
+  const int64_t n = 4 * units + 2;
+  for (int u = 0; u < units; ++u) {
+    rp::StepUnit unit{"u" + std::to_string(u), {}, {}};
+    const int o = opts(rng);
+    for (int k = 0; k < o; ++k) unit.options.push_back(k == 0 ? "keep" : "opt" + std::to_string(k));
+    unit.calls.push_back(random_call(rng, o, 2 * u, 2 * u + 1, n - 2 * u - 2, n - 2 * u - 1));
+    m.units.push_back(unit);
+  }
+  // The profiled step's memory: what each unit keeps, plus its windows' peaks.
+  m.segment_peak_bytes.assign(n, 10 << 20);
+  for (const auto& unit : m.units) {
+    const rp::StepCall& c = unit.calls[0];
+    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
+      if (s < c.forward_end) m.segment_peak_bytes[s] += c.costs[0].forward_peak_bytes;
+      else if (s < c.backward_begin) m.segment_peak_bytes[s] += c.costs[0].kept_bytes;
+      else m.segment_peak_bytes[s] += c.costs[0].backward_peak_bytes;
+    }
+  }
+  return m;
+}
+
+// A GAN-like step: a generator unit, then a discriminator unit called on
+// fake and real before any backward, with skip-like overlapping windows.
+rp::StepModel random_gan(std::mt19937& rng, int max_options) {
+  std::uniform_int_distribution<int> opts(2, max_options);
+  rp::StepModel m;
+  m.step_time_ms = 50;
+  m.segment_peak_bytes.assign(12, 0);
+  std::uniform_int_distribution<int> mib(1, 32);
+  for (auto& p : m.segment_peak_bytes) p = mib(rng) * (int64_t{1} << 20);
+  auto add = [&](const std::string& name, std::vector<std::array<int64_t, 4>> windows) {
+    rp::StepUnit u{name, {}, {}};
+    const int o = opts(rng);
+    for (int k = 0; k < o; ++k) u.options.push_back(k == 0 ? "keep" : "opt" + std::to_string(k));
+    for (const auto& w : windows) u.calls.push_back(random_call(rng, o, w[0], w[1], w[2], w[3]));
+    m.units.push_back(u);
+  };
+  add("G", {{0, 1, 10, 11}});
+  add("D", {{1, 2, 8, 9}, {2, 4, 6, 8}});
+  add("D.head", {{3, 4, 6, 7}});
+  add("E", {{4, 5, 5, 6}});
+  return m;
+}
+
+void check_against_brute(const rp::StepModel& m, const std::string& what) {
+  const Brute all = brute(m, std::numeric_limits<int64_t>::max());
+  int64_t max_peak = 0;
+  for (int64_t s = 0; s < static_cast<int64_t>(m.segment_peak_bytes.size()); ++s) {
+    max_peak = std::max(max_peak, brute_segment(m, std::vector<int>(m.units.size(), 0), s));
+  }
+  const rp::StepPlan low = rp::min_peak_step(m);
+  EXPECT_EQ(low.prediction.peak_bytes, all.min_peak) << what;
+  EXPECT_NEAR(low.prediction.time_ms, brute(m, all.min_peak).best_time, 1e-9) << what;
+  for (int i = 0; i <= 8; ++i) {
+    const int64_t budget = all.min_peak + (max_peak - all.min_peak) * i / 8 + (i == 8 ? 1 << 20 : 0);
+    const Brute b = brute(m, budget);
+    ASSERT_TRUE(std::isfinite(b.best_time)) << what;
+    const rp::StepPlan plan = rp::solve_step(m, budget);
+    EXPECT_TRUE(plan.optimal) << what;
+    EXPECT_LE(plan.prediction.peak_bytes, budget) << what << " budget " << budget;
+    EXPECT_NEAR(plan.prediction.time_ms, b.best_time, 1e-9) << what << " budget " << budget;
+    // The simulator agrees with the brute force's own evaluation.
+    int64_t peak = 0;
+    for (int64_t s = 0; s < static_cast<int64_t>(m.segment_peak_bytes.size()); ++s) {
+      peak = std::max(peak, brute_segment(m, plan.prediction.choice, s));
+    }
+    EXPECT_EQ(plan.prediction.peak_bytes, peak) << what;
+  }
+  if (all.min_peak > 1) {
+    EXPECT_THROW(rp::solve_step(m, all.min_peak - 1), remat::Error) << what;
+  }
+}
+
+}  // namespace
+
+TEST(StepSolve, ChainsMatchBruteForce) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 30; ++trial) {
+    const int units = 1 + trial % 8;
+    check_against_brute(random_chain(rng, units, 3 + trial % 2), "chain trial " + std::to_string(trial));
+  }
+}
+
+TEST(StepSolve, TenUnitChainsMatchBruteForce) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 4; ++trial) {
+    check_against_brute(random_chain(rng, 10, 3), "10-unit chain trial " + std::to_string(trial));
+  }
+}
+
+TEST(StepSolve, GanStepsMatchBruteForce) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 30; ++trial) {
+    check_against_brute(random_gan(rng, 4), "gan trial " + std::to_string(trial));
+  }
+}
+
+TEST(StepSolve, EveryChoiceFitsTakesTheFastest) {
+  std::mt19937 rng(5);
+  rp::StepModel m = random_chain(rng, 4, 3);
+  const rp::StepPlan plan = rp::solve_step(m, int64_t{1} << 40);
+  EXPECT_EQ(plan.rows, 0);
+  for (int k : plan.prediction.choice) EXPECT_EQ(k, 0);  // keep is the fastest in random_call
+}
+
+TEST(StepSolve, InfeasibleBudgetNamesTheFloorAndWhoSetsIt) {
+  rp::StepModel m;
+  m.step_time_ms = 10;
+  m.segment_peak_bytes = {100 << 20, 300 << 20, 500 << 20, 200 << 20};
+  rp::StepCost keep{1, 100 << 20, 100 << 20, 150 << 20}, recompute{2, 100 << 20, 10 << 20, 160 << 20};
+  m.units.push_back({"blocks.0", {"keep", "recompute"}, {{0, 1, 3, 4, {keep, recompute}}}});
+  m.units.push_back({"blocks.1", {"keep", "recompute"}, {{1, 2, 2, 3, {keep, recompute}}}});
+  try {
+    rp::solve_step(m, 200 << 20);
+    FAIL() << "expected an error";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::auto] no plan of the step fits in 200.00 MiB; the smallest feasible peak is 410.00 MiB, "
+                 "reached in the backward of unit 'blocks.1'. Raise the memory budget, or give the planner more "
+                 "levers (AutoOptions().offload(...)).");
+  }
+  const rp::StepPlan plan = rp::solve_step(m, 410 << 20);
+  EXPECT_EQ(plan.prediction.choice, (std::vector<int>{1, 0}));
+  EXPECT_EQ(plan.prediction.peak_bytes, 410 << 20);
+}
+
+TEST(StepSolve, ValidateNamesTheProblem) {
+  rp::StepModel m;
+  m.segment_peak_bytes = {1, 2};
+  m.units.push_back({"a", {"keep", "recompute"}, {{0, 2, 1, 2, {{}, {}}}}});
+  try {
+    rp::validate(m);
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 0 ('a') call 0 has windows [0, 2, 1, 2]; they must be ordered and within the "
+                 "2 segments.");
+  }
+  m.units[0].calls[0] = {0, 1, 1, 2, {{}}};
+  try {
+    rp::validate(m);
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(), "[remat::plan] unit 0 ('a') call 0 has 1 costs for 2 options; give one per option.");
+  }
+  m.units[0].calls[0].costs = {{}, {-1, 0, 0, 0}};
+  m.units[0].calls[0].costs[1].kept_bytes = -5;
+  try {
+    rp::validate(m);
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 0 ('a') call 0 option 'recompute' has a non-finite time or negative bytes.");
+  }
+  m.units[0].calls[0].costs[1].kept_bytes = 0;
+  EXPECT_NO_THROW(rp::validate(m));
+  try {
+    rp::simulate_step(m, {2});
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(), "[remat::plan] option 2 of unit 0 ('a'), which has 2 options.");
+  }
+  try {
+    rp::solve_step(m, 0);
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(), "[remat::plan] budget_bytes is 0; give a positive budget.");
+  }
+}
