@@ -4,14 +4,19 @@
 // process:
 //   1. LibTorch's allocator alone (remat not installed yet);
 //   2. after a Probe has come and gone (what a profile leaves behind:
-//      installed; counting off since this change, on for good before it);
+//      remat's allocator installed, counting off);
 //   3. a Probe alive (counting, probes updated);
 //   4. enable_tracking() (counting for good, no probe).
-// Prints medians of 7 rounds. Uses only the public memory API, so the same
-// file builds against an older src/core/memory.cpp for a before/after.
+// Each phase runs --rounds rounds (7), 1 and 2 threads in turn within a round,
+// --iters allocations per thread (200000). Prints a run-metadata record and
+// every round's ns per op as one JSON object on stdout (bench/py/alloc.py
+// writes it to bench/results/alloc.json), medians on stderr. Uses only the
+// public memory API, so the same file builds against an older
+// src/core/memory.cpp for a before/after.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -20,6 +25,8 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <remat/memory.h>
+
+#include "bench.h"
 
 namespace {
 
@@ -38,30 +45,40 @@ double ns_per_op(int threads, int iters) {
   return ns / iters;  // per op of one thread (threads run at once)
 }
 
-double median_of(int threads, int iters) {
-  std::vector<double> v;
-  for (int r = 0; r < 7; ++r) v.push_back(ns_per_op(threads, iters));
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+struct Phases {
+  int rounds, iters;
+  std::string json;
 
-void phase(const char* name) {
-  std::printf("%-44s %8.1f ns  %8.1f ns\n", name, median_of(1, 200000), median_of(2, 200000));
-}
+  /** One phase: `rounds` rounds of 1 and 2 threads in turn; a JSON object appended, medians on stderr. */
+  void run(const char* name) {
+    std::vector<double> one, two;
+    for (int r = 0; r < rounds; ++r) {
+      one.push_back(ns_per_op(1, iters));
+      two.push_back(ns_per_op(2, iters));
+    }
+    std::fprintf(stderr, "%-44s %8.1f ns  %8.1f ns\n", name, bench::median(one), bench::median(two));
+    json += std::string(json.empty() ? "" : ",\n") + "  {\"name\": " + bench::quoted(name) +
+            ", \"ns_1_thread\": " + bench::json_list(one, 1) + ", \"ns_2_threads\": " + bench::json_list(two, 1) + "}";
+  }
+};
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   at::set_num_threads(1);
-  std::printf("%-44s %11s %11s\n", "alloc+free of 256 B", "1 thread", "2 threads");
-  phase("1. LibTorch allocator only");
-  { remat::memory::Probe p; }
-  phase("2. after a Probe (e.g. a profile) has ended");
+  Phases p{static_cast<int>(bench::int_arg(argc, argv, "--rounds", "7")),
+           static_cast<int>(bench::int_arg(argc, argv, "--iters", "200000")), ""};
+  std::fprintf(stderr, "%-44s %11s %11s\n", "alloc+free of 256 B, median", "1 thread", "2 threads");
+  p.run("1. LibTorch allocator only");
+  { remat::memory::Probe probe; }
+  p.run("2. after a Probe (e.g. a profile) has ended");
   {
-    remat::memory::Probe p;
-    phase("3. a Probe alive");
+    remat::memory::Probe probe;
+    p.run("3. a Probe alive");
   }
   remat::memory::enable_tracking();
-  phase("4. enable_tracking()");
+  p.run("4. enable_tracking()");
+  std::printf("{\"meta\": %s,\n \"rounds\": %d, \"iters\": %d, \"bytes\": 256,\n \"phases\": [\n%s\n ]}\n",
+              bench::metadata(argc, argv).c_str(), p.rounds, p.iters, p.json.c_str());
   return 0;
 }

@@ -15,9 +15,11 @@
 // peak tracked bytes above the bytes live before the forward (remat::memory),
 // bytes held after the forward, step time. Every strategy's gradients are
 // hashed and must equal plain's bitwise (exit 3 otherwise).
-// --codecs: one forward + backward per codec with OffloadScope(kMemory)
-// (min_bytes 64 KiB): compression ratio over the saved activations, time,
-// and gradient error against plain (bitwise for lossless codecs).
+// --codecs: after a warm-up step and one timed plain step, one forward +
+// backward per codec with OffloadScope (kMemory or kDisk, min_bytes 64 KiB):
+// compression ratio over the saved activations, time, and gradient error
+// against plain (bitwise for lossless codecs).
+// bench/py/offload.py drives it and writes bench/results/offload.json.
 // Prints a run-metadata line ({"meta": ...}, bench/common/bench.h), then one
 // JSON object per strategy (or codec), and a table on stderr.
 // Leaves out: the loss head and optimizer (the stack ends in .square().mean()).
@@ -149,6 +151,8 @@ int run_one(const std::string& name, const Config& c, int steps, const std::stri
 /** Every codec on the saved activations of one step, kMemory. */
 int run_codecs(const Config& c, const std::string& dir) {
   Model m(c);
+  m.zero();
+  m.seq->forward(m.x).square().mean().backward();  // warm-up: allocates the gradients, as run_one's step 0
   m.zero();
   auto t0 = Clock::now();
   m.seq->forward(m.x).square().mean().backward();

@@ -24,6 +24,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 RESULTS = os.path.join(ROOT, "bench", "results")
+# glibc malloc told to keep freed memory (no mmap'd chunks, no trimming of the heap's top), so that a process does
+# not hand freed pages back to the kernel and fault them in again next step (docs/BENCHMARKS.md, "glibc's heap
+# trimming"): run_all.py's and selective.py's --malloc keep, longctx.py's environment.
+MALLOC_KEEP = dict(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(64 << 30))
 
 
 def metadata(settings=None, argv=None):

@@ -1,27 +1,35 @@
 """Renders the docs' benchmark tables and figures from bench/results/ (`make bench` ends with it).
 
-Each result file gives named markdown fragments (report.fragments for
-compare.json, selective.fragments for selective.json, longctx.fragments for
-longctx.json with longctx-py.json: the fragment `longctx`, long_context_fits.fragments
-for long_context_fits.json: `long-context-fits`, gpu_results.fragments for
-gpu-h200.json: `gpu-blocks`, `gpu-longctx`; headline.fragments: `readme-headline`
-from all of them); in the docs a fragment
-stands between
+Each result file gives named markdown fragments: report.fragments for
+compare.json, and for compare-toy.json (run_all.py --toy) with "-toy" after
+each name; for each file of ONE_FILE its module's fragments(): selective.json
+and selective-keep.json `selective-results` and `selective-keep-results`,
+offload.json `offload-strategies` and `offload-codecs`, accuracy.json
+`planner-accuracy`, runtime.json `runtime-placement` and `runtime-dominated`,
+alloc.json `alloc`, ddp_scaling.json and ddp_scaling-small.json
+`ddp-reference` and `ddp-small`, heap.json `heap-faults`; longctx.fragments
+for longctx.json with longctx-py.json: `longctx`; long_context_fits.fragments
+for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
+gpu-h200.json: `gpu-blocks`, `gpu-longctx`; headline.fragments:
+`readme-headline` from all of them. In the docs a fragment stands between
     <!-- generated: NAME -->
     ...
     <!-- /generated -->
-and is replaced (a blank line on either side, for markdown), markers kept; a marker whose result file is absent is left as
-it is (and listed). Images: docs/img/frontier.png from compare.json, docs/img/long_context_fits.png
-from long_context_fits.json.
+and is replaced (a blank line on either side, for markdown), markers kept; a
+marker whose result file is absent is left as it is (and listed). Images:
+docs/img/frontier.png from compare.json, docs/img/frontier-toy.png from
+compare-toy.json, docs/img/long_context_fits.png from long_context_fits.json.
 --quick reads the *-quick.json files and writes nowhere in docs/: copies of
 the docs with the fragments substituted, every fragment as NAME.md and the
 images go to bench/results/docs-quick/ (or --out), to check the generator
 and look at a smoke run; there the toy models' sections fill the reference
-models' markers (compare-gpt for compare-gpt-ref). --check only lists markers and fragments.
-Leaves out: measuring (run_all.py, selective.py) and the prose around the
-tables (written by hand from the figures).
+models' markers (compare-gpt for compare-gpt-ref). --check only lists markers
+and fragments.
+Leaves out: measuring (run_all.py and the drivers named above) and the prose
+around the tables (written by hand, citing only figures the tables show).
 """
 import argparse
+import importlib
 import os
 import re
 import sys
@@ -31,6 +39,10 @@ sys.path.insert(0, HERE)
 from common import RESULTS, ROOT, load_json  # noqa: E402
 
 DOCS = ["docs/BENCHMARKS.md", "docs/long-context.md", "docs/gpu.md", "README.md"]
+# result file (bench/results/NAME.json) -> the module whose fragments(result) renders it
+ONE_FILE = [("selective", "selective"), ("selective-keep", "selective"), ("offload", "offload"),
+            ("accuracy", "accuracy"), ("runtime", "runtime"), ("alloc", "alloc"), ("ddp_scaling", "ddp_scaling"),
+            ("ddp_scaling-small", "ddp_scaling"), ("heap", "heap")]
 MARKER = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 
@@ -47,10 +59,16 @@ def fragments(quick):
             frags.update({f"{k}-ref": v for k, v in list(frags.items()) if f"{k}-ref" not in frags and
                           k[len("compare-"):] in res["models"]})
         images["frontier.png"] = lambda out, res=res: report.chart(res, out)
-    path = os.path.join(RESULTS, f"selective{suffix}.json")
-    if os.path.exists(path):
-        import selective
-        frags.update(selective.fragments(load_json(path)))
+    path = os.path.join(RESULTS, "compare-toy.json")  # run_all.py --toy: the toy sizes, checked in
+    if not quick and os.path.exists(path):
+        import report
+        res = load_json(path)
+        frags.update({f"{k}-toy": v for k, v in report.fragments(res).items()})
+        images["frontier-toy.png"] = lambda out, res=res: report.chart(res, out)
+    for name, module in ONE_FILE:  # a result file, a renderer module with fragments(result)
+        path = os.path.join(RESULTS, f"{name}{suffix}.json")
+        if os.path.exists(path):
+            frags.update(importlib.import_module(module).fragments(load_json(path)))
     path = os.path.join(RESULTS, f"long_context_fits{suffix}.json")
     if os.path.exists(path):
         import long_context_fits

@@ -36,12 +36,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import RESULTS, ROOT, metadata  # noqa: E402
+from common import MALLOC_KEEP, RESULTS, ROOT, metadata  # noqa: E402
 
 REFERENCE = dict(d_model=512, heads=8, blocks=8, seq_len=512, batch=4, vocab=32000)  # as remat_longctx's kReference
 QUICK = dict(d_model=64, heads=4, blocks=2, seq_len=128, batch=2, vocab=2000)  # as its kQuick
 LABELS = {"plain": "plain", "block": "torch.utils.checkpoint per block (use_reentrant=False)"}
-MALLOC_KEEP = dict(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(64 << 30))  # as run_all.py --malloc keep
 TARGET_TIME = 1.05
 
 

@@ -21,6 +21,9 @@ results.json). Prints the tables and targets. Last, the long-context
 benchmark (bench/py/longctx.py: remat_longctx and its Python anchor, same
 environment; bench/results/longctx.json and longctx-py.json, --quick:
 *-quick.json; --longctx skip leaves it out, --longctx only runs just it).
+--toy: the toy sizes as --quick, but into compare-toy.json and .md, which are
+checked in (gen_docs.py renders the docs' toy tables, fragments
+compare-MODEL-toy and the like, and docs/img/frontier-toy.png from them).
 Leaves out: multi-threaded runs (one intra-op thread throughout).
 """
 import argparse
@@ -125,6 +128,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--quick", action="store_true", help="toy sizes, every strategy (smoke runs; minutes)")
+    ap.add_argument("--toy", action="store_true",
+                    help="the toy sizes as --quick, into bench/results/compare-toy.json (checked in: the docs' toy "
+                         "tables and docs/img/frontier-toy.png); no long-context run")
     ap.add_argument("--rounds", type=int, help="C++/Python alternations per model (2; --quick 3)")
     ap.add_argument("--steps", type=int, help="timed steps per round, main strategies (3; --quick 7)")
     ap.add_argument("--sweep-steps", type=int, help="timed steps per round, checkpoint_sequential k (3)")
@@ -145,21 +151,23 @@ def main():
                          "(the C++ one did, 5-8%% of a plain step: docs/BENCHMARKS.md); default: as the OS gives it. "
                          "Not for the RSS cross-check, which measures ru_maxrss as a user's process has it")
     a = ap.parse_args()
+    if a.toy:
+        a.quick, a.longctx = True, "skip"
     for k, v in (QUICK if a.quick else REF).items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
     b = os.path.join(a.build, "bench")
     a.compare, a.overhead = os.path.join(b, "remat_compare"), os.path.join(b, "remat_overhead")
-    suffix = "-quick" if a.quick else ""
-    path = result_path("compare", a.quick)
+    suffix = "-toy" if a.toy else "-quick" if a.quick else ""
+    path = result_path(f"compare{suffix}")
     old_path = os.path.join(b, "compare", f"results{suffix}.json")  # before bench/results/
-    if a.chart is None and a.quick:
+    if a.chart is None and a.quick and not a.toy:
         a.chart = os.path.join(RESULTS, "frontier-quick.png")
     env = dict(os.environ, LD_PRELOAD=os.path.join(b, "libremat_preload.so"), OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
     rss_env = dict(env)
     if a.malloc == "keep":
-        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(64 << 30))
+        env.update(common.MALLOC_KEEP)
     if a.longctx == "only":
         import longctx
         longctx.drive(a.build, a.quick, env)
@@ -175,7 +183,7 @@ def main():
         settings = dict(rounds=a.rounds, steps=a.steps, sweep_steps=a.sweep_steps, warmup=a.warmup,
                         malloc=a.malloc, models=a.models)
         meta = metadata(settings)
-        res = {"meta": meta, "models": {}, "machine": machine(meta), "size": "quick" if a.quick else "reference",
+        res = {"meta": meta, "models": {}, "machine": machine(meta), "size": "toy" if a.toy else "quick" if a.quick else "reference",
                "settings": settings, "load": [os.getloadavg()[0]]}
         # The short parts first, then one model at a time, saved after each.
         res["overhead_us"] = overhead(a, env)

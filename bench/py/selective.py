@@ -16,7 +16,10 @@ excluded; activations, backward temporaries, activation gradients and the
 input's gradient are in), the bytes held after the forward, and step time.
 Writes bench/results/selective.json (with the run-metadata record,
 common.py) and selective.md (--quick: selective-quick.json / .md, not checked
-in); gen_docs.py renders its table as the fragment selective-results. Prints
+in); gen_docs.py renders its table as the fragment selective-results.
+--malloc keep runs both workers with glibc told to keep freed memory
+(common.MALLOC_KEEP: no step faults its heap in again) and writes
+selective-keep.json / .md instead, fragment selective-keep-results. Prints
 the target line (one remat selective setting at <= 0.5x plain activation
 memory and <= 1.10x plain step time). --quick: a toy size for smoke runs only.
 """
@@ -28,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from common import HERE, RESULTS, ROOT, load_json, med, metadata, result_path, write_json
+from common import HERE, MALLOC_KEEP, RESULTS, ROOT, load_json, med, metadata, result_path, write_json
 REFERENCE = dict(d_model=512, heads=8, seq_len=512, batch=4, blocks=8)  # ../shared/DESIGN.md, CPU
 QUICK = dict(d_model=64, heads=4, seq_len=64, batch=2, blocks=2)
 OPS_SIZE = dict(d_model=32, heads=2, seq_len=8, batch=2, blocks=1)
@@ -186,7 +189,7 @@ def render(res):
 
 def fragments(res):
     """The docs' generated fragments of a selective result (gen_docs.py): NAME -> markdown."""
-    return {"selective-results": render(res)}
+    return {"selective-keep-results" if res.get("malloc") == "keep" else "selective-results": render(res)}
 
 
 def main():
@@ -197,10 +200,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="toy size, for smoke runs only")
     ap.add_argument("--report-only", action="store_true", help="re-pool and re-render bench/results/selective.json")
+    ap.add_argument("--malloc", choices=["default", "keep"], default="default",
+                    help="default: glibc malloc as the OS sets it; keep: both workers keep freed memory "
+                         "(MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=64 GiB), into selective-keep.json")
     a = ap.parse_args()
+    name = "selective-keep" if a.malloc == "keep" else "selective"
     b = os.path.join(a.build, "bench")
     exe, preload = os.path.join(b, "remat_selective_bench"), os.path.join(b, "libremat_preload.so")
-    path = result_path("selective", a.quick)
+    path = result_path(name, a.quick)
     if a.report_only:  # re-pools the raw step data (also from the old <build>/bench/selective/results.json)
         res = load_json(path, os.path.join(b, "selective", "results.json"))
         res["cpp"], res["py"] = pool(res["raw"]["cpp"]), pool(res["raw"]["py"])
@@ -211,6 +218,8 @@ def main():
             if not os.path.exists(f):
                 sys.exit(f"{f} is missing: ninja -C {a.build} remat_selective_bench remat_preload")
         env = dict(os.environ, LD_PRELOAD=preload, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        if a.malloc == "keep":
+            env.update(MALLOC_KEEP)
         size = QUICK if a.quick else REFERENCE
         t0 = time.time()
         print("op sequence check (one block, tiny size)", flush=True)
@@ -224,17 +233,18 @@ def main():
             outs["py"].append(run([sys.executable, os.path.join(HERE, "selective_worker.py"), *common,
                                    "--strategies", ",".join(PY)], env, 1200))
         import torch
-        meta = metadata(dict(size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup))
+        meta = metadata(dict(size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup,
+                             malloc=a.malloc))
         res = dict(meta=meta, size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup, op_check=oc,
-                   torch=torch.__version__, nproc=os.cpu_count(),
-                   malloc_env={k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
+                   torch=torch.__version__, nproc=os.cpu_count(), malloc=a.malloc,
+                   malloc_env={k: v for k, v in env.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
                    param_bytes=outs["cpp"][0]["param_bytes"], input_bytes=outs["cpp"][0]["input_bytes"],
                    cpp=pool(outs["cpp"]), py=pool(outs["py"]), raw=outs)
         res["met"], res["target"] = target(res["cpp"])
         res["wall_s"] = time.time() - t0
         write_json(path, res)
     md = render(res)
-    md_path = os.path.join(RESULTS, f"selective{'-quick' if a.quick else ''}.md")
+    md_path = os.path.join(RESULTS, f"{name}{'-quick' if a.quick else ''}.md")
     with open(md_path, "w") as f:
         f.write(md)
     print(md)
