@@ -28,7 +28,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import metadata, result_path, write_json  # noqa: E402
+from common import metadata, result_path, run_line, write_json  # noqa: E402
 
 # (model, budgets as fractions of the plain peak, timed steps): the reference run
 REF = [("mlp-ref", "1.0,0.5,0.25", 3), ("gpt-ref", "1.0,0.5,0.25", 3), ("resnet-ref", "1.0,0.8,0.6,0.5", 3),
@@ -63,11 +63,10 @@ def render(res):
     runs = res.get("runs", [])
     steps = sorted({g["steps"] for g in runs}) or [res["meta"]["settings"].get("steps")]
     load = res.get("load", [])
-    head = (f"remat_compare per model, `--hold-output 0`, 1 intra-op thread; plain and each budget's plan interleaved, "
+    head = (f"{run_line(res['meta'], load)} remat_compare per model, `--hold-output 0`, 1 intra-op thread; plain and each budget's plan interleaved, "
             f"1 warm-up and {' or '.join(str(s) for s in steps)} timed steps each (medians; one run per row). "
             f"Measured peak: remat::memory's tracked peak of the step above the level before it, plus the chain input. "
-            f"MB = 10^6 bytes." + (f" 1-minute load average {min(load):.1f}-{max(load):.1f} during the run."
-                                   if load else ""))
+            f"MB = 10^6 bytes.")
     met = lambda e, t: "met" if e <= t else "MISSED"  # noqa: E731
     tail = (f"Worst peak error {100 * res['worst_peak_error']:.1f}% (target 5%: {met(res['worst_peak_error'], 0.05)}), "
             f"worst time error {100 * res['worst_time_error']:.1f}% (target 10%: "
@@ -91,6 +90,7 @@ def main():
     a = ap.parse_args()
     groups = ([(m, a.fractions, a.steps or 3) for m in a.models.split(",")] if a.models else
               [(m, f, a.steps or s) for m, f, s in (QUICK if a.quick else REF)])
+    meta = metadata(dict(vars(a), groups=groups))  # at the start: its date and commit are the run's
     worst_peak = worst_time = 0.0
     rows, runs, load = [], [], [os.getloadavg()[0]]
     for model, fractions, steps in groups:
@@ -112,7 +112,7 @@ def main():
             rows.append(dict(model=model, budget=r["name"][4:], predicted_bytes=r["predicted"], measured_bytes=measured,
                              predicted_ms=r["predicted_ms"], measured_ms=t * 1e3, plain_ms=plain_s * 1e3))
         print(f"{model} done", file=sys.stderr, flush=True)
-    out = dict(meta=metadata(dict(vars(a), groups=groups)), rows=rows, worst_peak_error=worst_peak,
+    out = dict(meta=meta, rows=rows, worst_peak_error=worst_peak,
                worst_time_error=worst_time, load=load, runs=runs)
     print(render(out))
     path = result_path("accuracy", a.quick)

@@ -15,14 +15,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import med, result_path, run, write_json  # noqa: E402
+from common import med, result_path, run, run_line, write_json  # noqa: E402
 
 
 def render(res):
-    out = [f"ns per alloc+free of `torch::empty({{64}})` ({res['bytes']} B), {res['iters']} per thread and round; "
-           f"{res['rounds']} rounds per phase, 1 and 2 threads in turn; median (min-max) over the rounds; one process "
-           f"on {res['meta']['nproc']} CPUs, 1-minute load average {res['load'][0]:.1f}-{res['load'][1]:.1f} "
-           f"during the run.",
+    out = [f"{run_line(res['meta'], res['load'])} ns per alloc+free of `torch::empty({{64}})` ({res['bytes']} B), {res['iters']} per thread and round; "
+           f"{res['rounds']} rounds per phase, 1 and 2 threads in turn; median (min-max) over the rounds; one process.",
            "",
            "| phase | 1 thread | 2 threads |",
            "|---|---|---|"]

@@ -61,6 +61,16 @@ def metadata(settings=None, argv=None):
     return out
 
 
+def run_line(meta, load=None):
+    """'Run: DATE, commit C, N CPUs (MODEL), torch V[, 1-minute load average A-B].' from a run-metadata record
+    (and load averages read during the run), the line a rendered table opens with."""
+    out = (f"Run: {meta['date_utc'][:10]}, commit {meta['git_commit'][:7] or '?'}, {meta['nproc']} CPUs "
+           f"({meta['cpu']}), torch {meta['torch']}")
+    if load:
+        out += f", 1-minute load average {min(load):.1f}-{max(load):.1f} during the run"
+    return out + "."
+
+
 def result_path(name, quick=False):
     """bench/results/NAME.json, or NAME-quick.json for a --quick run (the folder is created)."""
     os.makedirs(RESULTS, exist_ok=True)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_json, metadata, result_path, write_json  # noqa: E402
+from common import load_json, metadata, result_path, run_line, write_json  # noqa: E402
 
 SIZES = {"reference": dict(model="--layers 8 --d-model 512 --heads 8 --seq-len 512", global_batch=4, rounds=2, steps=5),
          "small": dict(model="--layers 6 --d-model 256 --heads 8 --seq-len 256", global_batch=8, rounds=3, steps=6),
@@ -72,11 +72,10 @@ def render(res):
     a = res["meta"]["settings"]
     tokens = res["tokens_per_step"]
     cfg = res["configurations"]
-    out = [f"`remat-train {a['model']}`, `--checkpoint {a['checkpoint']} --optimizer sgd`, global batch "
+    out = [f"{run_line(res['meta'], res['load'])} `remat-train {a['model']}`, `--checkpoint {a['checkpoint']} --optimizer sgd`, global batch "
            f"{a['global_batch']}; model: {res.get('model_line', '?')}. {a['rounds']} rounds of {a['steps'] - 1} timed "
            f"steps (step 1 dropped), configurations interleaved; step ms: median (each round's median in brackets; "
-           f"the data-parallel row per rank and round); {res['meta']['nproc']} CPUs, 1-minute load average "
-           f"{min(res['load']):.1f}-{max(res['load']):.1f} during the run.",
+           f"the data-parallel row per rank and round).",
            "",
            "| configuration | step ms (per round) | tokens/s | all-reduce ms | exposed ms | overlapped | buckets "
            "| peak per process |",
@@ -132,6 +131,7 @@ def main():
         "2 processes, 1 thread each": base + ["--nproc", "2", "--batch", str(a.global_batch // 2),
                                               "--threads", "1", "--master-port", "29731"],
     }
+    meta = metadata(vars(a))  # at the start: its date and commit are the run's
     results = {k: [] for k in configs}
     load, model_line = [os.getloadavg()[0]], ""
     for rnd in range(a.rounds):
@@ -148,7 +148,7 @@ def main():
             load.append(os.getloadavg()[0])
             print(f"round {rnd + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
     tokens = a.global_batch * int(re.search(r"--seq-len (\d+)", a.model).group(1))
-    res = dict(meta=metadata(vars(a)), size=size, tokens_per_step=tokens, model_line=model_line.split(";")[0].strip(), load=load,
+    res = dict(meta=meta, size=size, tokens_per_step=tokens, model_line=model_line.split(";")[0].strip(), load=load,
                configurations=results)
     print(render(res))
     write_json(path, res)

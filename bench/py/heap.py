@@ -20,7 +20,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import MALLOC_KEEP, med, metadata, result_path, run, write_json  # noqa: E402
+from common import MALLOC_KEEP, med, metadata, result_path, run, run_line, write_json  # noqa: E402
 
 HEAPS = {"default": "glibc default", "keep": "kept (`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736`)"}
 
@@ -28,10 +28,10 @@ HEAPS = {"default": "glibc default", "keep": "kept (`MALLOC_MMAP_MAX_=0 MALLOC_T
 def render(res):
     s = res["meta"]["settings"]
     load = res["load"]
-    out = [f"Plain steps only: per model and heap, {s['rounds']} rounds of the C++ process (remat_compare) then the "
+    out = [f"{run_line(res['meta'], load)} Plain steps only: per model and heap, {s['rounds']} rounds of the C++ process (remat_compare) then the "
            f"Python one (worker.py), 1 warm-up and {s['steps']} timed steps each; minor page faults per step "
            f"(getrusage) and step ms, range over every timed step (median); C++ / Python: ratio of the medians. "
-           f"1 intra-op thread, preload counter in both; 1-minute load average {min(load):.1f}-{max(load):.1f}.",
+           f"1 intra-op thread, preload counter in both.",
            "",
            "| model | heap | C++ minor faults / step | Python minor faults / step | C++ plain ms, range (median) "
            "| Python plain ms, range (median) | C++ / Python |",

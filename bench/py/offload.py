@@ -27,7 +27,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import med, metadata, result_path, run, write_json  # noqa: E402
+from common import metadata, result_path, run, run_line, write_json  # noqa: E402
 
 LABELS = {"plain": "plain", "full": "full (checkpoint per block)", "disk": "disk (prefetch depth 2)",
           "disk_nopf": "disk, prefetch off (depth 0)", "ckpt_disk": "ckpt_disk (checkpoints to disk, recompute)"}
@@ -51,12 +51,12 @@ def render_strategies(res):
     d = {r["strategy"]: r for r in res["strategies"]["rows"]}
     mm = {r["strategy"]: r for r in res["strategies_mmap"]["rows"]} if res.get("strategies_mmap") else {}
     plain = d["plain"]
-    loads = "-".join(f"{v:.1f}" for v in sorted({res["strategies"]["load"], res["load_start"]}))
-    out = [f"{size}; the stack ends in `.square().mean()`; 1 intra-op thread; each strategy in its own process, "
+    load = [res["load_start"]] + [res[p]["load"] for p in ("strategies", "strategies_mmap", "codecs") if p in res]
+    out = [f"{run_line(res['meta'], load)} {size}; the stack ends in `.square().mean()`; 1 intra-op thread; each strategy in its own process, "
            f"1 warm-up step, then {s['steps']} timed steps (step: median). Peak: remat::memory's tracked peak above "
            f"the bytes live before the forward (parameter gradients preallocated); held: tracked bytes right after "
            f"the forward; RSS: VmHWM at the process's exit (its growth over VmRSS before the first step in brackets). "
-           f"Offload directory: {res['dir_fs']}. 1-minute load average {loads} during the run. Gradients of every "
+           f"Offload directory: {res['dir_fs']}. Gradients of every "
            f"strategy equal plain's bitwise (hashes): {'yes' if res['grads_equal'] else 'NO'}.",
            "",
            "| strategy | peak MiB | / plain | held MiB | RSS MiB, default malloc | RSS MiB, mmap threshold 1 MiB "

@@ -28,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import med, metadata, result_path, run, write_json  # noqa: E402
+from common import med, metadata, result_path, run, run_line, write_json  # noqa: E402
 
 # (group, model, strategies, timed steps)
 REF = [("placement", "gpt-ref", "plain,seq:8,useg:8,block", 6),
@@ -63,11 +63,11 @@ def head(res, group):
     gs = [g for g in res["groups"] if g["group"] == group]
     steps = sorted({g["steps"] for g in gs})
     load = [g["load"] for g in gs]
-    return (f"remat_compare, 1 intra-op thread, `--hold-output 0`, glibc malloc as the OS sets it; per model one "
+    return (f"{run_line(res['meta'], load)} remat_compare, 1 intra-op thread, `--hold-output 0`, glibc malloc as the OS sets it; per model one "
             f"process, the strategies interleaved, 1 warm-up and {' or '.join(map(str, steps))} timed steps each. "
             f"Peak: remat::memory's tracked peak of the step above the level before it, plus the chain input "
             f"(MB = 10^6 bytes). Paired: per round one strategy's step over the other's in the same round, median "
-            f"[min-max] over the rounds. 1-minute load average {min(load):.1f}-{max(load):.1f} during the runs.")
+            f"[min-max] over the rounds.")
 
 
 def render_placement(res):

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from common import HERE, MALLOC_KEEP, RESULTS, ROOT, load_json, med, metadata, result_path, write_json
+from common import HERE, MALLOC_KEEP, RESULTS, ROOT, load_json, med, metadata, result_path, run_line, write_json
 REFERENCE = dict(d_model=512, heads=8, seq_len=512, batch=4, blocks=8)  # ../shared/DESIGN.md, CPU
 QUICK = dict(d_model=64, heads=4, seq_len=64, batch=2, blocks=2)
 OPS_SIZE = dict(d_model=32, heads=2, seq_len=8, batch=2, blocks=1)
@@ -149,7 +149,8 @@ def mib(b):
 
 def render(res):
     s = res["size"]
-    out = [f"GPT block stack: d_model {s['d_model']}, {s['heads']} heads, T {s['seq_len']}, batch {s['batch']}, "
+    out = [f"{run_line(res['meta'], res.get('load'))} "
+           f"GPT block stack: d_model {s['d_model']}, {s['heads']} heads, T {s['seq_len']}, batch {s['batch']}, "
            f"{s['blocks']} blocks, float32, dropout 0, explicit attention, 1 intra-op thread; "
            f"{res['rounds']} rounds x {res['steps']} timed steps per strategy (after {res['warmup']} warm-up), "
            f"C++ and Python processes alternating; medians of the pooled steps, ratios to the same language's "
@@ -222,21 +223,23 @@ def main():
             env.update(MALLOC_KEEP)
         size = QUICK if a.quick else REFERENCE
         t0 = time.time()
+        meta = metadata(dict(size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup,
+                             malloc=a.malloc))  # at the start: its date and commit are the run's
         print("op sequence check (one block, tiny size)", flush=True)
         oc = op_check(exe, env)
         print(f"  {'identical' if oc['equal'] else 'DIFFERENT'} ({len(oc['cpp'])} / {len(oc['py'])} ops)", flush=True)
         common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", "1", *size_args(size)]
         outs = {"cpp": [], "py": []}
+        load = [os.getloadavg()[0]]
         for i in range(a.rounds):
             print(f"round {i + 1}/{a.rounds}", flush=True)
             outs["cpp"].append(run([exe, *common, "--strategies", ",".join(CPP)], env, 1200))
             outs["py"].append(run([sys.executable, os.path.join(HERE, "selective_worker.py"), *common,
                                    "--strategies", ",".join(PY)], env, 1200))
+            load.append(os.getloadavg()[0])
         import torch
-        meta = metadata(dict(size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup,
-                             malloc=a.malloc))
         res = dict(meta=meta, size=size, quick=a.quick, rounds=a.rounds, steps=a.steps, warmup=a.warmup, op_check=oc,
-                   torch=torch.__version__, nproc=os.cpu_count(), malloc=a.malloc,
+                   torch=torch.__version__, nproc=os.cpu_count(), malloc=a.malloc, load=load,
                    malloc_env={k: v for k, v in env.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
                    param_bytes=outs["cpp"][0]["param_bytes"], input_bytes=outs["cpp"][0]["input_bytes"],
                    cpp=pool(outs["cpp"]), py=pool(outs["py"]), raw=outs)
