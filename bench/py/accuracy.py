@@ -71,6 +71,10 @@ def render(res):
     tail = (f"Worst peak error {100 * res['worst_peak_error']:.1f}% (target 5%: {met(res['worst_peak_error'], 0.05)}), "
             f"worst time error {100 * res['worst_time_error']:.1f}% (target 10%: "
             f"{met(res['worst_time_error'], 0.10)}).")
+    plains = "; ".join(f"{g['model']} {g['out']['plain_peak'] / 1e6:.2f} MB ({g['out']['plain_peak']:,} bytes)"
+                       for g in runs)
+    if plains:
+        tail += f" Measured plain peaks (the budgets' base): {plains}."
     return "\n".join([head, "", table(res), "", tail]) + "\n"
 
 

@@ -151,7 +151,7 @@ def main():
                 pass
     print(render_strategies(res))
     print(render_codecs(res))
-    print(f"wrote {path}")
+    print(f"{'read' if a.report_only else 'wrote'} {path}")
 
 
 if __name__ == "__main__":
