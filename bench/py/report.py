@@ -7,6 +7,8 @@ Leaves out: any measuring (run_all.py does that).
 """
 import math
 
+from common import run_line
+
 NAMES_CPP = {"plain": "plain", "block": "remat::checkpoint per block", "select": "remat selective (block-level)",
              "sqrt": "CheckpointedSequential sqrt"}
 NAMES_PY = {"plain": "plain", "nonreentrant": "checkpoint per block, non-reentrant",
@@ -257,7 +259,11 @@ def fragments(res):
         out["compare-overhead"] = overhead_table(res["overhead_us"])
     out["compare-rss"] = rss_table(res.get("rss", {}))
     if "compile" in res:
-        out["compare-compile"] = compile_table(res["compile"]["runs"])
+        c = res["compile"]
+        head = (f"{run_line(c['meta'])} Python worker only, toy GPT stack, {len(c['runs'][0]['ms'])} timed steps "
+                f"after 2 warm-up per strategy, not interleaved with C++; preload-counted peak; note: compile and "
+                f"warm-up time.\n\n") if "meta" in c else ""
+        out["compare-compile"] = head + compile_table(c["runs"])
     out["compare-targets"] = targets(res)
     return out
 
