@@ -23,10 +23,11 @@ cd "$(dirname "$0")/.."
 #   offload stores for saved tensors (host, disk, codecs)
 #   region  checkpoint, selective policies, module switch; may use offload
 #   chain   CheckpointedSequential and its profiler
+#   auto    the whole-step planner (profiles a step, plans every unit)
 #   models, parallel  reference models and trainer; c10d data parallel.
 #           Both may use every layer above (a data-parallel model may be
 #           checkpointed or a planned chain), never each other.
-LAYERS=(plan core offload region chain "models parallel")
+LAYERS=(plan core offload region chain auto "models parallel")
 
 # Public headers of include/remat/ by layer (the folders plan/, models/ and
 # parallel/ are their layers). remat.h, the umbrella, is above every layer:
@@ -35,6 +36,7 @@ PUBLIC=(error.h:core hooks.h:core memory.h:core
   offload.h:offload
   policy.h:region checkpoint.h:region selective.h:region checkpointable.h:region chunked.h:region
   profile.h:chain sequential.h:chain
+  auto.h:auto
   remat.h:umbrella)
 
 declare -A RANK

@@ -27,8 +27,11 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -38,6 +41,53 @@
 #include <remat/checkpoint.h>
 
 namespace remat {
+
+class Checkpointable;
+
+namespace detail {
+/** Runs one call of a unit again, for the whole-step profiler (auto.h):
+ *  the unit's function on `inputs` (the call's tensors, in argument order)
+ *  with the switch as given (nullopt: plain), returning its output tensors
+ *  flattened. Valid only while UnitObserver::begin() runs. */
+using UnitRun =
+    std::function<std::vector<at::Tensor>(const std::optional<CheckpointOptions>&, const std::vector<at::Tensor>&)>;
+
+/** Sees every call of a Checkpointable on this thread while installed (the
+ *  whole-step profiler). */
+class UnitObserver {
+ public:
+  /** One observed call: finish() gets its outputs; destroyed after the call
+   *  (also when it throws). */
+  class Call {
+   public:
+    virtual ~Call() = default;
+    /** The call's output tensors, flattened. */
+    virtual void finish(const std::vector<at::Tensor>& outputs) = 0;
+  };
+  virtual ~UnitObserver() = default;
+  /** Before `unit`'s call runs, with its tensor inputs and a way to run it
+   *  again; nullptr to let it run unobserved. */
+  virtual std::unique_ptr<Call> begin(Checkpointable& unit, const std::vector<at::Tensor>& inputs,
+                                      const UnitRun& run) = 0;
+};
+/** This thread's observer, or nullptr (the common case). */
+UnitObserver* unit_observer();
+/** Installs `o` on this thread (nullptr removes it); returns the previous one. */
+UnitObserver* set_unit_observer(UnitObserver* o);
+
+/** The tensors of a unit's output: a Tensor, a std::vector of them, or a
+ *  tuple or pair of those (nested); anything else holds none. */
+template <class T>
+void flatten_outputs(const T& v, std::vector<at::Tensor>& out) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    out.push_back(v);
+  } else if constexpr (std::is_same_v<T, std::vector<at::Tensor>>) {
+    out.insert(out.end(), v.begin(), v.end());
+  } else if constexpr (requires { std::tuple_size<T>::value; }) {
+    std::apply([&](const auto&... e) { (flatten_outputs(e, out), ...); }, v);
+  }
+}
+}  // namespace detail
 
 /** Mixin for a module whose forward can be checkpointed by the switch. */
 class Checkpointable {
@@ -62,6 +112,9 @@ class Checkpointable {
   template <class Fn, class... Args>
   auto checkpointed(Fn&& fn, Args&&... args) -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
     calls_.n.fetch_add(1, std::memory_order_relaxed);
+    if (detail::UnitObserver* observer = detail::unit_observer()) {
+      return observed(*observer, std::forward<Fn>(fn), std::forward<Args>(args)...);
+    }
     if (!options_) return detail::call(fn, std::forward<Args>(args)...);
     return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
   }
@@ -76,6 +129,55 @@ class Checkpointable {
     Calls& operator=(const Calls&) { return *this; }
   };
   detail::ModuleState state() const;
+  /** checkpointed() under a UnitObserver: tells it of the call, with a copy
+   *  of fn and args it may run again under other switch states. */
+  template <class Fn, class... Args>
+  auto observed(detail::UnitObserver& observer, Fn&& fn, Args&&... args)
+      -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
+    std::vector<at::Tensor> inputs;
+    (detail::collect(inputs, args), ...);
+    std::unique_ptr<detail::UnitObserver::Call> call;
+    {
+      auto stored = std::make_shared<std::tuple<std::decay_t<Fn>, std::decay_t<Args>...>>(fn, args...);
+      std::apply([](auto&, auto&... a) { (detail::blank(a), ...); }, *stored);
+      detail::UnitRun run = [this, stored](const std::optional<CheckpointOptions>& o,
+                                           const std::vector<at::Tensor>& in) {
+        return std::apply(
+            [&](auto& f, auto&... a) {
+              size_t k = 0;
+              (detail::fill(a, in, k), ...);
+              // Holds no tensor between runs: a run's inputs die with it.
+              struct Blank {
+                std::tuple<std::decay_t<Args>&...> args;
+                ~Blank() {
+                  std::apply([](auto&... b) { (detail::blank(b), ...); }, args);
+                }
+              } blank_after{std::tie(a...)};
+              std::vector<at::Tensor> out;
+              if (o) {
+                detail::flatten_outputs(detail::checkpoint_impl(*o, state(), f, a...), out);
+              } else {
+                detail::flatten_outputs(detail::call(f, a...), out);
+              }
+              return out;
+            },
+            *stored);
+      };
+      call = observer.begin(*this, inputs, run);
+    }
+    if (!call) {
+      if (!options_) return detail::call(fn, std::forward<Args>(args)...);
+      return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
+    }
+    auto out = [&]() -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
+      if (!options_) return detail::call(fn, std::forward<Args>(args)...);
+      return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
+    }();
+    std::vector<at::Tensor> flat;
+    detail::flatten_outputs(out, flat);
+    call->finish(flat);
+    return out;
+  }
   std::optional<CheckpointOptions> options_;
   Calls calls_;
 };

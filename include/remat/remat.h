@@ -5,6 +5,7 @@
 // so is data parallel on c10d (remat::parallel, <remat/parallel/data_parallel.h>).
 #pragma once
 
+#include <remat/auto.h>
 #include <remat/checkpoint.h>
 #include <remat/checkpointable.h>
 #include <remat/chunked.h>

@@ -41,6 +41,8 @@ namespace detail {
 
 bool recomputing() { return t_recompute_depth > 0; }
 
+void forget_rng_captures() { t_last_rng.clear(); }
+
 bool is_parameter_like(const at::Tensor& t) {
   if (t.requires_grad() && t.is_leaf()) return true;
   if (t.is_view()) {

@@ -66,6 +66,11 @@ std::vector<c10::Device> cuda_devices_in_use();
 std::optional<c10::Stream> stream_of(const at::Tensor& t);
 void use_on_current_stream(const at::Tensor& t, const std::optional<c10::Stream>& produced_on);
 
+/** Drops this thread's memory of its last RNG captures, so that the next
+ *  region's capture is a copy of its own (the whole-step profiler's
+ *  isolated runs: each counts the bytes a region's capture may cost). */
+void forget_rng_captures();
+
 /** The device a chain's memory is measured on (the profiler,
  *  CheckpointedSequential): the first CUDA device among `inputs`, else
  *  among `parameters`, else the CPU. A CUDA chain is then planned and

@@ -341,7 +341,7 @@ std::string describe_segment(const StepModel& m, int64_t s) {
   }
   if (!what.empty()) return what;
   if (s >= 0 && s < static_cast<int64_t>(m.segment_labels.size()) && !m.segment_labels[s].empty()) {
-    return m.segment_labels[s];
+    return "in " + m.segment_labels[s];
   }
   return "outside every unit";
 }
@@ -411,7 +411,7 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
   if (solve_mip(m, all, 0, /*min_peak=*/true, opt, &r)) choice = r.choice;
   const StepPrediction low = simulate_step(m, choice);
   throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) +
-              "; the smallest feasible peak is " + format_bytes(low.peak_bytes) + ", reached in " +
+              "; the smallest feasible peak is " + format_bytes(low.peak_bytes) + ", reached " +
               describe_segment(m, low.peak_segment) +
               ". Raise the memory budget, or give the planner more levers (AutoOptions().offload(...)).");
 }

@@ -11,6 +11,14 @@
 
 namespace remat {
 
+namespace detail {
+namespace {
+thread_local UnitObserver* tls_observer = nullptr;
+}  // namespace
+UnitObserver* unit_observer() { return tls_observer; }
+UnitObserver* set_unit_observer(UnitObserver* o) { return std::exchange(tls_observer, o); }
+}  // namespace detail
+
 detail::ModuleState Checkpointable::state() const {
   const auto* m = dynamic_cast<const torch::nn::Module*>(this);
   if (m == nullptr) return {};

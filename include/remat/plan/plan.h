@@ -6,3 +6,4 @@
 #include "remat/plan/json.h"
 #include "remat/plan/schedule.h"
 #include "remat/plan/solve.h"
+#include "remat/plan/step.h"

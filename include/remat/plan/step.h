@@ -120,8 +120,8 @@ StepPlan solve_step(const StepModel& model, int64_t budget_bytes, const StepSolv
 /** The choice with the smallest predicted peak (the fastest among those). */
 StepPlan min_peak_step(const StepModel& model, const StepSolveOptions& options = {});
 
-/** "forward of blocks.3 (call 2)", "kept by ...", or the segment's label, or
- *  "outside every unit": who is running at segment s. */
+/** Where segment s lies: "in the forward of unit 'blocks.3' (call 2 of 3)",
+ *  "in the backward of ...", "in " + its label, or "outside every unit". */
 std::string describe_segment(const StepModel& model, int64_t segment);
 
 }  // namespace remat::plan

@@ -1,0 +1,172 @@
+// The whole-step planner: one budget for a whole training step of any module
+// tree, every lever per unit (keep, full recompute, selective at several
+// saved-byte levels, offload), planned from one profiled step of the user's
+// own step function.
+//
+//   auto planner = remat::auto_checkpoint(model, remat::AutoOptions().memory_budget_bytes(1 << 30));
+//   for (int i = 0; i < steps; ++i) {
+//     planner.step([&] {
+//       optimizer.zero_grad();
+//       auto loss = loss_fn(model->forward(x), y);
+//       loss.backward();
+//       optimizer.step();
+//     });
+//   }
+//   std::cout << planner.explain();
+//
+// The units are the model's Checkpointable modules, the outermost ones of
+// each call (a checkpointable module called inside another one runs as part
+// of it, switched off). A unit may be called several times per step (a GAN's
+// discriminator), in any order, with skip connections across units.
+//
+// step() runs the user's step: the first `warmup_steps` plainly (every unit
+// off), then one profiled step (still plain: it must fit), which records the
+// step's memory over time with each unit call's forward and backward marked,
+// and measures each call under every option of its unit by running it
+// again, in isolation, before its real forward (RNG, buffers and gradients
+// untouched, so the step itself is the plain step, bitwise). The solver
+// (remat/plan/step.h) picks one option per unit: the fastest step whose
+// predicted peak fits the budget. Later steps run the plan and are measured;
+// a step whose peak exceeds the budget by more than 1% makes the planner
+// solve again with the budget lowered by the excess.
+//
+// What the budget covers: every byte of tensors live in the process on the
+// CPU at the step's peak, as remat::memory counts them: parameters,
+// gradients, optimizer state, activations, the loss. Counting starts at
+// remat::memory::enable_tracking(), which auto_checkpoint() calls: tensors
+// allocated before (e.g. parameters of a model built earlier) are not in
+// the figures; call enable_tracking() first thing in main() to count them.
+// Leaves out: CUDA memory (the planner measures CPU memory; a unit whose
+// inputs are on a CUDA device is refused), and units inside units.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <remat/checkpoint.h>
+#include <remat/offload.h>
+#include <remat/plan/step.h>
+
+namespace remat {
+
+/** Options of auto_checkpoint(). Give a budget: memory_budget_bytes or
+ *  memory_budget_fraction. */
+struct AutoOptions {
+  /** The bound on the step's peak, bytes of tracked CPU tensors. 0: use
+   *  memory_budget_fraction. Default 0. */
+  TORCH_ARG(int64_t, memory_budget_bytes) = 0;
+  /** The budget as a fraction of the profiled (plain) step's peak, in
+   *  (0, 1]; used when memory_budget_bytes is 0. Default 0 (unset). */
+  TORCH_ARG(double, memory_budget_fraction) = 0;
+  /** Selective options per unit: the outputs of which operators to keep,
+   *  chosen by a knapsack on the operators' measured output bytes and
+   *  times, at this many saved-byte levels (1/(n+1), ..., n/(n+1) of what
+   *  the unit keeps plainly). 0: none. Default 3. */
+  TORCH_ARG(int, selective_levels) = 3;
+  /** When set, two more options per unit: its saved tensors sent to this
+   *  target (nothing recomputed), and a full recompute with its inputs sent
+   *  there. Default none (no offload). */
+  TORCH_ARG(std::optional<OffloadOptions>, offload);
+  /** The options of the recompute options (RNG replay, determinism check);
+   *  a policy here is combined with each level's (any_of). Default
+   *  CheckpointOptions(). */
+  TORCH_ARG(CheckpointOptions, checkpoint_options) = CheckpointOptions();
+  /** Plain steps before the profiled one, so that the profiled step holds
+   *  what every later step holds (the optimizer's state, kept gradients).
+   *  Default 1. */
+  TORCH_ARG(int, warmup_steps) = 1;
+  /** How many times each option of each call is timed (the minimum is
+   *  kept). Default 2. */
+  TORCH_ARG(int, profile_repeats) = 2;
+  /** The solver's time limit, s; at the limit, the best plan found and its
+   *  gap are reported. Default 30. */
+  TORCH_ARG(double, solver_time_limit_s) = 30;
+  /** Solve again, with the budget lowered by the excess, after a step whose
+   *  measured peak exceeds the budget by more than 1%. Default true. */
+  TORCH_ARG(bool, replan_on_overrun) = true;
+};
+
+/** One unit of a plan, as explain() shows it. */
+struct AutoUnit {
+  std::string name;                  ///< qualified module name ("blocks.3"; "(root)")
+  int64_t calls = 0;                 ///< calls per step
+  std::vector<std::string> options;  ///< its menu; [0] is "keep"
+  int choice = 0;                    ///< the option chosen
+  /** Summed over its calls, for the chosen option: bytes held from forward
+   *  to backward, and time added to the step, ms. */
+  ///@{
+  int64_t kept_bytes = 0;
+  double time_added_ms = 0;
+  ///@}
+};
+
+/** A planned step: made by auto_checkpoint(); step() runs the user's step
+ *  function under it. Keeps a reference to the model, which must outlive it. */
+class AutoCheckpoint {
+ public:
+  AutoCheckpoint(torch::nn::Module& model, AutoOptions options);
+  ~AutoCheckpoint();
+  AutoCheckpoint(AutoCheckpoint&&) noexcept;
+  AutoCheckpoint& operator=(AutoCheckpoint&&) noexcept;
+
+  /** Runs one training step (fn: forwards, loss, backward, optimizer step):
+   *  a warm-up, the profiled step (then plans), or a planned step (then
+   *  measures its peak and time). Throws remat::Error when no plan fits. */
+  void step(const std::function<void()>& fn);
+  /** Runs fn as the profiled step now (skipping what is left of the
+   *  warm-up), then plans. */
+  void profile_step(const std::function<void()>& fn);
+  /** True once a plan is applied. */
+  bool planned() const;
+  /** The budget in bytes (the fraction resolved once profiled; 0 before). */
+  int64_t budget_bytes() const;
+  /** The profiled step's model, for remat-plan style inspection. */
+  const plan::StepModel& step_model() const;
+  /** The plan in force (its prediction, solver figures). */
+  const plan::StepPlan& plan() const;
+  /** Per planned unit: menu, choice, bytes kept, time added. */
+  std::vector<AutoUnit> units() const;
+  /** The profiled step's peak and time (plain). */
+  ///@{
+  int64_t profiled_peak_bytes() const;
+  double profiled_time_ms() const;
+  ///@}
+  /** The last planned step's measured peak (tracked CPU bytes) and time;
+   *  -1 before one ran. */
+  ///@{
+  int64_t measured_peak_bytes() const;
+  double measured_time_ms() const;
+  ///@}
+  /** How many times the plan was solved again after an overrun. */
+  int replans() const;
+  /** A report: per unit the option chosen, bytes kept and time added;
+   *  predicted against measured peak and time; the solver's figures. */
+  std::string explain() const;
+  /** Writes the profiled step's memory, the plan's predicted memory per
+   *  segment and the units' windows as Chrome trace JSON (Perfetto). */
+  void write_trace(const std::string& path) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/** Plans the training steps of model under options' budget; see the file
+ *  comment. Throws remat::Error when the model has no Checkpointable module. */
+AutoCheckpoint auto_checkpoint(torch::nn::Module& model, AutoOptions options);
+
+/** auto_checkpoint() on a module holder (e.g. a TORCH_MODULE Gpt). */
+template <class M>
+AutoCheckpoint auto_checkpoint(torch::nn::ModuleHolder<M>& model, AutoOptions options) {
+  return auto_checkpoint(*model, std::move(options));
+}
+
+}  // namespace remat

@@ -1,0 +1,762 @@
+// The whole-step planner (auto.h): profiles one step of the user's step
+// function through the units' checkpoint switch (Checkpointable's
+// UnitObserver), turns it into a plan::StepModel, solves it and applies the
+// choice through the same switches. Leaves out CUDA memory and units inside
+// units (auto.h says what that means for users).
+//
+// NOTE [what a profiled step measures]: the step runs plain. Each unit call
+// is first run again in isolation under every option of its unit, on clones
+// of its inputs (so in-place ops on them touch nothing), with the RNG and
+// the module's buffers put back after each run and gradients taken with
+// autograd::grad (nothing accumulates into .grad): the step that follows is
+// the plain step, bitwise. Those runs give each option's forward peak, the
+// bytes it keeps, its backward peak (a probe each, above the bytes live at
+// the call's start) and its time. The real call then runs under a
+// saved-tensor hook that only notes the time of the first and last unpack:
+// the call's backward window. A memory::Timeline records every allocation
+// of the step, with the isolated runs' windows cut out; the windows of all
+// calls cut it into segments, whose peaks are the model's baseline.
+#include <remat/auto.h>
+
+#include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include <remat/checkpointable.h>
+#include <remat/error.h>
+#include <remat/memory.h>
+#include <remat/plan/error.h>
+#include <remat/policy.h>
+#include <remat/selective.h>
+
+#include "../core/dispatch.h"
+#include "../core/replay.h"
+
+namespace remat {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+std::string shown(const std::string& name) { return name.empty() ? std::string("(root)") : name; }
+
+/** One option of a unit's menu: its name and the switch state that runs it. */
+struct Option {
+  std::string name;
+  std::optional<CheckpointOptions> switch_state;  // nullopt: keep (plain)
+};
+
+/** A checkpointable module of the tree. */
+struct Unit {
+  std::string name;
+  Checkpointable* c = nullptr;
+  torch::nn::Module* module = nullptr;
+  std::vector<Option> menu;  // built at its first observed call
+  bool plannable = false;    // has a backward and more than one option
+  std::vector<size_t> calls;
+};
+
+/** One observed call of a unit in the profiled step. */
+struct CallRecord {
+  size_t unit = 0;
+  double forward_begin_us = 0, forward_end_us = -1;
+  std::mutex mu;
+  double first_unpack_us = -1, last_unpack_us = -1;
+  std::vector<plan::StepCost> costs;
+  void unpacked(double t) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (first_unpack_us < 0) first_unpack_us = t;
+    last_unpack_us = std::max(last_unpack_us, t);
+  }
+};
+
+/** Times every op (by op_key, as residuals name their producers). */
+class OpTimer : public dispatch::Interceptor {
+ public:
+  void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
+    const auto t0 = Clock::now();
+    dispatch::run_below(op, ks, stack);
+    ms_[dispatch::op_key(op)] += ms_since(t0);
+  }
+  void on_tag(const at::Tensor&, const std::string&) override {}
+  const std::map<std::string, double>& ms() const { return ms_; }
+
+ private:
+  std::map<std::string, double> ms_;
+};
+
+/** Puts back the CPU RNG and a module's buffers when destroyed. */
+class Restore {
+ public:
+  explicit Restore(torch::nn::Module* m) : gen_(at::detail::getDefaultCPUGenerator()) {
+    if (m != nullptr) buffers_ = m->buffers();
+    for (auto& b : buffers_) values_.push_back(b.detach().clone());
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    state_ = gen_.get_state();
+  }
+  ~Restore() {
+    at::NoGradGuard g;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(values_[i]);
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    gen_.set_state(state_);
+  }
+  Restore(const Restore&) = delete;
+  Restore& operator=(const Restore&) = delete;
+
+ private:
+  at::Generator gen_;
+  at::Tensor state_;
+  std::vector<at::Tensor> buffers_, values_;
+};
+
+/** Inputs for an isolated run: clones (in-place ops on them touch nothing),
+ *  with the leaves gradients are taken for. */
+struct TrialInputs {
+  std::vector<at::Tensor> leaves;  // requires grad, one per input that did
+  std::vector<at::Tensor> in;      // what the unit sees
+};
+TrialInputs trial_inputs(const std::vector<at::Tensor>& inputs) {
+  TrialInputs t;
+  for (const auto& x : inputs) {
+    if (!x.defined()) {
+      t.in.push_back(x);
+      continue;
+    }
+    at::Tensor c = x.detach().clone();
+    if (x.requires_grad()) {
+      c.requires_grad_(true);
+      t.leaves.push_back(c);
+      at::AutoGradMode on(true);
+      t.in.push_back(c.clone());  // not a leaf: in-place ops on it are allowed
+    } else {
+      t.in.push_back(c);
+    }
+  }
+  return t;
+}
+
+bool saveable_by_policy(const std::string& op) {
+  // In-place, view and random ops are always recomputed (policy.h); an
+  // allocation (empty_like) is filled in place afterwards (dropout's mask):
+  // keeping it saves nothing.
+  const std::string base = op.substr(0, op.find('.'));
+  if (!base.empty() && base.back() == '_') return false;
+  for (const char* r : {"dropout", "bernoulli", "rand", "normal", "uniform", "multinomial", "aten::empty",
+                        "aten::zeros", "aten::ones", "aten::full", "aten::new_"}) {
+    if (base.find(r) != std::string::npos) return false;
+  }
+  return true;
+}
+
+/** The sets of ops to save for `levels` byte caps: per cap, the subset of
+ *  items with the most recompute time whose bytes fit (exhaustive up to 20
+ *  items, by time per byte beyond). */
+std::vector<std::vector<std::string>> knapsack_levels(const std::map<std::string, std::pair<int64_t, double>>& items,
+                                                      int levels) {
+  std::vector<std::string> names;
+  std::vector<int64_t> bytes;
+  std::vector<double> ms;
+  int64_t total = 0;
+  for (const auto& [op, bm] : items) {
+    if (bm.first <= 0 || bm.second <= 0 || !saveable_by_policy(op)) continue;
+    names.push_back(op);
+    bytes.push_back(bm.first);
+    ms.push_back(bm.second);
+    total += bm.first;
+  }
+  std::vector<std::vector<std::string>> out;
+  const size_t n = names.size();
+  for (int j = 1; j <= levels; ++j) {
+    const int64_t cap = total * j / (levels + 1);
+    uint64_t best = 0;
+    if (n <= 20) {
+      double best_ms = 0;
+      for (uint64_t s = 1; s < (uint64_t{1} << n); ++s) {
+        int64_t b = 0;
+        double t = 0;
+        for (size_t i = 0; i < n; ++i) {
+          if (s >> i & 1) {
+            b += bytes[i];
+            t += ms[i];
+          }
+        }
+        if (b <= cap && t > best_ms) {
+          best_ms = t;
+          best = s;
+        }
+      }
+    } else {
+      std::vector<size_t> order(n);
+      for (size_t i = 0; i < n; ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ms[a] * bytes[b] > ms[b] * bytes[a]; });
+      int64_t b = 0;
+      for (size_t i : order) {
+        if (i < 64 && b + bytes[i] <= cap) {
+          b += bytes[i];
+          best |= uint64_t{1} << i;
+        }
+      }
+    }
+    if (best == 0) continue;
+    std::vector<std::string> set;
+    for (size_t i = 0; i < n; ++i) {
+      if (best >> i & 1) set.push_back(names[i]);
+    }
+    if (set.size() == n) continue;  // all of them: as keep, less the ops policies cannot save
+    if (std::find(out.begin(), out.end(), set) == out.end()) out.push_back(set);
+  }
+  return out;
+}
+
+std::string short_op(const std::string& op) {
+  std::string s = op.rfind("aten::", 0) == 0 ? op.substr(6) : op;
+  return s;
+}
+
+}  // namespace
+
+struct AutoCheckpoint::Impl : detail::UnitObserver {
+  torch::nn::Module& model;
+  AutoOptions options;
+  std::vector<Unit> units;
+  std::unordered_map<const Checkpointable*, size_t> index;
+  int steps_run = 0;
+  bool planned = false;
+  int64_t budget = 0;
+  int replans = 0;
+  int64_t measured_peak = -1;
+  double measured_ms = -1;
+
+  // The profiled step.
+  plan::StepModel step_model;
+  plan::StepPlan step_plan;
+  int64_t profiled_peak = 0;
+  double profiled_ms = 0;
+  std::vector<std::shared_ptr<CallRecord>> calls;
+  std::vector<std::pair<double, double>> trial_windows;  // us on the timeline
+  std::vector<memory::Sample> samples;                   // the step's, trials cut out
+  std::vector<double> points_us;                         // segment boundaries
+  memory::Timeline* timeline = nullptr;                  // while profiling
+  int depth = 0;
+  bool in_trial = false;
+
+  Impl(torch::nn::Module& m, AutoOptions o) : model(m), options(std::move(o)) {}
+
+  // --- UnitObserver ---------------------------------------------------------
+  class ObservedCall : public Call {
+   public:
+    ObservedCall(Impl& impl, std::shared_ptr<CallRecord> rec)
+        : impl_(impl),
+          rec_(rec),
+          hooks_(detail::make_function_hooks([](const at::Tensor& t) -> std::any { return t; },
+                                             [rec, tl = impl.timeline](const std::any& p) -> at::Tensor {
+                                               rec->unpacked(tl->now_us());
+                                               return std::any_cast<const at::Tensor&>(p);
+                                             })) {
+      ++impl_.depth;
+    }
+    ~ObservedCall() override { --impl_.depth; }
+    void finish(const std::vector<at::Tensor>&) override { rec_->forward_end_us = impl_.timeline->now_us(); }
+
+   private:
+    Impl& impl_;
+    std::shared_ptr<CallRecord> rec_;
+    ScopedHooks hooks_;
+  };
+
+  std::unique_ptr<Call> begin(Checkpointable& c, const std::vector<at::Tensor>& inputs,
+                              const detail::UnitRun& run) override {
+    if (timeline == nullptr || depth > 0 || in_trial || is_recomputing() || !at::GradMode::is_enabled()) {
+      return nullptr;
+    }
+    auto it = index.find(&c);
+    if (it == index.end()) return nullptr;  // not a module of this model
+    Unit& u = units[it->second];
+    for (const auto& x : inputs) {
+      if (x.defined() && !x.device().is_cpu()) {
+        throw Error("[remat::auto] unit '" + shown(u.name) + "' runs on " + x.device().str() +
+                    "; the whole-step planner measures CPU memory only. On a CUDA device, use "
+                    "CheckpointedSequential's memory budget or the per-module switch (enable_checkpointing).");
+      }
+    }
+    auto rec = std::make_shared<CallRecord>();
+    rec->unit = it->second;
+    const double t0 = timeline->now_us();
+    in_trial = true;
+    try {
+      measure(u, inputs, run, *rec);
+    } catch (...) {
+      in_trial = false;
+      throw;
+    }
+    in_trial = false;
+    const double t1 = timeline->now_us();
+    trial_windows.push_back({t0, t1});
+    rec->forward_begin_us = t1;
+    u.calls.push_back(calls.size());
+    calls.push_back(rec);
+    return std::make_unique<ObservedCall>(*this, rec);
+  }
+
+  /** Builds u's menu at its first call (the selective levels from this
+   *  call's residuals and op times), then measures every option. */
+  void measure(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run, CallRecord& rec) {
+    if (u.menu.empty()) build_menu(u, inputs, run);
+    for (const Option& o : u.menu) {
+      // Bytes are exact from the first run; the time is the fastest run's.
+      plan::StepCost best;
+      bool has_backward = true;
+      for (int r = 0; r < options.profile_repeats(); ++r) {
+        const plan::StepCost cost = measure_one(u, inputs, run, o.switch_state, &has_backward);
+        if (r == 0) {
+          best = cost;
+        } else {
+          best.time_ms = std::min(best.time_ms, cost.time_ms);
+        }
+      }
+      if (!has_backward) u.plannable = false;
+      rec.costs.push_back(best);
+    }
+  }
+
+  void build_menu(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run) {
+    u.menu.push_back({"keep", std::nullopt});
+    const CheckpointOptions& base = options.checkpoint_options();
+    u.menu.push_back({"recompute", base});
+    u.plannable = true;
+    if (options.selective_levels() > 0) {
+      std::map<std::string, std::pair<int64_t, double>> items;  // op -> (bytes kept, ms)
+      {
+        Restore restore(u.module);
+        TrialInputs t = trial_inputs(inputs);
+        detail::ResidualRecorder recorder(std::nullopt, t.in);
+        std::vector<at::Tensor> out = run(std::nullopt, t.in);
+        SavedResiduals res = recorder.finish();
+        for (const auto& r : res.residuals) {
+          if (r.kind == ResidualKind::kRecomputable && !r.shared) items[r.op].first += r.bytes;
+        }
+      }
+      {
+        Restore restore(u.module);
+        TrialInputs t = trial_inputs(inputs);
+        OpTimer timer;
+        {
+          dispatch::Scope scope(&timer);
+          std::vector<at::Tensor> out = run(std::nullopt, t.in);
+        }
+        for (const auto& [op, ms] : timer.ms()) {
+          auto it = items.find(op);
+          if (it != items.end()) it->second.second += ms;
+        }
+      }
+      for (const auto& set : knapsack_levels(items, options.selective_levels())) {
+        std::string name = "save ";
+        for (size_t i = 0; i < set.size(); ++i) name += (i ? "+" : "") + short_op(set[i]);
+        Policy level = policy::save_ops(set);
+        CheckpointOptions o = base;
+        o.policy(base.policy() ? policy::any_of({*base.policy(), level}) : level);
+        u.menu.push_back({name, o});
+      }
+    }
+    if (options.offload()) {
+      CheckpointOptions all = base;
+      all.offload(*options.offload());
+      Policy offload_all("offload everything", [](const OpCall&) { return OpDecision::kOffload; });
+      all.policy(base.policy() ? policy::any_of({*base.policy(), offload_all}) : offload_all);
+      u.menu.push_back({"offload", all});
+      CheckpointOptions inputs_out = base;
+      inputs_out.offload(*options.offload());
+      u.menu.push_back({"recompute+offload", inputs_out});
+    }
+  }
+
+  /** One isolated run of a call under `state`: forward, then backward by
+   *  autograd::grad. */
+  plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run,
+                             const std::optional<CheckpointOptions>& state, bool* has_backward) {
+    Restore restore(u.module);
+    TrialInputs t = trial_inputs(inputs);
+    std::vector<at::Tensor> wrt = t.leaves;
+    for (const auto& p : u.module->parameters()) {
+      if (p.requires_grad()) wrt.push_back(p);
+    }
+    plan::StepCost cost;
+    detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
+    memory::Probe probe;
+    auto t0 = Clock::now();
+    std::vector<at::Tensor> out = run(state, t.in);
+    double ms = ms_since(t0);
+    cost.forward_peak_bytes = probe.peak_bytes();
+    cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
+    std::vector<at::Tensor> roots, grads_out;
+    for (const auto& o : out) {
+      if (o.defined() && o.requires_grad()) {
+        roots.push_back(o);
+        grads_out.push_back(at::ones_like(o));
+      }
+    }
+    if (roots.empty() || wrt.empty()) {
+      *has_backward = false;
+      cost.backward_peak_bytes = cost.kept_bytes;
+      cost.time_ms = ms;
+      return cost;
+    }
+    const int64_t at_backward = probe.delta_bytes();
+    {
+      memory::Probe backward;
+      t0 = Clock::now();
+      std::vector<at::Tensor> grads = torch::autograd::grad(roots, wrt, grads_out, /*retain_graph=*/false,
+                                                            /*create_graph=*/false, /*allow_unused=*/true);
+      ms += ms_since(t0);
+      cost.backward_peak_bytes = std::max<int64_t>(0, at_backward + backward.peak_bytes());
+    }
+    if (state && state->offload()) wait_checkpoint_offloads();
+    cost.time_ms = ms;
+    return cost;
+  }
+
+  // --- the profiled step ----------------------------------------------------
+  void profile(const std::function<void()>& fn) {
+    calls.clear();
+    trial_windows.clear();
+    for (auto& u : units) u.calls.clear();
+    memory::enable_tracking();
+    const int64_t start_bytes = memory::current_bytes();
+    memory::Timeline tl;
+    timeline = &tl;
+    detail::UnitObserver* previous = detail::set_unit_observer(this);
+    struct Reset {
+      Impl* self;
+      detail::UnitObserver* previous;
+      ~Reset() {
+        detail::set_unit_observer(previous);
+        self->timeline = nullptr;
+      }
+    } reset{this, previous};
+    const double begin_us = tl.now_us();
+    fn();
+    const double end_us = tl.now_us();
+    tl.stop();
+    build_model(tl, start_bytes, begin_us, end_us);
+  }
+
+  void build_model(const memory::Timeline& tl, int64_t start_bytes, double begin_us, double end_us) {
+    // Samples outside the isolated runs.
+    samples.clear();
+    size_t w = 0;
+    for (const memory::Sample& s : tl.samples()) {
+      while (w < trial_windows.size() && s.time_us > trial_windows[w].second) ++w;
+      if (w < trial_windows.size() && s.time_us >= trial_windows[w].first) continue;
+      samples.push_back(s);
+    }
+    double trials_ms = 0;
+    for (const auto& [a, b] : trial_windows) trials_ms += (b - a) / 1000.0;
+    profiled_ms = (end_us - begin_us) / 1000.0 - trials_ms;
+
+    // Segment boundaries: the step's ends and every window's ends.
+    points_us = {begin_us, end_us};
+    for (const auto& c : calls) {
+      if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
+      if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
+      for (double t : {c->forward_begin_us, c->forward_end_us, c->first_unpack_us, c->last_unpack_us}) {
+        points_us.push_back(t);
+      }
+    }
+    std::sort(points_us.begin(), points_us.end());
+    points_us.erase(std::unique(points_us.begin(), points_us.end()), points_us.end());
+    auto at = [&](double t) {
+      return static_cast<int64_t>(std::lower_bound(points_us.begin(), points_us.end(), t) - points_us.begin());
+    };
+    const size_t segments = points_us.size() - 1;
+    plan::StepModel m;
+    m.step_time_ms = profiled_ms;
+    m.segment_peak_bytes.assign(segments, 0);
+    int64_t level = start_bytes;
+    size_t k = 0;
+    for (size_t s = 0; s < segments; ++s) {
+      int64_t peak = level;
+      while (k < samples.size() && samples[k].time_us < points_us[s + 1]) {
+        if (samples[k].time_us >= points_us[s]) peak = std::max(peak, samples[k].bytes);
+        level = samples[k].bytes;
+        ++k;
+      }
+      m.segment_peak_bytes[s] = peak;
+    }
+    profiled_peak = 0;
+    for (int64_t p : m.segment_peak_bytes) profiled_peak = std::max(profiled_peak, p);
+
+    for (const Unit& u : units) {
+      if (u.calls.empty()) continue;
+      plan::StepUnit su;
+      su.name = shown(u.name);
+      for (const Option& o : u.menu) su.options.push_back(o.name);
+      if (!u.plannable) su.options.resize(1);
+      for (size_t ci : u.calls) {
+        const CallRecord& c = *calls[ci];
+        plan::StepCall sc;
+        sc.forward_begin = at(c.forward_begin_us);
+        sc.forward_end = at(c.forward_end_us);
+        sc.backward_begin = at(c.first_unpack_us);
+        sc.backward_end = at(c.last_unpack_us);
+        sc.costs = c.costs;
+        sc.costs.resize(su.options.size());
+        su.calls.push_back(std::move(sc));
+      }
+      m.units.push_back(std::move(su));
+    }
+    step_model = std::move(m);
+  }
+
+  /** Units of the step model, in model order, as indices into units. */
+  std::vector<size_t> model_units() const {
+    std::vector<size_t> out;
+    for (size_t i = 0; i < units.size(); ++i) {
+      if (!units[i].calls.empty()) out.push_back(i);
+    }
+    return out;
+  }
+
+  void solve_and_apply(int64_t target) {
+    step_plan = plan::solve_step(step_model, target, plan::StepSolveOptions{options.solver_time_limit_s()});
+    const std::vector<size_t> mu = model_units();
+    for (size_t j = 0; j < mu.size(); ++j) {
+      Unit& u = units[mu[j]];
+      u.c->set_checkpointing(u.menu[step_plan.prediction.choice[j]].switch_state);
+    }
+    planned = true;
+  }
+
+  void measured_step(const std::function<void()>& fn) {
+    memory::enable_tracking();
+    memory::reset_peak();
+    const auto t0 = Clock::now();
+    fn();
+    measured_ms = ms_since(t0);
+    measured_peak = memory::peak_bytes();
+    if (options.replan_on_overrun() && static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget)) {
+      const int64_t target = step_plan.budget_bytes - (measured_peak - budget);
+      try {
+        solve_and_apply(target);
+        ++replans;
+      } catch (const Error&) {
+        // Nothing fits a lower target: the plan in force stays.
+      }
+    }
+  }
+};
+
+namespace {
+std::string fmt_ms(double ms) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f ms", ms);
+  return b;
+}
+std::string fmt_pct(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%+.1f%%", 100 * x);
+  return b;
+}
+}  // namespace
+
+AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
+    : impl_(std::make_unique<Impl>(model, std::move(options))) {
+  const AutoOptions& o = impl_->options;
+  if (o.memory_budget_bytes() < 0) {
+    throw Error("[remat::auto] memory_budget_bytes is " + std::to_string(o.memory_budget_bytes()) +
+                "; give a positive number of bytes, or 0 to use memory_budget_fraction.");
+  }
+  if (o.memory_budget_bytes() == 0 && !(o.memory_budget_fraction() > 0 && o.memory_budget_fraction() <= 1)) {
+    throw Error("[remat::auto] no budget: memory_budget_bytes is 0 and memory_budget_fraction is " +
+                std::to_string(o.memory_budget_fraction()) +
+                "; give AutoOptions().memory_budget_bytes(b) or memory_budget_fraction(f) with f in (0, 1].");
+  }
+  if (o.selective_levels() < 0 || o.warmup_steps() < 0 || o.profile_repeats() < 1 || !(o.solver_time_limit_s() > 0)) {
+    throw Error("[remat::auto] selective_levels " + std::to_string(o.selective_levels()) + ", warmup_steps " +
+                std::to_string(o.warmup_steps()) + ", profile_repeats " + std::to_string(o.profile_repeats()) +
+                ", solver_time_limit_s " + std::to_string(o.solver_time_limit_s()) +
+                ": the first two must be >= 0, profile_repeats >= 1 and the time limit > 0.");
+  }
+  std::unordered_map<const torch::nn::Module*, bool> seen;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    torch::nn::Module* m = item.value().get();
+    auto* c = dynamic_cast<Checkpointable*>(m);
+    if (c == nullptr || !seen.emplace(m, true).second) continue;
+    impl_->index[c] = impl_->units.size();
+    impl_->units.push_back(Unit{item.key(), c, m, {}, false, {}});
+  }
+  if (impl_->units.empty()) {
+    throw Error("[remat::auto] the model (" + model.name() +
+                ") has no Checkpointable module: the planner's units are modules deriving from "
+                "remat::Checkpointable whose forward calls checkpointed().");
+  }
+  // Counted from here on: the warm-up's gradients and optimizer state are
+  // then in every step's figures, the profiled one's included.
+  memory::enable_tracking();
+  // The planner owns the switches: every unit runs plain until planned.
+  for (auto& u : impl_->units) u.c->set_checkpointing(std::nullopt);
+}
+
+AutoCheckpoint::~AutoCheckpoint() = default;
+AutoCheckpoint::AutoCheckpoint(AutoCheckpoint&&) noexcept = default;
+AutoCheckpoint& AutoCheckpoint::operator=(AutoCheckpoint&&) noexcept = default;
+
+void AutoCheckpoint::step(const std::function<void()>& fn) {
+  Impl& m = *impl_;
+  if (m.planned) {
+    m.measured_step(fn);
+  } else if (m.steps_run < m.options.warmup_steps()) {
+    fn();
+    ++m.steps_run;
+  } else {
+    profile_step(fn);
+  }
+}
+
+void AutoCheckpoint::profile_step(const std::function<void()>& fn) {
+  Impl& m = *impl_;
+  for (auto& u : m.units) u.c->set_checkpointing(std::nullopt);
+  m.planned = false;
+  m.profile(fn);
+  ++m.steps_run;
+  if (m.step_model.units.empty()) {
+    throw Error("[remat::auto] the profiled step called none of the model's " + std::to_string(m.units.size()) +
+                " Checkpointable modules with grad enabled (first: '" + shown(m.units[0].name) +
+                "'); run the step function that trains this model, with its forward routed through checkpointed().");
+  }
+  m.budget = m.options.memory_budget_bytes() > 0
+                 ? m.options.memory_budget_bytes()
+                 : static_cast<int64_t>(m.options.memory_budget_fraction() * static_cast<double>(m.profiled_peak));
+  m.solve_and_apply(m.budget);
+}
+
+bool AutoCheckpoint::planned() const { return impl_->planned; }
+int64_t AutoCheckpoint::budget_bytes() const { return impl_->budget; }
+const plan::StepModel& AutoCheckpoint::step_model() const { return impl_->step_model; }
+const plan::StepPlan& AutoCheckpoint::plan() const { return impl_->step_plan; }
+int64_t AutoCheckpoint::profiled_peak_bytes() const { return impl_->profiled_peak; }
+double AutoCheckpoint::profiled_time_ms() const { return impl_->profiled_ms; }
+int64_t AutoCheckpoint::measured_peak_bytes() const { return impl_->measured_peak; }
+double AutoCheckpoint::measured_time_ms() const { return impl_->measured_ms; }
+int AutoCheckpoint::replans() const { return impl_->replans; }
+
+std::vector<AutoUnit> AutoCheckpoint::units() const {
+  const Impl& m = *impl_;
+  std::vector<AutoUnit> out;
+  const std::vector<size_t> mu = m.model_units();
+  for (size_t j = 0; j < mu.size(); ++j) {
+    const plan::StepUnit& su = m.step_model.units[j];
+    AutoUnit a;
+    a.name = su.name;
+    a.calls = static_cast<int64_t>(su.calls.size());
+    a.options = su.options;
+    a.choice = m.planned ? m.step_plan.prediction.choice[j] : 0;
+    for (const plan::StepCall& c : su.calls) {
+      a.kept_bytes += c.costs[a.choice].kept_bytes;
+      a.time_added_ms += c.costs[a.choice].time_ms - c.costs[0].time_ms;
+    }
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+std::string AutoCheckpoint::explain() const {
+  const Impl& m = *impl_;
+  std::ostringstream os;
+  if (m.step_model.units.empty()) return "remat::auto_checkpoint: not profiled yet\n";
+  const plan::StepPrediction& p = m.step_plan.prediction;
+  os << "remat::auto_checkpoint: budget " << plan::format_bytes(m.budget) << "; profiled step (plain): peak "
+     << plan::format_bytes(m.profiled_peak) << ", " << fmt_ms(m.profiled_ms) << "\n";
+  if (m.planned) {
+    os << "plan: predicted peak " << plan::format_bytes(p.peak_bytes) << " (reached "
+       << plan::describe_segment(m.step_model, p.peak_segment) << "), " << fmt_ms(p.time_ms) << " ("
+       << fmt_pct(p.time_ms / std::max(1e-9, m.profiled_ms) - 1) << " on plain); solver: GLPK, "
+       << (m.step_plan.optimal ? "optimal" : "gap " + fmt_pct(m.step_plan.relative_gap)) << ", " << m.step_plan.rows
+       << " rows x " << m.step_plan.columns << " columns, " << fmt_ms(m.step_plan.solve_ms)
+       << (m.replans ? ", solved again " + std::to_string(m.replans) + "x after overruns" : "") << "\n";
+    if (m.measured_peak >= 0) {
+      os << "last step: measured peak " << plan::format_bytes(m.measured_peak) << " ("
+         << fmt_pct(static_cast<double>(m.measured_peak) / static_cast<double>(m.budget) - 1) << " on the budget, "
+         << fmt_pct(static_cast<double>(m.measured_peak) / static_cast<double>(p.peak_bytes) - 1)
+         << " on the prediction), " << fmt_ms(m.measured_ms) << " ("
+         << fmt_pct(m.measured_ms / std::max(1e-9, p.time_ms) - 1) << " on the prediction)\n";
+    }
+  }
+  size_t width = 4, owidth = 6;
+  for (const auto& u : units()) {
+    width = std::max(width, u.name.size());
+    owidth = std::max(owidth, u.options[u.choice].size());
+  }
+  const int ow = static_cast<int>(owidth) + 2;
+  os << std::left << std::setw(static_cast<int>(width) + 2) << "unit" << std::setw(7) << "calls" << std::setw(ow)
+     << "option" << std::setw(14) << "kept/step"
+     << "time added\n";
+  for (const auto& u : units()) {
+    os << std::left << std::setw(static_cast<int>(width) + 2) << u.name << std::setw(7) << u.calls << std::setw(ow)
+       << u.options[u.choice] << std::setw(14) << plan::format_bytes(u.kept_bytes) << "+" << fmt_ms(u.time_added_ms)
+       << "\n";
+  }
+  for (const Unit& u : m.units) {
+    if (u.calls.empty())
+      os << shown(u.name) << ": not called at the top of a unit (inside another unit, or not at all): off\n";
+  }
+  return os.str();
+}
+
+void AutoCheckpoint::write_trace(const std::string& path) const {
+  const Impl& m = *impl_;
+  std::ofstream f(path);
+  if (!f) throw Error("[remat::auto] cannot write the trace to '" + path + "'; give a writable path.");
+  f << "{\"traceEvents\":[\n";
+  bool first = true;
+  auto sep = [&] {
+    if (!first) f << ",\n";
+    first = false;
+  };
+  for (const auto& s : m.samples) {
+    sep();
+    f << "{\"name\":\"profiled bytes\",\"ph\":\"C\",\"pid\":1,\"ts\":" << s.time_us
+      << ",\"args\":{\"bytes\":" << s.bytes << "}}";
+  }
+  if (m.planned) {
+    const auto& seg = m.step_plan.prediction.segment_bytes;
+    for (size_t i = 0; i < seg.size() && i < m.points_us.size(); ++i) {
+      sep();
+      f << "{\"name\":\"planned peak per segment\",\"ph\":\"C\",\"pid\":1,\"ts\":" << m.points_us[i]
+        << ",\"args\":{\"bytes\":" << seg[i] << "}}";
+    }
+  }
+  for (const auto& c : m.calls) {
+    const std::string name = shown(m.units[c->unit].name);
+    sep();
+    f << "{\"name\":\"forward " << name << "\",\"ph\":\"X\",\"pid\":1,\"tid\":1,\"ts\":" << c->forward_begin_us
+      << ",\"dur\":" << c->forward_end_us - c->forward_begin_us << "}";
+    sep();
+    f << "{\"name\":\"backward " << name << "\",\"ph\":\"X\",\"pid\":1,\"tid\":2,\"ts\":" << c->first_unpack_us
+      << ",\"dur\":" << c->last_unpack_us - c->first_unpack_us << "}";
+  }
+  for (const auto& [a, b] : m.trial_windows) {
+    sep();
+    f << "{\"name\":\"isolated runs (cut out)\",\"ph\":\"X\",\"pid\":1,\"tid\":3,\"ts\":" << a << ",\"dur\":" << b - a
+      << "}";
+  }
+  f << "\n],\"displayTimeUnit\":\"ms\"}\n";
+  if (!f) throw Error("[remat::auto] writing the trace to '" + path + "' failed; check the disk.");
+}
+
+AutoCheckpoint auto_checkpoint(torch::nn::Module& model, AutoOptions options) {
+  ensure_engine_installed();
+  return AutoCheckpoint(model, std::move(options));
+}
+
+}  // namespace remat

@@ -1,0 +1,480 @@
+// Tests of the whole-step planner (auto.h) on four kinds of step: remat's
+// GPT with embedding, head and loss; a ResNet with BatchNorm; a U-Net whose
+// skips cross nested checkpointable stages, with in-place ReLUs; and a GAN
+// step whose discriminator runs twice before its backward. Each is trained
+// plainly and under auto plans at three budgets, with both zero_grad styles:
+// parameters and BatchNorm statistics must be bitwise equal to the plain run
+// after every step, and each planned step's measured peak within the budget
+// (+1% allocator slack). Also: recomputes counted against the plan, explain()
+// and the trace, and every error a user can provoke, pinned.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <remat/auto.h>
+#include <remat/memory.h>
+#include <remat/models/gpt.h>
+#include <remat/models/resnet.h>
+#include <remat/plan/error.h>
+
+namespace {
+
+const bool kOneThread = (torch::set_num_threads(1), true);
+// Every tensor of every run counted, parameters included, as a user who
+// calls it first thing in main() gets.
+const bool kTracking = (remat::memory::enable_tracking(), true);
+
+// --- test models -------------------------------------------------------------
+
+/** conv-BN-ReLU x2 with in-place ReLUs; a unit of its own. */
+struct ConvBlockImpl : torch::nn::Module, remat::Checkpointable {
+  ConvBlockImpl(int64_t in, int64_t out)
+      : c1(register_module("c1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1).bias(false)))),
+        b1(register_module("b1", torch::nn::BatchNorm2d(out))),
+        c2(register_module("c2", torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1).bias(false)))),
+        b2(register_module("b2", torch::nn::BatchNorm2d(out))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed([this](const torch::Tensor& h) { return body(h); }, x);
+  }
+  torch::Tensor body(const torch::Tensor& x) {
+    auto h = b1(c1(x));
+    h.relu_();
+    auto y = b2(c2(h));
+    return y.relu_();
+  }
+  torch::nn::Conv2d c1;
+  torch::nn::BatchNorm2d b1;
+  torch::nn::Conv2d c2;
+  torch::nn::BatchNorm2d b2;
+};
+TORCH_MODULE(ConvBlock);
+
+/** Two ConvBlocks: a checkpointable stage holding checkpointable blocks. */
+struct StageImpl : torch::nn::Module, remat::Checkpointable {
+  StageImpl(int64_t in, int64_t out)
+      : a(register_module("a", ConvBlock(in, out))), b(register_module("b", ConvBlock(out, out))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed([this](const torch::Tensor& h) { return b->forward(a->forward(h)); }, x);
+  }
+  ConvBlock a, b;
+};
+TORCH_MODULE(Stage);
+
+/** A U-Net: two encoder stages, a middle, two decoder blocks that take the
+ *  encoders' outputs through skips. Not remat's. */
+struct UNetImpl : torch::nn::Module {
+  explicit UNetImpl(int64_t w)
+      : enc1(register_module("enc1", Stage(3, w))),
+        enc2(register_module("enc2", Stage(w, 2 * w))),
+        mid(register_module("mid", ConvBlock(2 * w, 4 * w))),
+        dec2(register_module("dec2", ConvBlock(4 * w + 2 * w, 2 * w))),
+        dec1(register_module("dec1", ConvBlock(2 * w + w, w))),
+        head(register_module("head", torch::nn::Conv2d(torch::nn::Conv2dOptions(w, 2, 1)))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto e1 = enc1->forward(x);                         // (B, w, H, W)
+    auto e2 = enc2->forward(torch::max_pool2d(e1, 2));  // (B, 2w, H/2, W/2)
+    auto m = mid->forward(torch::max_pool2d(e2, 2));    // (B, 4w, H/4, W/4)
+    auto up2 = torch::upsample_nearest2d(m, std::vector<int64_t>{e2.size(2), e2.size(3)});
+    auto d2 = dec2->forward(torch::cat({up2, e2}, 1));  // (B, 2w, H/2, W/2)
+    auto up1 = torch::upsample_nearest2d(d2, std::vector<int64_t>{e1.size(2), e1.size(3)});
+    return head(dec1->forward(torch::cat({up1, e1}, 1)));  // (B, 2, H, W)
+  }
+  Stage enc1, enc2;
+  ConvBlock mid, dec2, dec1;
+  torch::nn::Conv2d head;
+};
+TORCH_MODULE(UNet);
+
+/** A residual MLP block with dropout: the GAN's units. */
+struct DenseImpl : torch::nn::Module, remat::Checkpointable {
+  explicit DenseImpl(int64_t d)
+      : fc1(register_module("fc1", torch::nn::Linear(d, 4 * d))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * d, d))),
+        drop(register_module("drop", torch::nn::Dropout(0.1))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed([this](const torch::Tensor& h) { return h + drop(fc2(torch::gelu(fc1(h)))); }, x);
+  }
+  torch::nn::Linear fc1, fc2;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(Dense);
+
+struct GanImpl : torch::nn::Module {
+  explicit GanImpl(int64_t d) {
+    g_in = register_module("g_in", torch::nn::Linear(16, d));
+    g = register_module("g", torch::nn::Sequential(Dense(d), Dense(d), Dense(d)));
+    d_blocks = register_module("d", torch::nn::Sequential(Dense(d), Dense(d)));
+    d_out = register_module("d_out", torch::nn::Linear(d, 1));
+  }
+  torch::Tensor generate(const torch::Tensor& z) { return g->forward(g_in(z)); }
+  torch::Tensor discriminate(const torch::Tensor& x) { return d_out(d_blocks->forward(x)); }
+  std::vector<torch::Tensor> g_parameters() {
+    auto p = g_in->parameters();
+    for (auto& t : g->parameters()) p.push_back(t);
+    return p;
+  }
+  std::vector<torch::Tensor> d_parameters() {
+    auto p = d_blocks->parameters();
+    for (auto& t : d_out->parameters()) p.push_back(t);
+    return p;
+  }
+  torch::nn::Linear g_in{nullptr}, d_out{nullptr};
+  torch::nn::Sequential g{nullptr}, d_blocks{nullptr};
+};
+TORCH_MODULE(Gan);
+
+// --- the harness ---------------------------------------------------------------
+
+/** Parameters then buffers, as bytes outside the tracked allocator (so that
+ *  keeping them does not change the peaks the test measures). */
+using Bytes = std::vector<uint8_t>;
+std::vector<Bytes> state_of(torch::nn::Module& m) {
+  std::vector<Bytes> out;
+  auto add = [&](const torch::Tensor& t) {
+    const torch::Tensor c = t.detach().contiguous();
+    const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+    out.emplace_back(p, p + c.nbytes());
+  };
+  for (const auto& p : m.parameters()) add(p);
+  for (const auto& b : m.buffers()) add(b);
+  return out;
+}
+
+/** A model and its training step. */
+struct Workload {
+  std::shared_ptr<torch::nn::Module> model;
+  std::function<void(int step)> step;  // one training step on batch `step`
+};
+using Make = std::function<Workload(bool set_to_none)>;
+
+struct Result {
+  std::vector<std::vector<Bytes>> states;  // parameters then buffers, after each step
+  std::vector<int64_t> peaks;              // measured peak of each planned step
+  std::vector<int64_t> predicted;          // the plan's prediction at each planned step
+  int64_t budget = 0, profiled_peak = 0, min_peak = 0;
+  std::vector<int64_t> recomputes, expected_recomputes;
+  std::string explain;
+};
+
+constexpr int kSteps = 4;  // 1 warm-up, 1 profiled, 2 planned
+
+Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions> options) {
+  torch::manual_seed(0);
+  Workload w = make(set_to_none);
+  torch::manual_seed(1);
+  Result r;
+  if (!options) {
+    for (int k = 0; k < kSteps; ++k) {
+      w.step(k);
+      r.states.push_back(state_of(*w.model));
+    }
+    return r;
+  }
+  auto planner = remat::auto_checkpoint(*w.model, options->profile_repeats(1));
+  for (int k = 0; k < kSteps; ++k) {
+    const bool planned_step = planner.planned();
+    // The plan in force for this step (an overrun re-plans after it).
+    int64_t expected = 0, predicted = 0;
+    if (planned_step) {
+      predicted = planner.plan().prediction.peak_bytes;
+      for (const auto& u : planner.units()) expected += u.options[u.choice] == "keep" ? 0 : u.calls;
+    }
+    remat::reset_checkpoint_stats();
+    planner.step([&] { w.step(k); });
+    r.states.push_back(state_of(*w.model));
+    if (planned_step) {
+      r.peaks.push_back(planner.measured_peak_bytes());
+      r.predicted.push_back(predicted);
+      r.recomputes.push_back(remat::checkpoint_stats().recomputations);
+      r.expected_recomputes.push_back(expected);
+    }
+  }
+  r.budget = planner.budget_bytes();
+  r.profiled_peak = planner.profiled_peak_bytes();
+  r.min_peak = remat::plan::min_peak_step(planner.step_model()).prediction.peak_bytes;
+  r.explain = planner.explain();
+  if (std::getenv("REMAT_AUTO_TEST_DUMP")) {
+    const auto& m = planner.step_model();
+    std::ostringstream os;
+    for (size_t s = 0; s < m.segment_peak_bytes.size(); ++s) os << " " << m.segment_peak_bytes[s];
+    os << "\n";
+    for (const auto& u : m.units) {
+      for (const auto& c : u.calls) {
+        os << u.name << " [" << c.forward_begin << " " << c.forward_end << " " << c.backward_begin << " "
+           << c.backward_end << "]";
+        for (size_t k = 0; k < c.costs.size(); ++k) {
+          os << " | " << u.options[k] << " F" << c.costs[k].forward_peak_bytes << " K" << c.costs[k].kept_bytes << " B"
+             << c.costs[k].backward_peak_bytes;
+        }
+        os << "\n";
+      }
+    }
+    r.explain += os.str();
+  }
+  return r;
+}
+
+void expect_bitwise(const Result& plain, const Result& got, const std::string& what) {
+  ASSERT_EQ(plain.states.size(), got.states.size());
+  for (size_t k = 0; k < plain.states.size(); ++k) {
+    ASSERT_EQ(plain.states[k].size(), got.states[k].size());
+    for (size_t i = 0; i < plain.states[k].size(); ++i) {
+      ASSERT_TRUE(plain.states[k][i] == got.states[k][i]) << what << ": tensor " << i << " differs after step " << k;
+    }
+  }
+}
+
+/** Plain against auto at three budgets from the leanest feasible to the
+ *  plain peak (found from a first planned run's step model), both zero_grad
+ *  styles. */
+void check_workload(const Make& make, const std::string& name) {
+  for (bool set_to_none : {true, false}) {
+    const Result plain = run(make, set_to_none, std::nullopt);
+    // The step model of a run at the plain peak gives the range of budgets.
+    const Result probe = run(make, set_to_none, remat::AutoOptions().memory_budget_fraction(1.0));
+    expect_bitwise(plain, probe, name + " at the plain peak");
+    const int64_t low = probe.min_peak, high = probe.profiled_peak;
+    ASSERT_LT(low, high) << name << ": nothing to plan";
+    for (double f : {0.05, 0.5, 0.9}) {
+      const int64_t budget = low + static_cast<int64_t>(f * static_cast<double>(high - low));
+      const std::string what =
+          name + " at " + std::to_string(budget) + " B (" + std::to_string(f) +
+          " of the way from the leanest plan to plain), zero_grad(set_to_none=" + (set_to_none ? "true" : "false") +
+          ")";
+      const Result got = run(make, set_to_none, remat::AutoOptions().memory_budget_bytes(budget));
+      expect_bitwise(plain, got, what);
+      if (std::getenv("REMAT_AUTO_TEST_DUMP")) std::printf("%s\n%s", what.c_str(), got.explain.c_str());
+      ASSERT_EQ(got.peaks.size(), 2u) << what;
+      for (size_t i = 0; i < got.peaks.size(); ++i) {
+        std::printf("%s: step %zu measured %lld, predicted %lld (%.2f%% of the budget); recomputes %lld\n",
+                    what.c_str(), i, static_cast<long long>(got.peaks[i]), static_cast<long long>(got.predicted[i]),
+                    100.0 * got.peaks[i] / got.budget, static_cast<long long>(got.recomputes[i]));
+        EXPECT_LE(static_cast<double>(got.peaks[i]), 1.01 * static_cast<double>(got.budget)) << what << "\n"
+                                                                                             << got.explain;
+        // Each unit with a recompute option runs its function again once per call.
+        EXPECT_EQ(got.recomputes[i], got.expected_recomputes[i]) << what << "\n" << got.explain;
+      }
+    }
+  }
+}
+
+std::vector<torch::Tensor> batches(int n, std::vector<int64_t> shape, bool integer = false, int64_t high = 0) {
+  torch::manual_seed(1234);
+  std::vector<torch::Tensor> out;
+  for (int i = 0; i < n; ++i) out.push_back(integer ? torch::randint(high, shape, torch::kLong) : torch::randn(shape));
+  return out;
+}
+
+Make gpt_workload() {
+  return [](bool set_to_none) {
+    remat::models::GptConfig c;
+    c.vocab = 256;
+    c.seq_len = 64;
+    c.d_model = 64;
+    c.heads = 4;
+    c.layers = 4;
+    c.dropout = 0.1;
+    auto gpt = remat::models::Gpt(c);
+    auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto idx = batches(kSteps + 1, {8, 65}, true, c.vocab);
+    Workload w;
+    w.model = gpt.ptr();
+    w.step = [gpt, opt, idx, set_to_none](int k) mutable {
+      auto x = idx[k].slice(1, 0, 64), y = idx[k].slice(1, 1, 65);
+      opt->zero_grad(set_to_none);
+      auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(x)), y);
+      loss.backward();
+      opt->step();
+    };
+    return w;
+  };
+}
+
+}  // namespace
+
+TEST(Auto, GptBitwiseAndWithinBudget) { check_workload(gpt_workload(), "GPT"); }
+
+TEST(Auto, ResNetWithBatchNormBitwiseAndWithinBudget) {
+  check_workload(
+      [](bool set_to_none) {
+        remat::models::ResNetConfig c;
+        c.depth = 10;
+        c.width = 8;
+        auto net = remat::models::ResNet(c);
+        auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+        auto xs = batches(kSteps, {16, 3, 32, 32});
+        auto ys = batches(kSteps, {16}, true, 10);
+        Workload w;
+        w.model = net.ptr();
+        w.step = [net, opt, xs, ys, set_to_none](int k) mutable {
+          opt->zero_grad(set_to_none);
+          torch::nn::functional::cross_entropy(net->forward(xs[k]), ys[k]).backward();
+          opt->step();
+        };
+        return w;
+      },
+      "ResNet");
+}
+
+TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
+  check_workload(
+      [](bool set_to_none) {
+        auto net = UNet(8);
+        auto opt = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto xs = batches(kSteps, {4, 3, 32, 32});
+        auto ys = batches(kSteps, {4, 32, 32}, true, 2);
+        Workload w;
+        w.model = net.ptr();
+        w.step = [net, opt, xs, ys, set_to_none](int k) mutable {
+          opt->zero_grad(set_to_none);
+          torch::nn::functional::cross_entropy(net->forward(xs[k]), ys[k]).backward();
+          opt->step();
+        };
+        return w;
+      },
+      "U-Net");
+}
+
+TEST(Auto, GanStepWithTheDiscriminatorTwiceBitwiseAndWithinBudget) {
+  check_workload(
+      [](bool set_to_none) {
+        auto gan = Gan(128);
+        auto opt_g = std::make_shared<torch::optim::AdamW>(gan->g_parameters(), torch::optim::AdamWOptions(1e-4));
+        auto opt_d = std::make_shared<torch::optim::AdamW>(gan->d_parameters(), torch::optim::AdamWOptions(1e-4));
+        auto zs = batches(kSteps, {256, 16});
+        auto reals = batches(kSteps, {256, 128});
+        Workload w;
+        w.model = gan.ptr();
+        w.step = [gan, opt_g, opt_d, zs, reals, set_to_none](int k) mutable {
+          auto fake = gan->generate(zs[k]);
+          // The discriminator's step: two forwards, then one backward.
+          auto d_fake = gan->discriminate(fake.detach());
+          auto d_real = gan->discriminate(reals[k]);
+          auto loss_d = torch::softplus(d_fake).mean() + torch::softplus(-d_real).mean();
+          opt_d->zero_grad(set_to_none);
+          loss_d.backward();
+          opt_d->step();
+          // The generator's step, through the discriminator again.
+          auto loss_g = torch::softplus(-gan->discriminate(fake)).mean();
+          opt_g->zero_grad(set_to_none);
+          loss_g.backward();
+          opt_g->step();
+        };
+        return w;
+      },
+      "GAN");
+}
+
+TEST(Auto, ExplainAndTraceDescribeThePlan) {
+  const Make make = gpt_workload();
+  torch::manual_seed(0);
+  Workload w = make(true);
+  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(0.7).profile_repeats(1));
+  EXPECT_EQ(planner.explain(), "remat::auto_checkpoint: not profiled yet\n");
+  for (int k = 0; k < 3; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  const std::string e = planner.explain();
+  std::printf("%s", e.c_str());
+  EXPECT_NE(e.find("remat::auto_checkpoint: budget "), std::string::npos) << e;
+  EXPECT_NE(e.find("solver: GLPK, optimal"), std::string::npos) << e;
+  EXPECT_NE(e.find("last step: measured peak "), std::string::npos) << e;
+  // The four blocks are the units; their attn and mlp are inside them.
+  const auto units = planner.units();
+  ASSERT_EQ(units.size(), 4u);
+  for (size_t i = 0; i < units.size(); ++i) {
+    EXPECT_EQ(units[i].name, "blocks." + std::to_string(i));
+    EXPECT_EQ(units[i].calls, 1);
+    EXPECT_EQ(units[i].options[0], "keep");
+    EXPECT_EQ(units[i].options[1], "recompute");
+    EXPECT_GE(units[i].options.size(), 3u) << "no selective level";
+  }
+  EXPECT_NE(e.find("blocks.0.attn: not called at the top of a unit"), std::string::npos) << e;
+  EXPECT_LE(planner.plan().prediction.peak_bytes, planner.budget_bytes());
+  const std::string path = ::testing::TempDir() + "/auto_trace.json";
+  planner.write_trace(path);
+  std::ifstream f(path);
+  std::stringstream text;
+  text << f.rdbuf();
+  EXPECT_NE(text.str().find("\"name\":\"forward blocks.3\""), std::string::npos);
+  EXPECT_NE(text.str().find("\"name\":\"planned peak per segment\""), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST(Auto, ErrorsNameTheValueAndTheRemedy) {
+  auto gpt = remat::models::Gpt(remat::models::GptConfig{});
+  auto message = [&](const remat::AutoOptions& o) -> std::string {
+    try {
+      remat::auto_checkpoint(*gpt, o);
+    } catch (const remat::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(message(remat::AutoOptions()),
+            "[remat::auto] no budget: memory_budget_bytes is 0 and memory_budget_fraction is 0.000000; give "
+            "AutoOptions().memory_budget_bytes(b) or memory_budget_fraction(f) with f in (0, 1].");
+  EXPECT_EQ(message(remat::AutoOptions().memory_budget_fraction(1.5)),
+            "[remat::auto] no budget: memory_budget_bytes is 0 and memory_budget_fraction is 1.500000; give "
+            "AutoOptions().memory_budget_bytes(b) or memory_budget_fraction(f) with f in (0, 1].");
+  EXPECT_EQ(message(remat::AutoOptions().memory_budget_bytes(-1)),
+            "[remat::auto] memory_budget_bytes is -1; give a positive number of bytes, or 0 to use "
+            "memory_budget_fraction.");
+  EXPECT_EQ(message(remat::AutoOptions().memory_budget_bytes(1 << 20).profile_repeats(0)),
+            "[remat::auto] selective_levels 3, warmup_steps 1, profile_repeats 0, solver_time_limit_s 30.000000: the "
+            "first two must be >= 0, profile_repeats >= 1 and the time limit > 0.");
+  torch::nn::Sequential plain(torch::nn::Linear(4, 4));
+  try {
+    remat::auto_checkpoint(*plain, remat::AutoOptions().memory_budget_bytes(1 << 20));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(
+        e.what(),
+        "[remat::auto] the model (torch::nn::SequentialImpl) has no Checkpointable module: the planner's units "
+        "are modules deriving from remat::Checkpointable whose forward calls checkpointed().");
+  }
+}
+
+TEST(Auto, AStepThatCallsNoUnitIsRefused) {
+  auto gpt = remat::models::Gpt(remat::models::GptConfig{});
+  auto planner = remat::auto_checkpoint(gpt, remat::AutoOptions().memory_budget_fraction(0.5).warmup_steps(0));
+  try {
+    planner.step([] {});
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::auto] the profiled step called none of the model's 24 Checkpointable modules with grad "
+                 "enabled (first: 'blocks.0'); run the step function that trains this model, with its forward "
+                 "routed through checkpointed().");
+  }
+}
+
+TEST(Auto, InfeasibleBudgetSaysTheSmallestPeakAndLosesNothing) {
+  const Make make = gpt_workload();
+  torch::manual_seed(0);
+  Workload w = make(true);
+  auto planner = remat::auto_checkpoint(
+      *w.model, remat::AutoOptions().memory_budget_bytes(64 << 10).warmup_steps(0).profile_repeats(1));
+  try {
+    planner.step([&] { w.step(0); });
+    FAIL();
+  } catch (const remat::Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("[remat::auto] no plan of the step fits in 64.00 KiB; the smallest feasible peak is ", 0), 0u)
+        << m;
+    EXPECT_NE(m.find(". Raise the memory budget, or give the planner more levers (AutoOptions().offload(...))."),
+              std::string::npos)
+        << m;
+  }
+  // The profiled step ran plainly and whole: one plain step's update, and
+  // every switch is off.
+  EXPECT_FALSE(planner.planned());
+  EXPECT_NE(remat::describe_checkpointing(*w.model).find("0 of 12 checkpointable modules on"), std::string::npos)
+      << remat::describe_checkpointing(*w.model);
+}
