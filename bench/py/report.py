@@ -206,13 +206,15 @@ def chart(res, path):
 def machine_line(res):
     mc = res["machine"]
     st = res.get("settings")
-    return (f"Machine: {mc['nproc']} CPUs, {mc['cpu']}, torch {mc['torch']}, {mc['threads']} intra-op thread; "
-            f"wall {res.get('wall_s', 0):.0f} s" +
+    head = (f"{run_line(res['meta'], res.get('load'))} {mc['threads']} intra-op thread" if "meta" in res else
+            f"Machine: {mc['nproc']} CPUs, {mc['cpu']}, torch {mc['torch']}, {mc['threads']} intra-op thread")
+    return (f"{head}; wall {res.get('wall_s', 0):.0f} s" +
             (f"; {res.get('size', '?')} sizes, {st['rounds']} rounds of {st['steps']} timed steps "
              f"(k sweep {st['sweep_steps']}) after {st['warmup']} warm-up" if st else "") +
             (f"; malloc {st['malloc']}" + (" (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=64 GiB, both workers)"
                                            if st["malloc"] == "keep" else "") if st and "malloc" in st else "") +
-            (f"; 1-min load average " + ", ".join(f"{x:.1f}" for x in res["load"]) if res.get("load") else "") + ".")
+            (f"; 1-min load average " + ", ".join(f"{x:.1f}" for x in res["load"])
+             if res.get("load") and "meta" not in res else "") + ".")
 
 
 def model_section(d):
