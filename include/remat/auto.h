@@ -1,7 +1,6 @@
 // The whole-step planner: one budget for a whole training step of any module
-// tree, every lever per unit (keep, full recompute, selective at several
-// saved-byte levels, offload), planned from one profiled step of the user's
-// own step function.
+// tree, a menu per unit (keep, full recompute, selective at several saved-byte
+// levels), planned from one profiled step of the user's own step function.
 //
 //   auto planner = remat::auto_checkpoint(model, remat::AutoOptions().memory_budget_bytes(1 << 30));
 //   for (int i = 0; i < steps; ++i) {
@@ -36,8 +35,10 @@
 // remat::memory::enable_tracking(), which auto_checkpoint() calls: tensors
 // allocated before (e.g. parameters of a model built earlier) are not in
 // the figures; call enable_tracking() first thing in main() to count them.
-// Leaves out: CUDA memory (the planner measures CPU memory; a unit whose
-// inputs are on a CUDA device is refused), and units inside units.
+// Leaves out: offload as an option of the menu (its bytes depend on who else
+// holds a unit's inputs and on writes in flight, which isolated runs do not
+// see), CUDA memory (the planner measures CPU memory; a unit whose inputs
+// are on a CUDA device is refused), and units inside units.
 #pragma once
 
 #include <cstdint>
@@ -52,7 +53,6 @@
 #include <torch/nn/pimpl.h>
 
 #include <remat/checkpoint.h>
-#include <remat/offload.h>
 #include <remat/plan/step.h>
 
 namespace remat {
@@ -71,10 +71,6 @@ struct AutoOptions {
    *  times, at this many saved-byte levels (1/(n+1), ..., n/(n+1) of what
    *  the unit keeps plainly). 0: none. Default 3. */
   TORCH_ARG(int, selective_levels) = 3;
-  /** When set, two more options per unit: its saved tensors sent to this
-   *  target (nothing recomputed), and a full recompute with its inputs sent
-   *  there. Default none (no offload). */
-  TORCH_ARG(std::optional<OffloadOptions>, offload);
   /** The options of the recompute options (RNG replay, determinism check);
    *  a policy here is combined with each level's (any_of). Default
    *  CheckpointOptions(). */
@@ -124,6 +120,14 @@ class AutoCheckpoint {
   /** Runs fn as the profiled step now (skipping what is left of the
    *  warm-up), then plans. */
   void profile_step(const std::function<void()>& fn);
+  /** Solves the profiled step again for another budget (bytes) and applies
+   *  that plan; the profile is kept, so this takes the solver's time only
+   *  (a sweep over budgets profiles once). Throws remat::Error before a
+   *  profiled step, or when no plan fits (the plan in force then stays). */
+  void replan(int64_t budget_bytes);
+  /** Sets the units' switches to the plan in force again (after other code
+   *  changed them, e.g. a comparison against a hand-placed strategy). */
+  void apply();
   /** True once a plan is applied. */
   bool planned() const;
   /** The budget in bytes (the fraction resolved once profiled; 0 before). */

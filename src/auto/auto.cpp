@@ -369,16 +369,6 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
         u.menu.push_back({name, o});
       }
     }
-    if (options.offload()) {
-      CheckpointOptions all = base;
-      all.offload(*options.offload());
-      Policy offload_all("offload everything", [](const OpCall&) { return OpDecision::kOffload; });
-      all.policy(base.policy() ? policy::any_of({*base.policy(), offload_all}) : offload_all);
-      u.menu.push_back({"offload", all});
-      CheckpointOptions inputs_out = base;
-      inputs_out.offload(*options.offload());
-      u.menu.push_back({"recompute+offload", inputs_out});
-    }
   }
 
   /** One isolated run of a call under `state`: forward, then backward by
@@ -421,7 +411,6 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
       ms += ms_since(t0);
       cost.backward_peak_bytes = std::max<int64_t>(0, at_backward + backward.peak_bytes());
     }
-    if (state && state->offload()) wait_checkpoint_offloads();
     cost.time_ms = ms;
     return cost;
   }
@@ -529,12 +518,17 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
 
   void solve_and_apply(int64_t target) {
     step_plan = plan::solve_step(step_model, target, plan::StepSolveOptions{options.solver_time_limit_s()});
+    planned = true;
+    apply();
+  }
+
+  void apply() {
+    for (auto& u : units) u.c->set_checkpointing(std::nullopt);
     const std::vector<size_t> mu = model_units();
     for (size_t j = 0; j < mu.size(); ++j) {
       Unit& u = units[mu[j]];
       u.c->set_checkpointing(u.menu[step_plan.prediction.choice[j]].switch_state);
     }
-    planned = true;
   }
 
   void measured_step(const std::function<void()>& fn) {
@@ -640,6 +634,26 @@ void AutoCheckpoint::profile_step(const std::function<void()>& fn) {
   m.solve_and_apply(m.budget);
 }
 
+void AutoCheckpoint::replan(int64_t budget_bytes) {
+  Impl& m = *impl_;
+  if (m.step_model.units.empty()) {
+    throw Error("[remat::auto] replan(" + std::to_string(budget_bytes) +
+                ") before a profiled step; run step() (or profile_step()) first.");
+  }
+  if (budget_bytes <= 0) {
+    throw Error("[remat::auto] replan(" + std::to_string(budget_bytes) + "): give a positive budget in bytes.");
+  }
+  m.solve_and_apply(budget_bytes);
+  m.budget = budget_bytes;
+  m.measured_peak = -1;
+  m.measured_ms = -1;
+}
+
+void AutoCheckpoint::apply() {
+  if (!impl_->planned) throw Error("[remat::auto] apply() before a plan exists; run step() until planned().");
+  impl_->apply();
+}
+
 bool AutoCheckpoint::planned() const { return impl_->planned; }
 int64_t AutoCheckpoint::budget_bytes() const { return impl_->budget; }
 const plan::StepModel& AutoCheckpoint::step_model() const { return impl_->step_model; }
@@ -680,9 +694,12 @@ std::string AutoCheckpoint::explain() const {
   if (m.planned) {
     os << "plan: predicted peak " << plan::format_bytes(p.peak_bytes) << " (reached "
        << plan::describe_segment(m.step_model, p.peak_segment) << "), " << fmt_ms(p.time_ms) << " ("
-       << fmt_pct(p.time_ms / std::max(1e-9, m.profiled_ms) - 1) << " on plain); solver: GLPK, "
-       << (m.step_plan.optimal ? "optimal" : "gap " + fmt_pct(m.step_plan.relative_gap)) << ", " << m.step_plan.rows
-       << " rows x " << m.step_plan.columns << " columns, " << fmt_ms(m.step_plan.solve_ms)
+       << fmt_pct(p.time_ms / std::max(1e-9, m.profiled_ms) - 1) << " on plain); solver: " << m.step_plan.solver << ", "
+       << (m.step_plan.optimal ? "optimal" : "gap " + fmt_pct(m.step_plan.relative_gap)) << ", "
+       << (m.step_plan.solver == "GLPK"
+               ? std::to_string(m.step_plan.rows) + " rows x " + std::to_string(m.step_plan.columns) + " columns, "
+               : std::string())
+       << fmt_ms(m.step_plan.solve_ms)
        << (m.replans ? ", solved again " + std::to_string(m.replans) + "x after overruns" : "") << "\n";
     if (m.measured_peak >= 0) {
       os << "last step: measured peak " << plan::format_bytes(m.measured_peak) << " ("

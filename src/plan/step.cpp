@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include "remat/plan/error.h"
@@ -238,7 +239,133 @@ std::vector<Row> binding_rows(const StepModel& m, const std::vector<Row>& rows, 
   return out;
 }
 
+// NOTE [the chain DP]: when every unit is called once and, in forward
+// order, each unit's windows lie inside the kept interval of every unit
+// before it (forward_end_i <= forward_begin_j and backward_end_j <=
+// backward_begin_i for i < j), the units whose kept interval covers a
+// segment are a prefix 0..q-1 of that order, and at most one unit (q) has a
+// window there. Every constraint then reads P_q + own_q(k) <= cap, where
+// P_q is the sum of the first q units' kept-byte deltas. A dynamic program
+// over the units in order keeps the Pareto front of (P, time) pairs: a pair
+// with both more kept bytes and more time than another can never be better.
+// Exact in integer bytes; the front stays small in practice (its size is
+// capped, beyond which GLPK takes over).
+struct ChainCaps {
+  std::vector<size_t> order;      // units in forward order
+  std::vector<int64_t> fwd, bwd;  // per position: max segment peak of its forward / backward window
+  std::vector<int64_t> between;   // per prefix length q = 0..n: max peak of segments with no window
+};
+
+std::optional<ChainCaps> chain_structure(const StepModel& m) {
+  const size_t n = m.units.size();
+  for (const auto& u : m.units) {
+    if (u.calls.size() != 1) return std::nullopt;
+  }
+  ChainCaps c;
+  c.order.resize(n);
+  for (size_t i = 0; i < n; ++i) c.order[i] = i;
+  std::sort(c.order.begin(), c.order.end(),
+            [&](size_t a, size_t b) { return m.units[a].calls[0].forward_begin < m.units[b].calls[0].forward_begin; });
+  for (size_t i = 0; i + 1 < n; ++i) {
+    const StepCall& a = m.units[c.order[i]].calls[0];
+    const StepCall& b = m.units[c.order[i + 1]].calls[0];
+    if (a.forward_end > b.forward_begin || b.backward_end > a.backward_begin) return std::nullopt;
+  }
+  c.fwd.assign(n, std::numeric_limits<int64_t>::min());
+  c.bwd.assign(n, std::numeric_limits<int64_t>::min());
+  c.between.assign(n + 1, std::numeric_limits<int64_t>::min());
+  const int64_t segments = static_cast<int64_t>(m.segment_peak_bytes.size());
+  for (int64_t s = 0; s < segments; ++s) {
+    size_t q = 0;  // units whose kept interval covers s: a prefix
+    while (q < n) {
+      const StepCall& c0 = m.units[c.order[q]].calls[0];
+      if (!(c0.forward_end <= s && s < c0.backward_begin)) break;
+      ++q;
+    }
+    for (size_t i = q; i < n; ++i) {  // the prefix property, checked
+      const StepCall& ci = m.units[c.order[i]].calls[0];
+      if (ci.forward_end <= s && s < ci.backward_begin) return std::nullopt;
+    }
+    const int64_t p = m.segment_peak_bytes[s];
+    int window = 0;
+    if (q < n) window = klass(m.units[c.order[q]].calls[0], s);
+    if (window == 1) {
+      c.fwd[q] = std::max(c.fwd[q], p);
+    } else if (window == 3) {
+      c.bwd[q] = std::max(c.bwd[q], p);
+    } else {
+      c.between[q] = std::max(c.between[q], p);
+    }
+  }
+  return c;
+}
+
+constexpr size_t kMaxFront = 200000;
+
+// The chain DP: false when no choice fits (or the front outgrew kMaxFront:
+// *too_big is then set).
+bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::vector<int>* choice, bool* too_big) {
+  struct Entry {
+    int64_t p;
+    double t;
+    int32_t prev;
+    int32_t option;
+  };
+  const size_t n = c.order.size();
+  const int64_t none = std::numeric_limits<int64_t>::min();
+  if (c.between[0] != none && c.between[0] > budget) return false;
+  std::vector<std::vector<Entry>> levels;
+  levels.push_back({{0, 0.0, -1, -1}});
+  for (size_t j = 0; j < n; ++j) {
+    const StepUnit& u = m.units[c.order[j]];
+    const StepCall& call = u.calls[0];
+    std::vector<Entry> next;
+    const auto& front = levels.back();
+    for (size_t e = 0; e < front.size(); ++e) {
+      for (size_t k = 0; k < u.options.size(); ++k) {
+        const int64_t p = front[e].p;
+        if (c.fwd[j] != none && c.fwd[j] + p + delta(call, 1, static_cast<int>(k)) > budget) continue;
+        if (c.bwd[j] != none && c.bwd[j] + p + delta(call, 3, static_cast<int>(k)) > budget) continue;
+        const int64_t q = p + delta(call, 2, static_cast<int>(k));
+        if (c.between[j + 1] != none && c.between[j + 1] + q > budget) continue;
+        next.push_back({q, front[e].t + (call.costs[k].time_ms - call.costs[0].time_ms), static_cast<int32_t>(e),
+                        static_cast<int32_t>(k)});
+      }
+    }
+    if (next.empty()) return false;
+    // Pareto front: by kept bytes, then time; keep an entry only if it is
+    // faster than every entry with fewer or equal bytes.
+    std::sort(next.begin(), next.end(),
+              [](const Entry& a, const Entry& b) { return a.p < b.p || (a.p == b.p && a.t < b.t); });
+    std::vector<Entry> pruned;
+    for (const Entry& x : next) {
+      if (pruned.empty() || x.t < pruned.back().t) pruned.push_back(x);
+    }
+    if (pruned.size() > kMaxFront) {
+      *too_big = true;
+      return false;
+    }
+    levels.push_back(std::move(pruned));
+  }
+  // The fastest at the end; walk back.
+  const auto& last = levels.back();
+  size_t best = 0;
+  for (size_t e = 1; e < last.size(); ++e) {
+    if (last[e].t < last[best].t) best = e;
+  }
+  choice->assign(m.units.size(), 0);
+  int32_t at = static_cast<int32_t>(best);
+  for (size_t j = n; j > 0; --j) {
+    const Entry& x = levels[j][at];
+    (*choice)[c.order[j - 1]] = x.option;
+    at = x.prev;
+  }
+  return true;
+}
+
 }  // namespace
+
+[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt);
 
 void validate(const StepModel& m) {
   const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
@@ -334,7 +461,7 @@ std::string describe_segment(const StepModel& m, int64_t s) {
       if (len < best) {
         best = len;
         what =
-            std::string(cls == 1 ? "the forward" : "the backward") + " of unit '" + m.units[u].name + "'" +
+            std::string(cls == 1 ? "in the forward" : "in the backward") + " of unit '" + m.units[u].name + "'" +
             (calls.size() > 1 ? " (call " + std::to_string(c + 1) + " of " + std::to_string(calls.size()) + ")" : "");
       }
     }
@@ -349,9 +476,28 @@ std::string describe_segment(const StepModel& m, int64_t s) {
 StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   validate(m);
   const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int> choice(m.units.size(), 0);
+  if (const std::optional<ChainCaps> chain = chain_structure(m)) {
+    // The least budget the DP fits, by bisection in whole bytes.
+    int64_t hi = simulate_step(m, choice).peak_bytes, lo = 0;  // hi fits (the profiled choice); lo does not
+    std::vector<int> c;
+    bool too_big = false;
+    while (hi - lo > 1 && !too_big) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (solve_chain(m, *chain, mid, &c, &too_big)) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+    if (!too_big) {
+      StepPlan plan = solve_step(m, hi, opt);
+      plan.solve_ms = ms_since(t0);
+      return plan;
+    }
+  }
   std::vector<Row> rows = rows_of(m);
   MipResult r;
-  std::vector<int> choice(m.units.size(), 0);
   if (solve_mip(m, rows, 0, /*min_peak=*/true, opt, &r)) choice = r.choice;
   // The fastest choice at that peak (the peak program ignores time).
   const int64_t peak = simulate_step(m, choice).peak_bytes;
@@ -366,9 +512,41 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
     throw Error("[remat::plan] budget_bytes is " + std::to_string(budget_bytes) + "; give a positive budget.");
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const std::vector<Row> all = rows_of(m);
   StepPlan plan;
   plan.budget_bytes = budget_bytes;
+  {
+    // The fastest option of every unit, when it fits, is the answer.
+    std::vector<int> fastest(m.units.size(), 0);
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+        if (added_ms(m.units[u], static_cast<int>(k)) < added_ms(m.units[u], fastest[u])) {
+          fastest[u] = static_cast<int>(k);
+        }
+      }
+    }
+    StepPrediction pred = simulate_step(m, fastest);
+    if (pred.peak_bytes <= budget_bytes) {
+      plan.prediction = std::move(pred);
+      plan.solver = "fastest fits";
+      plan.optimal = true;
+      plan.solve_ms = ms_since(t0);
+      return plan;
+    }
+  }
+  if (const std::optional<ChainCaps> chain = chain_structure(m)) {
+    std::vector<int> choice;
+    bool too_big = false;
+    if (solve_chain(m, *chain, budget_bytes, &choice, &too_big)) {
+      plan.prediction = simulate_step(m, choice);
+      plan.solver = "chain DP";
+      plan.optimal = true;
+      plan.solve_ms = ms_since(t0);
+      return plan;
+    }
+    if (!too_big) throw_infeasible(m, budget_bytes, opt);
+  }
+  plan.solver = "GLPK";
+  const std::vector<Row> all = rows_of(m);
   // GLPK works in doubles: a choice it accepts within its tolerance is
   // checked in integer bytes and, if over, solved again with the budget
   // lowered by the excess and a margin that grows (64 B, 256 B, ...).
@@ -405,15 +583,16 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
     }
     target = budget_bytes - (pred.peak_bytes - budget_bytes) - (int64_t{64} << (2 * attempt));
   }
+  throw_infeasible(m, budget_bytes, opt);
+}
+
+[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
   // Nothing fits: say how low the step can go and who sets that floor.
-  MipResult r;
-  std::vector<int> choice(m.units.size(), 0);
-  if (solve_mip(m, all, 0, /*min_peak=*/true, opt, &r)) choice = r.choice;
-  const StepPrediction low = simulate_step(m, choice);
-  throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) +
-              "; the smallest feasible peak is " + format_bytes(low.peak_bytes) + ", reached " +
-              describe_segment(m, low.peak_segment) +
-              ". Raise the memory budget, or give the planner more levers (AutoOptions().offload(...)).");
+  const StepPrediction low = min_peak_step(m, opt).prediction;
+  throw Error(
+      "[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) + "; the smallest feasible peak is " +
+      format_bytes(low.peak_bytes) + ", reached " + describe_segment(m, low.peak_segment) +
+      ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or images per step).");
 }
 
 }  // namespace remat::plan

@@ -149,6 +149,10 @@ void check_against_brute(const rp::StepModel& m, const std::string& what) {
     ASSERT_TRUE(std::isfinite(b.best_time)) << what;
     const rp::StepPlan plan = rp::solve_step(m, budget);
     EXPECT_TRUE(plan.optimal) << what;
+    // A chain goes to the DP, the GAN (a unit called twice) to GLPK, unless
+    // every unit's fastest option fits.
+    EXPECT_TRUE(plan.solver == "fastest fits" || plan.solver == (what.rfind("gan", 0) == 0 ? "GLPK" : "chain DP"))
+        << what << ": " << plan.solver;
     EXPECT_LE(plan.prediction.peak_bytes, budget) << what << " budget " << budget;
     EXPECT_NEAR(plan.prediction.time_ms, b.best_time, 1e-9) << what << " budget " << budget;
     // The simulator agrees with the brute force's own evaluation.
@@ -191,7 +195,7 @@ TEST(StepSolve, EveryChoiceFitsTakesTheFastest) {
   std::mt19937 rng(5);
   rp::StepModel m = random_chain(rng, 4, 3);
   const rp::StepPlan plan = rp::solve_step(m, int64_t{1} << 40);
-  EXPECT_EQ(plan.rows, 0);
+  EXPECT_EQ(plan.solver, "fastest fits");
   for (int k : plan.prediction.choice) EXPECT_EQ(k, 0);  // keep is the fastest in random_call
 }
 
@@ -208,8 +212,8 @@ TEST(StepSolve, InfeasibleBudgetNamesTheFloorAndWhoSetsIt) {
   } catch (const remat::Error& e) {
     EXPECT_STREQ(e.what(),
                  "[remat::auto] no plan of the step fits in 200.00 MiB; the smallest feasible peak is 410.00 MiB, "
-                 "reached in the backward of unit 'blocks.1'. Raise the memory budget, or give the planner more "
-                 "levers (AutoOptions().offload(...)).");
+                 "reached in the backward of unit 'blocks.1'. Raise the memory budget to at least that, or make what "
+                 "runs there smaller (fewer tokens or images per step).");
   }
   const rp::StepPlan plan = rp::solve_step(m, 410 << 20);
   EXPECT_EQ(plan.prediction.choice, (std::vector<int>{1, 0}));

@@ -5,7 +5,10 @@
 // of one option per unit changes the memory of the segments each call
 // covers (its forward, the interval it keeps bytes live, its backward) and
 // adds time; the solver picks the fastest choice whose predicted peak fits
-// a budget, exactly (an integer program, solved by GLPK). Torch-free: the
+// a budget, exactly: a dynamic program when the step is a chain (each unit
+// called once, the later units' windows inside the earlier ones' kept
+// intervals, as in a sequential model), an integer program solved by GLPK
+// otherwise (skips across units, a unit called twice). Torch-free: the
 // auto layer (src/auto) fills a StepModel from a profiled step.
 //
 // Memory rule: under a choice, segment s peaks at
@@ -100,6 +103,11 @@ struct StepSolveOptions {
 struct StepPlan {
   StepPrediction prediction;  ///< the choice and its cost
   int64_t budget_bytes = 0;   ///< what it was solved for
+  /** "fastest fits" (every unit's fastest option fits the budget), "chain
+   *  DP" (every unit called once, windows nested as a chain's: an exact
+   *  dynamic program over the kept bytes, in integer bytes) or "GLPK" (the
+   *  0-1 program, any structure). */
+  std::string solver;
   /** True when the solver proved the choice optimal (gap 0). */
   bool optimal = false;
   /** (time - best bound) / best bound when stopped early; 0 when optimal. */
