@@ -18,6 +18,8 @@
 //                 evenly spaced from its leanest feasible plan to the plain
 //                 step's peak (one profile, replan() per budget; no replan
 //                 on overrun, so the recorded peak is the plan's own)
+//   auto=S        auto at the peak hand-placed strategy S measured in a warm
+//                 step before the rounds (the comparison at equal memory)
 // auto_checkpoint profiles once (1 plain warm-up step, 1 profiled step);
 // then the strategies run interleaved, one step each in turn, for --rounds
 // rounds (3). Per step: wall time (zero_grad to the end of the AdamW step)
@@ -113,6 +115,7 @@ int main(int argc, char** argv) {
   const auto& model = planner.step_model();
   const remat::plan::StepPlan lean = remat::plan::min_peak_step(model);
   const int64_t low = lean.prediction.peak_bytes, high = planner.profiled_peak_bytes();
+  std::fflush(stdout);
   std::printf("profile: %.1f s (2 steps), profiled peak %s, leanest plan %s (%.3f of it), %zu units\n", profile_s,
               remat::format_bytes(high).c_str(), remat::format_bytes(low).c_str(),
               static_cast<double>(low) / static_cast<double>(high), model.units.size());
@@ -127,13 +130,6 @@ int main(int argc, char** argv) {
     Record r;
     r.name = name;
     r.label = label;
-    recs.push_back(r);
-  }
-  for (int i = 0; i < nbudgets; ++i) {
-    Record r;
-    r.name = "auto@" + std::to_string(i);
-    r.budget = low + (nbudgets > 1 ? (high - low) * i / (nbudgets - 1) : 0);
-    r.label = "auto at " + remat::format_bytes(r.budget);
     recs.push_back(r);
   }
   const remat::Selector blocks = remat::select::type<GptBlockImpl>();
@@ -156,6 +152,29 @@ int main(int argc, char** argv) {
         r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
     }
   };
+  // Auto at budgets evenly spaced from its leanest plan to plain, and at
+  // each hand-placed strategy's own peak (one warm step each measures it):
+  // the comparison at equal memory.
+  const size_t hand = recs.size();
+  for (int i = 0; i < nbudgets; ++i) {
+    Record r;
+    r.name = "auto@" + std::to_string(i);
+    r.budget = low + (nbudgets > 1 ? (high - low) * i / (nbudgets - 1) : 0);
+    r.label = "auto at " + remat::format_bytes(r.budget);
+    recs.push_back(r);
+  }
+  for (size_t h = 1; h < hand; ++h) {
+    configure(recs[h]);
+    remat::memory::reset_peak();
+    step();
+    const int64_t peak = remat::memory::peak_bytes();
+    if (peak < low) continue;  // leaner than any plan of auto's menu
+    Record r;
+    r.name = "auto=" + recs[h].name;
+    r.budget = peak;
+    r.label = "auto at " + recs[h].name + "'s peak";
+    recs.push_back(r);
+  }
   for (int round = 0; round < rounds; ++round) {
     for (auto& r : recs) {
       configure(r);

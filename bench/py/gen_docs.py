@@ -10,7 +10,8 @@ alloc.json `alloc`, ddp_scaling.json and ddp_scaling-small.json
 `ddp-reference` and `ddp-small`, heap.json `heap-faults`; longctx.fragments
 for longctx.json with longctx-py.json: `longctx`; long_context_fits.fragments
 for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
-gpu-h200.json: `gpu-blocks`, `gpu-longctx`; headline.fragments:
+gpu-h200.json: `gpu-blocks`, `gpu-longctx`; auto_results.fragments for
+auto.json and step_solve.json: `auto-frontier`, `auto-targets`, `auto-solver`; headline.fragments:
 `readme-headline` from all of them. In the docs a fragment stands between
     <!-- generated: NAME -->
     ...
@@ -38,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import RESULTS, ROOT, load_json  # noqa: E402
 
-DOCS = ["docs/BENCHMARKS.md", "docs/long-context.md", "docs/gpu.md", "README.md"]
+DOCS = ["docs/BENCHMARKS.md", "docs/long-context.md", "docs/gpu.md", "docs/auto.md", "README.md"]
 # result file (bench/results/NAME.json) -> the module whose fragments(result) renders it
 ONE_FILE = [("selective", "selective"), ("selective-keep", "selective"), ("offload", "offload"),
             ("accuracy", "accuracy"), ("runtime", "runtime"), ("alloc", "alloc"), ("ddp_scaling", "ddp_scaling"),
@@ -84,6 +85,8 @@ def fragments(quick):
         frags.update(headline.fragments())
     import longctx  # JSON lines: longctx.json (remat_longctx) and longctx-py.json (the Python anchor)
     frags.update(longctx.fragments(quick))
+    import auto_results  # JSON lines: auto.json (remat_auto) and step_solve.json (remat_step_solve)
+    frags.update(auto_results.fragments(quick))
     return frags, images
 
 

@@ -1,0 +1,138 @@
+"""Renders the whole-step planner's results: auto.json (bench/auto/remat_auto, JSON lines) and
+step_solve.json (bench/plan/step_solve.cpp, JSON lines).
+
+Fragments: `auto-frontier` (every strategy's step time and peak against plain, auto's budgets,
+predictions and plans), `auto-targets` (the targets, met or missed, computed from that table) and
+`auto-solver` (solve time against the number of units). --quick reads auto-quick.json.
+Leaves out: measuring.
+"""
+import json
+import os
+
+from common import RESULTS
+
+NOISE = 0.02  # the "dominates" target's allowance for noise, as the target states it
+
+
+def _lines(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _mib(b):
+    return f"{b / 2**20:.1f} MiB"
+
+
+def _ratio(r):
+    t = r["time_ratio"]
+    return f"{t['median']:.3f} [{t['min']:.3f}-{t['max']:.3f}]"
+
+
+def frontier(recs):
+    meta = next(r for r in recs if r["kind"] == "meta")
+    prof = next(r for r in recs if r["kind"] == "profile")
+    strat = [r for r in recs if r["kind"] == "strategy"]
+    s = meta["size"]
+    out = [f"GPT whole step: d_model {s['d_model']}, {s['heads']} heads, {s['blocks']} blocks, T {s['seq_len']}, "
+           f"batch {s['batch']}, vocabulary {s['vocab']}, AdamW; 1 intra-op thread; {meta['rounds']} rounds, "
+           f"strategies interleaved step by step; time ratios are medians of per-round ratios to plain "
+           f"[min-max]; peaks are the step's tracked CPU bytes, everything counted (parameters, gradients, "
+           f"AdamW state, activations). Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}. "
+           f"Profile: {prof['profile_s']:.0f} s for the warm-up and the profiled step, {prof['units']} units.",
+           "",
+           "| strategy | step time x plain | peak | x plain | budget | predicted peak | predicted time x plain |",
+           "|---|---|---|---|---|---|---|"]
+    plain_ms = next(r for r in strat if r["name"] == "plain")["ms"]
+    plain_med = sorted(plain_ms)[len(plain_ms) // 2]
+    for r in strat:
+        budget = _mib(r["budget"]) if "budget" in r else "-"
+        pred = _mib(r["predicted_peak"]) if "budget" in r else "-"
+        pt = f"{r['predicted_ms'] / prof['profiled_ms']:.3f}" if "budget" in r else "-"
+        out.append(f"| {r['label']} | {_ratio(r)} | {_mib(r['peak'])} | {r['peak_ratio']:.3f} | {budget} | {pred} "
+                   f"| {pt} |")
+    out.append("")
+    out.append("The plans (option per unit):")
+    out.append("")
+    for r in strat:
+        if "plan" in r:
+            out.append(f"- {r['label']}: {r['plan']}")
+    del plain_med
+    return "\n".join(out) + "\n"
+
+
+def targets(recs):
+    strat = [r for r in recs if r["kind"] == "strategy"]
+    prof = next(r for r in recs if r["kind"] == "profile")
+    autos = [r for r in strat if r["name"].startswith("auto")]
+    hand = [r for r in strat if not r["name"].startswith("auto") and r["name"] != "plain"]
+    rows = ["| target | figure | |", "|---|---|---|"]
+
+    # 1. No hand-placed point has less or equal memory and less time than auto's frontier.
+    dominated = []
+    for h in hand:
+        # auto's fastest point with a peak <= this hand-placed point's peak
+        fit = [a for a in autos if a["peak"] <= h["peak"]]
+        if not fit:
+            dominated.append(f"{h['name']} (no auto point as lean)")
+            continue
+        best = min(fit, key=lambda a: a["time_ratio"]["median"])
+        if best["time_ratio"]["median"] > h["time_ratio"]["median"] * (1 + NOISE):
+            dominated.append(f"{h['name']} ({h['time_ratio']['median']:.3f} vs auto's "
+                             f"{best['time_ratio']['median']:.3f})")
+    rows.append("| auto's frontier dominates every hand-placed remat point (2% noise) | "
+                + ("none faster at equal or less memory" if not dominated else "beaten by " + "; ".join(dominated))
+                + f" | {'met' if not dominated else 'missed'} |")
+
+    # 2. At 0.5 of plain's peak, auto <= 1.03x plain time.
+    half = [a for a in autos if a["peak_ratio"] <= 0.5]
+    if half:
+        best = min(half, key=lambda a: a["time_ratio"]["median"])
+        rows.append(f"| at 0.5 of plain's peak, auto <= 1.03x plain time | {best['time_ratio']['median']:.3f}x at "
+                    f"{best['peak_ratio']:.3f} | {'met' if best['time_ratio']['median'] <= 1.03 else 'missed'} |")
+    else:
+        lean = min(a["peak_ratio"] for a in autos)
+        rows.append(f"| at 0.5 of plain's peak, auto <= 1.03x plain time | the leanest plan is {lean:.3f} of plain "
+                    f"| missed (not reachable by keep / recompute / selective) |")
+
+    # 3. Measured peak <= budget on every point; predicted peak within 3%, time within 10%.
+    over = [a for a in autos if a["peak"] > a["budget"]]
+    rows.append(f"| measured peak <= budget on every auto point | "
+                f"{max(a['peak'] / a['budget'] for a in autos):.4f} of the budget at most | "
+                f"{'met' if not over else 'missed'} |")
+    perr = max(abs(a["predicted_peak"] / a["peak"] - 1) for a in autos)
+    rows.append(f"| predicted peak within 3% of measured | {perr * 100:.1f}% at most | "
+                f"{'met' if perr <= 0.03 else 'missed'} |")
+    plain_ms = sorted(next(r for r in strat if r["name"] == "plain")["ms"])
+    terr = max(abs(a["predicted_ms"] / (a["time_ratio"]["median"] * plain_ms[len(plain_ms) // 2]) - 1)
+               for a in autos)
+    rows.append(f"| predicted time within 10% of measured | {terr * 100:.1f}% at most | "
+                f"{'met' if terr <= 0.10 else 'missed'} |")
+    del prof
+    return "\n".join(rows) + "\n"
+
+
+def solver(recs):
+    solves = [r for r in recs if r["kind"] == "solve"]
+    by = {}
+    for r in solves:
+        by.setdefault(r["units"], []).append(r)
+    rows = ["| units | slowest solve over 5 budgets | leanest-peak search | every solve optimal |", "|---|---|---|---|"]
+    for u in sorted(by):
+        rs = by[u]
+        rows.append(f"| {u} | {max(r['solve_ms'] for r in rs):.1f} ms | {rs[0]['leanest_ms']:.1f} ms | "
+                    f"{'yes' if all(r['optimal'] for r in rs) else 'no'} |")
+    return "\n".join(rows) + "\n"
+
+
+def fragments(quick=False):
+    frags = {}
+    recs = _lines(os.path.join(RESULTS, "auto-quick.json" if quick else "auto.json"))
+    if recs:
+        frags["auto-frontier"] = frontier(recs)
+        frags["auto-targets"] = targets(recs)
+    solves = _lines(os.path.join(RESULTS, "step_solve.json"))
+    if solves and not quick:
+        frags["auto-solver"] = solver(solves)
+    return frags
