@@ -108,10 +108,16 @@ struct AutoUnit {
  *  function under it. Keeps a reference to the model, which must outlive it. */
 class AutoCheckpoint {
  public:
+  /** As auto_checkpoint(model, options), which also installs remat's
+   *  engine: prefer that. Validates options (throws remat::Error naming the
+   *  field and value) and switches every checkpointable module off. */
   AutoCheckpoint(torch::nn::Module& model, AutoOptions options);
   ~AutoCheckpoint();
+  /** Movable (the plan and profile move with it), not copyable. */
+  ///@{
   AutoCheckpoint(AutoCheckpoint&&) noexcept;
   AutoCheckpoint& operator=(AutoCheckpoint&&) noexcept;
+  ///@}
 
   /** Runs one training step (fn: forwards, loss, backward, optimizer step):
    *  a warm-up, the profiled step (then plans), or a planned step (then

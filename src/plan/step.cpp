@@ -4,7 +4,9 @@
 // heuristics: GLPK proves optimality or reports its gap at the time limit.
 #include "remat/plan/step.h"
 
+#if REMAT_HAVE_GLPK
 #include <glpk.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -100,6 +102,14 @@ std::vector<Row> rows_of(const StepModel& m) {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
+struct MipResult {
+  std::vector<int> choice;
+  bool optimal = false;
+  double gap = 0;
+  int64_t rows = 0, columns = 0;
+};
+
+#if REMAT_HAVE_GLPK
 struct GlpProb {
   glp_prob* p = glp_create_prob();
   ~GlpProb() { glp_delete_prob(p); }
@@ -117,12 +127,6 @@ void gap_callback(glp_tree* tree, void* info) {
 // Solves: min sum(time * x) [+ peak variable when min_peak], subject to one
 // option per unit and every row within budget (or within the peak variable).
 // Returns false when the program has no solution.
-struct MipResult {
-  std::vector<int> choice;
-  bool optimal = false;
-  double gap = 0;
-  int64_t rows = 0, columns = 0;
-};
 bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_bytes, bool min_peak,
                const StepSolveOptions& opt, MipResult* out) {
   GlpProb prob;
@@ -216,6 +220,15 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
   out->gap = out->optimal ? 0 : gap.gap;
   return true;
 }
+
+#else
+bool solve_mip(const StepModel& m, const std::vector<Row>&, int64_t, bool, const StepSolveOptions&, MipResult*) {
+  throw Error("[remat::plan] the step's " + std::to_string(m.units.size()) +
+              " units are not a chain (a unit is called more than once, or a unit's windows do not nest in the "
+              "earlier ones': a skip across units), and remat was built without GLPK, which solves such steps. "
+              "Install Debian's libglpk-dev and rebuild remat.");
+}
+#endif
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
