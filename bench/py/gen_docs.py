@@ -39,7 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import RESULTS, ROOT, load_json  # noqa: E402
 
-DOCS = ["docs/BENCHMARKS.md", "docs/long-context.md", "docs/gpu.md", "docs/auto.md", "README.md"]
+DOCS = ["docs/BENCHMARKS.md", "docs/long-context.md", "docs/gpu.md", "docs/auto.md", "docs/offload.md",
+        "docs/parallel.md", "README.md"]
 # result file (bench/results/NAME.json) -> the module whose fragments(result) renders it
 ONE_FILE = [("selective", "selective"), ("selective-keep", "selective"), ("offload", "offload"),
             ("accuracy", "accuracy"), ("runtime", "runtime"), ("alloc", "alloc"), ("ddp_scaling", "ddp_scaling"),
