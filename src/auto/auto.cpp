@@ -81,19 +81,73 @@ struct CallRecord {
   }
 };
 
-/** Times every op (by op_key, as residuals name their producers). */
+/** An op call as the selective levels tell calls apart: the operator with
+ *  its overload and the shapes of its tensor arguments ("aten::addmm
+ *  [512] [2048,512] [512,1536]"). Stateless: a policy computes it from its
+ *  OpCall, the profiler from the dispatcher's stack. */
+std::string op_signature(const std::string& key, c10::ArrayRef<c10::IValue> args) {
+  std::string sig = key;
+  auto shape = [&](const at::Tensor& t) {
+    sig += " [";
+    if (t.defined()) {
+      for (int64_t d = 0; d < t.dim(); ++d) sig += (d ? "," : "") + std::to_string(t.size(d));
+    }
+    sig += "]";
+  };
+  for (const auto& a : args) {
+    if (a.isTensor()) {
+      shape(a.toTensor());
+    } else if (a.isTensorList()) {
+      for (const at::Tensor& t : a.toTensorVector()) shape(t);
+    }
+  }
+  return sig;
+}
+
+/** What keeping one kind of op call costs and saves, per unit call. */
+struct OpItem {
+  std::string key;       // op_key, e.g. "aten::addmm"
+  int64_t bytes = 0;     // its outputs' bytes (new storage only), summed over its calls
+  double ms = 0;         // its time, summed
+  bool saveable = true;  // a policy can keep it (not a view, not in place, not random)
+};
+
+/** Times every op of a run and measures its outputs, by op_signature(). */
 class OpTimer : public dispatch::Interceptor {
  public:
   void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
+    const std::string key = dispatch::op_key(op);
+    const size_t nargs = op.schema().arguments().size();
+    const std::string sig = op_signature(key, c10::ArrayRef<c10::IValue>(*stack).slice(stack->size() - nargs));
+    std::vector<const void*> in_storages;
+    for (size_t i = stack->size() - nargs; i < stack->size(); ++i) {
+      const auto& a = (*stack)[i];
+      if (a.isTensor() && a.toTensor().defined() && a.toTensor().has_storage()) {
+        in_storages.push_back(a.toTensor().storage().unsafeGetStorageImpl());
+      }
+    }
     const auto t0 = Clock::now();
     dispatch::run_below(op, ks, stack);
-    ms_[dispatch::op_key(op)] += ms_since(t0);
+    OpItem& item = items_[sig];
+    item.key = key;
+    item.ms += ms_since(t0);
+    const size_t nout = op.schema().returns().size();
+    for (size_t i = stack->size() - nout; i < stack->size(); ++i) {
+      const auto& r = (*stack)[i];
+      if (!r.isTensor() || !r.toTensor().defined() || !r.toTensor().has_storage()) continue;
+      const void* st = r.toTensor().storage().unsafeGetStorageImpl();
+      if (std::find(in_storages.begin(), in_storages.end(), st) != in_storages.end()) {
+        item.saveable = false;  // a view of, or a write into, an input
+        continue;
+      }
+      item.bytes += static_cast<int64_t>(r.toTensor().storage().nbytes());
+    }
   }
   void on_tag(const at::Tensor&, const std::string&) override {}
-  const std::map<std::string, double>& ms() const { return ms_; }
+  const std::map<std::string, OpItem>& items() const { return items_; }
 
  private:
-  std::map<std::string, double> ms_;
+  std::map<std::string, OpItem> items_;
 };
 
 /** Puts back the CPU RNG and a module's buffers when destroyed. */
@@ -159,69 +213,99 @@ bool saveable_by_policy(const std::string& op) {
   return true;
 }
 
-/** The sets of ops to save for `levels` byte caps: per cap, the subset of
- *  items with the most recompute time whose bytes fit (exhaustive up to 20
- *  items, by time per byte beyond). */
-std::vector<std::vector<std::string>> knapsack_levels(const std::map<std::string, std::pair<int64_t, double>>& items,
-                                                      int levels) {
+/** The sets of op calls to keep at `levels` byte caps (j/(levels+1) of all
+ *  saveable bytes, j = 1..levels): per cap, the set with the most recompute
+ *  time whose bytes fit. Exact: a DP over the items keeping the Pareto
+ *  front of (bytes, time). Sets equal to none or all of the items are left
+ *  out (recompute and keep are on the menu already). */
+std::vector<std::vector<std::string>> knapsack_levels(const std::map<std::string, OpItem>& items, int levels) {
   std::vector<std::string> names;
   std::vector<int64_t> bytes;
   std::vector<double> ms;
   int64_t total = 0;
-  for (const auto& [op, bm] : items) {
-    if (bm.first <= 0 || bm.second <= 0 || !saveable_by_policy(op)) continue;
-    names.push_back(op);
-    bytes.push_back(bm.first);
-    ms.push_back(bm.second);
-    total += bm.first;
+  for (const auto& [sig, it] : items) {
+    if (it.bytes <= 0 || it.ms <= 0 || !it.saveable || !saveable_by_policy(it.key)) continue;
+    names.push_back(sig);
+    bytes.push_back(it.bytes);
+    ms.push_back(it.ms);
+    total += it.bytes;
+  }
+  struct Entry {
+    int64_t b;
+    double t;
+    int32_t prev;  // index in the previous level's front
+    bool take;
+  };
+  std::vector<std::vector<Entry>> front{{{0, 0.0, -1, false}}};
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::vector<Entry> next;
+    const auto& f = front.back();
+    for (size_t e = 0; e < f.size(); ++e) {
+      next.push_back({f[e].b, f[e].t, static_cast<int32_t>(e), false});
+      next.push_back({f[e].b + bytes[i], f[e].t + ms[i], static_cast<int32_t>(e), true});
+    }
+    // Fewer bytes first; keep an entry only if it saves more time than all before it.
+    std::sort(next.begin(), next.end(),
+              [](const Entry& a, const Entry& b) { return a.b < b.b || (a.b == b.b && a.t > b.t); });
+    std::vector<Entry> pruned;
+    for (const Entry& x : next) {
+      if (pruned.empty() || x.t > pruned.back().t) pruned.push_back(x);
+    }
+    front.push_back(std::move(pruned));
   }
   std::vector<std::vector<std::string>> out;
-  const size_t n = names.size();
   for (int j = 1; j <= levels; ++j) {
     const int64_t cap = total * j / (levels + 1);
-    uint64_t best = 0;
-    if (n <= 20) {
-      double best_ms = 0;
-      for (uint64_t s = 1; s < (uint64_t{1} << n); ++s) {
-        int64_t b = 0;
-        double t = 0;
-        for (size_t i = 0; i < n; ++i) {
-          if (s >> i & 1) {
-            b += bytes[i];
-            t += ms[i];
-          }
-        }
-        if (b <= cap && t > best_ms) {
-          best_ms = t;
-          best = s;
-        }
-      }
-    } else {
-      std::vector<size_t> order(n);
-      for (size_t i = 0; i < n; ++i) order[i] = i;
-      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ms[a] * bytes[b] > ms[b] * bytes[a]; });
-      int64_t b = 0;
-      for (size_t i : order) {
-        if (i < 64 && b + bytes[i] <= cap) {
-          b += bytes[i];
-          best |= uint64_t{1} << i;
-        }
-      }
+    const auto& last = front.back();
+    int32_t best = -1;
+    for (size_t e = 0; e < last.size(); ++e) {
+      if (last[e].b <= cap && (best < 0 || last[e].t > last[best].t)) best = static_cast<int32_t>(e);
     }
-    if (best == 0) continue;
+    if (best < 0) continue;
     std::vector<std::string> set;
-    for (size_t i = 0; i < n; ++i) {
-      if (best >> i & 1) set.push_back(names[i]);
+    for (size_t i = names.size(); i > 0; --i) {
+      const Entry& x = front[i][best];
+      if (x.take) set.push_back(names[i - 1]);
+      best = x.prev;
     }
-    if (set.size() == n) continue;  // all of them: as keep, less the ops policies cannot save
+    std::sort(set.begin(), set.end());
+    if (set.empty() || set.size() == names.size()) continue;
     if (std::find(out.begin(), out.end(), set) == out.end()) out.push_back(set);
   }
   return out;
 }
 
-std::string short_op(const std::string& op) {
-  std::string s = op.rfind("aten::", 0) == 0 ? op.substr(6) : op;
-  return s;
+/** A policy keeping exactly the op calls of `set` (op_signature()s). A
+ *  second ask for an op whose output got a name carries no arguments: it
+ *  gets this thread's last answer for that operator, given just before. */
+Policy keep_calls(std::string description, std::vector<std::string> set) {
+  auto keep = std::make_shared<std::vector<std::string>>(std::move(set));
+  return Policy(std::move(description), [keep](const OpCall& call) {
+    thread_local std::map<std::string, OpDecision> last;
+    const std::string key = call.overload().empty() ? call.name() : call.name() + "." + call.overload();
+    if (call.inputs().empty() && !call.tag().empty()) {
+      auto it = last.find(key);
+      return it == last.end() ? OpDecision::kPreferRecompute : it->second;
+    }
+    const std::string sig = op_signature(key, call.inputs());
+    const OpDecision d =
+        std::binary_search(keep->begin(), keep->end(), sig) ? OpDecision::kPreferSave : OpDecision::kPreferRecompute;
+    last[key] = d;
+    return d;
+  });
+}
+
+/** "save 3 addmm, _softmax": the operators of a level, counted. */
+std::string level_name(const std::vector<std::string>& set) {
+  std::map<std::string, int> count;
+  for (const auto& sig : set) {
+    std::string op = sig.substr(0, sig.find(' '));
+    if (op.rfind("aten::", 0) == 0) op = op.substr(6);
+    ++count[op];
+  }
+  std::string name = "save";
+  for (const auto& [op, n] : count) name += (name == "save" ? " " : ", ") + (n > 1 ? std::to_string(n) + " " : "") + op;
+  return name;
 }
 
 }  // namespace
@@ -313,21 +397,24 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
    *  call's residuals and op times), then measures every option. */
   void measure(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run, CallRecord& rec) {
     if (u.menu.empty()) build_menu(u, inputs, run);
-    for (const Option& o : u.menu) {
-      // Bytes are exact from the first run; the time is the fastest run's.
-      plan::StepCost best;
-      bool has_backward = true;
-      for (int r = 0; r < options.profile_repeats(); ++r) {
-        const plan::StepCost cost = measure_one(u, inputs, run, o.switch_state, &has_backward);
+    // One untimed run first (a call's first run pays for cold caches), then
+    // the options in turn, `profile_repeats` times: bytes are exact from the
+    // first run, the time is the fastest run's; taking the options in turn
+    // spreads any drift of the machine over all of them.
+    bool has_backward = true;
+    measure_one(u, inputs, run, std::nullopt, &has_backward);
+    rec.costs.assign(u.menu.size(), plan::StepCost{});
+    for (int r = 0; r < options.profile_repeats(); ++r) {
+      for (size_t k = 0; k < u.menu.size(); ++k) {
+        const plan::StepCost cost = measure_one(u, inputs, run, u.menu[k].switch_state, &has_backward);
         if (r == 0) {
-          best = cost;
+          rec.costs[k] = cost;
         } else {
-          best.time_ms = std::min(best.time_ms, cost.time_ms);
+          rec.costs[k].time_ms = std::min(rec.costs[k].time_ms, cost.time_ms);
         }
       }
-      if (!has_backward) u.plannable = false;
-      rec.costs.push_back(best);
     }
+    if (!has_backward) u.plannable = false;
   }
 
   void build_menu(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run) {
@@ -336,37 +423,19 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     u.menu.push_back({"recompute", base});
     u.plannable = true;
     if (options.selective_levels() > 0) {
-      std::map<std::string, std::pair<int64_t, double>> items;  // op -> (bytes kept, ms)
+      // One run under an op timer: every op call's signature, output bytes and time.
+      Restore restore(u.module);
+      TrialInputs t = trial_inputs(inputs);
+      OpTimer timer;
       {
-        Restore restore(u.module);
-        TrialInputs t = trial_inputs(inputs);
-        detail::ResidualRecorder recorder(std::nullopt, t.in);
+        dispatch::Scope scope(&timer);
         std::vector<at::Tensor> out = run(std::nullopt, t.in);
-        SavedResiduals res = recorder.finish();
-        for (const auto& r : res.residuals) {
-          if (r.kind == ResidualKind::kRecomputable && !r.shared) items[r.op].first += r.bytes;
-        }
       }
-      {
-        Restore restore(u.module);
-        TrialInputs t = trial_inputs(inputs);
-        OpTimer timer;
-        {
-          dispatch::Scope scope(&timer);
-          std::vector<at::Tensor> out = run(std::nullopt, t.in);
-        }
-        for (const auto& [op, ms] : timer.ms()) {
-          auto it = items.find(op);
-          if (it != items.end()) it->second.second += ms;
-        }
-      }
-      for (const auto& set : knapsack_levels(items, options.selective_levels())) {
-        std::string name = "save ";
-        for (size_t i = 0; i < set.size(); ++i) name += (i ? "+" : "") + short_op(set[i]);
-        Policy level = policy::save_ops(set);
+      for (const auto& set : knapsack_levels(timer.items(), options.selective_levels())) {
+        Policy level = keep_calls(level_name(set), set);
         CheckpointOptions o = base;
         o.policy(base.policy() ? policy::any_of({*base.policy(), level}) : level);
-        u.menu.push_back({name, o});
+        u.menu.push_back({level.description(), o});
       }
     }
   }

@@ -1,12 +1,14 @@
 // Tests of the whole-step planner (auto.h) on four kinds of step: remat's
-// GPT with embedding, head and loss; a ResNet with BatchNorm; a U-Net whose
-// skips cross nested checkpointable stages, with in-place ReLUs; and a GAN
-// step whose discriminator runs twice before its backward. Each is trained
+// GPT with embedding, head and loss (also under bf16 autocast, and with two
+// micro-batches per step); a ResNet with BatchNorm; a U-Net whose skips
+// cross nested checkpointable stages, with in-place ReLUs; and a GAN step
+// whose discriminator runs twice before its backward. Each is trained
 // plainly and under auto plans at three budgets, with both zero_grad styles:
 // parameters and BatchNorm statistics must be bitwise equal to the plain run
 // after every step, and each planned step's measured peak within the budget
 // (+1% allocator slack). Also: recomputes counted against the plan, explain()
 // and the trace, and every error a user can provoke, pinned.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -301,6 +303,56 @@ Make gpt_workload(int64_t layers = 4) {
 }  // namespace
 
 TEST(Auto, GptBitwiseAndWithinBudget) { check_workload(gpt_workload(), "GPT"); }
+
+TEST(Auto, GptUnderBf16AutocastBitwiseAndWithinBudget) {
+  const Make base = gpt_workload();
+  check_workload(
+      [base](bool set_to_none) {
+        Workload w = base(set_to_none);
+        w.step = [inner = w.step](int k) {
+          // The forward under CPU autocast to bfloat16, as a mixed-precision loop runs it.
+          at::autocast::set_autocast_enabled(at::kCPU, true);
+          at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+          at::autocast::increment_nesting();
+          inner(k);
+          if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+          at::autocast::set_autocast_enabled(at::kCPU, false);
+        };
+        return w;
+      },
+      "GPT under bf16 autocast");
+}
+
+TEST(Auto, GptWithTwoMicroBatchesPerStepBitwiseAndWithinBudget) {
+  // Gradient accumulation: each block is called twice per step, each call's
+  // backward before the next call's forward (the GLPK path: not a chain).
+  check_workload(
+      [](bool set_to_none) {
+        remat::models::GptConfig c;
+        c.vocab = 256;
+        c.seq_len = 64;
+        c.d_model = 64;
+        c.heads = 4;
+        c.layers = 3;
+        c.dropout = 0.1;
+        auto gpt = remat::models::Gpt(c);
+        auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto idx = batches(2 * (kSteps + 1), {4, 65}, true, c.vocab);
+        Workload w;
+        w.model = gpt.ptr();
+        w.step = [gpt, opt, idx, set_to_none](int k) mutable {
+          opt->zero_grad(set_to_none);
+          for (int micro = 0; micro < 2; ++micro) {
+            const auto& b = idx[2 * k + micro];
+            auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(b.slice(1, 0, 64))), b.slice(1, 1, 65));
+            (loss / 2).backward();
+          }
+          opt->step();
+        };
+        return w;
+      },
+      "GPT, 2 micro-batches");
+}
 
 TEST(Auto, ResNetWithBatchNormBitwiseAndWithinBudget) {
   check_workload(
