@@ -14,7 +14,9 @@
 //   megatron      every block with the Megatron selective policy (saves the
 //                 qkv, attention output and MLP-up projections)
 //   save_matmuls  every block with policy::save_matmuls()
-//   auto@i        remat::auto_checkpoint at budget i of --budgets (default 6)
+//   auto@i        remat::auto_checkpoint (the Megatron and save_matmuls
+//                 policies on its menu beside its own selective levels:
+//                 AutoOptions().policies) at budget i of --budgets (default 6)
 //                 evenly spaced from its leanest feasible plan to the plain
 //                 step's peak (one profile, replan() per budget; no replan
 //                 on overrun, so the recorded peak is the plan's own)
@@ -108,7 +110,8 @@ int main(int argc, char** argv) {
   // One profile; every auto budget is a replan() of it.
   const auto p0 = Clock::now();
   auto planner = remat::auto_checkpoint(
-      gpt, remat::AutoOptions().memory_budget_fraction(1.0).replan_on_overrun(false).profile_repeats(2));
+      gpt, remat::AutoOptions().memory_budget_fraction(1.0).replan_on_overrun(false).profile_repeats(2).policies(
+               {remat::models::megatron_policy(), remat::policy::save_matmuls()}));
   planner.step(step);  // warm-up
   planner.step(step);  // profiled
   const double profile_s = secs_since(p0);

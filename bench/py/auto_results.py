@@ -8,6 +8,7 @@ Leaves out: measuring.
 """
 import json
 import os
+import sys
 
 from common import RESULTS
 
@@ -124,6 +125,26 @@ def solver(recs):
         rows.append(f"| {u} | {max(r['solve_ms'] for r in rs):.1f} ms | {rs[0]['leanest_ms']:.1f} ms | "
                     f"{'yes' if all(r['optimal'] for r in rs) else 'no'} |")
     return "\n".join(rows) + "\n"
+
+
+def drive(build_dir, quick, env=None, timeout=3600):
+    """remat_auto (the frontier), then remat_step_solve (reference runs only: the solver's sizes)."""
+    import common
+    exe = os.path.join(build_dir, "bench", "remat_auto")
+    solve = os.path.join(build_dir, "bench", "plan", "remat_step_solve")
+    for f in (exe, solve):
+        if not os.path.exists(f):
+            sys.exit(f"{f} is missing: cmake --build {build_dir} --target remat_auto remat_step_solve")
+    env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("LD_PRELOAD", None)  # remat::memory counts by itself
+    print(f"whole step under a budget ({'quick' if quick else 'reference'} size): remat_auto", flush=True)
+    out = os.path.join(RESULTS, "auto-quick.json" if quick else "auto.json")
+    cmds = [[exe, "--threads", "1", "--out", out] + (["--quick"] if quick else [])]
+    if not quick:
+        cmds.append([solve, "--out", os.path.join(RESULTS, "step_solve.json")])
+    for cmd in cmds:
+        p = common.run(cmd, env, timeout, label=os.path.basename(cmd[0]))
+        print(p.stdout, end="", flush=True)
 
 
 def fragments(quick=False):

@@ -140,6 +140,9 @@ def main():
     ap.add_argument("--compile-budgets", default="1.0,0.5,0.15")
     ap.add_argument("--compile-only", action="store_true", help="only torch.compile, into results.json")
     ap.add_argument("--report-only", action="store_true", help="re-render bench/results/compare.json")
+    ap.add_argument("--auto", choices=["run", "skip"], default="run",
+                    help="the whole-step planner's benchmark (remat_auto, remat_step_solve) after the comparison: "
+                         "run (default; about 6 minutes at the reference size, seconds with --quick) or skip")
     ap.add_argument("--longctx", choices=["run", "skip", "only"], default="run",
                     help="the long-context benchmark (bench/py/longctx.py) after the comparison: run (default), "
                          "skip, or only it (minutes at the reference size, seconds with --quick)")
@@ -152,7 +155,7 @@ def main():
                          "Not for the RSS cross-check, which measures ru_maxrss as a user's process has it")
     a = ap.parse_args()
     if a.toy:
-        a.quick, a.longctx = True, "skip"
+        a.quick, a.longctx, a.auto = True, "skip", "skip"
     for k, v in (QUICK if a.quick else REF).items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
@@ -204,6 +207,9 @@ def main():
     if a.longctx == "run" and not (a.report_only or a.compile_only):
         import longctx
         longctx.drive(a.build, a.quick, env)
+    if a.auto == "run" and not (a.report_only or a.compile_only):
+        import auto_results
+        auto_results.drive(a.build, a.quick, env)
     import report
     md = report.render(res, a.chart)
     md_path = os.path.join(RESULTS, f"compare{suffix}.md")

@@ -54,6 +54,7 @@
 
 #include <remat/checkpoint.h>
 #include <remat/plan/step.h>
+#include <remat/policy.h>
 
 namespace remat {
 
@@ -71,6 +72,10 @@ struct AutoOptions {
    *  times, at this many saved-byte levels (1/(n+1), ..., n/(n+1) of what
    *  the unit keeps plainly). 0: none. Default 3. */
   TORCH_ARG(int, selective_levels) = 3;
+  /** More options for every unit: each policy as a selective option of its
+   *  own (e.g. a model's Megatron policy), beside the knapsack's levels, so
+   *  that a plan can mix it per unit with the rest. Default none. */
+  TORCH_ARG(std::vector<Policy>, policies);
   /** The options of the recompute options (RNG replay, determinism check);
    *  a policy here is combined with each level's (any_of). Default
    *  CheckpointOptions(). */

@@ -449,6 +449,18 @@ TEST(Auto, ExplainAndTraceDescribeThePlan) {
     EXPECT_GE(units[i].options.size(), 3u) << "no selective level";
   }
   EXPECT_NE(e.find("blocks.0.attn: not called at the top of a unit"), std::string::npos) << e;
+  // A policy given in AutoOptions().policies is an option of every unit.
+  {
+    torch::manual_seed(0);
+    Workload w2 = make(true);
+    auto p2 =
+        remat::auto_checkpoint(*w2.model, remat::AutoOptions().memory_budget_fraction(0.7).profile_repeats(1).policies(
+                                              {remat::models::megatron_policy()}));
+    for (int k = 0; k < 3; ++k) p2.step([&] { w2.step(k); });
+    for (const auto& u : p2.units()) {
+      EXPECT_EQ(u.options.back(), remat::models::megatron_policy().description()) << u.name;
+    }
+  }
   EXPECT_LE(planner.plan().prediction.peak_bytes, planner.budget_bytes());
   const std::string path = ::testing::TempDir() + "/auto_trace.json";
   planner.write_trace(path);
