@@ -1,5 +1,6 @@
-"""Renders the whole-step planner's results: auto.json (bench/auto/remat_auto, JSON lines) and
-step_solve.json (bench/plan/step_solve.cpp, JSON lines).
+"""Renders the whole-step planner's results: auto.json (bench/auto/remat_auto, JSON lines), auto-py.json
+(bench/py/auto_py.py: PyTorch's own strategies on the same step) and step_solve.json
+(bench/plan/step_solve.cpp, JSON lines).
 
 Fragments: `auto-frontier` (every strategy's step time and peak against plain, auto's budgets,
 predictions and plans), `auto-targets` (the targets, met or missed, computed from that table) and
@@ -31,7 +32,7 @@ def _ratio(r):
     return f"{t['median']:.3f} [{t['min']:.3f}-{t['max']:.3f}]"
 
 
-def frontier(recs):
+def frontier(recs, py=None):
     meta = next(r for r in recs if r["kind"] == "meta")
     prof = next(r for r in recs if r["kind"] == "profile")
     strat = [r for r in recs if r["kind"] == "strategy"]
@@ -53,6 +54,16 @@ def frontier(recs):
         pt = f"{r['predicted_ms'] / prof['profiled_ms']:.3f}" if "budget" in r else "-"
         out.append(f"| {r['label']} | {_ratio(r)} | {_mib(r['peak'])} | {r['peak_ratio']:.3f} | {budget} | {pred} "
                    f"| {pt} |")
+    if py:
+        pmeta = next(r for r in py if r["kind"] == "meta")
+        out += ["", f"PyTorch {pmeta['meta']['torch']} on the same step (bench/py/auto_py.py; run "
+                    f"{pmeta['meta']['date_utc']}, {pmeta['rounds']} rounds, interleaved), each strategy relative to "
+                    f"its own plain step; the peak is the preload counter's above the step's start plus the model's "
+                    f"parameters, gradients and AdamW state:", "",
+                "| strategy | step time x plain | peak | x plain |", "|---|---|---|---|"]
+        for r in py:
+            if r["kind"] == "strategy":
+                out.append(f"| {r['label']} | {_ratio(r)} | {_mib(r['peak'])} | {r['peak_ratio']:.3f} |")
     out.append("")
     out.append("The plans (option per unit):")
     out.append("")
@@ -63,18 +74,20 @@ def frontier(recs):
     return "\n".join(out) + "\n"
 
 
-def targets(recs):
+def targets(recs, py=None):
     strat = [r for r in recs if r["kind"] == "strategy"]
     prof = next(r for r in recs if r["kind"] == "profile")
     autos = [r for r in strat if r["name"].startswith("auto")]
     hand = [r for r in strat if not r["name"].startswith("auto") and r["name"] != "plain"]
+    if py:  # PyTorch's points, by their ratios to their own plain step
+        hand += [dict(r, name="PyTorch " + r["name"]) for r in py if r["kind"] == "strategy" and r["name"] != "plain"]
     rows = ["| target | figure | |", "|---|---|---|"]
 
     # 1. No hand-placed point has less or equal memory and less time than auto's frontier.
     dominated = []
     for h in hand:
         # auto's fastest point with a peak <= this hand-placed point's peak
-        fit = [a for a in autos if a["peak"] <= h["peak"]]
+        fit = [a for a in autos if a["peak_ratio"] <= h["peak_ratio"]]
         if not fit:
             dominated.append(f"{h['name']} (no auto point as lean)")
             continue
@@ -82,7 +95,8 @@ def targets(recs):
         if best["time_ratio"]["median"] > h["time_ratio"]["median"] * (1 + NOISE):
             dominated.append(f"{h['name']} ({h['time_ratio']['median']:.3f} vs auto's "
                              f"{best['time_ratio']['median']:.3f})")
-    rows.append("| auto's frontier dominates every hand-placed remat point (2% noise) | "
+    rows.append("| auto's frontier dominates every hand-placed point, remat's" + (" and PyTorch's" if py else "")
+                + " (2% noise; by ratios to each library's plain step) | "
                 + ("none faster at equal or less memory" if not dominated else "beaten by " + "; ".join(dominated))
                 + f" | {'met' if not dominated else 'missed'} |")
 
@@ -145,14 +159,21 @@ def drive(build_dir, quick, env=None, timeout=3600):
     for cmd in cmds:
         p = common.run(cmd, env, timeout, label=os.path.basename(cmd[0]))
         print(p.stdout, end="", flush=True)
+    preload = os.path.join(build_dir, "bench", "libremat_preload.so")
+    py_env = dict(env, LD_PRELOAD=preload)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "auto_py.py")] + \
+        (["--quick"] if quick else [])
+    p = common.run(cmd, py_env, timeout, label="auto_py.py")
+    print(p.stdout, end="", flush=True)
 
 
 def fragments(quick=False):
     frags = {}
     recs = _lines(os.path.join(RESULTS, "auto-quick.json" if quick else "auto.json"))
+    py = _lines(os.path.join(RESULTS, "auto-py-quick.json" if quick else "auto-py.json"))
     if recs:
-        frags["auto-frontier"] = frontier(recs)
-        frags["auto-targets"] = targets(recs)
+        frags["auto-frontier"] = frontier(recs, py)
+        frags["auto-targets"] = targets(recs, py)
     solves = _lines(os.path.join(RESULTS, "step_solve.json"))
     if solves and not quick:
         frags["auto-solver"] = solver(solves)
