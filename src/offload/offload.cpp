@@ -643,12 +643,15 @@ void OffloadStore::reader_loop() {
       err = ex.what();
     }
     lock.lock();
-    if (!err.empty()) {
+    if (e->released) {
+      // Released while being read (its node's graph went first): release()
+      // may have removed the file before the read opened it. Nothing will
+      // unpack it, so neither its value nor a failure to read it matters.
+      s.end_prefetch(*e);
+    } else if (!err.empty()) {
       e->error = err;
       s.end_prefetch(*e);
       fail_locked(err);
-    } else if (e->released) {
-      s.end_prefetch(*e);
     } else {
       e->ready = std::move(v);
       e->read = Read::kReady;
