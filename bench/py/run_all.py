@@ -140,9 +140,10 @@ def main():
     ap.add_argument("--compile-budgets", default="1.0,0.5,0.15")
     ap.add_argument("--compile-only", action="store_true", help="only torch.compile, into results.json")
     ap.add_argument("--report-only", action="store_true", help="re-render bench/results/compare.json")
-    ap.add_argument("--auto", choices=["run", "skip"], default="run",
-                    help="the whole-step planner's benchmark (remat_auto, remat_step_solve) after the comparison: "
-                         "run (default; about 6 minutes at the reference size, seconds with --quick) or skip")
+    ap.add_argument("--auto", choices=["run", "skip", "only"], default="run",
+                    help="the whole-step planner's benchmark (remat_auto, remat_step_solve, auto_py.py) after the "
+                         "comparison: run (default; minutes at the reference size, seconds with --quick), skip, or "
+                         "only it")
     ap.add_argument("--longctx", choices=["run", "skip", "only"], default="run",
                     help="the long-context benchmark (bench/py/longctx.py) after the comparison: run (default), "
                          "skip, or only it (minutes at the reference size, seconds with --quick)")
@@ -171,6 +172,10 @@ def main():
     rss_env = dict(env)
     if a.malloc == "keep":
         env.update(common.MALLOC_KEEP)
+    if a.auto == "only":
+        import auto_results
+        auto_results.drive(a.build, a.quick, env)
+        return
     if a.longctx == "only":
         import longctx
         longctx.drive(a.build, a.quick, env)
