@@ -592,3 +592,31 @@ TEST(Auto, ReplanSweepsBudgetsWithoutProfilingAgain) {
     EXPECT_STREQ(e.what(), "[remat::auto] replan(0): give a positive budget in bytes.");
   }
 }
+
+/** Doubles its input: a unit that runs on any device. */
+struct ScaleImpl : torch::nn::Module, remat::Checkpointable {
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed([](const torch::Tensor& h) { return h * 2; }, x);
+  }
+};
+TORCH_MODULE(Scale);
+
+TEST(Auto, AUnitOffTheCpuIsRefusedByName) {
+  // The planner measures CPU memory: a unit whose inputs live elsewhere (a
+  // CUDA device; here the meta device, which every build has) is refused.
+  torch::nn::Sequential net;
+  net->push_back("scale", Scale());
+  auto planner = remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(0.5).warmup_steps(0));
+  try {
+    planner.step([&] {
+      auto x = torch::ones({4}, torch::TensorOptions().device(torch::kMeta).requires_grad(true));
+      net->forward(x);
+    });
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::auto] unit 'scale' runs on meta; the whole-step planner measures CPU memory only. On a CUDA "
+                 "device, use CheckpointedSequential's memory budget or the per-module switch (enable_checkpointing).");
+  }
+  EXPECT_FALSE(planner.planned());
+}
