@@ -4,6 +4,8 @@
 // in the order gradients became ready, rank 0's state broadcast at start).
 #include <remat/parallel/data_parallel.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -141,6 +143,13 @@ void ProcessGroup::all_reduce_sum(at::Tensor& t) const {
 
 ProcessGroup init_process_group(const InitOptions& options) {
   validate(options);
+  // NOTE [SIGPIPE]: a write to a peer that died raises SIGPIPE, whose
+  // default action ends this process at once (exit status 141) instead of
+  // letting c10d report the dead rank as an error. Python ignores SIGPIPE
+  // from startup, so its c10d never meets it; a C++ process gets the same
+  // here. A handler the program installed itself is left alone.
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
   auto store = make_store(options);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("remat/0", store);
   ProcessGroup g;
