@@ -3,6 +3,8 @@
 // ResNet: gradients bitwise against plain, memory measured, errors pinned.
 #include "common.h"
 
+#include <filesystem>
+
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
 
@@ -289,6 +291,70 @@ TEST(ModuleSwitch, ToggledBetweenStepsChangesMemoryNotGradients) {
   const int64_t per = 4 * 256 * 64 * 4;
   EXPECT_EQ(plain - full, 4 * 2 * per) << "plain " << plain << " full " << full;
   EXPECT_EQ(names - full, 4 * per) << "names " << names;
+}
+
+TEST(ModuleSwitch, OffloadingSendsWhatABlockSavesToTheStoreBitwise) {
+  torch::manual_seed(3);
+  UserNet net(64);
+  auto x = torch::randn({256, 64}, torch::requires_grad());
+  remat::memory::enable_tracking();
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "switch_offload";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  size_t files_at_backward = 0;
+  auto step = [&](int64_t* held) {
+    zero_grads(*net, x);
+    const int64_t before = remat::memory::current_bytes();
+    auto loss = net->forward(x).square().mean();
+    remat::wait_checkpoint_offloads();  // writes done: what stays is what the graph holds
+    *held = remat::memory::current_bytes() - before;
+    files_at_backward = static_cast<size_t>(std::distance(std::filesystem::directory_iterator(dir), {}));
+    loss.backward();
+    return grads_of(*net, x);
+  };
+  int64_t plain = 0, offloaded = 0, both = 0;
+  step(&plain);  // first-use allocations
+  auto g_plain = step(&plain);
+  const auto disk = remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir.string()).min_bytes(0);
+  EXPECT_EQ(remat::enable_offloading(net, sel::name("s1.*"), disk), 2);
+  EXPECT_NE(remat::describe_checkpointing(*net).find("s1.0  user::UserBlockImpl  off, saves offloaded (kDisk)"),
+            std::string::npos)
+      << remat::describe_checkpointing(*net);
+  EXPECT_NE(remat::describe_checkpointing(*net).find("s2.0  user::UserBlockImpl  off\n"), std::string::npos);
+  remat::reset_checkpoint_stats();
+  auto g_off = step(&offloaded);
+  EXPECT_EQ(remat::checkpoint_stats().recomputations, 0);
+  EXPECT_GT(files_at_backward, 0u);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 0) << "files outlive the step";
+  // s1's two blocks each kept up's output and GELU's output (256 x 256
+  // floats each), and s1.1 its input, s1.0's output (256 x 64 floats), which
+  // nothing else holds: all of it left memory.
+  const int64_t per = 4 * 256 * 64 * 4;
+  EXPECT_EQ(plain - offloaded, 2 * 2 * per + per / 4) << "plain " << plain << " offloaded " << offloaded;
+  // A block switched on as well is checkpointed: the switch wins.
+  remat::enable_checkpointing(net, sel::name("s1.0"), remat::CheckpointOptions().preserve_rng_state(false));
+  remat::reset_checkpoint_stats();
+  auto g_both = step(&both);
+  EXPECT_EQ(remat::checkpoint_stats().recomputations, 1);
+  EXPECT_EQ(remat::disable_checkpointing(net), 2);  // s1.0 (on) and s1.1 (offloading)
+  EXPECT_EQ(remat::describe_checkpointing(*net).find("offloaded"), std::string::npos);
+  int64_t off_again = 0;
+  auto g_again = step(&off_again);
+  EXPECT_EQ(off_again, plain);
+  expect_bitwise_equal(g_plain, g_off);
+  expect_bitwise_equal(g_plain, g_both);
+  expect_bitwise_equal(g_plain, g_again);
+  // A missing directory is refused before any module changes.
+  const std::string missing = (dir / "missing").string();
+  const std::string e = error_of([&] {
+    remat::enable_offloading(net, sel::all(), remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(missing));
+  });
+  EXPECT_NE(e.find(missing), std::string::npos) << e;
+  EXPECT_EQ(remat::describe_checkpointing(*net).find("offloaded"), std::string::npos);
+  EXPECT_EQ(error_of([&] { remat::enable_offloading(net, sel::name("blocks.*"), disk); }),
+            "[remat::enable_offloading] the selector 'name blocks.*' chose no module of user::UserNetImpl. "
+            "Its checkpointable modules are:\n  s1.0  user::UserBlockImpl\n  s1.1  user::UserBlockImpl\n"
+            "  s2.0  user::UserBlockImpl\n  s2.1  user::UserBlockImpl");
 }
 
 TEST(ModuleSwitch, GptModelBitwiseWithTheMegatronPolicyAndDropout) {

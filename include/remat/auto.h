@@ -1,6 +1,7 @@
 // The whole-step planner: one budget for a whole training step of any module
 // tree, a menu per unit (keep, full recompute, selective at several saved-byte
-// levels), planned from one profiled step of the user's own step function.
+// levels, offload of its saved tensors when given a store), planned from one
+// profiled step of the user's own step function.
 //
 //   auto planner = remat::auto_checkpoint(model, remat::AutoOptions().memory_budget_bytes(1 << 30));
 //   for (int i = 0; i < steps; ++i) {
@@ -35,10 +36,14 @@
 // remat::memory::enable_tracking(), which auto_checkpoint() calls: tensors
 // allocated before (e.g. parameters of a model built earlier) are not in
 // the figures; call enable_tracking() first thing in main() to count them.
-// Leaves out: offload as an option of the menu (its bytes depend on who else
-// holds a unit's inputs and on writes in flight, which isolated runs do not
-// see), CUDA memory (the planner measures CPU memory; a unit whose inputs
-// are on a CUDA device is refused), and units inside units.
+// Offload is priced conservatively: a unit's inputs are counted as held by
+// whoever made them, so the bytes an offloaded (or recomputed) unit frees by
+// releasing its inputs are not credited, and writes are priced as if they
+// did not overlap compute.
+// Leaves out: recompute with the checkpoint offloaded (its only gain is
+// the inputs, which the model does not credit), CUDA memory (the planner
+// measures CPU memory; a unit whose inputs are on a CUDA device is
+// refused), and units inside units.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +58,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <remat/checkpoint.h>
+#include <remat/offload.h>
 #include <remat/plan/step.h>
 #include <remat/policy.h>
 
@@ -76,6 +82,18 @@ struct AutoOptions {
    *  own (e.g. a model's Megatron policy), beside the knapsack's levels, so
    *  that a plan can mix it per unit with the rest. Default none. */
   TORCH_ARG(std::vector<Policy>, policies);
+  /** Offload options for every unit: each adds one option, "offload disk"
+   *  (OffloadTarget::kDisk) or "offload memory <codec>" (kMemory with a
+   *  codec), under which what the unit saves for backward goes to the
+   *  store and nothing is recomputed (Checkpointable::set_offloading). Its
+   *  cost is measured as the others': bytes kept right after the forward
+   *  (writes still pending count), and time with the writes waited for (no
+   *  overlap with compute assumed). Lossless codecs keep the step bitwise
+   *  equal to the plain one; a lossy one (kBFloat16, kFloat8) is taken as
+   *  asked and changes the gradients. kHost (a no-op for CPU tensors) and
+   *  kMemory without a codec (nothing saved) are refused. Default none: a
+   *  disk needs a directory only the user can name. */
+  TORCH_ARG(std::vector<OffloadOptions>, offload);
   /** The options of the recompute options (RNG replay, determinism check);
    *  a policy here is combined with each level's (any_of). Default
    *  CheckpointOptions(). */
@@ -143,6 +161,11 @@ class AutoCheckpoint {
   bool planned() const;
   /** The budget in bytes (the fraction resolved once profiled; 0 before). */
   int64_t budget_bytes() const;
+  /** The smallest step peak a plan of the profiled step reaches, bytes
+   *  (predicted; for plans that offload to disk, the stores'
+   *  max_inflight_bytes included): the lowest budget replan() accepts.
+   *  Throws remat::Error before a profiled step. */
+  int64_t leanest_peak_bytes() const;
   /** The profiled step's model, for remat-plan style inspection. */
   const plan::StepModel& step_model() const;
   /** The plan in force (its prediction, solver figures). */

@@ -39,6 +39,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <remat/checkpoint.h>
+#include <remat/hooks.h>
+#include <remat/offload.h>
 
 namespace remat {
 
@@ -70,6 +72,21 @@ class UnitObserver {
   virtual std::unique_ptr<Call> begin(Checkpointable& unit, const std::vector<at::Tensor>& inputs,
                                       const UnitRun& run) = 0;
 };
+/** RAII: while alive, the tensors autograd saves on this thread go to the
+ *  process's one offload store for these options (the store that
+ *  CheckpointOptions::offload uses for equal options). Nothing is pushed
+ *  while a checkpointed region recomputes (its saves are the region's). */
+class OffloadCall {
+ public:
+  explicit OffloadCall(const OffloadOptions& options);
+  ~OffloadCall();
+  OffloadCall(const OffloadCall&) = delete;
+  OffloadCall& operator=(const OffloadCall&) = delete;
+
+ private:
+  std::unique_ptr<ScopedHooks> hooks_;
+};
+
 /** This thread's observer, or nullptr (the common case). */
 UnitObserver* unit_observer();
 /** Installs `o` on this thread (nullptr removes it); returns the previous one. */
@@ -99,6 +116,18 @@ class Checkpointable {
   bool checkpointing() const { return options_.has_value(); }
   /** The options the switch was turned on with; nullopt when off. */
   const std::optional<CheckpointOptions>& checkpointing_options() const { return options_; }
+  /** While the switch is off: what this module's forward saves for
+   *  backward goes to an offload store (OffloadScope's, shared by every
+   *  module and region offloading with equal options), nothing recomputed.
+   *  nullopt (default): kept in memory. With the switch on, the checkpoint
+   *  runs and this is ignored (CheckpointOptions::offload offloads a
+   *  checkpoint's inputs). Meant for modules outside checkpointed regions,
+   *  as the whole-step planner (auto.h) sets it; inside one, the region's
+   *  first run sends this module's saves to the store instead of dropping
+   *  them, and its recompute runs this module plainly. */
+  void set_offloading(std::optional<OffloadOptions> options) { offload_ = std::move(options); }
+  /** The options set_offloading() set; nullopt when not offloading. */
+  const std::optional<OffloadOptions>& offloading_options() const { return offload_; }
   /** How many times this object's forward has called checkpointed(), on or
    *  off (a recompute of an enclosing region counts again), since the object
    *  was made; a copy (clone()) starts at 0. 0 after a forward that ran the
@@ -115,7 +144,7 @@ class Checkpointable {
     if (detail::UnitObserver* observer = detail::unit_observer()) {
       return observed(*observer, std::forward<Fn>(fn), std::forward<Args>(args)...);
     }
-    if (!options_) return detail::call(fn, std::forward<Args>(args)...);
+    if (!options_) return off(fn, std::forward<Args>(args)...);
     return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
   }
 
@@ -129,6 +158,13 @@ class Checkpointable {
     Calls& operator=(const Calls&) { return *this; }
   };
   detail::ModuleState state() const;
+  /** fn(args...) with the switch off: plainly, under the offload store when set. */
+  template <class Fn, class... Args>
+  auto off(Fn& fn, Args&&... args) -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
+    if (!offload_) return detail::call(fn, std::forward<Args>(args)...);
+    detail::OffloadCall to_store(*offload_);
+    return detail::call(fn, std::forward<Args>(args)...);
+  }
   /** checkpointed() under a UnitObserver: tells it of the call, with a copy
    *  of fn and args it may run again under other switch states. */
   template <class Fn, class... Args>
@@ -166,11 +202,11 @@ class Checkpointable {
       call = observer.begin(*this, inputs, run);
     }
     if (!call) {
-      if (!options_) return detail::call(fn, std::forward<Args>(args)...);
+      if (!options_) return off(fn, std::forward<Args>(args)...);
       return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
     }
     auto out = [&]() -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
-      if (!options_) return detail::call(fn, std::forward<Args>(args)...);
+      if (!options_) return off(fn, std::forward<Args>(args)...);
       return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
     }();
     std::vector<at::Tensor> flat;
@@ -179,6 +215,7 @@ class Checkpointable {
     return out;
   }
   std::optional<CheckpointOptions> options_;
+  std::optional<OffloadOptions> offload_;
   Calls calls_;
 };
 
@@ -240,7 +277,15 @@ Selector first_n(int64_t n, Selector base = all());
  *  none, listing the checkpointable modules of the tree. */
 int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector,
                              const CheckpointOptions& options = CheckpointOptions());
-/** Switches every checkpointable module of model off; returns how many were on. */
+/** Sends what the checkpointable modules that selector chooses save for
+ *  backward to an offload store while their switch is off
+ *  (Checkpointable::set_offloading); others keep their state. Returns how
+ *  many module objects were chosen. Throws remat::Error on invalid options
+ *  (a missing directory, by name) or when the selector chooses none (as
+ *  enable_checkpointing), changing nothing. */
+int64_t enable_offloading(torch::nn::Module& model, const Selector& selector, const OffloadOptions& options);
+/** Switches every checkpointable module of model off, offloading included;
+ *  returns how many were on or offloading. */
 int64_t disable_checkpointing(torch::nn::Module& model);
 /** A header line ("k of n checkpointable modules on"), then one line per
  *  checkpointable module object, in the order selectors see them: name,
@@ -265,6 +310,11 @@ template <class M>
 int64_t enable_checkpointing(torch::nn::ModuleHolder<M>& model, const Selector& selector,
                              const CheckpointOptions& options = CheckpointOptions()) {
   return enable_checkpointing(*model, selector, options);
+}
+/** enable_offloading() on a module holder. */
+template <class M>
+int64_t enable_offloading(torch::nn::ModuleHolder<M>& model, const Selector& selector, const OffloadOptions& options) {
+  return enable_offloading(*model, selector, options);
 }
 /** disable_checkpointing() on a module holder. */
 template <class M>

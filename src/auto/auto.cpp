@@ -23,6 +23,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -36,9 +37,9 @@
 #include <remat/checkpointable.h>
 #include <remat/error.h>
 #include <remat/memory.h>
+#include <remat/offload.h>
 #include <remat/plan/error.h>
 #include <remat/policy.h>
-#include <remat/selective.h>
 
 #include "../core/dispatch.h"
 #include "../core/replay.h"
@@ -54,8 +55,20 @@ std::string shown(const std::string& name) { return name.empty() ? std::string("
 /** One option of a unit's menu: its name and the switch state that runs it. */
 struct Option {
   std::string name;
-  std::optional<CheckpointOptions> switch_state;  // nullopt: keep (plain)
+  std::optional<CheckpointOptions> switch_state;  // nullopt: not recomputed
+  std::optional<OffloadOptions> offload;          // with switch_state nullopt: saves go to this store
 };
+
+/** "offload disk", "offload memory zstd": an offload option's menu name. */
+std::string offload_name(const OffloadOptions& o) {
+  std::string name = o.target() == OffloadTarget::kDisk ? "offload disk" : "offload memory";
+  if (o.codec() != Codec::kNone) {
+    std::string codec = to_string(o.codec()).substr(1);  // "kZstd" -> "Zstd"
+    for (char& ch : codec) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    name += " " + codec;
+  }
+  return name;
+}
 
 /** A checkpointable module of the tree. */
 struct Unit {
@@ -403,11 +416,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     // first run, the time is the fastest run's; taking the options in turn
     // spreads any drift of the machine over all of them.
     bool has_backward = true;
-    measure_one(u, inputs, run, std::nullopt, &has_backward);
+    measure_one(u, inputs, run, Option{}, &has_backward);
     rec.costs.assign(u.menu.size(), plan::StepCost{});
     for (int r = 0; r < options.profile_repeats(); ++r) {
       for (size_t k = 0; k < u.menu.size(); ++k) {
-        const plan::StepCost cost = measure_one(u, inputs, run, u.menu[k].switch_state, &has_backward);
+        const plan::StepCost cost = measure_one(u, inputs, run, u.menu[k], &has_backward);
         if (r == 0) {
           rec.costs[k] = cost;
         } else {
@@ -419,9 +432,9 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
   }
 
   void build_menu(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run) {
-    u.menu.push_back({"keep", std::nullopt});
+    u.menu.push_back({"keep", std::nullopt, std::nullopt});
     const CheckpointOptions& base = options.checkpoint_options();
-    u.menu.push_back({"recompute", base});
+    u.menu.push_back({"recompute", base, std::nullopt});
     u.plannable = true;
     if (options.selective_levels() > 0) {
       // One run under an op timer: every op call's signature, output bytes and time.
@@ -436,20 +449,25 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
         Policy level = keep_calls(level_name(set), set);
         CheckpointOptions o = base;
         o.policy(base.policy() ? policy::any_of({*base.policy(), level}) : level);
-        u.menu.push_back({level.description(), o});
+        u.menu.push_back({level.description(), o, std::nullopt});
       }
     }
     for (const Policy& p : options.policies()) {
       CheckpointOptions o = base;
       o.policy(base.policy() ? policy::any_of({*base.policy(), p}) : p);
-      u.menu.push_back({p.description(), o});
+      u.menu.push_back({p.description(), o, std::nullopt});
     }
+    for (const OffloadOptions& o : options.offload()) u.menu.push_back({offload_name(o), std::nullopt, o});
   }
 
-  /** One isolated run of a call under `state`: forward, then backward by
-   *  autograd::grad. */
+  /** One isolated run of a call under option `opt`: forward, then backward
+   *  by autograd::grad. An offload option runs with one tensor in flight at
+   *  a time (trial_store), so that its bytes do not depend on the disk's
+   *  pace, and its time includes its writes (no overlap with compute
+   *  assumed); what the real store holds in flight beyond that is the
+   *  margin of solve(). */
   plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run,
-                             const std::optional<CheckpointOptions>& state, bool* has_backward) {
+                             const Option& opt, bool* has_backward) {
     Restore restore(u.module);
     TrialInputs t = trial_inputs(inputs);
     std::vector<at::Tensor> wrt = t.leaves;
@@ -460,10 +478,16 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
     memory::Probe probe;
     auto t0 = Clock::now();
-    std::vector<at::Tensor> out = run(state, t.in);
+    std::vector<at::Tensor> out;
+    {
+      std::optional<detail::OffloadCall> to_store;
+      if (opt.offload) to_store.emplace(trial_store(*opt.offload));
+      out = run(opt.switch_state, t.in);
+    }
+    if (opt.offload) wait_checkpoint_offloads();
     double ms = ms_since(t0);
-    cost.forward_peak_bytes = probe.peak_bytes();
     cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
+    cost.forward_peak_bytes = probe.peak_bytes();
     std::vector<at::Tensor> roots, grads_out;
     for (const auto& o : out) {
       if (o.defined() && o.requires_grad()) {
@@ -594,18 +618,104 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     return out;
   }
 
+  /** The store an offload option's isolated runs use: the option's, with
+   *  at most one tensor in flight (the forward waits for each write). */
+  static OffloadOptions trial_store(OffloadOptions o) {
+    if (o.target() == OffloadTarget::kDisk) o.max_inflight_bytes(1);
+    return o;
+  }
+
+  /** Bytes the offload stores may hold in flight at once (pending writes,
+   *  reads ahead), beyond what the isolated runs measured: each kDisk
+   *  option's max_inflight_bytes. */
+  int64_t inflight_margin() const {
+    int64_t m = 0;
+    for (const OffloadOptions& o : options.offload()) {
+      if (o.target() == OffloadTarget::kDisk) m += o.max_inflight_bytes();
+    }
+    return m;
+  }
+
+  /** The step model with the offload options left out (they end each menu). */
+  plan::StepModel without_offload() const {
+    plan::StepModel m = step_model;
+    const size_t n = options.offload().size();
+    for (auto& u : m.units) {
+      if (u.options.size() <= n) continue;  // not plannable: keep only
+      u.options.resize(u.options.size() - n);
+      for (auto& c : u.calls) c.costs.resize(u.options.size());
+    }
+    return m;
+  }
+
+  /** The fastest plan whose predicted peak fits target. Plans that offload
+   *  through a disk store must fit with the stores' in-flight bytes added
+   *  (inflight_margin), so that bound holds whatever the disk's pace. */
+  plan::StepPlan solve(int64_t target) const {
+    const plan::StepSolveOptions so{options.solver_time_limit_s()};
+    const int64_t margin = inflight_margin();
+    if (margin == 0) return plan::solve_step(step_model, target, so);
+    std::optional<plan::StepPlan> kept, offloading;
+    try {
+      kept = plan::solve_step(without_offload(), target, so);
+    } catch (const Error&) {
+    }
+    if (target > margin) {
+      try {
+        offloading = plan::solve_step(step_model, target - margin, so);
+        offloading->budget_bytes = target;
+      } catch (const Error&) {
+      }
+    }
+    if (kept && (!offloading || kept->prediction.time_ms <= offloading->prediction.time_ms)) return *kept;
+    if (offloading) return *offloading;
+    const Leanest low = leanest();
+    throw Error("[remat::auto] no plan of the step fits in " + plan::format_bytes(target) +
+                "; the smallest feasible peak is " + plan::format_bytes(low.peak) + ", reached " +
+                plan::describe_segment(step_model, low.segment) +
+                (low.offloads ? " (with " + plan::format_bytes(margin) + " for offload writes and reads in flight)"
+                              : std::string()) +
+                ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or "
+                "images per step).");
+  }
+
+  struct Leanest {
+    int64_t peak = 0, segment = 0;
+    bool offloads = false;  // reached by a plan that offloads (margin included)
+  };
+  /** The smallest peak a plan reaches, the in-flight margin included. */
+  Leanest leanest() const {
+    const plan::StepSolveOptions so{options.solver_time_limit_s()};
+    const int64_t margin = inflight_margin();
+    const plan::StepPrediction all = plan::min_peak_step(step_model, so).prediction;
+    if (margin == 0) return {all.peak_bytes, all.peak_segment, false};
+    const plan::StepPrediction kept = plan::min_peak_step(without_offload(), so).prediction;
+    if (kept.peak_bytes <= all.peak_bytes + margin) return {kept.peak_bytes, kept.peak_segment, false};
+    return {all.peak_bytes + margin, all.peak_segment, true};
+  }
+
   void solve_and_apply(int64_t target) {
-    step_plan = plan::solve_step(step_model, target, plan::StepSolveOptions{options.solver_time_limit_s()});
+    step_plan = solve(target);
     planned = true;
     apply();
   }
 
   void apply() {
-    for (auto& u : units) u.c->set_checkpointing(std::nullopt);
+    switch_off();
     const std::vector<size_t> mu = model_units();
     for (size_t j = 0; j < mu.size(); ++j) {
       Unit& u = units[mu[j]];
-      u.c->set_checkpointing(u.menu[step_plan.prediction.choice[j]].switch_state);
+      const Option& o = u.menu[step_plan.prediction.choice[j]];
+      u.c->set_checkpointing(o.switch_state);
+      u.c->set_offloading(o.offload);
+    }
+  }
+
+  /** Every unit plain: no recompute, nothing offloaded. */
+  void switch_off() {
+    for (auto& u : units) {
+      u.c->set_checkpointing(std::nullopt);
+      u.c->set_offloading(std::nullopt);
     }
   }
 
@@ -659,6 +769,26 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
                 ", solver_time_limit_s " + std::to_string(o.solver_time_limit_s()) +
                 ": the first two must be >= 0, profile_repeats >= 1 and the time limit > 0.");
   }
+  for (size_t k = 0; k < o.offload().size(); ++k) {
+    const OffloadOptions& off = o.offload()[k];
+    const std::string which = "[remat::auto] offload option " + std::to_string(k) + " (" + to_string(off.target()) +
+                              ", codec " + to_string(off.codec()) + ")";
+    if (off.target() == OffloadTarget::kHost) {
+      throw Error(which +
+                  ": kHost moves accelerator tensors to pinned host memory and keeps CPU tensors where they are, "
+                  "so it saves nothing here; use kDisk with a directory, or kMemory with a codec.");
+    }
+    if (off.target() == OffloadTarget::kMemory && off.codec() == Codec::kNone) {
+      throw Error(which +
+                  ": kMemory without a codec keeps every byte in memory; give it a codec (kZstd, kLz4), or use "
+                  "kDisk with a directory.");
+    }
+    try {
+      OffloadScope check(off);  // a missing or read-only directory is refused now, by name
+    } catch (const Error& e) {
+      throw Error(which + ": " + e.what());
+    }
+  }
   std::unordered_map<const torch::nn::Module*, bool> seen;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     torch::nn::Module* m = item.value().get();
@@ -676,7 +806,7 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
   // then in every step's figures, the profiled one's included.
   memory::enable_tracking();
   // The planner owns the switches: every unit runs plain until planned.
-  for (auto& u : impl_->units) u.c->set_checkpointing(std::nullopt);
+  impl_->switch_off();
 }
 
 AutoCheckpoint::~AutoCheckpoint() = default;
@@ -699,7 +829,7 @@ void AutoCheckpoint::step(const std::function<void()>& fn) {
 
 void AutoCheckpoint::profile_step(const std::function<void()>& fn) {
   Impl& m = *impl_;
-  for (auto& u : m.units) u.c->set_checkpointing(std::nullopt);
+  m.switch_off();
   m.planned = false;
   m.profile(fn);
   ++m.steps_run;
@@ -735,6 +865,12 @@ void AutoCheckpoint::apply() {
 }
 
 bool AutoCheckpoint::planned() const { return impl_->planned; }
+int64_t AutoCheckpoint::leanest_peak_bytes() const {
+  if (impl_->step_model.units.empty()) {
+    throw Error("[remat::auto] leanest_peak_bytes() before a profiled step; run step() (or profile_step()) first.");
+  }
+  return impl_->leanest().peak;
+}
 int64_t AutoCheckpoint::budget_bytes() const { return impl_->budget; }
 const plan::StepModel& AutoCheckpoint::step_model() const { return impl_->step_model; }
 const plan::StepPlan& AutoCheckpoint::plan() const { return impl_->step_plan; }
@@ -781,6 +917,14 @@ std::string AutoCheckpoint::explain() const {
                : std::string())
        << fmt_ms(m.step_plan.solve_ms)
        << (m.replans ? ", solved again " + std::to_string(m.replans) + "x after overruns" : "") << "\n";
+    if (m.step_plan.budget_bytes != 0 && m.inflight_margin() > 0 && p.peak_bytes + m.inflight_margin() <= m.budget) {
+      bool offloads = false;
+      for (const auto& u : units()) offloads |= u.options[u.choice].rfind("offload disk", 0) == 0;
+      if (offloads) {
+        os << "offload: up to " << plan::format_bytes(m.inflight_margin())
+           << " of writes and reads in flight on top of the prediction, within the budget\n";
+      }
+    }
     if (m.measured_peak >= 0) {
       os << "last step: measured peak " << plan::format_bytes(m.measured_peak) << " ("
          << fmt_pct(static_cast<double>(m.measured_peak) / static_cast<double>(m.budget) - 1) << " on the budget, "

@@ -936,6 +936,37 @@ class OffloadFactory final : public HookFactory {
 
 }  // namespace
 
+namespace {
+std::mutex g_shared_mu;
+std::map<std::string, std::shared_ptr<OffloadStore>>& shared_stores() {
+  static auto* stores = new std::map<std::string, std::shared_ptr<OffloadStore>>();  // never destroyed
+  return *stores;
+}
+}  // namespace
+
+std::shared_ptr<OffloadStore> OffloadStore::shared(const OffloadOptions& o) {
+  const std::string key = to_string(o.target()) + "|" + o.directory() + "|" + std::to_string(o.min_bytes()) + "|" +
+                          std::to_string(o.prefetch_depth()) + "|" + std::to_string(o.max_inflight_bytes()) + "|" +
+                          to_string(o.codec()) + "|" + std::to_string(o.writer_threads());
+  std::lock_guard<std::mutex> lock(g_shared_mu);
+  auto& stores = shared_stores();
+  if (auto it = stores.find(key); it != stores.end()) return it->second;
+  // Created before it is recorded: when create() throws (a missing
+  // directory), no entry is left behind and the next call tries again.
+  auto s = create(o);
+  stores.emplace(key, s);
+  return s;
+}
+
+void OffloadStore::wait_shared() {
+  std::vector<std::shared_ptr<OffloadStore>> all;
+  {
+    std::lock_guard<std::mutex> lock(g_shared_mu);
+    for (auto& [key, s] : shared_stores()) all.push_back(s);
+  }
+  for (auto& s : all) s->wait();
+}
+
 std::shared_ptr<HookFactory> make_offload_hooks(std::shared_ptr<OffloadStore> store) {
   return std::make_shared<OffloadFactory>(std::move(store));
 }

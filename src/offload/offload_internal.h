@@ -45,6 +45,13 @@ class OffloadStore {
   /** Validates the options and the directory (throws remat::Error naming
    *  the field or directory and a remedy), starts the threads. */
   static std::shared_ptr<OffloadStore> create(const OffloadOptions& options);
+  /** The process's one store for options equal to these, created at the
+   *  first call (as create(); a call that throws records nothing, so the
+   *  next one tries again). A kDisk store starts threads, so the regions,
+   *  modules and steps that offload with the same options share it. */
+  static std::shared_ptr<OffloadStore> shared(const OffloadOptions& options);
+  /** wait() on every store shared() made. */
+  static void wait_shared();
   ~OffloadStore();
   OffloadStore(const OffloadStore&) = delete;
   OffloadStore& operator=(const OffloadStore&) = delete;

@@ -32,27 +32,6 @@ namespace {
 
 std::atomic<bool> g_early_stop_default{true}, g_debug_default{false};
 
-/** One offload store per distinct options, for the process: a kDisk store
- *  starts threads, so regions and steps share it. */
-std::mutex g_stores_mu;
-std::map<std::string, std::shared_ptr<detail::OffloadStore>>& stores_map() {
-  static auto* stores = new std::map<std::string, std::shared_ptr<detail::OffloadStore>>();  // never destroyed
-  return *stores;
-}
-
-std::shared_ptr<detail::OffloadStore> store_for(const OffloadOptions& o) {
-  auto* stores = &stores_map();
-  const std::string key = to_string(o.target()) + "|" + o.directory() + "|" + std::to_string(o.min_bytes()) + "|" +
-                          std::to_string(o.prefetch_depth()) + "|" + std::to_string(o.max_inflight_bytes()) + "|" +
-                          to_string(o.codec()) + "|" + std::to_string(o.writer_threads());
-  std::lock_guard<std::mutex> lock(g_stores_mu);
-  if (auto it = stores->find(key); it != stores->end()) return it->second;
-  // Created before it is recorded: when create() throws (a missing
-  // directory), no entry is left behind and the next call tries again.
-  auto s = detail::OffloadStore::create(o);
-  stores->emplace(key, s);
-  return s;
-}
 std::atomic<int64_t> g_regions{0}, g_recomputations{0}, g_early_stops{0}, g_writes_undone{0};
 
 /** Thrown by the recompute hook once every needed tensor exists. A
@@ -640,7 +619,7 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   // offload(...) and no outer hooks, through an offload store.
   std::optional<ScopedHooks> offload_inputs;
   if (options.offload() && current_hooks() == nullptr) {
-    offload_inputs.emplace(detail::make_offload_hooks(store_for(*options.offload())));
+    offload_inputs.emplace(detail::make_offload_hooks(detail::OffloadStore::shared(*options.offload())));
   }
   const bool outer = current_hooks() != nullptr;
   f.inputs.resize(inputs.size());
@@ -669,7 +648,7 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   std::unique_ptr<dispatch::Interceptor> selective_run;
   if (options.policy()) {
     f.selective = std::make_shared<SelectiveCache>(*options.policy());
-    if (options.offload()) f.selective->set_offload(store_for(*options.offload()));
+    if (options.offload()) f.selective->set_offload(detail::OffloadStore::shared(*options.offload()));
     selective_run = f.selective->first_run();
   }
   for (const auto& t : inputs) f.forward_inputs.push_back(t);
@@ -706,16 +685,7 @@ Region::~Region() {
 
 void set_checkpoint_early_stop(bool enabled) { g_early_stop_default = enabled; }
 bool checkpoint_early_stop() { return g_early_stop_default.load(); }
-void wait_checkpoint_offloads() {
-  std::vector<std::shared_ptr<detail::OffloadStore>> all;
-  {
-    std::lock_guard<std::mutex> lock(g_stores_mu);
-    for (auto& [key, s] : stores_map()) {
-      if (s) all.push_back(s);
-    }
-  }
-  for (auto& s : all) s->wait();
-}
+void wait_checkpoint_offloads() { detail::OffloadStore::wait_shared(); }
 
 void set_checkpoint_debug(bool enabled) { g_debug_default = enabled; }
 bool checkpoint_debug() { return g_debug_default.load(); }

@@ -9,6 +9,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "../offload/offload_internal.h"
+
 namespace remat {
 
 namespace detail {
@@ -17,6 +19,12 @@ thread_local UnitObserver* tls_observer = nullptr;
 }  // namespace
 UnitObserver* unit_observer() { return tls_observer; }
 UnitObserver* set_unit_observer(UnitObserver* o) { return std::exchange(tls_observer, o); }
+
+OffloadCall::OffloadCall(const OffloadOptions& options) {
+  if (is_recomputing()) return;
+  hooks_ = std::make_unique<ScopedHooks>(make_offload_hooks(OffloadStore::shared(options)));
+}
+OffloadCall::~OffloadCall() = default;
 }  // namespace detail
 
 detail::ModuleState Checkpointable::state() const {
@@ -55,7 +63,11 @@ std::vector<Found> checkpointables(const torch::nn::Module& model) {
 
 std::string shown(const std::string& name) { return name.empty() ? std::string("(root)") : name; }
 
-std::string policy_of(const std::optional<CheckpointOptions>& o) {
+std::string policy_of(const std::optional<CheckpointOptions>& o, const std::optional<OffloadOptions>& offload) {
+  if (!o && offload) {
+    return "off, saves offloaded (" + to_string(offload->target()) +
+           (offload->codec() == Codec::kNone ? "" : ", " + to_string(offload->codec())) + ")";
+  }
   if (!o) return "off";
   return o->policy() ? "on, policy " + o->policy()->description() : "on, full recompute";
 }
@@ -109,33 +121,50 @@ Selector first_n(int64_t n, Selector base) { return positional("first_n", n, 0, 
 
 }  // namespace select
 
-int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector, const CheckpointOptions& options) {
+namespace {
+/** The checkpointable modules of model that selector chooses; throws, listing
+ *  them all, when it chooses none. `caller` names the function in errors. */
+std::vector<Checkpointable*> chosen_by(torch::nn::Module& model, const Selector& selector, const std::string& caller) {
   auto all = checkpointables(model);
   std::vector<SelectorInput> in;
   for (const auto& f : all) in.push_back(f.in);
   const std::vector<bool> chosen = selector(in);
-  int64_t n = 0;
-  for (size_t i = 0; i < all.size(); ++i) n += chosen.at(i);
-  if (n == 0) {
+  std::vector<Checkpointable*> out;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (chosen.at(i)) out.push_back(all[i].c);
+  }
+  if (out.empty()) {
     std::string have;
     for (const auto& f : all) have += "\n  " + shown(f.in.name) + "  " + f.in.module->name();
-    throw Error("[remat::enable_checkpointing] the selector '" + selector.description() + "' chose no module of " +
+    throw Error("[remat::" + caller + "] the selector '" + selector.description() + "' chose no module of " +
                 model.name() + ". " +
                 (all.empty() ? std::string("The tree has no checkpointable module: derive the blocks from "
                                            "remat::Checkpointable and forward through checkpointed().")
                              : "Its checkpointable modules are:" + have));
   }
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (chosen[i]) all[i].c->set_checkpointing(options);
-  }
-  return n;
+  return out;
+}
+}  // namespace
+
+int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector, const CheckpointOptions& options) {
+  const auto chosen = chosen_by(model, selector, "enable_checkpointing");
+  for (Checkpointable* c : chosen) c->set_checkpointing(options);
+  return static_cast<int64_t>(chosen.size());
+}
+
+int64_t enable_offloading(torch::nn::Module& model, const Selector& selector, const OffloadOptions& options) {
+  OffloadScope check(options);  // invalid options, or a missing directory, are refused before anything changes
+  const auto chosen = chosen_by(model, selector, "enable_offloading");
+  for (Checkpointable* c : chosen) c->set_offloading(options);
+  return static_cast<int64_t>(chosen.size());
 }
 
 int64_t disable_checkpointing(torch::nn::Module& model) {
   int64_t n = 0;
   for (auto& f : checkpointables(model)) {
-    n += f.c->checkpointing();
+    n += f.c->checkpointing() || f.c->offloading_options().has_value();
     f.c->set_checkpointing(std::nullopt);
+    f.c->set_offloading(std::nullopt);
   }
   return n;
 }
@@ -164,7 +193,8 @@ std::string describe_checkpointing(const torch::nn::Module& model) {
   if (not_running > 0) os << ", " << not_running << " of them not running through checkpointed()";
   os << "\n";
   for (const auto& f : all) {
-    os << "  " << shown(f.in.name) << "  " << f.in.module->name() << "  " << policy_of(f.c->checkpointing_options());
+    os << "  " << shown(f.in.name) << "  " << f.in.module->name() << "  "
+       << policy_of(f.c->checkpointing_options(), f.c->offloading_options());
     if (bypassed(f)) {
       os << ", but no " << f.in.module->name()
          << " has run through checkpointed() while other modules have: its forward must call checkpointed(), or "

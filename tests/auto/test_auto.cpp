@@ -163,6 +163,7 @@ struct Result {
   std::vector<int64_t> predicted;          // the plan's prediction at each planned step
   int64_t budget = 0, profiled_peak = 0, min_peak = 0;
   std::vector<int64_t> recomputes, expected_recomputes;
+  std::vector<std::string> choices;  // the options of the last plan, per unit
   std::string explain;
 };
 
@@ -187,7 +188,10 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
     int64_t expected = 0, predicted = 0;
     if (planned_step) {
       predicted = planner.plan().prediction.peak_bytes;
-      for (const auto& u : planner.units()) expected += u.options[u.choice] == "keep" ? 0 : u.calls;
+      for (const auto& u : planner.units()) {
+        const std::string& o = u.options[u.choice];
+        expected += o == "keep" || o.rfind("offload", 0) == 0 ? 0 : u.calls;
+      }
     }
     remat::reset_checkpoint_stats();
     planner.step([&] { w.step(k); });
@@ -199,9 +203,10 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
       r.expected_recomputes.push_back(expected);
     }
   }
+  for (const auto& u : planner.units()) r.choices.push_back(u.options[u.choice]);
   r.budget = planner.budget_bytes();
   r.profiled_peak = planner.profiled_peak_bytes();
-  r.min_peak = remat::plan::min_peak_step(planner.step_model()).prediction.peak_bytes;
+  r.min_peak = planner.leanest_peak_bytes();
   r.explain = planner.explain();
   if (std::getenv("REMAT_AUTO_TEST_DUMP")) {
     const auto& m = planner.step_model();
@@ -236,12 +241,12 @@ void expect_bitwise(const Result& plain, const Result& got, const std::string& w
 
 /** Plain against auto at three budgets from the leanest feasible to the
  *  plain peak (found from a first planned run's step model), both zero_grad
- *  styles. */
-void check_workload(const Make& make, const std::string& name) {
+ *  styles; base gives the options but the budget. */
+void check_workload(const Make& make, const std::string& name, const remat::AutoOptions& base = remat::AutoOptions()) {
   for (bool set_to_none : {true, false}) {
     const Result plain = run(make, set_to_none, std::nullopt);
     // The step model of a run at the plain peak gives the range of budgets.
-    const Result probe = run(make, set_to_none, remat::AutoOptions().memory_budget_fraction(1.0));
+    const Result probe = run(make, set_to_none, remat::AutoOptions(base).memory_budget_fraction(1.0));
     expect_bitwise(plain, probe, name + " at the plain peak");
     const int64_t low = probe.min_peak, high = probe.profiled_peak;
     ASSERT_LT(low, high) << name << ": nothing to plan";
@@ -251,7 +256,7 @@ void check_workload(const Make& make, const std::string& name) {
           name + " at " + std::to_string(budget) + " B (" + std::to_string(f) +
           " of the way from the leanest plan to plain), zero_grad(set_to_none=" + (set_to_none ? "true" : "false") +
           ")";
-      const Result got = run(make, set_to_none, remat::AutoOptions().memory_budget_bytes(budget));
+      const Result got = run(make, set_to_none, remat::AutoOptions(base).memory_budget_bytes(budget));
       expect_bitwise(plain, got, what);
       if (std::getenv("REMAT_AUTO_TEST_DUMP")) std::printf("%s\n%s", what.c_str(), got.explain.c_str());
       ASSERT_EQ(got.peaks.size(), 2u) << what;
@@ -423,6 +428,52 @@ TEST(Auto, GanStepWithTheDiscriminatorTwiceBitwiseAndWithinBudget) {
         return w;
       },
       "GAN");
+}
+
+/** A fresh, empty directory under the test's temp dir. */
+std::string fresh_dir(const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+size_t files_in(const std::string& dir) {
+  return static_cast<size_t>(std::distance(std::filesystem::directory_iterator(dir), {}));
+}
+
+TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
+  // Disk and compressed memory beside recompute and the selective levels:
+  // on the GPT, and on the U-Net whose in-place ReLUs write tensors that
+  // the store holds.
+  const std::string dir = fresh_dir("auto_offload");
+  const auto base = remat::AutoOptions().offload(
+      {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(64 << 10),
+       remat::OffloadOptions(remat::OffloadTarget::kMemory).codec(remat::Codec::kLz4).min_bytes(0)});
+  const Make make = gpt_workload();
+  check_workload(make, "GPT with offload options", base);
+  EXPECT_EQ(files_in(dir), 0u) << "the offload files outlive the steps";
+  // Offload reaches a leaner step than recompute alone (the stores' bytes
+  // in flight included); a plan at that peak must offload.
+  torch::manual_seed(0);
+  Workload w = make(true);
+  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions(base).memory_budget_fraction(1.0));
+  int k = 0;
+  for (; k < 2; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  const int64_t leanest = planner.leanest_peak_bytes();
+  EXPECT_EQ(leanest, remat::plan::min_peak_step(planner.step_model()).prediction.peak_bytes + (64 << 10));
+  planner.replan(leanest);
+  std::printf("%s", planner.explain().c_str());
+  bool offloaded = false;
+  for (const auto& u : planner.units()) offloaded |= u.options[u.choice].rfind("offload", 0) == 0;
+  EXPECT_TRUE(offloaded) << planner.explain();
+  for (; k < 4; ++k) {
+    planner.step([&] { w.step(k); });
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(leanest))
+        << planner.explain();
+  }
+  EXPECT_EQ(files_in(dir), 0u) << "the offload files outlive the steps";
 }
 
 TEST(Auto, ExplainAndTraceDescribeThePlan) {
