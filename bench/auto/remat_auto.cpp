@@ -1,25 +1,35 @@
 // remat_auto: the whole-step planner's frontier (docs/BENCHMARKS.md, "Whole
-// training step under a budget"). The reference GPT of DESIGN.md as a whole
-// training step: token + position embedding, 8 blocks (explicit attention),
-// final LayerNorm, LM head tied to the embedding over an 8192-token
-// vocabulary, mean cross-entropy, backward, AdamW step (lr 1e-3), gradients
-// zeroed in place (zero_grad(false)). One model and optimizer for every
-// strategy (the values change neither memory nor time); data: random token
-// ids, a new batch per step.
+// training step under a budget"). --model gpt (default): the reference GPT
+// of DESIGN.md as a whole training step: token + position embedding, 8
+// blocks (explicit attention), final LayerNorm, LM head tied to the
+// embedding over an 8192-token vocabulary, mean cross-entropy, backward,
+// AdamW step (lr 1e-3). --model resnet: remat's ResNet-18 (4 stages x 2
+// basic blocks, BatchNorm), width 32, 32x32 images, batch 100, 10 classes,
+// cross-entropy, SGD with momentum 0.9 (lr 0.01): the closest of remat's
+// models to DESIGN.md's 3-stage reference ResNet. Gradients zeroed in place
+// (zero_grad(false)). One model and optimizer for every strategy (the
+// values change neither memory nor time); data: random, a new batch per
+// step.
 //
-// Strategies:
-//   plain         every block plain
-//   block         every GptBlock checkpointed (enable_checkpointing)
-//   half          every 2nd block checkpointed
-//   megatron      every block with the Megatron selective policy (saves the
-//                 qkv, attention output and MLP-up projections)
-//   save_matmuls  every block with policy::save_matmuls()
-//   auto@i        remat::auto_checkpoint (the Megatron and save_matmuls
-//                 policies on its menu beside its own selective levels:
-//                 AutoOptions().policies) at budget i of --budgets (default 6)
-//                 evenly spaced from its leanest feasible plan to the plain
-//                 step's peak (one profile, replan() per budget; no replan
-//                 on overrun, so the recorded peak is the plan's own)
+// Strategies (GPT; the ResNet has no Megatron and save_matmuls rows, whose
+// policies name the GPT's matmuls):
+//   plain          every block plain
+//   block          every block checkpointed (enable_checkpointing)
+//   half           every 2nd block checkpointed
+//   megatron       every block with the Megatron selective policy (saves the
+//                  qkv, attention output and MLP-up projections)
+//   save_matmuls   every block with policy::save_matmuls()
+//   offload        every block's saved tensors to files in --offload-dir
+//                  (enable_offloading; the store below)
+//   block+offload  every block checkpointed, its input offloaded to the
+//                  same store (CheckpointOptions().offload)
+//   auto@i         remat::auto_checkpoint (the Megatron and save_matmuls
+//                  policies on its menu beside its own selective levels:
+//                  AutoOptions().policies; and offload to the store:
+//                  AutoOptions().offload) at budget i of --budgets (default
+//                  8) evenly spaced from its leanest feasible plan to the
+//                  plain step's peak (one profile, replan() per budget; no
+//                  replan on overrun, so the recorded peak is the plan's own)
 //   auto=S        auto at the peak hand-placed strategy S measured in a warm
 //                 step before the rounds (the comparison at equal memory)
 // auto_checkpoint profiles once (1 plain warm-up step, 1 profiled step);
@@ -33,11 +43,17 @@
 // auto-quick.json; --out elsewhere): {"kind": "meta"} with the run-metadata
 // record and the settings, {"kind": "profile"} (profile and solver figures),
 // then one {"kind": "strategy"} per strategy. Prints a table.
-// Leaves out: dropout, SDPA, mixed precision, offload (disk bandwidth here
-// is not a user's), the Python anchors.
+// The offload store: OffloadTarget::kDisk in --offload-dir (default: a new
+// directory under /tmp, removed at the end), max_inflight_bytes 16 MiB (what
+// auto adds to a plan that offloads, so small keeps its plans lean), the
+// other options at their defaults. The disk here is the machine's; a
+// user's may be slower or faster.
+// Leaves out: dropout, SDPA, mixed precision, the Python anchors.
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -48,6 +64,7 @@
 #include <remat/checkpointable.h>
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
+#include <remat/models/resnet.h>
 #include <remat/plan/step.h>
 
 #include "bench.h"
@@ -63,6 +80,11 @@ struct Size {
 };
 constexpr Size kReference{512, 8, 8, 512, 4, 8192};  // DESIGN.md's CPU reference GPT
 constexpr Size kQuick{64, 4, 4, 64, 4, 512};         // a toy size for smoke runs
+struct ImageSize {
+  int64_t depth, width, image, batch, classes;
+};
+constexpr ImageSize kResNet{18, 32, 32, 100, 10};
+constexpr ImageSize kResNetQuick{10, 8, 16, 8, 10};
 
 struct Record {
   std::string name, label;
@@ -80,72 +102,128 @@ struct Record {
 int main(int argc, char** argv) {
   using namespace bench;
   const bool quick = flag(argc, argv, "--quick");
+  const std::string model_name = arg(argc, argv, "--model", "gpt");
+  if (model_name != "gpt" && model_name != "resnet") {
+    std::fprintf(stderr, "remat_auto: --model must be gpt or resnet, got '%s'\n", model_name.c_str());
+    return 2;
+  }
+  const bool gpt_model = model_name == "gpt";
   const Size size = quick ? kQuick : kReference;
+  const ImageSize isize = quick ? kResNetQuick : kResNet;
   const int rounds = static_cast<int>(int_arg(argc, argv, "--rounds", quick ? "2" : "3"));
-  const int nbudgets = static_cast<int>(int_arg(argc, argv, "--budgets", "6"));
-  const std::string out_path =
-      arg(argc, argv, "--out", quick ? "bench/results/auto-quick.json" : "bench/results/auto.json");
+  const int nbudgets = static_cast<int>(int_arg(argc, argv, "--budgets", "8"));
+  const std::string stem = gpt_model ? "bench/results/auto" : "bench/results/auto-resnet";
+  const std::string out_path = arg(argc, argv, "--out", stem + (quick ? "-quick.json" : ".json"));
   torch::set_num_threads(static_cast<int>(int_arg(argc, argv, "--threads", "1")));
+  std::string offload_dir = arg(argc, argv, "--offload-dir", "");
+  const bool own_dir = offload_dir.empty();
+  if (own_dir) {
+    char tmpl[] = "/tmp/remat_auto.XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      std::perror("remat_auto: mkdtemp");
+      return 1;
+    }
+    offload_dir = tmpl;
+  }
+  struct RemoveDir {
+    std::string dir;
+    bool own;
+    ~RemoveDir() {
+      if (own) std::filesystem::remove_all(dir);
+    }
+  } remove_dir{offload_dir, own_dir};
+  const auto store =
+      remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(offload_dir).max_inflight_bytes(int64_t{16} << 20);
   remat::memory::enable_tracking();
   torch::manual_seed(0);
 
-  GptConfig c;
-  c.vocab = size.vocab;
-  c.seq_len = size.seq_len;
-  c.d_model = size.d_model;
-  c.heads = size.heads;
-  c.layers = size.blocks;
-  Gpt gpt(c);
-  torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+  std::shared_ptr<torch::nn::Module> net;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::function<void()> step;
+  remat::Selector blocks = remat::select::all();
   auto data_gen = at::detail::createCPUGenerator(7);
-  auto step = [&] {
-    auto idx = torch::randint(size.vocab, {size.batch, size.seq_len + 1}, data_gen, torch::kLong);
-    auto x = idx.slice(1, 0, size.seq_len), y = idx.slice(1, 1, size.seq_len + 1);
-    opt.zero_grad(false);
-    auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(x)), y);
-    loss.backward();
-    opt.step();
-  };
+  if (gpt_model) {
+    GptConfig c;
+    c.vocab = size.vocab;
+    c.seq_len = size.seq_len;
+    c.d_model = size.d_model;
+    c.heads = size.heads;
+    c.layers = size.blocks;
+    Gpt gpt(c);
+    net = gpt.ptr();
+    opt = std::make_unique<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+    blocks = remat::select::type<GptBlockImpl>();
+    step = [&, gpt]() mutable {
+      auto idx = torch::randint(size.vocab, {size.batch, size.seq_len + 1}, data_gen, torch::kLong);
+      auto x = idx.slice(1, 0, size.seq_len), y = idx.slice(1, 1, size.seq_len + 1);
+      opt->zero_grad(false);
+      auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(x)), y);
+      loss.backward();
+      opt->step();
+    };
+  } else {
+    remat::models::ResNetConfig c;
+    c.depth = isize.depth;
+    c.width = isize.width;
+    c.classes = isize.classes;
+    remat::models::ResNet resnet(c);
+    net = resnet.ptr();
+    opt = std::make_unique<torch::optim::SGD>(resnet->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    blocks = remat::select::type<remat::models::ResBlockImpl>();
+    step = [&, resnet]() mutable {
+      auto x = torch::randn({isize.batch, 3, isize.image, isize.image}, data_gen);
+      auto y = torch::randint(isize.classes, {isize.batch}, data_gen, torch::kLong);
+      opt->zero_grad(false);
+      torch::nn::functional::cross_entropy(resnet->forward(x), y).backward();
+      opt->step();
+    };
+  }
 
   // One profile; every auto budget is a replan() of it.
   const auto p0 = Clock::now();
-  auto planner = remat::auto_checkpoint(
-      gpt, remat::AutoOptions().memory_budget_fraction(1.0).replan_on_overrun(false).profile_repeats(2).policies(
-               {remat::models::megatron_policy(), remat::policy::save_matmuls()}));
+  auto options =
+      remat::AutoOptions().memory_budget_fraction(1.0).replan_on_overrun(false).profile_repeats(2).offload({store});
+  if (gpt_model) options.policies({remat::models::megatron_policy(), remat::policy::save_matmuls()});
+  auto planner = remat::auto_checkpoint(*net, options);
   planner.step(step);  // warm-up
   planner.step(step);  // profiled
   const double profile_s = secs_since(p0);
   const auto& model = planner.step_model();
-  const remat::plan::StepPlan lean = remat::plan::min_peak_step(model);
-  const int64_t low = lean.prediction.peak_bytes, high = planner.profiled_peak_bytes();
+  const auto l0 = Clock::now();
+  const int64_t low = planner.leanest_peak_bytes(), high = planner.profiled_peak_bytes();
+  const double leanest_ms = ms_since(l0);
   std::fflush(stdout);
   std::printf("profile: %.1f s (2 steps), profiled peak %s, leanest plan %s (%.3f of it), %zu units\n", profile_s,
               remat::format_bytes(high).c_str(), remat::format_bytes(low).c_str(),
               static_cast<double>(low) / static_cast<double>(high), model.units.size());
 
+  std::vector<std::pair<std::string, std::string>> hand_names = {
+      {"plain", "plain"}, {"block", "every block checkpointed"}, {"half", "every 2nd block checkpointed"}};
+  if (gpt_model) {
+    hand_names.push_back({"megatron", "selective: Megatron policy"});
+    hand_names.push_back({"save_matmuls", "selective: save_matmuls"});
+  }
+  hand_names.push_back({"offload", "every block offloaded to disk"});
+  hand_names.push_back({"block+offload", "every block checkpointed, its input on disk"});
   std::vector<Record> recs;
-  for (const auto& [name, label] :
-       std::vector<std::pair<std::string, std::string>>{{"plain", "plain"},
-                                                        {"block", "every block checkpointed"},
-                                                        {"half", "every 2nd block checkpointed"},
-                                                        {"megatron", "selective: Megatron policy"},
-                                                        {"save_matmuls", "selective: save_matmuls"}}) {
+  for (const auto& [name, label] : hand_names) {
     Record r;
     r.name = name;
     r.label = label;
     recs.push_back(r);
   }
-  const remat::Selector blocks = remat::select::type<GptBlockImpl>();
   auto configure = [&](Record& r) {
-    remat::disable_checkpointing(gpt);
-    if (r.name == "block") remat::enable_checkpointing(gpt, blocks);
-    if (r.name == "half") remat::enable_checkpointing(gpt, remat::select::every_n(2, blocks));
+    remat::disable_checkpointing(*net);
+    if (r.name == "block") remat::enable_checkpointing(*net, blocks);
+    if (r.name == "half") remat::enable_checkpointing(*net, remat::select::every_n(2, blocks));
     if (r.name == "megatron") {
-      remat::enable_checkpointing(gpt, blocks, remat::CheckpointOptions().policy(remat::models::megatron_policy()));
+      remat::enable_checkpointing(*net, blocks, remat::CheckpointOptions().policy(remat::models::megatron_policy()));
     }
     if (r.name == "save_matmuls") {
-      remat::enable_checkpointing(gpt, blocks, remat::CheckpointOptions().policy(remat::policy::save_matmuls()));
+      remat::enable_checkpointing(*net, blocks, remat::CheckpointOptions().policy(remat::policy::save_matmuls()));
     }
+    if (r.name == "offload") remat::enable_offloading(*net, blocks, store);
+    if (r.name == "block+offload") remat::enable_checkpointing(*net, blocks, remat::CheckpointOptions().offload(store));
     if (r.budget > 0) {
       planner.replan(r.budget);
       r.predicted_peak = planner.plan().prediction.peak_bytes;
@@ -156,7 +234,8 @@ int main(int argc, char** argv) {
     }
   };
   // Auto at budgets evenly spaced from its leanest plan to plain, and at
-  // each hand-placed strategy's own peak (one warm step each measures it):
+  // each hand-placed strategy's own peak (the second of two warm steps
+  // measures it):
   // the comparison at equal memory.
   const size_t hand = recs.size();
   for (int i = 0; i < nbudgets; ++i) {
@@ -168,6 +247,7 @@ int main(int argc, char** argv) {
   }
   for (size_t h = 1; h < hand; ++h) {
     configure(recs[h]);
+    step();  // the first step of a strategy may differ (an offload store's writers starting)
     remat::memory::reset_peak();
     step();
     const int64_t peak = remat::memory::peak_bytes();
@@ -193,14 +273,21 @@ int main(int argc, char** argv) {
   }
   const Record& plain = recs[0];
   std::ofstream out(out_path);
-  out << "{\"kind\": \"meta\", \"meta\": " << metadata(argc, argv) << ", \"size\": {\"d_model\": " << size.d_model
-      << ", \"heads\": " << size.heads << ", \"blocks\": " << size.blocks << ", \"seq_len\": " << size.seq_len
-      << ", \"batch\": " << size.batch << ", \"vocab\": " << size.vocab << "}, \"rounds\": " << rounds
-      << ", \"quick\": " << (quick ? "true" : "false") << "}\n";
+  out << "{\"kind\": \"meta\", \"meta\": " << metadata(argc, argv) << ", \"model\": " << quoted(model_name);
+  if (gpt_model) {
+    out << ", \"size\": {\"d_model\": " << size.d_model << ", \"heads\": " << size.heads
+        << ", \"blocks\": " << size.blocks << ", \"seq_len\": " << size.seq_len << ", \"batch\": " << size.batch
+        << ", \"vocab\": " << size.vocab << "}";
+  } else {
+    out << ", \"size\": {\"depth\": " << isize.depth << ", \"width\": " << isize.width << ", \"image\": " << isize.image
+        << ", \"batch\": " << isize.batch << ", \"classes\": " << isize.classes << "}";
+  }
+  out << ", \"rounds\": " << rounds << ", \"quick\": " << (quick ? "true" : "false")
+      << ", \"offload\": {\"target\": \"kDisk\", \"max_inflight_bytes\": " << store.max_inflight_bytes() << "}}\n";
   out << "{\"kind\": \"profile\", \"profile_s\": " << num(profile_s) << ", \"units\": " << model.units.size()
       << ", \"segments\": " << model.segment_peak_bytes.size() << ", \"profiled_peak\": " << high
       << ", \"profiled_ms\": " << num(planner.profiled_time_ms()) << ", \"leanest_peak\": " << low
-      << ", \"leanest_solve_ms\": " << num(lean.solve_ms) << "}\n";
+      << ", \"leanest_solve_ms\": " << num(leanest_ms) << "}\n";
   std::printf("\n%-14s %10s %8s %14s %10s %10s\n", "strategy", "step ms", "x plain", "peak", "x plain", "budget");
   for (auto& r : recs) {
     for (int i = 0; i < rounds; ++i) r.time_ratios.push_back(r.ms[i] / plain.ms[i]);
