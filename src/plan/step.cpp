@@ -236,19 +236,18 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 // The profiled choice's rows that some choice can break: the rest are kept
 // out of the program.
-std::vector<Row> binding_rows(const StepModel& m, const std::vector<Row>& rows, int64_t budget_bytes) {
+std::vector<Row> binding_rows(const std::vector<Row>& rows, int64_t budget_bytes) {
   std::vector<Row> out;
   for (const Row& r : rows) {
     int64_t worst = r.peak_bytes;
-    for (const auto& [deltas, u] : r.units) {
-      (void)u;
+    for (const auto& unit : r.units) {
+      const auto& deltas = unit.first;
       int64_t most = 0;  // the profiled option adds nothing
       for (int64_t d : deltas) most = std::max(most, d);
       worst += most;
     }
     if (worst > budget_bytes) out.push_back(r);
   }
-  (void)m;
   return out;
 }
 
@@ -565,7 +564,7 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
   // lowered by the excess and a margin that grows (64 B, 256 B, ...).
   int64_t target = budget_bytes;
   for (int attempt = 0; attempt < 6; ++attempt) {
-    const std::vector<Row> rows = binding_rows(m, all, target);
+    const std::vector<Row> rows = binding_rows(all, target);
     MipResult r;
     bool found;
     if (rows.empty()) {

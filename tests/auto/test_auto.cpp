@@ -280,6 +280,20 @@ std::vector<torch::Tensor> batches(int n, std::vector<int64_t> shape, bool integ
   return out;
 }
 
+/** A classifier's step: cross-entropy of net(xs[k]) against ys[k]. */
+template <class Net>
+Workload classifier(Net net, std::shared_ptr<torch::optim::Optimizer> opt, std::vector<torch::Tensor> xs,
+                    std::vector<torch::Tensor> ys, bool set_to_none) {
+  Workload w;
+  w.model = net.ptr();
+  w.step = [net, opt, xs, ys, set_to_none](int k) mutable {
+    opt->zero_grad(set_to_none);
+    torch::nn::functional::cross_entropy(net->forward(xs[k]), ys[k]).backward();
+    opt->step();
+  };
+  return w;
+}
+
 Make gpt_workload(int64_t layers = 4) {
   return [layers](bool set_to_none) {
     remat::models::GptConfig c;
@@ -367,16 +381,7 @@ TEST(Auto, ResNetWithBatchNormBitwiseAndWithinBudget) {
         c.width = 8;
         auto net = remat::models::ResNet(c);
         auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-        auto xs = batches(kSteps, {16, 3, 32, 32});
-        auto ys = batches(kSteps, {16}, true, 10);
-        Workload w;
-        w.model = net.ptr();
-        w.step = [net, opt, xs, ys, set_to_none](int k) mutable {
-          opt->zero_grad(set_to_none);
-          torch::nn::functional::cross_entropy(net->forward(xs[k]), ys[k]).backward();
-          opt->step();
-        };
-        return w;
+        return classifier(net, opt, batches(kSteps, {16, 3, 32, 32}), batches(kSteps, {16}, true, 10), set_to_none);
       },
       "ResNet");
 }
@@ -386,16 +391,8 @@ TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
       [](bool set_to_none) {
         auto net = UNet(8);
         auto opt = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-3));
-        auto xs = batches(kSteps, {4, 3, 32, 32});
-        auto ys = batches(kSteps, {4, 32, 32}, true, 2);
-        Workload w;
-        w.model = net.ptr();
-        w.step = [net, opt, xs, ys, set_to_none](int k) mutable {
-          opt->zero_grad(set_to_none);
-          torch::nn::functional::cross_entropy(net->forward(xs[k]), ys[k]).backward();
-          opt->step();
-        };
-        return w;
+        return classifier(net, opt, batches(kSteps, {4, 3, 32, 32}), batches(kSteps, {4, 32, 32}, true, 2),
+                          set_to_none);
       },
       "U-Net");
 }
