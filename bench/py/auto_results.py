@@ -3,12 +3,15 @@
 (bench/plan/step_solve.cpp, JSON lines).
 
 Fragments: `auto-frontier` (every strategy's step time and peak against plain, auto's budgets,
-predictions and plans), `auto-targets` (the targets, met or missed, computed from that table) and
-`auto-solver` (solve time against the number of units). --quick reads auto-quick.json.
+predictions and plans; PyTorch's eager strategies and torch.compile at each activation_memory_budget),
+`auto-targets` (the targets, met or missed, computed from those tables), `auto-compile` (auto's points
+against torch.compile's at each budget fraction) and `auto-solver` (solve time against the number of units).
+--quick reads auto-quick.json and auto-py-quick.json.
 Leaves out: measuring.
 """
 import json
 import os
+import statistics
 import sys
 
 from common import RESULTS
@@ -56,14 +59,17 @@ def frontier(recs, py=None):
                    f"| {pt} |")
     if py:
         pmeta = next(r for r in py if r["kind"] == "meta")
+        warm = pmeta["meta"].get("settings", {}).get("warmup_rounds")
+        warm = f" after {warm} untimed" if warm else ""
         out += ["", f"PyTorch {pmeta['meta']['torch']} on the same step (bench/py/auto_py.py; run "
-                    f"{pmeta['meta']['date_utc']}, {pmeta['rounds']} rounds, interleaved), each strategy relative to "
-                    f"its own plain step; the peak is the preload counter's above the step's start plus the model's "
-                    f"parameters, gradients and AdamW state:", "",
+                    f"{pmeta['meta']['date_utc']}, {pmeta['rounds']} rounds{warm}, interleaved), each strategy "
+                    f"relative to its own plain step; the peak is the preload counter's above the step's start plus "
+                    f"the model's parameters, gradients and AdamW state:", "",
                 "| strategy | step time x plain | peak | x plain |", "|---|---|---|---|"]
         for r in py:
             if r["kind"] == "strategy":
                 out.append(f"| {r['label']} | {_ratio(r)} | {_mib(r['peak'])} | {r['peak_ratio']:.3f} |")
+        out += compiled(py)
     out.append("")
     out.append("The plans (option per unit):")
     out.append("")
@@ -74,6 +80,75 @@ def frontier(recs, py=None):
     return "\n".join(out) + "\n"
 
 
+def _compiled(py):
+    """auto_py.py's torch.compile records, budget 1.0 (its plain step) first."""
+    return sorted((r for r in py or [] if r["kind"] == "compile"), key=lambda r: (r["budget"] != 1.0, r["budget"]))
+
+
+def compiled(py):
+    """The torch.compile table of auto-frontier (lines; none without compile records)."""
+    comp = _compiled(py)
+    if not comp:
+        return []
+    base = comp[0]
+    e = base["eager_time_ratio"]
+    out = ["", "torch.compile (inductor, default settings) of the forward and loss, embedding to cross-entropy, as one "
+               "graph, at each `torch._functorch.config.activation_memory_budget`; backward and AdamW as above. Each "
+               "budget compiles its own model from an empty cache; its compile time is its first step's time less "
+               "its median later step. The budgets run interleaved step by step with the compiled plain step "
+               "(budget 1) and the eager plain step, each relative to the compiled plain step of the same rounds; "
+               "peaks are measured as above:", "",
+           "| activation_memory_budget | step time x compiled plain | peak | x compiled plain | step time x eager "
+           "plain | peak x eager plain | compile s |",
+           "|---|---|---|---|---|---|---|"]
+    for r in comp:
+        et, ep = _eager(r, base)
+        out.append(f"| {r['budget']:g} | {_ratio(r)} | {_mib(r['peak'])} | {r['peak_ratio']:.3f} | "
+                   f"{_ratio(dict(time_ratio=et))} | {ep:.3f} | {r['compile_s']:.0f} |")
+    out += ["", f"The eager plain step of these rounds peaks at {_mib(base['eager_peak'])}; the compiled plain "
+                f"step takes {e['median']:.3f} of its time."]
+    return out
+
+
+def _eager(c, base):
+    """A torch.compile record against the eager plain step of the same rounds: (time ratio dict, peak ratio)."""
+    ratio = [x / y for x, y in zip(c["ms"], base["eager_ms"])]
+    t = dict(median=statistics.median(ratio), min=min(ratio), max=max(ratio))
+    return t, c["peak"] / base["eager_peak"]
+
+
+def compare_compile(recs, py):
+    """auto's point at each of torch.compile's budget fractions, and auto's fastest point as lean as each of
+    torch.compile's: torch.compile against the eager plain step of its rounds, remat against its own plain step
+    (both eager, both the same model's bytes)."""
+    prof = next(r for r in recs if r["kind"] == "profile")
+    autos = [r for r in recs if r["kind"] == "strategy" and r["name"].startswith("auto")]
+    at = {round(r["budget"] / prof["profiled_peak"], 3): r for r in autos if r["name"].startswith("auto@")}
+    comp = _compiled(py)
+    base = comp[0]
+    rows = ["| budget fraction | torch.compile: peak x eager plain | time x eager plain | compile s | remat auto at the "
+            "fraction: peak x plain | time x plain | auto / torch.compile: peak | time | remat auto's fastest as lean "
+            "as torch.compile: time x plain (at peak x plain) |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(comp, key=lambda r: r["budget"]):
+        et, ep = _eager(c, base)
+        row = f"| {c['budget']:g} | {ep:.3f} | {_ratio(dict(time_ratio=et))} | {c['compile_s']:.0f} | "
+        f = round(c["budget"], 3)
+        a = next((r for k, r in sorted(at.items()) if abs(k - f) <= 0.001), None)
+        if a:
+            row += (f"{a['peak_ratio']:.3f} | {_ratio(a)} | {a['peak_ratio'] / ep:.3f} | "
+                    f"{a['time_ratio']['median'] / et['median']:.3f} | ")
+        else:
+            row += "- | - | - | - | "
+        fit = [r for r in autos if r["peak_ratio"] <= ep]
+        if fit:
+            best = min(fit, key=lambda r: r["time_ratio"]["median"])
+            row += f"{best['time_ratio']['median']:.3f} ({best['peak_ratio']:.3f}) |"
+        else:
+            row += "none as lean |"
+        rows.append(row)
+    return "\n".join(rows) + "\n"
+
+
 def targets(recs, py=None):
     strat = [r for r in recs if r["kind"] == "strategy"]
     prof = next(r for r in recs if r["kind"] == "profile")
@@ -81,6 +156,9 @@ def targets(recs, py=None):
     hand = [r for r in strat if not r["name"].startswith("auto") and r["name"] != "plain"]
     if py:  # PyTorch's points, by their ratios to their own plain step
         hand += [dict(r, name="PyTorch " + r["name"]) for r in py if r["kind"] == "strategy" and r["name"] != "plain"]
+        comp = _compiled(py)  # against the eager plain step of their rounds: the same bytes as remat's plain
+        hand += [dict(r, name=f"torch.compile {r['budget']:g}", time_ratio=t, peak_ratio=p)
+                 for r in comp[1:] for t, p in [_eager(r, comp[0])]]
     rows = ["| target | figure | |", "|---|---|---|"]
 
     # 1. No hand-placed point has less or equal memory and less time than auto's frontier.
@@ -95,8 +173,10 @@ def targets(recs, py=None):
         if best["time_ratio"]["median"] > h["time_ratio"]["median"] * (1 + NOISE):
             dominated.append(f"{h['name']} ({h['time_ratio']['median']:.3f} vs auto's "
                              f"{best['time_ratio']['median']:.3f})")
-    rows.append("| auto's frontier dominates every hand-placed point, remat's" + (" and PyTorch's" if py else "")
-                + " (2% noise; by ratios to each library's plain step) | "
+    rows.append("| auto's frontier dominates every hand-placed point, remat's"
+                + (" and PyTorch's, eager and torch.compile at each budget" if _compiled(py) else
+                   " and PyTorch's" if py else "")
+                + " (2% noise; by ratios to each library's eager plain step) | "
                 + ("none faster at equal or less memory" if not dominated else "beaten by " + "; ".join(dominated))
                 + f" | {'met' if not dominated else 'missed'} |")
 
@@ -174,6 +254,8 @@ def fragments(quick=False):
     if recs:
         frags["auto-frontier"] = frontier(recs, py)
         frags["auto-targets"] = targets(recs, py)
+        if _compiled(py):
+            frags["auto-compile"] = compare_compile(recs, py)
     solves = _lines(os.path.join(RESULTS, "step_solve.json"))
     if solves and not quick:
         frags["auto-solver"] = solver(solves)

@@ -4,8 +4,9 @@ The run-metadata record (the same keys as bench/common/bench.h's metadata():
 program, UTC date, git commit, nproc, CPU model, total memory, torch version,
 intra-op threads, the program's arguments), the results folder bench/results/
 and how a result file is written there, the LD_PRELOAD counter of
-bench/preload (Meter), /proc/self/status fields, medians, and running a
-worker process.
+bench/preload (Meter), /proc/self/status fields, medians, running a
+worker process, and torch.compile under an activation memory budget
+(compile_with_budget).
 Results: reference runs write bench/results/NAME.json (checked in; the docs'
 tables and figures are generated from them by gen_docs.py); --quick runs write
 bench/results/NAME-quick.json (ignored by git, for smoke runs and for checking
@@ -148,3 +149,29 @@ class Meter:
         del t
         if not installed or seen != 4 << 20 or self.current() != before:
             sys.exit(f"{program}: the preload counter does not see torch (installed={installed}, saw {seen} bytes)")
+
+
+def compile_with_budget(fn, budget, tag):
+    """(compiled, scope): torch.compile of `fn` (fullgraph) under torch._functorch.config.activation_memory_budget
+    `budget` (the share, 0 to 1, of the activations that AOTAutograd's min-cut partitioner keeps for backward
+    between saving only the graph's inputs (0) and its runtime-optimal choice (1, the default)). torch.compile
+    compiles at the first call and the backward at the first backward: run both inside `scope()`, which sets the
+    budget and an empty inductor cache (a cold compile, nothing reused from an earlier one); later calls keep what
+    was compiled. `fn` gets a code object of its own (named after `tag`): torch.compile caches per code object, and
+    two closures of one code over models of equal shapes would otherwise share one compiled graph, budget and all.
+    """
+    import contextlib
+    import types
+
+    import torch
+    import torch._functorch.config as fconfig
+    from torch._inductor.utils import fresh_cache
+    own = types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__,
+                             f"{fn.__name__}_{tag}", fn.__defaults__, fn.__closure__)
+
+    @contextlib.contextmanager
+    def scope():
+        with fconfig.patch(activation_memory_budget=float(budget)), fresh_cache():
+            yield
+
+    return torch.compile(own, fullgraph=True), scope
