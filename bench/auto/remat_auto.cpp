@@ -132,8 +132,9 @@ int main(int argc, char** argv) {
       if (own) std::filesystem::remove_all(dir);
     }
   } remove_dir{offload_dir, own_dir};
-  const auto store =
-      remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(offload_dir).max_inflight_bytes(int64_t{16} << 20);
+  const auto store = remat::OffloadOptions(remat::OffloadTarget::kDisk)
+                         .directory(offload_dir)
+                         .max_inflight_bytes(int_arg(argc, argv, "--offload-inflight-kib", "16384") << 10);
   remat::memory::enable_tracking();
   torch::manual_seed(0);
 

@@ -75,7 +75,8 @@ class UnitObserver {
 /** RAII: while alive, the tensors autograd saves on this thread go to the
  *  process's one offload store for these options (the store that
  *  CheckpointOptions::offload uses for equal options). Nothing is pushed
- *  while a checkpointed region recomputes (its saves are the region's). */
+ *  while a checkpointed region recomputes (its saves are the region's) or
+ *  with grad mode off (nothing is saved). */
 class OffloadCall {
  public:
   explicit OffloadCall(const OffloadOptions& options);

@@ -1,6 +1,7 @@
 // The module-level switch (checkpointable.h).
 #include <remat/checkpointable.h>
 
+#include <ATen/core/grad_mode.h>
 #include <fnmatch.h>
 
 #include <sstream>
@@ -21,7 +22,7 @@ UnitObserver* unit_observer() { return tls_observer; }
 UnitObserver* set_unit_observer(UnitObserver* o) { return std::exchange(tls_observer, o); }
 
 OffloadCall::OffloadCall(const OffloadOptions& options) {
-  if (is_recomputing()) return;
+  if (is_recomputing() || !at::GradMode::is_enabled()) return;  // nothing to save, or the region's saves
   hooks_ = std::make_unique<ScopedHooks>(make_offload_hooks(OffloadStore::shared(options)));
 }
 OffloadCall::~OffloadCall() = default;

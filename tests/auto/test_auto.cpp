@@ -542,6 +542,21 @@ TEST(Auto, ErrorsNameTheValueAndTheRemedy) {
   EXPECT_EQ(message(remat::AutoOptions().memory_budget_bytes(1 << 20).profile_repeats(0)),
             "[remat::auto] selective_levels 3, warmup_steps 1, profile_repeats 0, solver_time_limit_s 30.000000: the "
             "first two must be >= 0, profile_repeats >= 1 and the time limit > 0.");
+  const auto budget = remat::AutoOptions().memory_budget_bytes(1 << 20);
+  EXPECT_EQ(message(remat::AutoOptions(budget).offload({remat::OffloadOptions(remat::OffloadTarget::kHost)})),
+            "[remat::auto] offload option 0 (kHost, codec kNone): kHost moves accelerator tensors to pinned host "
+            "memory and keeps CPU tensors where they are, so it saves nothing here; use kDisk with a directory, or "
+            "kMemory with a codec.");
+  EXPECT_EQ(message(remat::AutoOptions(budget).offload(
+                {remat::OffloadOptions(remat::OffloadTarget::kMemory).codec(remat::Codec::kZstd),
+                 remat::OffloadOptions(remat::OffloadTarget::kMemory)})),
+            "[remat::auto] offload option 1 (kMemory, codec kNone): kMemory without a codec keeps every byte in "
+            "memory; give it a codec (kZstd, kLz4), or use kDisk with a directory.");
+  const std::string missing = ::testing::TempDir() + "/no_such_dir_for_auto";
+  const std::string e = message(
+      remat::AutoOptions(budget).offload({remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(missing)}));
+  EXPECT_EQ(e.rfind("[remat::auto] offload option 0 (kDisk, codec kNone): ", 0), 0u) << e;
+  EXPECT_NE(e.find(missing), std::string::npos) << e;
   torch::nn::Sequential plain(torch::nn::Linear(4, 4));
   try {
     remat::auto_checkpoint(*plain, remat::AutoOptions().memory_budget_bytes(1 << 20));
