@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
   std::string out_dir = default_out_dir().string();
   double auto_fraction = 0.5;
   app.add_option("--out", out_dir, "folder for demo.csv, demo.png and the traces")->capture_default_str();
-  app.add_option("--steps", base.steps, "steps per strategy (the first is warm-up, the last is traced)")
+  app.add_option("--steps", base.steps,
+                 "steps per strategy (the first is warm-up, auto's second profiles, the last is traced)")
       ->capture_default_str();
   app.add_option("--layers", base.layers, "GPT blocks")->capture_default_str();
   app.add_option("--d-model", base.d_model, "GPT width")->capture_default_str();
@@ -75,10 +76,13 @@ int main(int argc, char** argv) {
   app.add_option("--batch", base.batch, "sequences per step")->capture_default_str();
   app.add_option("--threads", base.threads, "torch intra-op threads")->capture_default_str();
   app.add_option("--data", base.data_path, "training text")->capture_default_str();
-  app.add_option("--auto-fraction", auto_fraction, "auto's budget as a fraction of none's peak")->capture_default_str();
+  app.add_option("--auto-fraction", auto_fraction,
+                 "auto's budget (the whole step's peak above its start) as a fraction of none's peak")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  if (base.steps < 3) {
-    std::cerr << "remat_demo: error: --steps must be at least 3 (warm-up, timed, traced), got " << base.steps << "\n";
+  if (base.steps < 4) {
+    std::cerr << "remat_demo: error: --steps must be at least 4 (warm-up, auto's profiled step, timed, traced), got "
+              << base.steps << "\n";
     return 2;
   }
 
@@ -109,7 +113,9 @@ int main(int argc, char** argv) {
         rm::StepStats st;
         if (i + 1 < cfg.steps) {
           st = trainer.step();
-          if (i > 0) {  // step 1 allocates gradients and optimizer state (and profiles, for auto)
+          // Step 1 allocates gradients and optimizer state; auto's step 2 is
+          // its profiled (plain) step, planned steps start at 3.
+          if (i >= (s == rm::Strategy::kAuto ? 2 : 1)) {
             times_ms.push_back(st.step_ms);
             row.peak_bytes = std::max(row.peak_bytes, st.peak_bytes);
           }

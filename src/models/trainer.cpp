@@ -26,6 +26,7 @@
 
 #include <unistd.h>
 
+#include <remat/auto.h>
 #include <remat/checkpoint.h>
 #include <remat/checkpointable.h>
 #include <remat/error.h>
@@ -38,8 +39,6 @@
 #include <remat/plan/solve.h>
 #include <remat/profile.h>
 #include <remat/selective.h>
-
-#include <remat/sequential.h>
 
 namespace remat::models {
 
@@ -157,7 +156,10 @@ struct Trainer::Impl {
   std::optional<Tokenizer> tok;
   int64_t steps_done = 0;
   int64_t params = 0;
-  remat::CheckpointedSequential auto_net{nullptr};
+  /** Strategy::kAuto: the whole-step planner (made by the first step), and
+   *  the bytes live at the start of the step its budget was set at. */
+  std::optional<AutoCheckpoint> auto_ck;
+  int64_t auto_start_bytes = -1;
   std::optional<OffloadOptions> offload;  // Strategy::kOffload
   int64_t offloaded_bytes = 0;            // this step's, so far
   StepHooks hooks;
@@ -225,6 +227,7 @@ struct Trainer::Impl {
   torch::Tensor run_blocks(torch::Tensor h) {
     switch (cfg.checkpoint) {
       case Strategy::kNone:
+      case Strategy::kAuto:       // auto_ck sets the blocks' switches (and the other units')
       case Strategy::kSelective:  // the blocks are switched on (enable_checkpointing)
         return blocks->forward(h);
       case Strategy::kBlock:
@@ -235,7 +238,6 @@ struct Trainer::Impl {
         const auto segments = std::clamp<int64_t>(std::llround(std::sqrt(n)), 1, static_cast<int64_t>(n));
         return remat::checkpoint_sequential(blocks, segments, h);
       }
-      case Strategy::kAuto: return auto_net->forward(h);
       case Strategy::kOffload: {
         // Backward reads the files back after the scope ends (the saved
         // tensors' hooks keep the store alive); only the blocks offload.
@@ -274,6 +276,22 @@ struct Trainer::Impl {
       }
     } put_back{saved};
     f();
+  }
+
+  /** Solves auto_ck again for --memory-budget above start_bytes (the bytes
+   *  live at a step's start); a budget no plan meets throws, naming the
+   *  smallest peak above the start that a plan reaches. */
+  void set_auto_budget(int64_t start_bytes) {
+    const int64_t leanest = auto_ck->leanest_peak_bytes() - start_bytes;
+    if (leanest > cfg.memory_budget_bytes) {
+      throw Error("[remat::train] --memory-budget " + format_bytes(cfg.memory_budget_bytes) +
+                  " (the step's peak above its start) is below what any auto plan reaches: " + format_bytes(leanest) +
+                  " (" + str(leanest) + " bytes) above the " + format_bytes(start_bytes) +
+                  " live at the step's start. Raise --memory-budget to at least that, or lower --batch, " +
+                  (gpt ? "--seq-len, " : "--image-size, ") + "--d-model or --layers.");
+    }
+    auto_ck->replan(start_bytes + cfg.memory_budget_bytes);
+    auto_start_bytes = start_bytes;
   }
 
   std::string fingerprint() const {
@@ -408,12 +426,10 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
                                                         torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
   }
   if (c.checkpoint == Strategy::kAuto) {
-    const auto opts = remat::SequentialOptions().memory_budget_bytes(c.memory_budget_bytes);
-    // The ResNet's blocks split in halves (split_blocks) let the planner go
-    // below per-block checkpointing; the halves register nothing here.
-    m.auto_net = m.gpt
-                     ? remat::CheckpointedSequential(m.blocks, opts)
-                     : remat::CheckpointedSequential(std::vector<torch::nn::Sequential>{split_blocks(m.blocks)}, opts);
+    // Step 1 plain (warm-up: gradients and AdamW state appear), step 2
+    // profiled (plain), then replanned for --memory-budget above step 2's
+    // start (Trainer::step).
+    m.auto_ck.emplace(auto_checkpoint(*m.module, AutoOptions().memory_budget_fraction(1.0)));
   }
   if (c.bf16) {
     try {
@@ -441,29 +457,42 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   m.offloaded_bytes = 0;
   double loss = 0.0;
   int64_t peak_bytes = 0;
-  {
-    memory::Probe probe;
-    for (int64_t k = 0; k < m.cfg.grad_accum; ++k) {
-      auto [x, y] = m.batch();
-      const bool sync = k + 1 == m.cfg.grad_accum;
-      const double f0 = timeline ? timeline->now_us() : 0.0;
-      if (sync && m.hooks.before_forward) m.hooks.before_forward();
-      auto l = m.loss_of(x, y);
-      if (m.hooks.before_backward) m.hooks.before_backward(l, sync);
-      const double b0 = timeline ? timeline->now_us() : 0.0;
-      (m.cfg.grad_accum == 1 ? l : l / static_cast<double>(m.cfg.grad_accum)).backward();
-      if (timeline) {
-        timeline->add_span("forward", f0, b0);
-        timeline->add_span("backward", b0, timeline->now_us());
+  auto body = [&] {
+    {
+      memory::Probe probe;
+      for (int64_t k = 0; k < m.cfg.grad_accum; ++k) {
+        auto [x, y] = m.batch();
+        const bool sync = k + 1 == m.cfg.grad_accum;
+        const double f0 = timeline ? timeline->now_us() : 0.0;
+        if (sync && m.hooks.before_forward) m.hooks.before_forward();
+        auto l = m.loss_of(x, y);
+        if (m.hooks.before_backward) m.hooks.before_backward(l, sync);
+        const double b0 = timeline ? timeline->now_us() : 0.0;
+        (m.cfg.grad_accum == 1 ? l : l / static_cast<double>(m.cfg.grad_accum)).backward();
+        if (timeline) {
+          timeline->add_span("forward", f0, b0);
+          timeline->add_span("backward", b0, timeline->now_us());
+        }
+        loss += l.item<double>() / static_cast<double>(m.cfg.grad_accum);
       }
-      loss += l.item<double>() / static_cast<double>(m.cfg.grad_accum);
+      peak_bytes = probe.peak_bytes();
     }
-    peak_bytes = probe.peak_bytes();
+    const double o0 = timeline ? timeline->now_us() : 0.0;
+    if (m.cfg.clip_norm > 0.0) torch::nn::utils::clip_grad_norm_(m.module->parameters(), m.cfg.clip_norm);
+    m.optimizer->step();
+    if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
+  };
+  if (m.auto_ck) {
+    const int64_t start = memory::current_bytes();
+    // The budget is --memory-budget above the step's start: what is live
+    // then (parameters, gradients, optimizer state) is added to it.
+    if (m.auto_ck->planned() && start != m.auto_start_bytes) m.set_auto_budget(start);
+    const bool was_planned = m.auto_ck->planned();
+    m.auto_ck->step(body);
+    if (!was_planned && m.auto_ck->planned()) m.set_auto_budget(start);  // just profiled
+  } else {
+    body();
   }
-  const double o0 = timeline ? timeline->now_us() : 0.0;
-  if (m.cfg.clip_norm > 0.0) torch::nn::utils::clip_grad_norm_(m.module->parameters(), m.cfg.clip_norm);
-  m.optimizer->step();
-  if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
   return StepStats{++m.steps_done, loss, ms, items / (ms / 1e3), peak_bytes, m.offloaded_bytes};
@@ -562,8 +591,15 @@ std::shared_ptr<torch::nn::Module> Trainer::module() const { return impl_->modul
 const TrainConfig& Trainer::config() const { return impl_->cfg; }
 
 std::vector<int> Trainer::auto_forwards_per_block() const {
-  if (!impl_->auto_net) return {};
-  return impl_->auto_net->last_step().forwards_per_stage;
+  if (!impl_->auto_ck || !impl_->auto_ck->planned()) return {};
+  std::vector<int> out;
+  for (const AutoUnit& u : impl_->auto_ck->units()) {
+    if (u.name.rfind("blocks.", 0) != 0) continue;  // the blocks, in order ("blocks.0", ...)
+    const std::string& o = u.options.at(static_cast<size_t>(u.choice));
+    // keep and offload run the forward once; recompute and selective run it again in backward
+    out.push_back(o == "keep" || o.rfind("offload", 0) == 0 ? 1 : 2);
+  }
+  return out;
 }
 
 void Trainer::prepare() {
@@ -575,15 +611,9 @@ void Trainer::prepare() {
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
     }
   }
-  if (m.auto_net) {
-    // Plans for the step's input shape (and state) now; the data stream is
-    // put back, so the steps draw the batches they would have drawn.
-    const auto state = generator_state(m.data_gen).clone();
-    auto x = m.batch().first;
-    Bf16Autocast autocast(m.cfg.bf16);
-    m.auto_net->plan(m.embed(x));
-    set_generator_state(m.data_gen, state);
-  }
+  // The warm-up and profiled steps: real steps (counted), after which the
+  // plan is in force.
+  while (m.auto_ck && !m.auto_ck->planned()) step();
 }
 
 namespace {
@@ -632,14 +662,34 @@ plan::Schedule per_block_schedule(int blocks) {
 
 StepPrediction Trainer::predict_step(int64_t cap_bytes) {
   auto& m = *impl_;
-  if (!m.gpt) {
-    throw Error(
-        "[remat::train] predicting a step's peak needs the GPT (its embed -> blocks -> head chain); got --model " +
-        m.cfg.model + ". Use --model gpt, or measure ResNet steps with remat-train --batch N (the 'peak' column).");
-  }
   StepPrediction out;
   const int64_t copies = m.cfg.optimizer == "sgd" ? 2 : 4;  // parameters, gradients (and AdamW's two moments)
   for (const auto& p : m.module->parameters()) out.fixed_bytes += copies * static_cast<int64_t>(p.nbytes());
+  if (m.cfg.checkpoint == Strategy::kAuto) {
+    // The smallest peak any plan of the profiled step reaches, above the
+    // profiled step's start; the budget is the cap (or --memory-budget).
+    out.auto_budget_bytes = cap_bytes > 0 ? cap_bytes : m.cfg.memory_budget_bytes;
+    const int64_t keep = m.cfg.memory_budget_bytes;
+    m.cfg.memory_budget_bytes = std::numeric_limits<int64_t>::max() / 4;  // profile without refusing a budget
+    prepare();
+    m.cfg.memory_budget_bytes = keep;
+    const int64_t leanest = plan::min_peak_step(m.auto_ck->step_model()).prediction.peak_bytes - m.auto_start_bytes;
+    if (cap_bytes > 0) {
+      out.peak_bytes = leanest;
+    } else {
+      m.set_auto_budget(m.auto_start_bytes);  // throws when no plan meets --memory-budget
+      out.peak_bytes = m.auto_ck->plan().prediction.peak_bytes - m.auto_start_bytes;
+    }
+    return out;
+  }
+  if (!m.gpt) {
+    throw Error(
+        "[remat::train] predicting a step's peak needs the GPT (its embed -> blocks -> head chain) or "
+        "--checkpoint auto; got --model " +
+        m.cfg.model +
+        ". Use --model gpt or --checkpoint auto, or measure ResNet steps with remat-train --batch N "
+        "(the 'peak' column).");
+  }
   if (m.cfg.checkpoint == Strategy::kOffload) {
     // Not modeled: the store's bytes (writes in flight, reads ahead) follow
     // the disk's pace. One measured steady-state step instead.
@@ -703,37 +753,7 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
     case Strategy::kSelective: out.peak_bytes = whole(plan::store_all(blocks).schedule); break;
     case Strategy::kBlock: out.peak_bytes = whole(per_block_schedule(L)); break;
     case Strategy::kSqrt: out.peak_bytes = whole(plan::sqrt_schedule(blocks).schedule); break;
-    case Strategy::kAuto: {
-      if (cap_bytes <= 0) {
-        out.auto_budget_bytes = m.cfg.memory_budget_bytes;
-        out.peak_bytes = whole(plan::optimal(blocks, out.auto_budget_bytes).schedule);
-        break;
-      }
-      // The blocks' budget: the cap less what embed and head add on top of
-      // the blocks' peak, found by correcting the budget by the excess (the
-      // addition barely depends on the schedule, so 1-2 rounds suffice).
-      const int64_t min_blocks = plan::min_feasible_peak_bytes(blocks);
-      int64_t budget = cap_bytes;
-      for (int round = 0; round < 8 && budget >= min_blocks; ++round) {
-        const plan::Plan pl = plan::optimal(blocks, budget);
-        const int64_t peak = whole(pl.schedule);
-        if (peak <= cap_bytes) {
-          // The run's budget is this plan's own chain peak, not `budget`:
-          // the run profiles again, and with other times (noise) picks
-          // another plan under `budget`, which may peak higher (two plans
-          // under 400 MiB on the reference GPT peaked 4 MiB, one
-          // activation, apart); under this plan's peak it cannot.
-          out.auto_budget_bytes = pl.prediction.peak_bytes;
-          out.peak_bytes = peak;
-          return out;
-        }
-        budget -= std::max<int64_t>(1, peak - cap_bytes);
-      }
-      // Nothing fits: the smallest whole-step peak the planner can reach.
-      out.auto_budget_bytes = min_blocks;
-      out.peak_bytes = whole(plan::min_memory(blocks).schedule);
-      break;
-    }
+    case Strategy::kAuto: break;  // handled above
   }
   return out;
 }
@@ -824,10 +844,11 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
   const bool seq = options.dimension == FitDimension::kSeqLen;
   const std::string flag = seq ? "--max-seq-len-under" : "--max-batch-under";
   const std::string what = seq ? "--seq-len" : "--batch";
-  if (config.model != "gpt") {
+  if (config.model != "gpt" && (seq || config.checkpoint != Strategy::kAuto)) {
     throw Error("[remat::train] " + flag +
-                " needs --model gpt (it profiles the GPT's embed -> blocks -> head chain); got --model " +
-                config.model + ". For the ResNet, measure with remat-train --batch N and read the 'peak' column.");
+                " needs --model gpt (it profiles the GPT's embed -> blocks -> head chain), or for the ResNet "
+                "--max-batch-under with --checkpoint auto; got --model " +
+                config.model + ". Otherwise measure with remat-train --batch N and read the 'peak' column.");
   }
   if (options.cap_bytes <= 0) {
     throw Error("[remat::train] " + flag + " must be a positive size (e.g. 1GiB), got " + str(options.cap_bytes) +
@@ -903,7 +924,14 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
   };
   auto measure = [&](int64_t v) {
     if (auto it = measured.find(v); it != measured.end()) return it->second;
-    Trainer t(config_at(v, predict(v).auto_budget_bytes));
+    const StepPrediction& p = predict(v);
+    if (config.checkpoint == Strategy::kAuto && p.peak_bytes > options.cap_bytes) {
+      // No auto plan meets the cap here (a run would refuse it): over, by the leanest plan's peak.
+      if (log) *log << "  measure " << what << " " << v << ": no auto plan fits (leanest predicted) " << std::endl;
+      measured.emplace(v, p.peak_bytes);
+      return p.peak_bytes;
+    }
+    Trainer t(config_at(v, p.auto_budget_bytes));
     t.prepare();
     const int64_t peak = t.step().peak_bytes;
     if (log) {
@@ -987,7 +1015,7 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
   peaks(r.value, r.predicted_peak_bytes, r.measured_peak_bytes);
   if (r.next_value > 0) peaks(r.next_value, r.next_predicted_peak_bytes, r.next_measured_peak_bytes);
   if (config.checkpoint == Strategy::kAuto)
-    os << "  planner budget for the blocks: " << format_bytes(r.auto_budget_bytes) << "\n";
+    os << "  auto's budget (the whole step, above its start): " << format_bytes(r.auto_budget_bytes) << "\n";
   os << "  " << r.probes.size()
      << (by_measurement ? " measured steps (offload is searched by measurement)" : " predictions")
      << "; the cap is on the step's peak above its start (activations, "
@@ -1039,7 +1067,8 @@ std::string Trainer::summary() const {
   if (c.grad_accum > 1) os << " x " << c.grad_accum << " accumulated";
   os << "; checkpoint " << to_string(c.checkpoint);
   if (c.checkpoint == Strategy::kSelective) os << " (policy " << c.policy << ")";
-  if (c.checkpoint == Strategy::kAuto) os << " (budget " << format_bytes(c.memory_budget_bytes) << ")";
+  if (c.checkpoint == Strategy::kAuto)
+    os << " (budget " << format_bytes(c.memory_budget_bytes) << " above the step's start)";
   if (c.checkpoint == Strategy::kOffload) os << " (files in " << c.offload_dir << ")";
   if (m.gpt && c.sdpa) os << "; sdpa attention";
   if (m.gpt && c.loss_chunks > 0) os << "; head + loss in " << c.loss_chunks << " chunks";

@@ -171,7 +171,7 @@ TEST(Fits, MaxSeqLenFitsWhenMeasuredPerStrategy) {
     // profile (other times), but only under the predicted plan's peak.
     EXPECT_LE(r.measured_peak_bytes, r.predicted_peak_bytes + cap / 100) << rm::to_string(s);
     if (s == Strategy::kAuto) {
-      EXPECT_LE(r.auto_budget_bytes, r.predicted_peak_bytes);
+      EXPECT_EQ(r.auto_budget_bytes, cap);  // the run's budget is the cap (both above the step's start)
     }
     EXPECT_EQ(r.next_value, r.value + 8);
     if (r.value == r.predicted_value) {
@@ -187,6 +187,29 @@ TEST(Fits, MaxSeqLenFitsWhenMeasuredPerStrategy) {
     EXPECT_EQ(r.auto_budget_bytes > 0, s == Strategy::kAuto);
     EXPECT_GT(r.fixed_bytes, 0);
   }
+}
+
+TEST(Fits, ResNetAutoMaxBatchFitsWhenMeasured) {
+  rm::TrainConfig c;
+  c.model = "resnet";
+  c.layers = 10;
+  c.d_model = 8;
+  c.image_size = 16;
+  c.threads = 1;
+  c.checkpoint = Strategy::kAuto;
+  c.memory_budget_bytes = 4 << 20;
+  rm::FitOptions o;
+  o.dimension = rm::FitDimension::kBatch;
+  o.cap_bytes = 4 << 20;
+  o.step = 4;
+  o.max_value = 256;
+  const rm::FitResult r = rm::max_under(c, o);
+  std::cout << rm::format_fit(r, c);
+  EXPECT_GT(r.value, 0);
+  EXPECT_LE(r.measured_peak_bytes, o.cap_bytes);
+  EXPECT_LE(r.predicted_peak_bytes, o.cap_bytes);
+  EXPECT_EQ(r.auto_budget_bytes, o.cap_bytes);
+  EXPECT_LE(std::abs(r.value - r.predicted_value), 2 * 4);
 }
 
 // Offload is not modeled (its bytes in flight follow the disk): every probe
@@ -266,12 +289,28 @@ TEST(Fits, Errors) {
   resnet.model = "resnet";
   EXPECT_EQ(error_of([&] { rm::max_under(resnet, o); }),
             "[remat::train] --max-batch-under needs --model gpt (it profiles the GPT's embed -> blocks -> head "
-            "chain); got --model resnet. For the ResNet, measure with remat-train --batch N and read the 'peak' "
-            "column.");
+            "chain), or for the ResNet --max-batch-under with --checkpoint auto; got --model resnet. Otherwise "
+            "measure with remat-train --batch N and read the 'peak' column.");
+  resnet.checkpoint = Strategy::kAuto;
+  resnet.memory_budget_bytes = 1 << 20;
+  o.dimension = rm::FitDimension::kSeqLen;
+  EXPECT_EQ(error_of([&] { rm::max_under(resnet, o); }),
+            "[remat::train] --max-seq-len-under needs --model gpt (it profiles the GPT's embed -> blocks -> head "
+            "chain), or for the ResNet --max-batch-under with --checkpoint auto; got --model resnet. Otherwise "
+            "measure with remat-train --batch N and read the 'peak' column.");
+  o.dimension = rm::FitDimension::kBatch;
   rm::TrainConfig resumed = tiny_gpt(Strategy::kNone);
   resumed.resume_path = "/tmp/x.pt";
   EXPECT_EQ(error_of([&] { rm::max_under(resumed, o); }),
             "[remat::train] --max-batch-under trains fresh models; drop --resume.");
+  rm::TrainConfig resnet_block;
+  resnet_block.model = "resnet";
+  resnet_block.checkpoint = Strategy::kBlock;
+  resnet_block.threads = 1;
+  EXPECT_EQ(error_of([&] { rm::Trainer(resnet_block).predict_step(); }),
+            "[remat::train] predicting a step's peak needs the GPT (its embed -> blocks -> head chain) or "
+            "--checkpoint auto; got --model resnet. Use --model gpt or --checkpoint auto, or measure ResNet steps "
+            "with remat-train --batch N (the 'peak' column).");
   rm::TrainConfig attention = tiny_gpt(Strategy::kSelective);
   attention.policy = "attention";
   EXPECT_EQ(error_of([&] { rm::Trainer(attention).predict_step(); }),

@@ -407,31 +407,71 @@ TEST(Train, ResNetStrategiesGiveBitwiseEqualLosses) {
   }
 }
 
-TEST(Train, ResNetAutoPlansInsideBlocks) {
-  // A budget between the two floors: infeasible over whole blocks, met on
-  // the split chain that --checkpoint auto plans; the losses stay bitwise.
+/** --checkpoint auto at budgets from the leanest plan's peak up to the
+ *  plain peak: steady-state steps (3 on, after the warm-up and profiled
+ *  steps) peak at or under the budget (+1%, allocator rounding), and
+ *  parameters (and BatchNorm buffers) after the steps are bitwise the plain
+ *  run's, with sgd (so they compare gradients). */
+void expect_auto_within_budgets(rm::TrainConfig c) {
+  c.optimizer = "sgd";
+  c.steps = 5;
+  c.checkpoint = Strategy::kNone;
+  rm::Trainer plain(c);
+  const auto plain_stats = plain.run();
+  const auto want = state_of(*plain.module());
+  const int64_t plain_peak = plain_stats.back().peak_bytes;
+  c.checkpoint = Strategy::kAuto;
+  c.memory_budget_bytes = plain_peak;
+  const int64_t leanest = rm::Trainer(c).predict_step(plain_peak).peak_bytes;
+  ASSERT_LT(leanest, plain_peak * 9 / 10) << "the model must leave the planner room";
+  for (int64_t budget : {leanest * 102 / 100, (leanest + plain_peak) / 2, plain_peak}) {
+    c.memory_budget_bytes = budget;
+    rm::Trainer t(c);
+    const auto stats = t.run();
+    for (size_t k = 2; k < stats.size(); ++k) {
+      std::printf("%s auto, budget %lld (plain %lld, leanest %lld): step %zu peak %lld\n", c.model.c_str(),
+                  static_cast<long long>(budget), static_cast<long long>(plain_peak), static_cast<long long>(leanest),
+                  k + 1, static_cast<long long>(stats[k].peak_bytes));
+      EXPECT_LE(stats[k].peak_bytes, budget + budget / 100) << "step " << k + 1 << ", budget " << budget;
+    }
+    expect_same_state(state_of(*t.module()), want, c.model + " auto at budget " + std::to_string(budget));
+    const auto runs = t.auto_forwards_per_block();
+    EXPECT_FALSE(runs.empty());
+    if (budget < plain_peak * 3 / 4) {
+      EXPECT_GT(*std::max_element(runs.begin(), runs.end()), 1) << "the budget must force recomputation";
+    }
+  }
+}
+
+TEST(Train, GptAutoPeaksWithinBudgetAndMatchesPlain) { expect_auto_within_budgets(tiny_gpt()); }
+
+TEST(Train, ResNetAutoPeaksWithinBudgetAndMatchesPlain) {
   auto c = tiny_resnet();
   c.image_size = 32;
-  c.batch = 16;  // activations, not parameter gradients, dominate the floors
-  rm::Trainer plain(c);
-  const auto want = losses_of(plain.run());
-  auto net = std::dynamic_pointer_cast<rm::ResNetImpl>(plain.module());
-  ASSERT_TRUE(net);
-  torch::Tensor h;
-  {
-    torch::NoGradGuard no_grad;
-    h = net->embed(torch::randn({c.batch, 3, c.image_size, c.image_size}));
-  }
-  const int64_t whole = remat::plan::min_feasible_peak_bytes(remat::profile(net->blocks, h));
-  const int64_t split = remat::plan::min_feasible_peak_bytes(remat::profile(rm::split_blocks(net->blocks), h));
-  ASSERT_LT(split, whole * 95 / 100);
+  c.batch = 16;  // activations, not parameter gradients, dominate
+  expect_auto_within_budgets(c);
+}
+
+TEST(Train, AutoRefusesABudgetNoPlanMeets) {
+  auto c = tiny_gpt();
   c.checkpoint = Strategy::kAuto;
-  c.memory_budget_bytes = (split + whole) / 2;
+  c.memory_budget_bytes = 1000;
   rm::Trainer t(c);
-  EXPECT_EQ(losses_of(t.run()), want);
-  const auto runs = t.auto_forwards_per_block();
-  EXPECT_EQ(runs.size(), 2 * net->blocks->size());  // two halves per block
-  EXPECT_GT(*std::max_element(runs.begin(), runs.end()), 1) << "the budget must force recomputation";
+  t.step();  // warm-up (plain)
+  try {
+    t.step();  // profiled, then planned for 1000 bytes above the start
+    ADD_FAILURE() << "a 1000-byte budget must be refused";
+  } catch (const remat::Error& e) {
+    const std::string what = e.what();
+    const std::string head =
+        "[remat::train] --memory-budget 1000 B (the step's peak above its start) is below what any auto plan "
+        "reaches: ";
+    EXPECT_EQ(what.substr(0, head.size()), head) << what;
+    EXPECT_NE(what.find(" live at the step's start. Raise --memory-budget to at least that, or lower --batch, "
+                        "--seq-len, --d-model or --layers."),
+              std::string::npos)
+        << what;
+  }
 }
 
 TEST(Train, ResNetBatchNormStatsAfterBlockCheckpointEqualPlain) {
@@ -622,13 +662,17 @@ TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {
   EXPECT_EQ(code, 2);
   EXPECT_NE(out.find("remat-train: error: [remat::plan]"), std::string::npos) << out;
   EXPECT_NE(out.find("lots"), std::string::npos) << out;
+  // Refused at step 2, once profiled: step 1 (the warm-up) runs plainly.
   auto [c3, o3] =
-      run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 1 --checkpoint auto --memory-budget 1KiB");
+      run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 3 --checkpoint auto --memory-budget 1KiB");
   EXPECT_EQ(c3, 2) << o3;
-  const auto at = o3.find("remat-train: error: [remat::plan] no schedule fits in 1.00 KiB;");
+  const auto at = o3.find(
+      "remat-train: error: [remat::train] --memory-budget 1.00 KiB (the step's peak above its start) is below what "
+      "any auto plan reaches: ");
   ASSERT_NE(at, std::string::npos) << o3;
   EXPECT_EQ(std::count(o3.begin() + static_cast<std::ptrdiff_t>(at), o3.end(), '\n'), 1) << "one line: " << o3;
-  EXPECT_EQ(o3.find("step 1/1"), std::string::npos) << "no step may run: " << o3;
+  EXPECT_NE(o3.find("step 1/3"), std::string::npos) << o3;
+  EXPECT_EQ(o3.find("step 2/3"), std::string::npos) << "no planned step may run: " << o3;
 }
 
 }  // namespace

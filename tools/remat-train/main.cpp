@@ -188,11 +188,15 @@ int main(int argc, char** argv) {
                "print what one block saves for backward (op, name, shape, bytes; with the policy) and exit");
   app.add_option("--offload-dir", cfg.offload_dir,
                  "with --checkpoint offload: an existing writable directory for the saved activations' files");
-  app.add_option("--memory-budget", budget, "activation budget for --checkpoint auto, e.g. 512MiB, 2GiB, 1000000");
+  app.add_option("--memory-budget", budget,
+                 "--checkpoint auto: bound on each planned step's peak above its start (the 'peak' column: "
+                 "activations, logits, temporaries; parameters, gradients and AdamW state are outside it), "
+                 "e.g. 512MiB, 2GiB, 1000000; auto_checkpoint plans the whole step (embedding, blocks, head, loss) "
+                 "from step 2, planned steps from step 3");
   app.add_option("--max-seq-len-under", seq_cap,
-                 "GPT: find the longest --seq-len whose step peaks at or under this (e.g. 1GiB): predicted, then "
-                 "measured");
-  app.add_option("--max-batch-under", batch_cap, "GPT: the same for --batch");
+                 "GPT: find the longest --seq-len whose step peaks at or under this (e.g. 1GiB; the 'peak' "
+                 "column's quantity): predicted, then measured");
+  app.add_option("--max-batch-under", batch_cap, "the same for --batch (GPT; ResNet with --checkpoint auto)");
   app.add_option("--fit-step", fit_step, "granularity of --max-*-under (tokens or sequences)")->capture_default_str();
   app.add_option("--grad-accum", cfg.grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_option("--clip-norm", cfg.clip_norm, "max global gradient norm (0: off)")->capture_default_str();

@@ -1,7 +1,7 @@
 // The training loop behind remat-train and the demo: builds a GPT (on a text
 // file, character level or SentencePiece subwords) or a ResNet (synthetic
 // images labelled by a fixed random linear teacher, so the loss can fall),
-// wraps its blocks in one checkpoint strategy, and runs AdamW steps with
+// wraps its blocks in one checkpoint strategy (or plans the whole step, auto), and runs AdamW steps with
 // gradient accumulation, clipping, optional bf16 CPU autocast, per-step
 // telemetry (loss, items/s, step time, peak memory) and exact save/resume.
 // Leaves out: evaluation/validation splits, learning-rate schedules, data
@@ -36,7 +36,11 @@ enum class Strategy {
   kBlock,      ///< remat::checkpoint around every block
   kSqrt,       ///< remat::checkpoint_sequential with round(sqrt(blocks)) segments
   kSelective,  ///< every block switched on (remat::enable_checkpointing) with TrainConfig::policy
-  kAuto,       ///< remat::CheckpointedSequential with a memory budget (planner)
+  /** remat::auto_checkpoint over the whole step (embedding, blocks, head,
+   *  loss; its units are the model's Checkpointable modules, each kept,
+   *  recomputed or selective) under TrainConfig::memory_budget_bytes. Step
+   *  1 is plain (warm-up), step 2 profiled (plain), steps 3 on planned. */
+  kAuto,
   /** The blocks under a remat::OffloadScope: every tensor they save goes to
    *  files in TrainConfig::offload_dir (OffloadTarget::kDisk, default
    *  OffloadOptions) and is read back ahead of backward; nothing recomputed. */
@@ -98,7 +102,12 @@ struct TrainConfig {
    *  each ResNet block's first conv-bn-relu). "" (default): megatron for the
    *  GPT, save_matmuls for the ResNet. */
   std::string policy;
-  /** Budget for Strategy::kAuto, bytes (required there, ignored otherwise). */
+  /** Budget for Strategy::kAuto, bytes (required there, ignored otherwise):
+   *  a bound on StepStats::peak_bytes of each planned step, the peak above
+   *  what is live at the step's start (parameters, gradients, optimizer
+   *  state). auto_checkpoint gets this plus memory::current_bytes() at the
+   *  profiled step's start (solved again if that changes); a budget no plan
+   *  meets throws remat::Error from that step. */
   int64_t memory_budget_bytes = 0;
   /** For Strategy::kOffload: an existing, writable directory for the saved
    *  activations' files (required there, ignored otherwise). */
@@ -151,9 +160,12 @@ struct StepHooks {
 struct StepPrediction {
   /** plan::simulate of the strategy's schedule on the profiled chain
    *  embed -> blocks -> head + loss, bytes above the step's start: what
-   *  StepStats::peak_bytes measures once the gradients exist (step 2 on). */
+   *  StepStats::peak_bytes measures once the gradients exist (step 2 on).
+   *  kAuto: the auto plan's predicted peak above the profiled step's start
+   *  (with a cap: the leanest plan's, plan::min_peak_step). */
   int64_t peak_bytes = 0;
-  /** Strategy::kAuto: the planner budget the schedule was solved for; 0 otherwise. */
+  /** Strategy::kAuto: the budget above the step's start (the cap, or
+   *  memory_budget_bytes); 0 otherwise. */
   int64_t auto_budget_bytes = 0;
   /** Parameters, their gradients and both AdamW moments (sgd: none), bytes: allocated
    *  before the step, so outside peak_bytes (4 x the parameters' bytes; sgd 2 x). */
@@ -210,7 +222,7 @@ struct FitResult {
   int64_t next_measured_peak_bytes = -1;
   /** True when value is max_value (the data or the limit, not the cap, stopped the search). */
   bool at_max_value = false;
-  /** Strategy::kAuto: the planner budget at value (see predict_step). */
+  /** Strategy::kAuto: the budget at value, above the step's start (the cap). */
   int64_t auto_budget_bytes = 0;
   /** StepPrediction::fixed_bytes at value (not under the cap). */
   int64_t fixed_bytes = 0;
@@ -279,30 +291,33 @@ class Trainer {
   /** The GPT's tokenizer (its vocab_size() is the model's vocabulary);
    *  nullptr for the ResNet. */
   const Tokenizer* tokenizer() const;
-  /** With --checkpoint auto after a step: forward executions per stage of
-   *  the planned chain in the last step (the plan's count; > 1 where a stage
-   *  was recomputed): a GPT block, or a ResNet block's two halves
-   *  (split_blocks). Empty for the other strategies. */
+  /** With --checkpoint auto once planned (step 2 on): per block (GPT block
+   *  or ResNet block, in order), forward runs per call under the plan in
+   *  force: 1 for keep (or offload), 2 for recompute or selective (its
+   *  forward runs again, wholly or in part, in backward). Empty before the
+   *  plan and for the other strategies. */
   std::vector<int> auto_forwards_per_block() const;
   /** The config, with defaults resolved (e.g. layers 0 -> 6 for the GPT). */
   const TrainConfig& config() const;
   /** Allocates the parameter gradients (zeros) and, with Strategy::kAuto,
-   *  profiles and plans on a batch, so that the next step() measures what
-   *  a later step would (no gradient allocation, no profiling). */
+   *  runs the warm-up and profiled steps (real steps: they update the
+   *  parameters and count in steps_done()), so that the next step() measures
+   *  what a later step would (no gradient allocation, no profiling). */
   void prepare();
   /** Predicts the peak of one step (GPT only): profiles the chain embed ->
    *  blocks -> head + loss once (remat::profile, one run per stage) on a
    *  batch, then plan::simulate's the strategy's schedule on it (none and
    *  selective: store-all, the selective blocks profiled switched on; block:
    *  every block recomputed before its backward; sqrt: plan::uniform, as
-   *  checkpoint_sequential runs; auto: plan::optimal on the blocks). For
-   *  kAuto with cap_bytes > 0 the budget is the largest found that keeps
-   *  the whole step's prediction <= cap_bytes (the blocks' budget minus what
-   *  embed and head add); with cap_bytes 0, config().memory_budget_bytes.
+   *  checkpoint_sequential runs). kAuto (GPT or ResNet): prepare() (the
+   *  warm-up and profiled steps of auto_checkpoint), then with cap_bytes > 0
+   *  the smallest peak any plan reaches (plan::min_peak_step on
+   *  step_model()), with cap_bytes 0 the plan for config().memory_budget_bytes,
+   *  each minus the bytes live at the profiled step's start.
    *  kOffload is not modeled (what the store holds, writes in flight and
    *  reads ahead, depends on the disk's pace): prepare() and one measured
    *  step() on this Trainer give peak_bytes instead.
-   *  Throws remat::Error for the ResNet or an infeasible budget. */
+   *  Throws remat::Error for the ResNet (but kAuto) or an infeasible budget. */
   StepPrediction predict_step(int64_t cap_bytes = 0);
   /** What one block saves for backward on a batch (remat::saved_residuals,
    *  with the selective policy when there is one), and the switch's state. */
@@ -321,8 +336,8 @@ class Trainer {
  *  stepping down by options.step while it exceeds the cap, and one at
  *  answer + step; when that fits too (a conservative prediction), steps up,
  *  at most kFitMaxStepsUp times, until answer + step measures over the cap. Logs each probe and measurement to log (if
- * not null). Throws remat::Error for the ResNet, a cap <= 0, a resume path, or a cap that even the smallest value
- * exceeds (naming its peak and remedies). */
+ * not null). Throws remat::Error for the ResNet (but --max-batch-under with kAuto), a cap <= 0, a resume path, or a cap
+ * that even the smallest value exceeds (naming its peak and remedies). */
 FitResult max_under(const TrainConfig& config, const FitOptions& options, std::ostream* log = nullptr);
 
 /** "--max-seq-len-under 1.00 GiB, checkpoint block: seq_len 1536 ..." (several lines). */
