@@ -32,7 +32,9 @@
 //                  replan on overrun, so the recorded peak is the plan's own)
 //   auto=S        auto at the peak hand-placed strategy S measured in a warm
 //                 step before the rounds (the comparison at equal memory)
-// auto_checkpoint profiles once (1 plain warm-up step, 1 profiled step);
+// auto_checkpoint profiles once (1 plain warm-up step, 1 profiled step),
+// then runs two measured steps under the leanest of 8 budgets whose plan
+// offloads, which price offload by what the real step pays for it;
 // then the strategies run interleaved, one step each in turn, for --rounds
 // rounds (3). Per step: wall time (zero_grad to the end of the AdamW step)
 // and the peak of remat::memory's tracked CPU bytes during the step, all
@@ -189,6 +191,19 @@ int main(int argc, char** argv) {
   planner.step(step);  // warm-up
   planner.step(step);  // profiled
   const double profile_s = secs_since(p0);
+  // Calibration: two measured steps under the plan of the leanest budget
+  // (of 8 evenly spaced ones) that offloads, so that auto prices offload by
+  // what a real step pays for it (NOTE [offload priced by the step]).
+  int calibration_steps = 0;
+  for (int i = 0; i < 8 && calibration_steps == 0; ++i) {
+    const int64_t lo = planner.leanest_peak_bytes(), hi = planner.profiled_peak_bytes();
+    planner.replan(lo + (hi - lo) * i / 7);
+    bool offloads = false;
+    for (const auto& u : planner.units()) offloads |= u.options[u.choice].rfind("offload", 0) == 0;
+    if (!offloads) continue;
+    for (; calibration_steps < 2; ++calibration_steps) planner.step(step);
+    std::printf("%s", planner.explain().c_str());
+  }
   const auto& model = planner.step_model();
   const auto l0 = Clock::now();
   const int64_t low = planner.leanest_peak_bytes(), high = planner.profiled_peak_bytes();
@@ -285,10 +300,10 @@ int main(int argc, char** argv) {
   }
   out << ", \"rounds\": " << rounds << ", \"quick\": " << (quick ? "true" : "false")
       << ", \"offload\": {\"target\": \"kDisk\", \"max_inflight_bytes\": " << store.max_inflight_bytes() << "}}\n";
-  out << "{\"kind\": \"profile\", \"profile_s\": " << num(profile_s) << ", \"units\": " << model.units.size()
-      << ", \"segments\": " << model.segment_peak_bytes.size() << ", \"profiled_peak\": " << high
-      << ", \"profiled_ms\": " << num(planner.profiled_time_ms()) << ", \"leanest_peak\": " << low
-      << ", \"leanest_solve_ms\": " << num(leanest_ms) << "}\n";
+  out << "{\"kind\": \"profile\", \"profile_s\": " << num(profile_s) << ", \"calibration_steps\": " << calibration_steps
+      << ", \"units\": " << model.units.size() << ", \"segments\": " << model.segment_peak_bytes.size()
+      << ", \"profiled_peak\": " << high << ", \"profiled_ms\": " << num(planner.profiled_time_ms())
+      << ", \"leanest_peak\": " << low << ", \"leanest_solve_ms\": " << num(leanest_ms) << "}\n";
   std::printf("\n%-14s %10s %8s %14s %10s %10s\n", "strategy", "step ms", "x plain", "peak", "x plain", "budget");
   for (auto& r : recs) {
     for (int i = 0; i < rounds; ++i) r.time_ratios.push_back(r.ms[i] / plain.ms[i]);

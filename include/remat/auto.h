@@ -36,6 +36,10 @@
 // remat::memory::enable_tracking(), which auto_checkpoint() calls: tensors
 // allocated before (e.g. parameters of a model built earlier) are not in
 // the figures; call enable_tracking() first thing in main() to count them.
+// A planned step that offloads and runs more than 10% over its predicted
+// time charges the excess to the offload options, per byte they send, and
+// the plan is solved again (the real step's transfer rate, which isolated
+// runs through a warm page cache do not show; explain() says so).
 // Offload is priced conservatively: a unit's inputs are counted as held by
 // whoever made them, so the bytes an offloaded (or recomputed) unit frees by
 // releasing its inputs are not credited, and writes are priced as if they

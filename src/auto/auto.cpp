@@ -332,6 +332,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
   bool planned = false;
   int64_t budget = 0;
   int replans = 0;
+  int reprices = 0;               // NOTE [offload priced by the step]
+  double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
@@ -719,6 +721,48 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     }
   }
 
+  /** NOTE [offload priced by the step]: an isolated run writes and reads
+   *  one call's tensors through a warm page cache; a real step sends every
+   *  offloaded unit's at once, and a disk (or a machine whose fresh pages
+   *  are slow) can take far longer for that. When a planned step that
+   *  offloads runs more than 10% over its predicted time, the excess is
+   *  charged to the offload options the plan uses, per byte they send (what
+   *  keep would have kept less what the option keeps), on every call of
+   *  every unit, and the plan is solved again: the step measures the transfer
+   *  bandwidth that the isolated runs could not. Returns true when it
+   *  repriced. */
+  bool reprice_offload(double step_ms) {
+    const plan::StepPrediction& p = step_plan.prediction;
+    if (options.offload().empty() || !(step_ms > 1.10 * p.time_ms)) return false;
+    const size_t n = options.offload().size();
+    double sent = 0;                   // bytes the plan's offloaded calls send
+    std::vector<bool> used(n, false);  // which of options.offload() the plan uses
+    for (size_t j = 0; j < step_model.units.size(); ++j) {
+      const plan::StepUnit& su = step_model.units[j];
+      const size_t k = static_cast<size_t>(p.choice[j]);
+      if (su.options.size() <= n || k < su.options.size() - n) continue;  // not an offload option
+      used[k - (su.options.size() - n)] = true;
+      for (const plan::StepCall& c : su.calls) {
+        sent += static_cast<double>(std::max<int64_t>(0, c.costs[0].kept_bytes - c.costs[k].kept_bytes));
+      }
+    }
+    if (sent <= 0) return false;
+    const double per_byte = (step_ms - p.time_ms) / sent;
+    offload_ms_per_gib += per_byte * static_cast<double>(int64_t{1} << 30);
+    for (plan::StepUnit& su : step_model.units) {
+      if (su.options.size() <= n) continue;
+      for (plan::StepCall& c : su.calls) {
+        for (size_t k = su.options.size() - n; k < su.options.size(); ++k) {
+          if (!used[k - (su.options.size() - n)]) continue;
+          c.costs[k].time_ms +=
+              per_byte * static_cast<double>(std::max<int64_t>(0, c.costs[0].kept_bytes - c.costs[k].kept_bytes));
+        }
+      }
+    }
+    ++reprices;
+    return true;
+  }
+
   void measured_step(const std::function<void()>& fn) {
     memory::enable_tracking();
     memory::reset_peak();
@@ -726,7 +770,16 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     fn();
     measured_ms = ms_since(t0);
     measured_peak = memory::peak_bytes();
-    if (options.replan_on_overrun() && static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget)) {
+    const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
+    if (!overrun && reprice_offload(measured_ms)) {
+      try {
+        solve_and_apply(step_plan.budget_bytes);
+      } catch (const Error&) {
+        // The plan in force stays.
+      }
+      return;
+    }
+    if (options.replan_on_overrun() && overrun) {
       const int64_t target = step_plan.budget_bytes - (measured_peak - budget);
       try {
         solve_and_apply(target);
@@ -917,6 +970,12 @@ std::string AutoCheckpoint::explain() const {
                : std::string())
        << fmt_ms(m.step_plan.solve_ms)
        << (m.replans ? ", solved again " + std::to_string(m.replans) + "x after overruns" : "") << "\n";
+    if (m.reprices > 0) {
+      char b[160];
+      std::snprintf(b, sizeof b, "offload repriced %dx from measured steps: +%.0f ms per GiB sent\n", m.reprices,
+                    m.offload_ms_per_gib);
+      os << b;
+    }
     if (m.step_plan.budget_bytes != 0 && m.inflight_margin() > 0 && p.peak_bytes + m.inflight_margin() <= m.budget) {
       bool offloads = false;
       for (const auto& u : units()) offloads |= u.options[u.choice].rfind("offload disk", 0) == 0;

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <remat/auto.h>
@@ -471,6 +473,27 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
         << planner.explain();
   }
   EXPECT_EQ(files_in(dir), 0u) << "the offload files outlive the steps";
+  // A step that offloads and runs well over its prediction (here slowed by
+  // a sleep) reprices the offload options and solves again.
+  double before = 0, after = 0;
+  auto offload_ms = [&] {
+    double t = 0;
+    for (const auto& u : planner.step_model().units) {
+      for (const auto& c : u.calls) t += c.costs[c.costs.size() - 2].time_ms + c.costs.back().time_ms;
+    }
+    return t;
+  };
+  before = offload_ms();
+  const double predicted = planner.plan().prediction.time_ms;
+  planner.step([&] {
+    w.step(k++);
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(500 * predicted)));
+  });
+  after = offload_ms();
+  EXPECT_GT(after, before);
+  EXPECT_NE(planner.explain().find("offload repriced 1x from measured steps: +"), std::string::npos)
+      << planner.explain();
+  EXPECT_LE(planner.plan().prediction.peak_bytes, planner.budget_bytes());
 }
 
 TEST(Auto, ExplainAndTraceDescribeThePlan) {
