@@ -1,7 +1,8 @@
 """What fits under a memory cap: the longest sequence (and the largest batch)
 each checkpoint strategy trains the GPT with, one remat-train process per
 strategy and question (--max-seq-len-under / --max-batch-under). Each answer
-is a prediction (profiled chain + plan::simulate, or the planner for auto)
+is a prediction (profiled chain + plan::simulate; for auto the leanest
+whole-step plan of auto_checkpoint's profiled step)
 verified by one measured training step at the answer and at answer + step
 (offload, which the op model leaves out, is searched by measured steps).
 Writes a markdown table, a CSV and a PNG (docs/img/what_fits.png).
@@ -70,7 +71,7 @@ def parse(out, what):
          "measurements": len(re.findall(r"^  measure ", out, re.M))}
     for key, (v, pred, meas) in zip(["at", "next"], rows):
         r[key] = (int(v), to_bytes(pred), to_bytes(meas) if meas else -1)
-    budget = re.search(r"planner budget for the blocks: ([\d.]+ \w+)", out)
+    budget = re.search(r"(?:planner budget for the blocks|auto's budget \(the whole step, above its start\)): ([\d.]+ \w+)", out)
     r["budget"] = to_bytes(budget.group(1)) if budget else 0
     fixed = re.search(r"AdamW moments add ([\d.]+ \w+)", out)
     r["fixed"] = to_bytes(fixed.group(1)) if fixed else 0
@@ -136,7 +137,8 @@ def main():
           f"{size(fixed)} at the first row's seq_len (outside the cap).")
     for r in rows:
         if r["seq_len"]["budget"]:
-            print(f"{r['strategy']}: planner budget for the blocks at its answer: {size(r['seq_len']['budget'])}")
+            print(f"{r['strategy']}: auto's budget (the whole step, above its start) at its answer: "
+                  f"{size(r['seq_len']['budget'])}")
     report(a, rows)
 
 
