@@ -1,12 +1,13 @@
-"""Renders the whole-step planner's results: auto.json (bench/auto/remat_auto, JSON lines), auto-py.json
-(bench/py/auto_py.py: PyTorch's own strategies on the same step) and step_solve.json
-(bench/plan/step_solve.cpp, JSON lines).
+"""Renders the whole-step planner's results: auto.json and auto-resnet.json (bench/auto/remat_auto, --model gpt
+and resnet, JSON lines), auto-py.json (bench/py/auto_py.py: PyTorch's own strategies on the same GPT step) and
+step_solve.json (bench/plan/step_solve.cpp, JSON lines).
 
 Fragments: `auto-frontier` (every strategy's step time and peak against plain, auto's budgets,
 predictions and plans; PyTorch's eager strategies and torch.compile at each activation_memory_budget),
 `auto-targets` (the targets, met or missed, computed from those tables), `auto-compile` (auto's points
-against torch.compile's at each budget fraction) and `auto-solver` (solve time against the number of units).
---quick reads auto-quick.json and auto-py-quick.json.
+against torch.compile's at each budget fraction), `auto-frontier-resnet` and `auto-targets-resnet` (the same
+for the ResNet, remat only) and `auto-solver` (solve time against the number of units).
+--quick reads the -quick files.
 Leaves out: measuring.
 """
 import json
@@ -40,8 +41,17 @@ def frontier(recs, py=None):
     prof = next(r for r in recs if r["kind"] == "profile")
     strat = [r for r in recs if r["kind"] == "strategy"]
     s = meta["size"]
-    out = [f"GPT whole step: d_model {s['d_model']}, {s['heads']} heads, {s['blocks']} blocks, T {s['seq_len']}, "
-           f"batch {s['batch']}, vocabulary {s['vocab']}, AdamW; 1 intra-op thread; {meta['rounds']} rounds, "
+    if meta.get("model", "gpt") == "gpt":
+        what = (f"GPT whole step: d_model {s['d_model']}, {s['heads']} heads, {s['blocks']} blocks, T {s['seq_len']}, "
+                f"batch {s['batch']}, vocabulary {s['vocab']}, AdamW")
+    else:
+        what = (f"ResNet-{s['depth']} whole step: width {s['width']}, {s['image']}x{s['image']} images, batch "
+                f"{s['batch']}, {s['classes']} classes, SGD with momentum")
+    off = meta.get("offload")
+    if off:
+        what += (f"; offload to {off['target']} files on this machine's disk with "
+                 f"{_mib(off['max_inflight_bytes'])} in flight")
+    out = [f"{what}; 1 intra-op thread; {meta['rounds']} rounds, "
            f"strategies interleaved step by step; time ratios are medians of per-round ratios to plain "
            f"[min-max]; peaks are the step's tracked CPU bytes, everything counted (parameters, gradients, "
            f"AdamW state, activations). Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}. "
@@ -154,6 +164,7 @@ def targets(recs, py=None):
     prof = next(r for r in recs if r["kind"] == "profile")
     autos = [r for r in strat if r["name"].startswith("auto")]
     hand = [r for r in strat if not r["name"].startswith("auto") and r["name"] != "plain"]
+    remat_hand = list(hand)
     if py:  # PyTorch's points, by their ratios to their own plain step
         hand += [dict(r, name="PyTorch " + r["name"]) for r in py if r["kind"] == "strategy" and r["name"] != "plain"]
         comp = _compiled(py)  # against the eager plain step of their rounds: the same bytes as remat's plain
@@ -180,20 +191,37 @@ def targets(recs, py=None):
                 + ("none faster at equal or less memory" if not dominated else "beaten by " + "; ".join(dominated))
                 + f" | {'met' if not dominated else 'missed'} |")
 
-    # 2. At 0.5 of plain's peak, auto <= 1.03x plain time.
-    half = [a for a in autos if a["peak_ratio"] <= 0.5]
-    if half:
-        best = min(half, key=lambda a: a["time_ratio"]["median"])
-        rows.append(f"| at 0.5 of plain's peak, auto <= 1.03x plain time | {best['time_ratio']['median']:.3f}x at "
-                    f"{best['peak_ratio']:.3f} | {'met' if best['time_ratio']['median'] <= 1.03 else 'missed'} |")
-    else:
-        lean = min(a["peak_ratio"] for a in autos)
-        rows.append(f"| at 0.5 of plain's peak, auto <= 1.03x plain time | the leanest plan is {lean:.3f} of plain "
-                    f"| missed (not reachable by keep / recompute / selective) |")
+    # 2. At 0.5 of plain's peak, auto <= 1.03x plain time; at 0.25, <= 1.08x (offload allowed).
+    for frac, limit in ((0.5, 1.03), (0.25, 1.08)):
+        at = [a for a in autos if a["peak_ratio"] <= frac]
+        if at:
+            best = min(at, key=lambda a: a["time_ratio"]["median"])
+            rows.append(f"| at {frac} of plain's peak, auto <= {limit:.2f}x plain time | "
+                        f"{best['time_ratio']['median']:.3f}x at {best['peak_ratio']:.3f} | "
+                        f"{'met' if best['time_ratio']['median'] <= limit else 'missed'} |")
+        else:
+            lean = min(a["peak_ratio"] for a in autos)
+            rows.append(f"| at {frac} of plain's peak, auto <= {limit:.2f}x plain time | the leanest plan is "
+                        f"{lean:.3f} of plain | missed (not reachable by any option of the menu) |")
+
+    # 2b. Somewhere auto is >= 5% faster than remat's best hand-placed point of equal memory: for each
+    # hand-placed point, auto's fastest point as lean.
+    gains = []
+    for h in remat_hand:
+        fit = [a for a in autos if a["peak_ratio"] <= h["peak_ratio"]]
+        if fit:
+            a = min(fit, key=lambda x: x["time_ratio"]["median"])
+            gains.append((h["time_ratio"]["median"] / a["time_ratio"]["median"] - 1, a, h))
+    if gains:
+        g, a, h = max(gains, key=lambda x: x[0])
+        rows.append(f"| somewhere auto is >= 5% faster than remat's best hand-placed point of equal memory | "
+                    f"{g * 100:+.1f}%: {a['label']} ({a['time_ratio']['median']:.3f}x at {a['peak_ratio']:.3f}) "
+                    f"against {h['label']} ({h['time_ratio']['median']:.3f}x at {h['peak_ratio']:.3f}) | "
+                    f"{'met' if g >= 0.05 else 'missed'} |")
 
     # 3. Measured peak <= budget on every point; predicted peak within 3%, time within 10%.
-    over = [a for a in autos if a["peak"] > a["budget"]]
-    rows.append(f"| measured peak <= budget on every auto point | "
+    over = [a for a in autos if a["peak"] > 1.01 * a["budget"]]
+    rows.append(f"| measured peak <= budget (+1% for allocator rounding) on every auto point | "
                 f"{max(a['peak'] / a['budget'] for a in autos):.4f} of the budget at most | "
                 f"{'met' if not over else 'missed'} |")
     perr = max(abs(a["predicted_peak"] / a["peak"] - 1) for a in autos)
@@ -233,7 +261,10 @@ def drive(build_dir, quick, env=None, timeout=3600):
     env.pop("LD_PRELOAD", None)  # remat::memory counts by itself
     print(f"whole step under a budget ({'quick' if quick else 'reference'} size): remat_auto", flush=True)
     out = os.path.join(RESULTS, "auto-quick.json" if quick else "auto.json")
-    cmds = [[exe, "--threads", "1", "--out", out] + (["--quick"] if quick else [])]
+    out_resnet = os.path.join(RESULTS, "auto-resnet-quick.json" if quick else "auto-resnet.json")
+    rounds = [] if quick else ["--rounds", "5"]
+    cmds = [[exe, "--threads", "1", "--out", out] + rounds + (["--quick"] if quick else []),
+            [exe, "--model", "resnet", "--threads", "1", "--out", out_resnet] + rounds + (["--quick"] if quick else [])]
     if not quick:
         cmds.append([solve, "--out", os.path.join(RESULTS, "step_solve.json")])
     for cmd in cmds:
@@ -256,6 +287,10 @@ def fragments(quick=False):
         frags["auto-targets"] = targets(recs, py)
         if _compiled(py):
             frags["auto-compile"] = compare_compile(recs, py)
+    resnet = _lines(os.path.join(RESULTS, "auto-resnet-quick.json" if quick else "auto-resnet.json"))
+    if resnet:
+        frags["auto-frontier-resnet"] = frontier(resnet)
+        frags["auto-targets-resnet"] = targets(resnet)
     solves = _lines(os.path.join(RESULTS, "step_solve.json"))
     if solves and not quick:
         frags["auto-solver"] = solver(solves)

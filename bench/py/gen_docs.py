@@ -11,7 +11,8 @@ alloc.json `alloc`, ddp_scaling.json and ddp_scaling-small.json
 for longctx.json with longctx-py.json: `longctx`; long_context_fits.fragments
 for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
 gpu-h200.json: `gpu-blocks`, `gpu-longctx`; auto_results.fragments for
-auto.json and step_solve.json: `auto-frontier`, `auto-targets`, `auto-solver`; headline.fragments:
+auto.json, auto-resnet.json, auto-py.json and step_solve.json: `auto-frontier`, `auto-targets`,
+`auto-compile`, `auto-frontier-resnet`, `auto-targets-resnet`, `auto-solver`; headline.fragments:
 `readme-headline` from all of them. In the docs a fragment stands between
     <!-- generated: NAME -->
     ...
