@@ -487,7 +487,7 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   const double predicted = planner.plan().prediction.time_ms;
   planner.step([&] {
     w.step(k++);
-    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(500 * predicted)));
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(2000 * predicted)));
   });
   after = offload_ms();
   EXPECT_GT(after, before);
