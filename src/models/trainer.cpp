@@ -669,13 +669,18 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
     // The smallest peak any plan of the profiled step reaches, above the
     // profiled step's start; the budget is the cap (or --memory-budget).
     out.auto_budget_bytes = cap_bytes > 0 ? cap_bytes : m.cfg.memory_budget_bytes;
-    const int64_t keep = m.cfg.memory_budget_bytes;
+    struct Restore {  // --memory-budget back, also when prepare() throws
+      int64_t& budget;
+      int64_t value;
+      ~Restore() { budget = value; }
+    } restore{m.cfg.memory_budget_bytes, m.cfg.memory_budget_bytes};
     m.cfg.memory_budget_bytes = std::numeric_limits<int64_t>::max() / 4;  // profile without refusing a budget
     prepare();
-    m.cfg.memory_budget_bytes = keep;
-    const int64_t leanest = plan::min_peak_step(m.auto_ck->step_model()).prediction.peak_bytes - m.auto_start_bytes;
+    m.cfg.memory_budget_bytes = restore.value;
+    const int64_t leanest = m.auto_ck->leanest_peak_bytes() - m.auto_start_bytes;
     if (cap_bytes > 0) {
       out.peak_bytes = leanest;
+      m.auto_start_bytes = -1;  // the next step plans for --memory-budget again, not the profile's unbounded one
     } else {
       m.set_auto_budget(m.auto_start_bytes);  // throws when no plan meets --memory-budget
       out.peak_bytes = m.auto_ck->plan().prediction.peak_bytes - m.auto_start_bytes;
