@@ -16,13 +16,13 @@ std::string stage_label(const Chain& chain, int i) {
   return "stage " + std::to_string(i) + " (\"" + chain.stages[i].name + "\")";
 }
 
-void check_size(const Chain& chain, int i, const char* field, int64_t v) {
+void check_size(const Chain& chain, int i, const std::string& field, int64_t v) {
   if (v < 0)
     throw Error("[remat::plan] chain: " + stage_label(chain, i) + ": " + field + " is negative (" + std::to_string(v) +
                 "); sizes are bytes >= 0.");
 }
 
-void check_time(const Chain& chain, int i, const char* field, double v) {
+void check_time(const Chain& chain, int i, const std::string& field, double v) {
   if (!std::isfinite(v) || v < 0) {
     char buf[64];
     std::snprintf(buf, sizeof buf, "%g", v);
@@ -31,6 +31,54 @@ void check_time(const Chain& chain, int i, const char* field, double v) {
   }
 }
 
+}  // namespace
+
+Stage Stage::with_option(int k) const {
+  if (k == 0) return *this;
+  const StageOption& o = options.at(static_cast<size_t>(k - 1));
+  Stage s = *this;
+  s.saved_bytes = o.saved_bytes;
+  s.forward_ms = o.forward_ms;
+  s.backward_ms = o.backward_ms;
+  s.forward_tmp_bytes = o.forward_tmp_bytes;
+  s.backward_tmp_bytes = o.backward_tmp_bytes;
+  s.backward_freed_bytes = o.backward_freed_bytes;
+  s.recompute_ms = -1;
+  s.options.clear();
+  return s;
+}
+
+bool Chain::has_options() const {
+  return std::any_of(stages.begin(), stages.end(), [](const Stage& s) { return !s.options.empty(); });
+}
+
+namespace {
+/** An option's fields, in the words of its stage's errors. */
+void check_option(const Chain& chain, int i, size_t k) {
+  const Stage& s = chain.stages[i];
+  const StageOption& o = s.options[k];
+  const std::string f = "options[" + std::to_string(k) + "] (\"" + o.name + "\").";
+  check_time(chain, i, f + "forward_ms", o.forward_ms);
+  check_time(chain, i, f + "backward_ms", o.backward_ms);
+  check_size(chain, i, f + "saved_bytes", o.saved_bytes);
+  check_size(chain, i, f + "forward_tmp_bytes", o.forward_tmp_bytes);
+  check_size(chain, i, f + "backward_tmp_bytes", o.backward_tmp_bytes);
+  check_size(chain, i, f + "backward_freed_bytes", o.backward_freed_bytes);
+  auto fail = [&](const std::string& why) {
+    throw Error("[remat::plan] chain: " + stage_label(chain, i) + ": " + f + why);
+  };
+  if (o.saved_bytes < s.output_bytes)
+    fail("saved_bytes (" + std::to_string(o.saved_bytes) + ") < output_bytes (" + std::to_string(s.output_bytes) +
+         "); an option keeps at least the stage's output.");
+  if (o.forward_ms < s.forward_ms || o.backward_ms < s.backward_ms)
+    fail("forward_ms or backward_ms below the stage's own (" + std::to_string(s.forward_ms) + ", " +
+         std::to_string(s.backward_ms) +
+         " ms); an option costs at least what keeping everything costs (the "
+         "profiler raises a faster measurement to the stage's).");
+  if (o.backward_freed_bytes - o.saved_bytes > s.grad_bytes() - s.shared_input_bytes)
+    fail("backward_freed_bytes (" + std::to_string(o.backward_freed_bytes) +
+         ") exceeds what its backward can free (its saved set and the gradient at the output).");
+}
 }  // namespace
 
 void Chain::validate() const {
@@ -71,6 +119,7 @@ void Chain::validate() const {
       throw Error("[remat::plan] chain: " + stage_label(*this, i) + ": saved_bytes (" + std::to_string(s.saved_bytes) +
                   ") < output_bytes (" + std::to_string(s.output_bytes) +
                   "); the saved set includes the stage's output.");
+    for (size_t k = 0; k < s.options.size(); ++k) check_option(*this, i, k);
   }
   // Live bytes in simulate() and the solvers are sums of these fields (at most
   // about four times their total): bounding the total keeps them in int64_t.
@@ -92,6 +141,12 @@ void Chain::validate() const {
     add(s.backward_tmp_bytes);
     add(s.backward_freed_bytes);
     add(std::max<int64_t>(0, s.output_grad_bytes));
+    for (const StageOption& o : s.options) {
+      add(o.saved_bytes);
+      add(o.forward_tmp_bytes);
+      add(o.backward_tmp_bytes);
+      add(o.backward_freed_bytes);
+    }
   }
 }
 

@@ -49,6 +49,14 @@ struct Slots {
   /** A forward_save's ms when early stop cuts it: recompute_ms where
    *  profiled, else f. */
   std::vector<double> fr;
+  /** A stage's other options (Stage::options), sizes as above. Only
+   *  PersistentDp reads them (optimal() plans chains with options in that
+   *  scope only). */
+  struct Opt {
+    int32_t sv, ft, bk;
+    double f, b;
+  };
+  std::vector<std::vector<Opt>> opt;  // per stage; option k >= 1 is opt[s][k - 1]
   /** ms of a subproblem's base case, forward_save(t) then backward(t): for
    *  t < L-1 the backward has started and nothing reads a_{t+1} before
    *  backward(t) (stage t+1 is done), so the forward_save is cut short. */
@@ -79,6 +87,7 @@ class PersistentDp {
 
  private:
   size_t row(int s, int t) const { return static_cast<size_t>(t) * (t + 1) / 2 + s; }
+  /** -1 - k for option A under stage option k (the base case too), else s'. */
   int choice(int s, int t, int m) const;
   void emit(std::vector<Op>& ops, int s, int t, int m) const;
 

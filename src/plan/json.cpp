@@ -96,6 +96,26 @@ Chain chain_from_json(std::string_view text) {
     stage.backward_freed_bytes = get_bytes(s, "backward_freed_bytes", path, false);
     stage.shared_input_bytes = get_bytes(s, "shared_input_bytes", path, false);
     if (s.contains("output_grad_bytes")) stage.output_grad_bytes = get_bytes(s, "output_grad_bytes", path, true);
+    if (auto opts = s.find("options"); opts != s.end()) {
+      if (!opts->is_array()) field_error(path + "options", "expected an array of options.");
+      for (size_t k = 0; k < opts->size(); ++k) {
+        const json& o = (*opts)[k];
+        const std::string op = path + "options[" + std::to_string(k) + "].";
+        if (!o.is_object()) field_error(path + "options[" + std::to_string(k) + "]", "expected an object.");
+        StageOption opt;
+        auto oname = o.find("name");
+        if (oname == o.end()) opt.name = "option" + std::to_string(k + 1);
+        else if (oname->is_string()) opt.name = oname->get<std::string>();
+        else field_error(op + "name", "expected a string.");
+        opt.saved_bytes = get_bytes(o, "saved_bytes", op, true);
+        opt.forward_ms = get_ms(o, "forward_ms", op);
+        opt.backward_ms = get_ms(o, "backward_ms", op);
+        opt.forward_tmp_bytes = get_bytes(o, "forward_tmp_bytes", op, false);
+        opt.backward_tmp_bytes = get_bytes(o, "backward_tmp_bytes", op, false);
+        opt.backward_freed_bytes = get_bytes(o, "backward_freed_bytes", op, false);
+        stage.options.push_back(std::move(opt));
+      }
+    }
     if (stage.saved_bytes < stage.output_bytes)
       field_error(path + "saved_bytes", "(" + std::to_string(stage.saved_bytes) + ") < output_bytes (" +
                                             std::to_string(stage.output_bytes) +
@@ -124,6 +144,20 @@ std::string chain_to_json(const Chain& chain, int indent) {
     if (s.backward_freed_bytes) o["backward_freed_bytes"] = s.backward_freed_bytes;
     if (s.shared_input_bytes) o["shared_input_bytes"] = s.shared_input_bytes;
     if (s.output_grad_bytes >= 0) o["output_grad_bytes"] = s.output_grad_bytes;
+    if (!s.options.empty()) {
+      json opts = json::array();
+      for (const StageOption& x : s.options) {
+        json e = {{"name", x.name},
+                  {"saved_bytes", x.saved_bytes},
+                  {"forward_ms", x.forward_ms},
+                  {"backward_ms", x.backward_ms}};
+        if (x.forward_tmp_bytes) e["forward_tmp_bytes"] = x.forward_tmp_bytes;
+        if (x.backward_tmp_bytes) e["backward_tmp_bytes"] = x.backward_tmp_bytes;
+        if (x.backward_freed_bytes) e["backward_freed_bytes"] = x.backward_freed_bytes;
+        opts.push_back(e);
+      }
+      o["options"] = opts;
+    }
     j["stages"].push_back(o);
   }
   return j.dump(indent);
@@ -147,6 +181,12 @@ std::string plan_to_json(const Chain& chain, const Plan& plan, int indent) {
     const Op& op = plan.schedule.ops[k];
     json o = {{"op", op_kind_name(op.kind)}, {"stage", op.stage}};
     if (op.kind != OpKind::kDrop && op.stage >= 0 && op.stage < chain.size()) o["name"] = chain.stages[op.stage].name;
+    if (op.option != 0) {
+      o["option"] = op.option;
+      if (op.stage >= 0 && op.stage < chain.size() && op.option > 0 &&
+          op.option <= static_cast<int>(chain.stages[op.stage].options.size()))
+        o["option_name"] = chain.stages[op.stage].options[op.option - 1].name;
+    }
     if (k < p.op_bytes.size()) o["bytes"] = p.op_bytes[k];
     ops.push_back(o);
   }

@@ -88,6 +88,19 @@ PersistentDp::PersistentDp(const Slots& s) : d_(s), width_(static_cast<size_t>(s
           const Cost* child = &cost_[rc * width] - sv[s];
           for (int m = lo; m <= M; ++m) out[m] = fb + child[m];
         }
+        // The stage's other options (never cut short: no early stop under them).
+        for (const Slots::Opt& o : d_.opt[s]) {
+          int olo = std::max(D + o.sv + o.ft, o.bk);
+          const Cost ofb = static_cast<Cost>(o.f + o.b);
+          if (d == 0) {
+            for (int m = olo; m <= M; ++m) out[m] = std::min(out[m], ofb);
+          } else {
+            const size_t rc = row(s + 1, t);
+            olo = std::max(olo, need_[rc] + o.sv);
+            const Cost* child = &cost_[rc * width] - o.sv;
+            for (int m = olo; m <= M; ++m) out[m] = std::min(out[m], ofb + child[m]);
+          }
+        }
       }
       // Option B(s2): checkpoint a_{s2}. From m = sat on, option A already
       // gives the least possible time (each stage forward and backward once;
@@ -128,10 +141,24 @@ int PersistentDp::choice(int s, int t, int m) const {
   const size_t width = width_;
   const Cost target = cost_[row(s, t) * width + m];
   const int D = d_.dst(t);
-  if (s == t) return -1;
+  if (s == t) {
+    if (m >= std::max(D + sv[s] + ft[s], bk[s]) && static_cast<Cost>(d_.base_ms(s)) == target) return -1;
+    for (size_t k = 0; k < d_.opt[s].size(); ++k) {
+      const Slots::Opt& o = d_.opt[s][k];
+      if (m >= std::max(D + o.sv + o.ft, o.bk) && static_cast<Cost>(o.f + o.b) == target)
+        return -2 - static_cast<int>(k);
+    }
+    throw Error("[remat::plan] optimal: internal error: no option reproduces the DP value.");
+  }
   if (m >= std::max(D + sv[s] + ft[s], bk[s]) && m - sv[s] >= 0 &&
       static_cast<Cost>(f[s] + b[s]) + cost_[row(s + 1, t) * width + (m - sv[s])] == target)
     return -1;
+  for (size_t k = 0; k < d_.opt[s].size(); ++k) {
+    const Slots::Opt& o = d_.opt[s][k];
+    if (m >= std::max(D + o.sv + o.ft, o.bk) && m - o.sv >= 0 &&
+        static_cast<Cost>(o.f + o.b) + cost_[row(s + 1, t) * width + (m - o.sv)] == target)
+      return -2 - static_cast<int>(k);
+  }
   Sweep sweep{d_, s, D};
   for (int s2 = s + 1; s2 <= t; ++s2) {
     sweep.step(s2 - 1);
@@ -149,8 +176,9 @@ void PersistentDp::emit(std::vector<Op>& ops, int s, int t, int m) const {
   while (true) {
     const int c = choice(s, t, m);
     if (c < 0) {
-      ops.push_back({OpKind::kForwardSave, s});
-      if (s < t) emit(ops, s + 1, t, m - d_.sv[s]);
+      const int k = -1 - c;  // the stage option
+      ops.push_back({OpKind::kForwardSave, s, k});
+      if (s < t) emit(ops, s + 1, t, m - (k == 0 ? d_.sv[s] : d_.opt[s][k - 1].sv));
       ops.push_back({OpKind::kBackward, s});
       return;
     }
@@ -171,6 +199,10 @@ int64_t gcd_sizes(const Chain& chain) {
     for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.plain_tmp_bytes(), s.backward_tmp_bytes,
                       s.backward_freed_bytes, s.shared_input_bytes, s.grad_bytes()})
       g = std::gcd(g, v);
+  for (const Stage& s : chain.stages)
+    for (const StageOption& o : s.options)
+      for (int64_t v : {o.saved_bytes, o.forward_tmp_bytes, o.backward_tmp_bytes, o.backward_freed_bytes})
+        g = std::gcd(g, v);
   return g;
 }
 
@@ -212,6 +244,23 @@ struct MinPeak {
           best_ms += time[row(s + 1, t)];
         }
         int best_choice = -1;
+        // The stage's other options, as option A.
+        for (size_t k = 0; k < st.options.size(); ++k) {
+          const StageOption& o = st.options[k];
+          const int64_t osv = o.saved_bytes - st.shared_input_bytes;
+          int64_t v = std::max(D + osv + o.forward_tmp_bytes,
+                               osv + G(s + 1) + G(s) + o.backward_tmp_bytes - o.backward_freed_bytes);
+          double ms = o.forward_ms + o.backward_ms;
+          if (d > 0) {
+            v = std::max(v, osv + need[row(s + 1, t)]);
+            ms += time[row(s + 1, t)];
+          }
+          if (v < best || (v == best && ms < best_ms)) {
+            best = v;
+            best_ms = ms;
+            best_choice = -2 - static_cast<int>(k);
+          }
+        }
         int64_t sweep_peak = 0;
         double sweep_ms = 0;
         for (int s2 = s + 1; s2 <= t; ++s2) {
@@ -242,7 +291,7 @@ struct MinPeak {
     while (true) {
       const int c = choice[row(s, t)];
       if (c < 0) {
-        ops.push_back({OpKind::kForwardSave, s});
+        ops.push_back({OpKind::kForwardSave, s, -1 - c});
         if (s < t) emit(ops, s + 1, t);
         ops.push_back({OpKind::kBackward, s});
         return;
@@ -317,6 +366,14 @@ internal::Slots to_slots(const Chain& chain, const Discrete& disc, bool round_up
     d.f.push_back(st.forward_ms);
     d.b.push_back(st.backward_ms);
     d.fr.push_back(st.recompute_ms >= 0 ? st.recompute_ms : st.forward_ms);
+    d.opt.emplace_back();
+    for (const StageOption& o : st.options) {
+      const int64_t osv = o.saved_bytes - st.shared_input_bytes;
+      d.opt.back().push_back(
+          {slots(osv), slots(o.forward_tmp_bytes),
+           slots(osv + chain.grad_bytes(k + 1) + chain.grad_bytes(k) + o.backward_tmp_bytes - o.backward_freed_bytes),
+           o.forward_ms, o.backward_ms});
+    }
   }
   return d;
 }
@@ -434,11 +491,26 @@ class Search {
   int64_t unit_ = 0;
 };
 
+/** Stage options are planned by the persistent DP only: kAuto resolves to
+ *  it, kAll is refused. */
+OptimalScope scope_for_options(const Chain& chain, OptimalScope requested) {
+  if (!chain.has_options()) return requested;
+  if (requested == OptimalScope::kAll) {
+    size_t i = 0;
+    while (chain.stages[i].options.empty()) ++i;
+    throw Error("[remat::plan] optimal: OptimalScope::kAll does not plan stage options (stage " + std::to_string(i) +
+                " (\"" + chain.stages[i].name + "\") has " + std::to_string(chain.stages[i].options.size()) +
+                "); use OptimalScope::kAuto or kPersistent, or leave the options out.");
+  }
+  return OptimalScope::kPersistent;
+}
+
 }  // namespace
 
 OptimalScope optimal_scope(const Chain& chain, int64_t budget_bytes, int memory_slots, OptimalScope requested) {
   chain.validate();
   check_memory_slots(memory_slots);
+  requested = scope_for_options(chain, requested);
   // Store-all is the least time of any schedule: optimal over all of them.
   if (store_all(chain).prediction.peak_bytes <= budget_bytes) return OptimalScope::kAll;
   return resolve_scope(chain.size(), discretize(chain, budget_bytes, memory_slots).M, has_shared(chain), requested);
@@ -465,6 +537,7 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, Optimal
   check_memory_slots(memory_slots);
   const int L = chain.size();
   if (L > 32767) throw Error("[remat::plan] optimal: " + std::to_string(L) + " stages; at most 32767.");
+  scope = scope_for_options(chain, scope);
   Plan all = store_all(chain);
   if (all.prediction.peak_bytes <= budget_bytes) {
     all.algorithm = "optimal";

@@ -21,7 +21,8 @@ const char* op_kind_name(OpKind kind) {
 }
 
 std::string to_string(const Op& op) {
-  return std::string(op_kind_name(op.kind)) + "(" + std::to_string(op.stage) + ")";
+  return std::string(op_kind_name(op.kind)) + "(" + std::to_string(op.stage) +
+         (op.option != 0 ? ", option " + std::to_string(op.option) : std::string()) + ")";
 }
 
 bool output_unread_until_backward(const Schedule& schedule, size_t k) {
@@ -34,6 +35,27 @@ bool output_unread_until_backward(const Schedule& schedule, size_t k) {
   return false;
 }
 
+namespace {
+/** The fields an option replaces (Stage::with_option without copying the stage). */
+struct Costs {
+  int64_t saved, forward_tmp, backward_tmp, backward_freed;
+  double forward_ms, backward_ms, recompute_ms;
+};
+Costs costs(const Stage& s, int k) {
+  if (k == 0)
+    return {s.saved_bytes, s.forward_tmp_bytes, s.backward_tmp_bytes, s.backward_freed_bytes,
+            s.forward_ms,  s.backward_ms,       s.recompute_ms};
+  const StageOption& o = s.options[static_cast<size_t>(k - 1)];
+  return {o.saved_bytes,
+          o.forward_tmp_bytes,
+          o.backward_tmp_bytes,
+          o.backward_freed_bytes,
+          o.forward_ms,
+          o.backward_ms,
+          -1};
+}
+}  // namespace
+
 Prediction simulate(const Chain& chain, const Schedule& schedule) {
   chain.validate();
   const int L = chain.size();
@@ -41,6 +63,7 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
   // shares[i]: a_{i+1} holds Stage::shared_input_bytes of the live a_i it
   // was computed from, counted once (in a_i) while both live.
   std::vector<char> shares(L, 0);
+  std::vector<int> option_of(L, 0);  // the option of stage i's live saved set
   live_a[0] = 1;
   Prediction p;
   p.forwards_per_stage.assign(L, 0);
@@ -64,6 +87,15 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
     if (!backward_started && live_s[L - 1] && op.kind != OpKind::kBackward)
       fail("forward_save(" + std::to_string(L - 1) + ") ends the forward phase; the next op must be backward(" +
            std::to_string(L - 1) + ").");
+    if (op.option != 0) {
+      if (op.kind != OpKind::kForwardSave)
+        fail("only a forward_save takes an option (a backward follows its forward_save's).");
+      if (op.stage >= 0 && op.stage < L &&
+          (op.option < 0 || op.option > static_cast<int>(chain.stages[op.stage].options.size())))
+        fail("no option " + std::to_string(op.option) + "; the stage has " +
+             std::to_string(chain.stages[op.stage].options.size()) + " (1.." +
+             std::to_string(chain.stages[op.stage].options.size()) + "; 0 keeps everything).");
+    }
     const int64_t before = cur;
     int64_t during = cur;
     switch (op.kind) {
@@ -74,16 +106,21 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
         if (!live_a[i]) fail("its input a_" + std::to_string(i) + " is not live (dropped or never computed).");
         if (live_a[i + 1]) fail("its output a_" + std::to_string(i + 1) + " is already live; drop it first.");
         const Stage& st = chain.stages[i];
-        const int64_t add = (op.kind == OpKind::kForward ? st.output_bytes : st.saved_bytes) - st.shared_input_bytes;
-        during = cur + add + (op.kind == OpKind::kForward ? st.plain_tmp_bytes() : st.forward_tmp_bytes);
+        const Costs c = costs(st, op.option);
+        const int64_t add = (op.kind == OpKind::kForward ? st.output_bytes : c.saved) - st.shared_input_bytes;
+        during = cur + add + (op.kind == OpKind::kForward ? st.plain_tmp_bytes() : c.forward_tmp);
         cur += add;
         live_a[i + 1] = 1;
         shares[i] = 1;
-        if (op.kind == OpKind::kForwardSave) live_s[i] = 1;
-        p.time_ms += op.kind == OpKind::kForwardSave && st.recompute_ms >= 0 && backward_started &&
+        if (op.kind == OpKind::kForwardSave) {
+          live_s[i] = 1;
+          option_of[i] = op.option;
+        }
+        p.time_ms += op.kind == OpKind::kForwardSave && c.recompute_ms >= 0 && backward_started &&
                              output_unread_until_backward(schedule, k)
-                         ? st.recompute_ms
-                         : st.forward_ms;
+                         ? c.recompute_ms
+                     : op.kind == OpKind::kForwardSave ? c.forward_ms
+                                                       : st.forward_ms;
         ++p.forward_executions;
         ++p.forwards_per_stage[i];
         break;
@@ -103,12 +140,13 @@ Prediction simulate(const Chain& chain, const Schedule& schedule) {
           cur += G(L);  // the loss gradient
         }
         const Stage& st = chain.stages[i];
-        during = cur + G(i) + st.backward_tmp_bytes - st.backward_freed_bytes;
-        cur += G(i) - st.saved_bytes - G(i + 1) + (shares[i] ? st.shared_input_bytes : 0);
+        const Costs c = costs(st, option_of[i]);
+        during = cur + G(i) + c.backward_tmp - c.backward_freed;
+        cur += G(i) - c.saved - G(i + 1) + (shares[i] ? st.shared_input_bytes : 0);
         live_s[i] = 0;
         live_a[i + 1] = 0;
         shares[i] = 0;
-        p.time_ms += st.backward_ms;
+        p.time_ms += c.backward_ms;
         --next_backward;
         break;
       }

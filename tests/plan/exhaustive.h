@@ -5,6 +5,10 @@
 // optimum (minimal time under a budget, or minimal peak) and optionally one
 // schedule reaching it. Practical for L <= 8.
 //
+// A forward_save may run under any of its stage's options (Stage::options,
+// at most 3 per stage); the option of each live saved set is part of the
+// state, and its backward takes that option's bytes and time.
+//
 // Two search spaces:
 //  - kAll: every valid schedule.
 //  - kPersistent: the class rotor's DP (OptimalScope::kPersistent) optimizes over. A value a_j made by a
@@ -51,12 +55,16 @@ class Exhaustive {
     int last_f = -1;     // kPersistent: stage of the last forward of the current sweep
     int transient = -1;  // kPersistent: j whose a_j may be dropped as transient now
     uint32_t sh = 0;     // bit i: a_{i+1} shares Stage::shared_input_bytes with the live a_i it came from
+    uint32_t so = 0;     // bits 2i..2i+1: the option of the live s_i (Op::option)
   };
-  uint64_t key(const State& x) const {
-    return (static_cast<uint64_t>(x.a)) | (static_cast<uint64_t>(x.s) << 16) | (static_cast<uint64_t>(x.nb + 1) << 32) |
-           (static_cast<uint64_t>(x.last_f + 1) << 40) | (static_cast<uint64_t>(x.transient + 1) << 48) |
-           (static_cast<uint64_t>(x.sh) << 56);
+  uint64_t key(const State& x) const {  // L <= 8: 8 bits per mask, 4 per index
+    return (static_cast<uint64_t>(x.a)) | (static_cast<uint64_t>(x.s) << 8) | (static_cast<uint64_t>(x.nb + 1) << 16) |
+           (static_cast<uint64_t>(x.last_f + 1) << 20) | (static_cast<uint64_t>(x.transient + 1) << 24) |
+           (static_cast<uint64_t>(x.sh) << 28) | (static_cast<uint64_t>(x.so) << 36);
   }
+  int option_of(const State& x, int i) const { return static_cast<int>(x.so >> (2 * i) & 3); }
+  /** Stage i as its live saved set (or a forward_save under option k) runs it. */
+  Stage under(int i, int k) const { return c_.stages[i].with_option(k); }
   bool live_a(const State& x, int j) const { return j == 0 || (x.a >> (j - 1) & 1); }
   bool live_s(const State& x, int i) const { return i >= 0 && i < L_ && (x.s >> i & 1); }
   int64_t A(int j) const { return c_.value_bytes(j); }
@@ -66,7 +74,7 @@ class Exhaustive {
     for (int j = 1; j <= L_; ++j)
       if (live_a(x, j) && !live_s(x, j - 1)) v += A(j);
     for (int i = 0; i < L_; ++i)
-      if (live_s(x, i)) v += c_.stages[i].saved_bytes;
+      if (live_s(x, i)) v += under(i, option_of(x, i)).saved_bytes;
     if (x.nb < L_ - 1) v += G(x.nb + 1);  // the gradient flowing back
     for (int i = 0; i < L_; ++i)
       if (x.sh >> i & 1) v -= c_.stages[i].shared_input_bytes;  // counted in a_i and again in a_{i+1}
@@ -89,8 +97,9 @@ class Exhaustive {
     State start;
     start.nb = L_ - 1;
     if (c_.input_bytes > budget) return inf;
+    if (L_ > 8) throw std::logic_error("Exhaustive: at most 8 stages");
     for (const Stage& st : c_.stages)
-      if (st.shared_input_bytes > 0 && L_ > 8) throw std::logic_error("Exhaustive: shared_input_bytes needs L <= 8");
+      if (st.options.size() > 3) throw std::logic_error("Exhaustive: at most 3 options per stage");
     const double start_cost = minimize_peak ? static_cast<double>(c_.input_bytes) : 0.0;
     best[key(start)] = {start_cost, key(start), {OpKind::kDrop, -1}, start};
     pq.push({start_cost, key(start)});
@@ -134,13 +143,17 @@ class Exhaustive {
           relax(y, cur + A(i + 1) - shared + st.plain_tmp_bytes(), st.forward_ms, {OpKind::kForward, i});
           y.s |= 1u << i;
           y.last_f = y.transient = -1;
-          // Once backward has started, a forward_save of the next stage to
-          // backward is followed by its backward with nothing reading its
-          // output (stage i+1 is done): early stop cuts it to recompute_ms.
-          // Any other forward_save leaves a_{i+1} to a later forward.
-          const bool cut = !forward_phase && i == x.nb && st.recompute_ms >= 0;
-          relax(y, cur + st.saved_bytes - shared + st.forward_tmp_bytes, cut ? st.recompute_ms : st.forward_ms,
-                {OpKind::kForwardSave, i});
+          for (int k = 0; k <= static_cast<int>(st.options.size()); ++k) {
+            const Stage o = under(i, k);
+            y.so = (x.so & ~(3u << (2 * i))) | (static_cast<uint32_t>(k) << (2 * i));
+            // Once backward has started, a forward_save of the next stage to
+            // backward is followed by its backward with nothing reading its
+            // output (stage i+1 is done): early stop cuts it to recompute_ms.
+            // Any other forward_save leaves a_{i+1} to a later forward.
+            const bool cut = !forward_phase && i == x.nb && o.recompute_ms >= 0;
+            relax(y, cur + o.saved_bytes - shared + o.forward_tmp_bytes, cut ? o.recompute_ms : o.forward_ms,
+                  {OpKind::kForwardSave, i, k});
+          }
         }
         for (int j = 1; j <= L_; ++j) {  // drops
           if (!live_a(x, j) || live_s(x, j - 1) || live_s(x, j)) continue;
@@ -155,7 +168,7 @@ class Exhaustive {
       }
       if (x.nb >= 0 && live_s(x, x.nb) && live_a(x, x.nb)) {
         const int i = x.nb;
-        const Stage& st = c_.stages[i];
+        const Stage st = under(i, option_of(x, i));
         const int64_t before = forward_phase ? cur + G(L_) : cur;
         State y = x;
         y.s &= ~(1u << i);
@@ -163,6 +176,7 @@ class Exhaustive {
         y.sh = without(y.sh, i);
         y.nb = i - 1;
         y.last_f = y.transient = -1;
+        y.so &= ~(3u << (2 * i));
         relax(y, before + G(i) + st.backward_tmp_bytes - st.backward_freed_bytes, st.backward_ms,
               {OpKind::kBackward, i});
       }

@@ -698,3 +698,178 @@ TEST(Solve, ScopeReachesOptimal) {
   }
   EXPECT_TRUE(better);
 }
+
+namespace {
+
+/** c with 0-2 options on each stage: a selective-like one (keeps part of the
+ *  saved set, its backward recomputes the rest) and an offload-like one
+ *  (keeps the output only; its forward writes, its backward reads). */
+rp::Chain with_random_options(std::mt19937& rng, rp::Chain c, int64_t unit_bytes = 1) {
+  std::uniform_int_distribution<int> count(0, 2), coin(0, 1), small(0, 3);
+  std::uniform_real_distribution<double> ms(0.0, 3.0);
+  for (rp::Stage& s : c.stages) {
+    const int n = count(rng);
+    for (int k = 0; k < n; ++k) {
+      rp::StageOption o;
+      const bool offload = coin(rng) == 1;
+      o.name = offload ? "offload" : "selective";
+      std::uniform_int_distribution<int64_t> keep(s.output_bytes, s.saved_bytes);
+      o.saved_bytes = offload ? s.output_bytes : keep(rng);
+      o.forward_ms = std::round((s.forward_ms + (offload ? ms(rng) : 0.0)) * 100) / 100;
+      o.backward_ms = std::round((s.backward_ms + ms(rng)) * 100) / 100;
+      o.forward_tmp_bytes = s.forward_tmp_bytes + small(rng) * unit_bytes;
+      o.backward_tmp_bytes = small(rng) * unit_bytes;
+      s.options.push_back(o);
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+// Per-stage options (selective levels, offload) planned by the persistent DP
+// equal an exhaustive search over persistent schedules whose forward_saves
+// may each take any option: same least peak, same least time at six budgets
+// from it to store-all's; the plans fit and simulate to the DP's time.
+TEST(StageOptions, OptimalEqualsExhaustiveSearch) {
+  std::mt19937 rng(20261204);
+  int compared = 0, faster = 0, lower_peak = 0, used = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const int L = 1 + trial % 6;
+    const rp::Chain plain = random_chain(rng, L, 1, 10, trial % 2 == 0);
+    const rp::Chain c = with_random_options(rng, plain);
+    const rp::testing::Exhaustive persistent(c, rp::testing::Space::kPersistent);
+    const int64_t min_peak = persistent.min_peak_bytes();
+    ASSERT_EQ(rp::min_feasible_peak_bytes(c), min_peak) << "trial " << trial;
+    ASSERT_EQ(rp::min_memory(c).prediction.peak_bytes, min_peak) << "trial " << trial;
+    ASSERT_LE(min_peak, rp::min_feasible_peak_bytes(plain)) << "trial " << trial;
+    lower_peak += min_peak < rp::min_feasible_peak_bytes(plain);
+    EXPECT_NE(error_of([&] { rp::optimal(c, min_peak - 1); }).find("no schedule fits"), std::string::npos);
+    const int64_t all_peak = rp::store_all(c).prediction.peak_bytes;
+    for (int k = 0; k <= 6; ++k) {
+      const int64_t budget = min_peak + (all_peak - min_peak) * k / 6;
+      const rp::Plan p = rp::optimal(c, budget);
+      const double best = persistent.min_time_ms(budget);
+      ASSERT_NEAR(p.prediction.time_ms, best, 1e-6) << "trial " << trial << " L " << L << " budget " << budget;
+      EXPECT_LE(p.prediction.peak_bytes, budget);
+      EXPECT_NEAR(rp::simulate(c, p.schedule).time_ms, p.prediction.time_ms, 1e-9);
+      for (const rp::Op& op : p.schedule.ops) used += op.option != 0;
+      if (budget >= rp::min_feasible_peak_bytes(plain)) {
+        const rp::Plan q = rp::optimal(plain, budget, 500, rp::OptimalScope::kPersistent);
+        ASSERT_LE(p.prediction.time_ms, q.prediction.time_ms + 1e-6) << "trial " << trial;
+        faster += p.prediction.time_ms < q.prediction.time_ms - 1e-6;
+      }
+      ++compared;
+    }
+  }
+  // The options matter in this sample: lower peaks and faster plans.
+  EXPECT_GT(lower_peak, 10);
+  EXPECT_GT(faster, 10);
+  EXPECT_GT(used, 50);
+  std::printf(
+      "stage options: %d (chain, budget) pairs equal to exhaustive search; %d chains with a lower least "
+      "peak, %d plans faster than without options, %d forward_saves under an option\n",
+      compared, lower_peak, faster, used);
+}
+
+TEST(StageOptions, SimulateTakesTheOptionsBytesAndTimes) {
+  rp::Chain c;
+  c.input_bytes = 10;
+  rp::Stage s0{"a", 1.0, 2.0, 20, 100};
+  s0.options.push_back({"offload", 20, 1.5, 3.0, 0, 7, 0});
+  rp::Stage s1{"b", 1.0, 2.0, 5, 30};
+  c.stages = {s0, s1};
+  const rp::Schedule keep{{{rp::OpKind::kForwardSave, 0},
+                           {rp::OpKind::kForwardSave, 1},
+                           {rp::OpKind::kBackward, 1},
+                           {rp::OpKind::kBackward, 0}}};
+  rp::Schedule off = keep;
+  off.ops[0].option = 1;
+  const rp::Prediction a = rp::simulate(c, keep), b = rp::simulate(c, off);
+  EXPECT_EQ(a.peak_bytes, 10 + 100 + 30 + 5 + 20);  // a_0, s_0, s_1, grad_2 and grad_1 at backward(1)
+  EXPECT_EQ(b.peak_bytes, 10 + 20 + 30 + 5 + 20);
+  EXPECT_DOUBLE_EQ(a.time_ms, 6.0);
+  EXPECT_DOUBLE_EQ(b.time_ms, 6.0 + 0.5 + 1.0);
+  EXPECT_EQ(b.op_bytes[3], 10 + 20 + 20 + 10 + 7);  // backward(0): a_0, s_0, grad_1, grad_0, its temporaries
+  EXPECT_EQ(rp::to_string(off.ops[0]), "forward_save(0, option 1)");
+
+  rp::Schedule bad = keep;
+  bad.ops[1].option = 1;
+  EXPECT_EQ(error_of([&] { rp::simulate(c, bad); }),
+            "[remat::plan] invalid schedule at op 1, forward_save(1, option 1) (stage \"b\"): no option 1; the stage "
+            "has 0 (1..0; 0 keeps everything).");
+  bad = keep;
+  bad.ops[2].option = 1;
+  EXPECT_EQ(error_of([&] { rp::simulate(c, bad); }),
+            "[remat::plan] invalid schedule at op 2, backward(1, option 1) (stage \"b\"): only a forward_save takes an "
+            "option (a backward follows its forward_save's).");
+}
+
+TEST(StageOptions, InvalidOptionsAndTheAllScopeAreRefused) {
+  rp::Chain c;
+  c.input_bytes = 10;
+  rp::Stage s0{"a", 1.0, 2.0, 20, 100};
+  s0.options.push_back({"half", 10, 1.0, 3.0});
+  c.stages = {s0};
+  EXPECT_EQ(error_of([&] { c.validate(); }),
+            "[remat::plan] chain: stage 0 (\"a\"): options[0] (\"half\").saved_bytes (10) < output_bytes (20); an "
+            "option keeps at least the stage's output.");
+  c.stages[0].options[0] = {"fast", 50, 0.5, 3.0};
+  EXPECT_EQ(error_of([&] { c.validate(); }),
+            "[remat::plan] chain: stage 0 (\"a\"): options[0] (\"fast\").forward_ms or backward_ms below the stage's "
+            "own (1.000000, 2.000000 ms); an option costs at least what keeping everything costs (the profiler raises "
+            "a faster measurement to the stage's).");
+  c.stages[0].options[0] = {"half", 50, 1.0, 3.0};
+  c.validate();
+  EXPECT_EQ(error_of([&] { rp::optimal(c, 100, 500, rp::OptimalScope::kAll); }),
+            "[remat::plan] optimal: OptimalScope::kAll does not plan stage options (stage 0 (\"a\") has 1); use "
+            "OptimalScope::kAuto or kPersistent, or leave the options out.");
+  EXPECT_EQ(rp::optimal_scope(c, 100), rp::OptimalScope::kPersistent);
+  // Store-all fits: it is optimal over every schedule.
+  EXPECT_EQ(rp::optimal_scope(c, 1000), rp::OptimalScope::kAll);
+  const rp::Plan p = rp::optimal(c, 10 + 50 + 20 + 10);
+  ASSERT_EQ(p.schedule.ops.size(), 2u);
+  EXPECT_EQ(p.schedule.ops[0].option, 1);
+}
+
+TEST(StageOptions, JsonRoundTrip) {
+  std::mt19937 rng(7);
+  const rp::Chain c = with_random_options(rng, random_chain(rng, 5, 3, 9, true));
+  const rp::Chain back = rp::chain_from_json(rp::chain_to_json(c));
+  ASSERT_EQ(back.size(), c.size());
+  for (int i = 0; i < c.size(); ++i) {
+    ASSERT_EQ(back.stages[i].options.size(), c.stages[i].options.size());
+    for (size_t k = 0; k < c.stages[i].options.size(); ++k) {
+      const rp::StageOption &a = c.stages[i].options[k], &b = back.stages[i].options[k];
+      EXPECT_EQ(a.name, b.name);
+      EXPECT_EQ(a.saved_bytes, b.saved_bytes);
+      EXPECT_DOUBLE_EQ(a.forward_ms, b.forward_ms);
+      EXPECT_DOUBLE_EQ(a.backward_ms, b.backward_ms);
+      EXPECT_EQ(a.forward_tmp_bytes, b.forward_tmp_bytes);
+      EXPECT_EQ(a.backward_tmp_bytes, b.backward_tmp_bytes);
+    }
+  }
+  const int64_t budget = rp::min_feasible_peak_bytes(c);
+  const std::string plan = rp::plan_to_json(c, rp::optimal(c, budget));
+  EXPECT_EQ(rp::optimal(back, budget).schedule, rp::optimal(c, budget).schedule);
+  EXPECT_NE(rp::chain_to_json(c).find("\"options\""), std::string::npos);
+  (void)plan;
+}
+
+// Sizes that no few hundred slots divide: the rounded passes keep the plan
+// within budget and its bound within kOptimalGapTarget (or report the gap).
+TEST(StageOptions, RoundedSizesFitAndBoundTheGap) {
+  std::mt19937 rng(99);
+  for (int trial = 0; trial < 20; ++trial) {
+    const rp::Chain c = with_random_options(rng, random_chain(rng, 12 + trial % 8, 1000003, 40, true), 1000003);
+    const int64_t lo = rp::min_feasible_peak_bytes(c), hi = rp::store_all(c).prediction.peak_bytes;
+    for (int k = 0; k < 4; ++k) {
+      const int64_t budget = lo + (hi - lo) * k / 4;
+      const rp::Plan p = rp::optimal(c, budget);
+      EXPECT_LE(p.prediction.peak_bytes, budget) << "trial " << trial;
+      EXPECT_GE(p.lower_bound_ms, 0);
+      EXPECT_LE(p.lower_bound_ms, p.prediction.time_ms + 1e-9);
+      EXPECT_LE(p.relative_gap(), rp::kOptimalGapTarget) << "trial " << trial << " budget " << budget;
+    }
+  }
+}

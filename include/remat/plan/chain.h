@@ -12,6 +12,32 @@
  *  checkpointing algorithms (<remat/plan/plan.h>). */
 namespace remat::plan {
 
+/** Another way for a forward_save of its stage to keep what the stage's
+ *  backward needs: a selective level (keeps some op outputs, recomputes the
+ *  rest inside the backward) or offload (sends the saved tensors out and
+ *  reads them back in the backward). The fields replace the stage's own for
+ *  a forward_save run under the option and for the backward that follows
+ *  it; the rest (output_bytes, forward_ms of a plain forward, ...) is the
+ *  stage's. Option 0 of a schedule op is the stage itself (keep everything);
+ *  option k >= 1 is Stage::options[k - 1]. */
+struct StageOption {
+  std::string name;  ///< for reports, e.g. "save 2 convolution", "offload disk"
+  /** Bytes the forward_save keeps in memory (its output included, its input
+   *  not); output_bytes <= saved_bytes. */
+  int64_t saved_bytes = 0;
+  /** Time of the forward_save under the option, ms; >= the stage's forward_ms. */
+  double forward_ms = 0;
+  /** Time of the backward that follows it (recompute or reads included), ms;
+   *  >= the stage's backward_ms. */
+  double backward_ms = 0;
+  /** As Stage::forward_tmp_bytes, for a forward_save under the option. */
+  int64_t forward_tmp_bytes = 0;
+  /** As Stage::backward_tmp_bytes, for its backward. */
+  int64_t backward_tmp_bytes = 0;
+  /** As Stage::backward_freed_bytes, for its backward. */
+  int64_t backward_freed_bytes = 0;
+};
+
 /** One stage i of the chain: reads a_i, writes a_{i+1}. */
 struct Stage {
   std::string name;  ///< for reports and errors; the profiler writes "<index>:<the module's name()>"
@@ -58,6 +84,15 @@ struct Stage {
    *  one that needs no gradient (a mask) has none. < 0: output_bytes (the
    *  default). */
   int64_t output_grad_bytes = -1;
+  /** (Last, as above.) Other ways for a forward_save to keep what backward
+   *  needs (StageOption); empty: only keeping everything. Only
+   *  OptimalScope::kPersistent plans chains with options (optimal() under
+   *  kAuto picks it); the other algorithms use option 0 only. */
+  std::vector<StageOption> options = {};
+  /** The stage as a forward_save under option k runs it: k == 0 is the
+   *  stage itself; k >= 1 takes options[k - 1]'s fields (recompute_ms
+   *  unset: a run under an option is never cut short). */
+  Stage with_option(int k) const;
   /** |grad_{i+1}|: output_grad_bytes where set. */
   int64_t grad_bytes() const { return output_grad_bytes < 0 ? output_bytes : output_grad_bytes; }
 
@@ -81,10 +116,14 @@ struct Chain {
   /** |a_{j+1}| net of the bytes it shares with a_j (Stage::shared_input_bytes),
    *  j in [0, L-1]: what a forward of stage j adds while a_j is live. */
   int64_t new_value_bytes(int j) const { return stages[j].output_bytes - stages[j].shared_input_bytes; }
+  /** Some stage has options (Stage::options). */
+  bool has_options() const;
   /** Throws Error for an empty chain, a negative or non-finite size or time,
    *  saved_bytes < output_bytes, shared_input_bytes above |a_i| or
    *  output_bytes (the message names the stage and the field), or
-   *  sizes adding up to more than 2^60 bytes (so that byte sums fit in 64 bits). */
+   *  sizes adding up to more than 2^60 bytes (so that byte sums fit in 64 bits),
+   *  and an option keeping less than the output or costing less time than
+   *  keeping everything (forward_ms or backward_ms below the stage's). */
   void validate() const;
 };
 

@@ -7,7 +7,9 @@
 // gradient. a_0 is live throughout. s_i covers a_{i+1}: while s_i is live,
 // a_{i+1} is live and counted inside saved_bytes, not again.
 //  - kForward(i):     needs a_i live and a_{i+1} not live; makes a_{i+1} live.
-//  - kForwardSave(i): same needs; makes a_{i+1} and s_i live.
+//  - kForwardSave(i): same needs; makes a_{i+1} and s_i live. Under option
+//                     k >= 1 (Op::option), s_i and the backward(i) that frees
+//                     it take Stage::options[k - 1]'s bytes and times.
 //  - kBackward(i):    needs i == next stage to backward (L-1 down to 0), s_i and
 //                     a_i live; makes grad_i live; frees s_i, a_{i+1}, grad_{i+1}.
 //  - kDrop(j):        1 <= j <= L; needs a_j live, s_{j-1} not live (a_j is part
@@ -42,12 +44,16 @@ struct Op {
   OpKind kind;  ///< what the op does
   /** Stage index i for forwards and backward; boundary index j for kDrop. */
   int stage;
+  /** kForwardSave only: 0 keeps everything, k >= 1 runs the stage under
+   *  Stage::options[k - 1] (its backward follows the same option). Other
+   *  ops: 0. */
+  int option = 0;
   friend bool operator==(const Op&, const Op&) = default;
 };
 
 /** "forward", "forward_save", "backward", "drop" (the JSON names). */
 const char* op_kind_name(OpKind kind);
-/** "forward_save(3)". */
+/** "forward_save(3)"; with an option "forward_save(3, option 1)". */
 std::string to_string(const Op& op);
 
 /** The op sequence a runtime executes one by one (NOTE [Op semantics]). */
