@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <remat/offload.h>
 #include <remat/plan/chain.h>
 
 namespace torch::nn {
@@ -28,6 +29,21 @@ struct ProfileOptions {
    *  stop cuts it (Stage::recompute_ms; one recording run, then repeats
    *  timed runs). Default true. */
   TORCH_ARG(bool, recompute) = true;
+  /** > 0: each stage also gets up to this many selective levels on its
+   *  menu (plan::Stage::options): which op outputs a forward_save keeps
+   *  (the rest is recomputed inside the stage's backward), chosen by a
+   *  knapsack on the stage's measured op output bytes and times at 1/(n+1),
+   *  ..., n/(n+1) of its saveable bytes. Each level is measured like the
+   *  stage (bytes kept, temporaries, times). Default 0: none. */
+  TORCH_ARG(int, selective_levels) = 0;
+  /** Each stage also gets one option per entry: its forward_save's saves
+   *  go to that store (kDisk, or kMemory with a codec), read back in its
+   *  backward. Measured with one tensor in flight (its time includes the
+   *  writes); a plan that uses a kDisk option must fit with the store's
+   *  max_inflight_bytes added (CheckpointedSequential does that). kHost
+   *  (a no-op for CPU tensors) and kMemory without a codec are refused.
+   *  Default: none. */
+  TORCH_ARG(std::vector<OffloadOptions>, offload) = {};
 };
 
 /** Profiles seq on x (one stage per module). Runs forward and backward per

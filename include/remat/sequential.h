@@ -124,6 +124,7 @@ struct StepReport {
 
 namespace detail {
 struct Execution;
+struct Levers;
 struct Values;
 class StopRecords;
 struct Tripwire;
@@ -224,6 +225,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
     std::shared_ptr<detail::StopRecords> stops;    // early stop's per-stage records
     std::vector<char> writes_input;                // per stage: writes its input in place (profiled)
+    std::shared_ptr<const detail::Levers> levers;  // per stage: how its options run (plan::Stage::options)
     // Step budget: bytes outside the chain (measured), steps measured, and
     // why the budget cannot be met (thrown by the next forward).
     int64_t outside_bytes = -1;

@@ -43,6 +43,7 @@
 
 #include "../core/dispatch.h"
 #include "../core/replay.h"
+#include "../region/levels.h"
 
 namespace remat {
 namespace {
@@ -58,17 +59,6 @@ struct Option {
   std::optional<CheckpointOptions> switch_state;  // nullopt: not recomputed
   std::optional<OffloadOptions> offload;          // with switch_state nullopt: saves go to this store
 };
-
-/** "offload disk", "offload memory zstd": an offload option's menu name. */
-std::string offload_name(const OffloadOptions& o) {
-  std::string name = o.target() == OffloadTarget::kDisk ? "offload disk" : "offload memory";
-  if (o.codec() != Codec::kNone) {
-    std::string codec = to_string(o.codec()).substr(1);  // "kZstd" -> "Zstd"
-    for (char& ch : codec) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    name += " " + codec;
-  }
-  return name;
-}
 
 /** A checkpointable module of the tree. */
 struct Unit {
@@ -92,75 +82,6 @@ struct CallRecord {
     if (first_unpack_us < 0) first_unpack_us = t;
     last_unpack_us = std::max(last_unpack_us, t);
   }
-};
-
-/** An op call as the selective levels tell calls apart: the operator with
- *  its overload and the shapes of its tensor arguments ("aten::addmm
- *  [512] [2048,512] [512,1536]"). Stateless: a policy computes it from its
- *  OpCall, the profiler from the dispatcher's stack. */
-std::string op_signature(const std::string& key, c10::ArrayRef<c10::IValue> args) {
-  std::string sig = key;
-  auto shape = [&](const at::Tensor& t) {
-    sig += " [";
-    if (t.defined()) {
-      for (int64_t d = 0; d < t.dim(); ++d) sig += (d ? "," : "") + std::to_string(t.size(d));
-    }
-    sig += "]";
-  };
-  for (const auto& a : args) {
-    if (a.isTensor()) {
-      shape(a.toTensor());
-    } else if (a.isTensorList()) {
-      for (const at::Tensor& t : a.toTensorVector()) shape(t);
-    }
-  }
-  return sig;
-}
-
-/** What keeping one kind of op call costs and saves, per unit call. */
-struct OpItem {
-  std::string key;       // op_key, e.g. "aten::addmm"
-  int64_t bytes = 0;     // its outputs' bytes (new storage only), summed over its calls
-  double ms = 0;         // its time, summed
-  bool saveable = true;  // a policy can keep it (not a view, not in place, not random)
-};
-
-/** Times every op of a run and measures its outputs, by op_signature(). */
-class OpTimer : public dispatch::Interceptor {
- public:
-  void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
-    const std::string key = dispatch::op_key(op);
-    const size_t nargs = op.schema().arguments().size();
-    const std::string sig = op_signature(key, c10::ArrayRef<c10::IValue>(*stack).slice(stack->size() - nargs));
-    std::vector<const void*> in_storages;
-    for (size_t i = stack->size() - nargs; i < stack->size(); ++i) {
-      const auto& a = (*stack)[i];
-      if (a.isTensor() && a.toTensor().defined() && a.toTensor().has_storage()) {
-        in_storages.push_back(a.toTensor().storage().unsafeGetStorageImpl());
-      }
-    }
-    const auto t0 = Clock::now();
-    dispatch::run_below(op, ks, stack);
-    OpItem& item = items_[sig];
-    item.key = key;
-    item.ms += ms_since(t0);
-    const size_t nout = op.schema().returns().size();
-    for (size_t i = stack->size() - nout; i < stack->size(); ++i) {
-      const auto& r = (*stack)[i];
-      if (!r.isTensor() || !r.toTensor().defined() || !r.toTensor().has_storage()) continue;
-      const void* st = r.toTensor().storage().unsafeGetStorageImpl();
-      if (std::find(in_storages.begin(), in_storages.end(), st) != in_storages.end()) {
-        item.saveable = false;  // a view of, or a write into, an input
-        continue;
-      }
-      item.bytes += static_cast<int64_t>(r.toTensor().storage().nbytes());
-    }
-  }
-  void on_tag(const at::Tensor&, const std::string&) override {}
-  const std::map<std::string, OpItem>& items() const { return items_; }
-
- private:
-  std::map<std::string, OpItem> items_;
 };
 
 /** Puts back the CPU RNG and a module's buffers when destroyed. */
@@ -211,114 +132,6 @@ TrialInputs trial_inputs(const std::vector<at::Tensor>& inputs) {
     }
   }
   return t;
-}
-
-bool saveable_by_policy(const std::string& op) {
-  // In-place, view and random ops are always recomputed (policy.h); an
-  // allocation (empty_like) is filled in place afterwards (dropout's mask):
-  // keeping it saves nothing.
-  const std::string base = op.substr(0, op.find('.'));
-  if (!base.empty() && base.back() == '_') return false;
-  for (const char* r : {"dropout", "bernoulli", "rand", "normal", "uniform", "multinomial", "aten::empty",
-                        "aten::zeros", "aten::ones", "aten::full", "aten::new_"}) {
-    if (base.find(r) != std::string::npos) return false;
-  }
-  return true;
-}
-
-/** The sets of op calls to keep at `levels` byte caps (j/(levels+1) of all
- *  saveable bytes, j = 1..levels): per cap, the set with the most recompute
- *  time whose bytes fit. Exact: a DP over the items keeping the Pareto
- *  front of (bytes, time). Sets equal to none or all of the items are left
- *  out (recompute and keep are on the menu already). */
-std::vector<std::vector<std::string>> knapsack_levels(const std::map<std::string, OpItem>& items, int levels) {
-  std::vector<std::string> names;
-  std::vector<int64_t> bytes;
-  std::vector<double> ms;
-  int64_t total = 0;
-  for (const auto& [sig, it] : items) {
-    if (it.bytes <= 0 || it.ms <= 0 || !it.saveable || !saveable_by_policy(it.key)) continue;
-    names.push_back(sig);
-    bytes.push_back(it.bytes);
-    ms.push_back(it.ms);
-    total += it.bytes;
-  }
-  struct Entry {
-    int64_t b;
-    double t;
-    int32_t prev;  // index in the previous level's front
-    bool take;
-  };
-  std::vector<std::vector<Entry>> front{{{0, 0.0, -1, false}}};
-  for (size_t i = 0; i < names.size(); ++i) {
-    std::vector<Entry> next;
-    const auto& f = front.back();
-    for (size_t e = 0; e < f.size(); ++e) {
-      next.push_back({f[e].b, f[e].t, static_cast<int32_t>(e), false});
-      next.push_back({f[e].b + bytes[i], f[e].t + ms[i], static_cast<int32_t>(e), true});
-    }
-    // Fewer bytes first; keep an entry only if it saves more time than all before it.
-    std::sort(next.begin(), next.end(),
-              [](const Entry& a, const Entry& b) { return a.b < b.b || (a.b == b.b && a.t > b.t); });
-    std::vector<Entry> pruned;
-    for (const Entry& x : next) {
-      if (pruned.empty() || x.t > pruned.back().t) pruned.push_back(x);
-    }
-    front.push_back(std::move(pruned));
-  }
-  std::vector<std::vector<std::string>> out;
-  for (int j = 1; j <= levels; ++j) {
-    const int64_t cap = total * j / (levels + 1);
-    const auto& last = front.back();
-    int32_t best = -1;
-    for (size_t e = 0; e < last.size(); ++e) {
-      if (last[e].b <= cap && (best < 0 || last[e].t > last[best].t)) best = static_cast<int32_t>(e);
-    }
-    if (best < 0) continue;
-    std::vector<std::string> set;
-    for (size_t i = names.size(); i > 0; --i) {
-      const Entry& x = front[i][best];
-      if (x.take) set.push_back(names[i - 1]);
-      best = x.prev;
-    }
-    std::sort(set.begin(), set.end());
-    if (set.empty() || set.size() == names.size()) continue;
-    if (std::find(out.begin(), out.end(), set) == out.end()) out.push_back(set);
-  }
-  return out;
-}
-
-/** A policy keeping exactly the op calls of `set` (op_signature()s). A
- *  second ask for an op whose output got a name carries no arguments: it
- *  gets this thread's last answer for that operator, given just before. */
-Policy keep_calls(std::string description, std::vector<std::string> set) {
-  auto keep = std::make_shared<std::vector<std::string>>(std::move(set));
-  return Policy(std::move(description), [keep](const OpCall& call) {
-    thread_local std::map<std::string, OpDecision> last;
-    const std::string key = call.overload().empty() ? call.name() : call.name() + "." + call.overload();
-    if (call.inputs().empty() && !call.tag().empty()) {
-      auto it = last.find(key);
-      return it == last.end() ? OpDecision::kPreferRecompute : it->second;
-    }
-    const std::string sig = op_signature(key, call.inputs());
-    const OpDecision d =
-        std::binary_search(keep->begin(), keep->end(), sig) ? OpDecision::kPreferSave : OpDecision::kPreferRecompute;
-    last[key] = d;
-    return d;
-  });
-}
-
-/** "save 3 addmm, _softmax": the operators of a level, counted. */
-std::string level_name(const std::vector<std::string>& set) {
-  std::map<std::string, int> count;
-  for (const auto& sig : set) {
-    std::string op = sig.substr(0, sig.find(' '));
-    if (op.rfind("aten::", 0) == 0) op = op.substr(6);
-    ++count[op];
-  }
-  std::string name = "save";
-  for (const auto& [op, n] : count) name += (name == "save" ? " " : ", ") + (n > 1 ? std::to_string(n) + " " : "") + op;
-  return name;
 }
 
 }  // namespace
@@ -442,13 +255,12 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
       // One run under an op timer: every op call's signature, output bytes and time.
       Restore restore(u.module);
       TrialInputs t = trial_inputs(inputs);
-      OpTimer timer;
+      detail::OpTimer timer;
       {
         dispatch::Scope scope(&timer);
         std::vector<at::Tensor> out = run(std::nullopt, t.in);
       }
-      for (const auto& set : knapsack_levels(timer.items(), options.selective_levels())) {
-        Policy level = keep_calls(level_name(set), set);
+      for (const Policy& level : detail::level_policies(timer.items(), options.selective_levels())) {
         CheckpointOptions o = base;
         o.policy(base.policy() ? policy::any_of({*base.policy(), level}) : level);
         u.menu.push_back({level.description(), o, std::nullopt});
@@ -459,7 +271,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
       o.policy(base.policy() ? policy::any_of({*base.policy(), p}) : p);
       u.menu.push_back({p.description(), o, std::nullopt});
     }
-    for (const OffloadOptions& o : options.offload()) u.menu.push_back({offload_name(o), std::nullopt, o});
+    for (const OffloadOptions& o : options.offload()) u.menu.push_back({detail::offload_name(o), std::nullopt, o});
   }
 
   /** One isolated run of a call under option `opt`: forward, then backward
@@ -826,21 +638,7 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
     const OffloadOptions& off = o.offload()[k];
     const std::string which = "[remat::auto] offload option " + std::to_string(k) + " (" + to_string(off.target()) +
                               ", codec " + to_string(off.codec()) + ")";
-    if (off.target() == OffloadTarget::kHost) {
-      throw Error(which +
-                  ": kHost moves accelerator tensors to pinned host memory and keeps CPU tensors where they are, "
-                  "so it saves nothing here; use kDisk with a directory, or kMemory with a codec.");
-    }
-    if (off.target() == OffloadTarget::kMemory && off.codec() == Codec::kNone) {
-      throw Error(which +
-                  ": kMemory without a codec keeps every byte in memory; give it a codec (kZstd, kLz4), or use "
-                  "kDisk with a directory.");
-    }
-    try {
-      OffloadScope check(off);  // a missing or read-only directory is refused now, by name
-    } catch (const Error& e) {
-      throw Error(which + ": " + e.what());
-    }
+    detail::check_menu_offload(which, off, /*on_cpu=*/true);
   }
   std::unordered_map<const torch::nn::Module*, bool> seen;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {

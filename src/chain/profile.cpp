@@ -30,8 +30,10 @@
 #include "../core/dispatch.h"
 #include "../core/replay.h"
 #include "../core/write_guard.h"
+#include "../region/levels.h"
 #include "early_stop.h"
 #include "grad_edges.h"
+#include "levers.h"
 #include "values.h"
 
 namespace remat {
@@ -158,20 +160,151 @@ double cut_recompute_ms(torch::nn::AnyModule& module, const Values& h, const std
   return median(ms);
 }
 
+/** The stage's input as a forward_save gets it: a detached leaf that
+ *  requires grad where differentiable. */
+Values grad_input(const Values& h) {
+  Values in = h.detached();
+  for (auto& t : in.ts) {
+    if (t.defined() && differentiable(t)) t.requires_grad_(true);
+  }
+  return in;
+}
+
+/** The stage's menu (ProfileOptions::selective_levels, offload): its
+ *  selective levels from one run under an op timer, then the offload
+ *  options, those to disk last (Levers). */
+std::vector<StageLever> stage_menu(torch::nn::AnyModule& module, const Values& h, bool writes, const std::string& who,
+                                   const std::vector<at::Tensor>& buffers, const ProfileOptions& options) {
+  std::vector<StageLever> menu;
+  if (options.selective_levels() > 0) {
+    OpTimer timer;
+    {
+      RunWrites run_writes(buffers);
+      Values in = grad_input(h);
+      dispatch::Scope ops(run_writes.interceptor());
+      dispatch::Scope timed(&timer);
+      Values out = run_stage_module(module, in, writes, who);
+    }
+    for (Policy& p : level_policies(timer.items(), options.selective_levels())) {
+      StageLever l;
+      l.region = CheckpointOptions().policy(std::move(p));
+      menu.push_back(std::move(l));
+    }
+  }
+  for (bool disk : {false, true}) {
+    for (const OffloadOptions& o : options.offload()) {
+      if ((o.target() == OffloadTarget::kDisk) != disk) continue;
+      StageLever l;
+      l.offload = o;
+      menu.push_back(std::move(l));
+    }
+  }
+  return menu;
+}
+
+/** One option of the stage measured as the stage is (bytes kept, forward
+ *  and backward temporaries, median times), its times raised to at least
+ *  the stage's own (noise; plan::Chain::validate). nullopt: it keeps no
+ *  fewer bytes than keeping everything. */
+std::optional<plan::StageOption> measure_lever(torch::nn::AnyModule& module, const Values& h, const StageLever& lever,
+                                               const plan::Stage& stage, bool writes, const std::string& who,
+                                               const c10::Device& dev, const std::vector<at::Tensor>& buffers,
+                                               const ProfileOptions& options) {
+  plan::StageOption opt;
+  opt.name = lever.offload ? offload_name(*lever.offload) : lever.region->policy()->description();
+  std::vector<double> forward_ms, backward_ms;
+  for (int r = 0; r < options.warmup() + options.repeats(); ++r) {
+    RunWrites run_writes(buffers);  // undone after the backward
+    Values in = grad_input(h);
+    Values out;
+    uint64_t seq0 = 0;
+    int64_t kept = 0, tmp = 0;
+    Clock::time_point t0;
+    {
+      memory::Probe probe(dev);
+      seq0 = at::sequence_number::peek();
+      dispatch::Scope ops(run_writes.interceptor());
+      synchronize(dev);
+      t0 = Clock::now();
+      out = run_stage_under(module, in, writes, who, &lever, /*trial=*/true);
+      synchronize(dev);
+      kept = probe.delta_bytes();
+      tmp = std::max<int64_t>(0, probe.peak_bytes() - probe.delta_bytes());
+    }
+    const double f_ms = ms_since(t0);
+    std::vector<at::Tensor> roots, seeds;
+    for (const auto& t : out.ts) {
+      if (t.defined() && t.requires_grad() && t.grad_fn()) {
+        roots.push_back(t);
+        seeds.push_back(at::ones_like(t));
+      }
+    }
+    out = Values();  // the roots hold the outputs until the backward lets go of them
+    double b_ms = 0;
+    int64_t above = 0;
+    if (!roots.empty()) {
+      // NOTE [redirected gradient edges], as for the stage itself.
+      Redirected red = redirect_gradient_edges(roots, in.ts, seq0);
+      torch::autograd::edge_list outputs;
+      for (uint32_t k = 0; k < red.num_inputs(); ++k) outputs.push_back(red.edge(k));
+      for (const auto& [leaf, nr] : red.other_leaves) red.hooks[nr]->discard = true;
+      if (!outputs.empty()) {
+        memory::Probe probe(dev);
+        synchronize(dev);
+        const auto t1 = Clock::now();
+        auto grads = backward_releasing(std::move(roots), std::move(seeds), /*keep_graph=*/false, outputs);
+        synchronize(dev);
+        b_ms = ms_since(t1);
+        int64_t grad_in = 0;
+        for (size_t k = 0; k < in.size(); ++k) {
+          const int64_t nr = red.target_input[k];
+          if (nr >= 0 && grads[nr].defined()) grad_in += storage_bytes(grads[nr]);
+        }
+        above = probe.peak_bytes() - grad_in;
+      }
+    }
+    if (r >= options.warmup()) {
+      forward_ms.push_back(f_ms);
+      backward_ms.push_back(b_ms);
+    }
+    // What it keeps: the new bytes, and what its output passes on from its input.
+    opt.saved_bytes = std::max(stage.output_bytes, kept + stage.shared_input_bytes);
+    opt.forward_tmp_bytes = tmp;
+    opt.backward_tmp_bytes = std::max<int64_t>(0, above);
+    opt.backward_freed_bytes =
+        std::min(std::max<int64_t>(0, -above), opt.saved_bytes + stage.grad_bytes() - stage.shared_input_bytes);
+  }
+  if (opt.saved_bytes >= stage.saved_bytes) return std::nullopt;
+  opt.forward_ms = std::max(median(forward_ms), stage.forward_ms);
+  opt.backward_ms = std::max(median(backward_ms), stage.backward_ms);
+  return opt;
+}
+
 }  // namespace
 
 plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x, const ProfileOptions& options,
-                           Values* result, std::vector<char>* writes_input) {
+                           Values* result, std::vector<char>* writes_input, Levers* levers) {
   torch::nn::Sequential seq = seq_in;
   if (seq->size() == 0) throw Error("[remat::profile] the Sequential is empty; add modules before profiling.");
   if (options.repeats() < 1 || options.warmup() < 0) {
     throw Error("[remat::profile] repeats must be >= 1 and warmup >= 0, got repeats=" +
                 std::to_string(options.repeats()) + ", warmup=" + std::to_string(options.warmup()) + ".");
   }
-  // NOTE [RNG regions and threads]: the RNG state is put back at the end.
-  RngRegionLock rng_lock(true);
   // A CUDA chain is measured in CUDA bytes (the caching allocator's).
   const c10::Device mem_device = memory_device(x.ts, seq->parameters());
+  if (options.selective_levels() < 0) {
+    throw Error("[remat::profile] selective_levels is " + std::to_string(options.selective_levels()) +
+                "; it must be >= 0 (0: no selective levels on the stages' menus).");
+  }
+  for (size_t k = 0; k < options.offload().size(); ++k) {
+    const OffloadOptions& off = options.offload()[k];
+    check_menu_offload("[remat::profile] offload option " + std::to_string(k) + " (" + to_string(off.target()) +
+                           ", codec " + to_string(off.codec()) + ")",
+                       off, mem_device.is_cpu());
+  }
+  if (levers) *levers = Levers();
+  // NOTE [RNG regions and threads]: the RNG state is put back at the end.
+  RngRegionLock rng_lock(true);
   Restore restore(seq, mem_device);
   const std::vector<at::Tensor> buffers = seq->buffers();
   if (writes_input) writes_input->assign(seq->size(), 0);
@@ -254,6 +387,7 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
             [&](const at::Tensor& t) {
               if (!is_parameter_like(t) && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
                 saved_bytes += storage_bytes(t);
+                if (levers) levers->largest_saved = std::max(levers->largest_saved, storage_bytes(t));
               }
               // Detached: an op's output kept as is would hold its own
               // grad_fn, a cycle that leaks the graph when the forward
@@ -379,6 +513,14 @@ plan::Chain profile_values(const torch::nn::Sequential& seq_in, const Values& x,
     }
     stage.forward_ms = median(forward_ms);
     stage.backward_ms = median(backward_ms);
+    if (levers) levers->stages.emplace_back();
+    for (StageLever& lever : stage_menu(module, h, writes, who, buffers, options)) {
+      std::optional<plan::StageOption> o =
+          measure_lever(module, h, lever, stage, writes, who, mem_device, buffers, options);
+      if (!o) continue;
+      stage.options.push_back(std::move(*o));
+      if (levers) levers->stages.back().push_back(std::move(lever));
+    }
     chain.stages.push_back(stage);
     h = next.detached();
   }

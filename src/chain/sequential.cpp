@@ -62,6 +62,7 @@
 #include "../core/write_guard.h"
 #include "early_stop.h"
 #include "grad_edges.h"
+#include "levers.h"
 #include "values.h"
 
 namespace remat {
@@ -166,12 +167,12 @@ struct Execution : std::enable_shared_from_this<Execution> {
    *  [side effects of planned re-runs]), cut short by early stop when
    *  `cut` (NOTE [early stop in planned recomputes]; seq0: the sequence
    *  number before the run). */
-  Values run_stage(int i, const Values& in, bool cut = false, uint64_t seq0 = 0) {
+  Values run_stage(int i, const Values& in, bool cut = false, uint64_t seq0 = 0, const StageLever* lever = nullptr) {
     auto& m = *(seq->begin() + i);
     if (st.runs[i]++ == 0) {
       RngRegionLock rng_lock(preserve_rng);  // NOTE [RNG regions and threads]
       first_run[i] = ReplayState::capture(preserve_rng, {device_of(in)}, m.ptr()->buffers());
-      Values y = run_stage_module(m, in, writes_input[i], who(i));
+      Values y = run_stage_under(m, in, writes_input[i], who(i), lever);
       out_meta[i].clear();
       for (const auto& t : y.ts) out_meta[i].push_back(t.defined() ? Meta{true, t.options(), t.sizes().vec()} : Meta{});
       return y;
@@ -194,9 +195,9 @@ struct Execution : std::enable_shared_from_this<Execution> {
         Values y;
         {
           dispatch::Scope ops(rerun_interceptor.get());
-          y = cut && early_stop_available(alone ? rerun_interceptor.get() : nullptr)
+          y = cut && lever == nullptr && early_stop_available(alone ? rerun_interceptor.get() : nullptr)
                   ? run_cut(i, m, in, seq0)
-                  : run_stage_module(m, in, writes_input[i], who(i));
+                  : run_stage_under(m, in, writes_input[i], who(i), lever);
         }
         if (rerun_graphs == 0) restore_rerun_writes();
         return y;
@@ -489,7 +490,16 @@ struct Execution : std::enable_shared_from_this<Execution> {
           if (i > 0 ? differentiable(in[k]) : input_requires_grad[k]) in[k].requires_grad_(true);
         }
         const uint64_t seq0 = at::sequence_number::peek();
-        Values y = run_stage(i, in, cut_allowed(i), seq0);
+        // Under a stage option (NOTE [stage options]) the stage runs as a
+        // selective region or offloading, and is never cut short.
+        const StageLever* lever = nullptr;
+        if (op.option > 0) {
+          need(entry && entry->levers && static_cast<size_t>(i) < entry->levers->stages.size() &&
+                   static_cast<size_t>(op.option) <= entry->levers->stages[i].size(),
+               op, "the stage has no such option (profile with ProfileOptions::selective_levels or offload)");
+          lever = &entry->levers->stages[i][op.option - 1];
+        }
+        Values y = run_stage(i, in, lever == nullptr && cut_allowed(i), seq0, lever);
         std::vector<at::Tensor> targets = in.ts;
         targets.insert(targets.end(), params[i].begin(), params[i].end());
         st.edges[i] = redirect_gradient_edges(y.ts, targets, seq0);
@@ -840,6 +850,47 @@ std::shared_ptr<Tripwire> tripwire_for(const torch::nn::Sequential& seq) {
 
 namespace {
 
+/** NOTE [stage options]: a stage's menu (ProfileOptions::selective_levels,
+ *  offload) is planned by optimal() with the rest of the schedule. A plan
+ *  that uses a disk offload option must fit with the stores' in-flight
+ *  bytes (Levers::inflight_margin) added, whatever the disk's pace: the
+ *  optimal plan is solved twice, without the disk options at the budget and
+ *  with them at the budget less the margin, and the faster one kept. */
+int64_t lowest_peak(const plan::Chain& chain, const detail::Levers* levers) {
+  const int64_t margin = levers ? levers->inflight_margin() : 0;
+  if (margin == 0) return plan::min_feasible_peak_bytes(chain);
+  return std::min(plan::min_feasible_peak_bytes(levers->without_disk(chain)),
+                  plan::min_feasible_peak_bytes(chain) + margin);
+}
+
+plan::Plan solve_chain(const plan::Chain& chain, const detail::Levers* levers, const plan::SolveOptions& so) {
+  const int64_t margin = levers ? levers->inflight_margin() : 0;
+  if (margin == 0 || so.budget_bytes <= 0 || so.algorithm != plan::Algorithm::kOptimal) {
+    return plan::solve(levers ? levers->without_disk(chain) : chain, so);
+  }
+  std::optional<plan::Plan> kept, off;
+  try {
+    kept = plan::solve(levers->without_disk(chain), so);
+  } catch (const Error&) {
+  }
+  if (so.budget_bytes > margin) {
+    plan::SolveOptions less = so;
+    less.budget_bytes -= margin;
+    try {
+      off = plan::solve(chain, less);
+      if (!levers->uses_disk(off->schedule)) off.reset();
+    } catch (const Error&) {
+    }
+  }
+  if (kept && (!off || kept->prediction.time_ms <= off->prediction.time_ms)) return *kept;
+  if (off) return *off;
+  throw Error("[remat::plan] no schedule fits in " + format_bytes(so.budget_bytes) +
+              "; the smallest feasible peak is " + format_bytes(lowest_peak(chain, levers)) +
+              " (a plan that offloads to disk counts " + format_bytes(margin) +
+              " for the stores' writes and reads in flight). Raise memory_budget_bytes, or lower the offload "
+              "options' max_inflight_bytes.");
+}
+
 torch::nn::Sequential join(const std::vector<torch::nn::Sequential>& parts) {
   if (parts.empty()) {
     throw Error("[remat::CheckpointedSequential] no modules given; pass the Sequentials of the chain in order.");
@@ -964,7 +1015,9 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   detail::Values result;
   ProfileOptions popts = options_.profile();
   if (!options_.early_stop()) popts.recompute(false);  // no cut recomputes to time
-  e.chain = detail::profile_values(seq_, x, popts, &result, &e.writes_input);
+  auto levers = std::make_shared<detail::Levers>();
+  e.chain = detail::profile_values(seq_, x, popts, &result, &e.writes_input, levers.get());
+  e.levers = levers;
   e.result = std::make_shared<detail::Values>(std::move(result));
   e.stops = std::make_shared<detail::StopRecords>(static_cast<int>(e.chain.stages.size()));
   ++profiles_;
@@ -979,7 +1032,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
     std::snprintf(f, sizeof f, "%g", fraction);
     fraction_is = std::string("memory_budget_fraction ") + f + " (a budget of " + format_bytes(budget) +
                   " of the chain's plain peak, " + format_bytes(plain) + ")";
-    const int64_t lowest = plan::min_feasible_peak_bytes(e.chain);
+    const int64_t lowest = lowest_peak(e.chain, e.levers.get());
     if (budget < lowest) {
       char need[32];
       const double at_least = std::ceil(1000.0 * static_cast<double>(lowest) / static_cast<double>(plain)) / 1000.0;
@@ -992,7 +1045,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   if (options_.step_memory_budget_bytes() > 0) {
     // The first step of this shape runs the leanest schedule and measures
     // what lies outside the chain; end_step() plans for what is left.
-    budget = plan::min_feasible_peak_bytes(e.chain);
+    budget = lowest_peak(e.chain, e.levers.get());
   }
   if (options_.schedule()) {
     e.plan = {"explicit", *options_.schedule(), plan::simulate(e.chain, *options_.schedule())};
@@ -1007,7 +1060,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
     // The remedy names the option the user set.
     const std::string raise = fraction > 0 ? "memory_budget_fraction" : "memory_budget_bytes";
     try {
-      e.plan = plan::solve(e.chain, solve);
+      e.plan = solve_chain(e.chain, e.levers.get(), solve);
     } catch (const Error& err) {
       if (fraction <= 0) throw;
       std::string what = err.what();
@@ -1232,7 +1285,7 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
       std::clamp(static_cast<double>(e.plan.prediction.peak_bytes) / static_cast<double>(chain_own), 0.5, 2.0);
   const int64_t left = budget - e.outside_bytes;
   const int64_t chain_budget = static_cast<int64_t>(static_cast<double>(std::max<int64_t>(left, 0)) * calibration);
-  const int64_t lowest = plan::min_feasible_peak_bytes(e.chain);
+  const int64_t lowest = lowest_peak(e.chain, e.levers.get());
   if (chain_budget < lowest) {
     e.step_error = "[remat::CheckpointedSequential] the step budget of " + format_bytes(budget) +
                    " cannot be met: outside the chain the step holds " + format_bytes(e.outside_bytes) +
@@ -1249,7 +1302,7 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
                      .with_memory_slots(options_.memory_slots())
                      .with_scope(options_.scope())
                      .with_budget_bytes(chain_budget);
-    e.plan = plan::solve(e.chain, solve);
+    e.plan = solve_chain(e.chain, e.levers.get(), solve);
   } catch (const std::exception& err) {
     e.step_error = std::string("[remat::CheckpointedSequential] planning for the step budget failed: ") + err.what();
   }
@@ -1279,6 +1332,26 @@ std::string CheckpointedSequentialImpl::explain() const {
                   p.prediction.forwards_per_stage[i], live[i + 1] ? "yes" : "no", format_bytes(s.output_bytes).c_str(),
                   format_bytes(s.saved_bytes).c_str(), s.forward_ms, s.backward_ms);
     os << line;
+  }
+  // The stages' menus (ProfileOptions::selective_levels, offload), the
+  // options the plan's forward_saves use marked.
+  for (size_t i = 0; i < c.stages.size(); ++i) {
+    const auto& opts = c.stages[i].options;
+    if (opts.empty()) continue;
+    os << (i == 0 || std::all_of(c.stages.begin(), c.stages.begin() + static_cast<std::ptrdiff_t>(i),
+                                 [](const plan::Stage& st) { return st.options.empty(); })
+               ? "stage menus (kept bytes, fwd ms, bwd ms; * used by the plan):\n"
+               : "");
+    os << "  " << i << ":";
+    for (size_t k = 0; k < opts.size(); ++k) {
+      const bool used = std::any_of(p.schedule.ops.begin(), p.schedule.ops.end(), [&](const plan::Op& op) {
+        return op.stage == static_cast<int>(i) && op.option == static_cast<int>(k + 1);
+      });
+      std::snprintf(line, sizeof line, " %s[%s %s %.3f %.3f]", k ? "" : "", opts[k].name.c_str(),
+                    format_bytes(opts[k].saved_bytes).c_str(), opts[k].forward_ms, opts[k].backward_ms);
+      os << line << (used ? "*" : "");
+    }
+    os << "\n";
   }
   os << "predicted peak: " << format_bytes(p.prediction.peak_bytes) << " (input " << format_bytes(c.input_bytes)
      << " included), predicted time " << p.prediction.time_ms << " ms, " << p.prediction.forward_executions

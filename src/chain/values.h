@@ -68,11 +68,16 @@ Values run_module(torch::nn::AnyModule& m, const Values& v, const std::string& w
  *  m left in unwritten. */
 Values run_stage_module(torch::nn::AnyModule& m, const Values& in, bool writes_input, const std::string& who);
 
+struct Levers;
+
 /** remat::profile on a chain whose input is x (any kind); the last stage's
  *  result kind and tensor count into `result` when given (ts left empty,
- *  sized with undefined tensors). */
+ *  sized with undefined tensors); each stage's menu (ProfileOptions::
+ *  selective_levels, offload), aligned with its plan::Stage::options, into
+ *  `levers` when given. */
 plan::Chain profile_values(const torch::nn::Sequential& seq, const Values& x, const ProfileOptions& options,
-                           Values* result = nullptr, std::vector<char>* writes_input = nullptr);
+                           Values* result = nullptr, std::vector<char>* writes_input = nullptr,
+                           Levers* levers = nullptr);
 
 /** Is the tensor's gradient tracked at a boundary (floating or complex)? */
 inline bool differentiable(const at::Tensor& t) { return t.defined() && (t.is_floating_point() || t.is_complex()); }
