@@ -6,7 +6,9 @@
 // counter bench/preload when loaded, else remat::memory) and every step's
 // milliseconds and minor page faults; plain also gets forward and backward times.
 // Strategies: plain, block, seq:K, useg:K (CheckpointedSequential running seq:K's
-// placement), sqrt, opt:F (budget F x plain peak), select. --explain 1 prints
+// placement), sqrt, opt:F (budget F x plain peak), menu:F (opt:F with each
+// stage's menu: --menu-levels selective levels and disk offload to
+// --offload-dir, --offload-inflight-kib in flight), select. --explain 1 prints
 // the planned strategies' explain() to stderr after their last step.
 // Leaves out: the loss head and optimizer (the chain ends in .sum()).
 #include <sys/resource.h>
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -241,6 +244,30 @@ int main(int argc, char** argv) {
   const bool hold_output = arg(argc, argv, "--hold-output", "1") == "1";
   const bool op_profile = arg(argc, argv, "--op-profile", "0") == "1";
   const bool explain = arg(argc, argv, "--explain", "0") == "1";
+  // menu:F's offload store (a new directory under /tmp unless given, removed at the end).
+  std::string offload_dir = arg(argc, argv, "--offload-dir", "");
+  const bool own_dir = offload_dir.empty();
+  if (own_dir) {
+    char tmpl[] = "/tmp/remat_compare.XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      std::perror("remat_compare: mkdtemp");
+      return 1;
+    }
+    offload_dir = tmpl;
+  }
+  struct RemoveDir {
+    std::string dir;
+    bool own;
+    ~RemoveDir() {
+      if (own) std::filesystem::remove_all(dir);
+    }
+  } remove_dir{offload_dir, own_dir};
+  const auto menu =
+      remat::ProfileOptions()
+          .selective_levels(static_cast<int>(bench::int_arg(argc, argv, "--menu-levels", "2")))
+          .offload({remat::OffloadOptions(remat::OffloadTarget::kDisk)
+                        .directory(offload_dir)
+                        .max_inflight_bytes(bench::int_arg(argc, argv, "--offload-inflight-kib", "16384") << 10)});
 
   bench::Meter meter("remat_compare", false);
   // remat::memory's wrapper is installed in any case (profile() needs it), so
@@ -301,12 +328,14 @@ int main(int argc, char** argv) {
         m.selective(false);
         return out;
       };
-    } else if (s == "sqrt" || s.rfind("opt:", 0) == 0 || s.rfind("useg:", 0) == 0) {
+    } else if (s == "sqrt" || s.rfind("opt:", 0) == 0 || s.rfind("useg:", 0) == 0 || s.rfind("menu:", 0) == 0) {
       auto opts = remat::SequentialOptions().measure_memory(false);
       if (s == "sqrt") {
         opts.algorithm("sqrt");
       } else if (s.rfind("useg:", 0) == 0) {  // the planned runtime on seq:K's placement
         opts.segments(std::stoi(s.substr(5)));
+      } else if (s.rfind("menu:", 0) == 0) {
+        opts.memory_budget_bytes(static_cast<int64_t>(std::stod(s.substr(5)) * plain_peak)).profile(menu);
       } else {
         opts.memory_budget_bytes(static_cast<int64_t>(std::stod(s.substr(4)) * plain_peak));
       }
@@ -332,11 +361,25 @@ int main(int argc, char** argv) {
           const auto timed = remat::plan::simulate((*net)->chain(), old.schedule);
           std::fprintf(stderr, "; uncut DP: %s, %.0f ms with the cut counted", counts(timed).c_str(), timed.time_ms);
         }
+        if (s.rfind("menu:", 0) == 0) {
+          std::string used;
+          for (const auto& op : plan.schedule.ops) {
+            if (op.option == 0) continue;
+            used += (used.empty() ? "" : ", ") + std::to_string(op.stage) + ": " +
+                    (*net)->chain().stages[op.stage].options[op.option - 1].name;
+          }
+          std::fprintf(stderr, "; options used: %s", used.empty() ? "none" : used.c_str());
+        }
         std::fprintf(stderr, "\n");
         nets.push_back(net);
         r.net = net;
         r.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
       } catch (const remat::Error& e) {
+        if (s.rfind("menu:", 0) == 0) {  // the runtime's own floor (the menu and the in-flight bytes)
+          r.note = std::string("infeasible; ") + e.what();
+          runs.push_back(r);
+          continue;
+        }
         const int64_t min_peak = remat::plan::min_feasible_peak_bytes(remat::profile(m.seq, m.x));
         r.note = "infeasible; smallest feasible peak " + std::to_string(min_peak) +
                  " bytes = " + std::to_string(double(min_peak) / plain_peak) + " of plain";

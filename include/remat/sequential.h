@@ -86,11 +86,22 @@ struct SequentialOptions {
    *  step inside a begin_step() scope; not together with the chain budgets.
    *  Default -1: none. */
   TORCH_ARG(int64_t, step_memory_budget_bytes) = -1;
+  /** Count in the plan the parameter gradients that the chain's backward
+   *  allocates: with a .grad undefined when the step starts (the first
+   *  step, or zero_grad() setting gradients to none, LibTorch's default),
+   *  each stage's backward allocates its parameters' gradients, which stay
+   *  until the optimizer step. On: the chain is planned with them (charged
+   *  to the gradients at the boundaries), so the budget bounds them too; a
+   *  step with every .grad kept (zero_grad(false)) gets a plan without
+   *  them, solved from the same profile. Off (the default): the plan leaves
+   *  parameter gradients out, and a step that allocates them peaks up to
+   *  their bytes above the budget. Default false. */
+  TORCH_ARG(bool, count_parameter_gradients) = false;
   /** Measure the peak of each step with remat::memory (allocations are
    *  counted from forward to the end of backward). Default true. */
   TORCH_ARG(bool, measure_memory) = true;
-  /** How the chain is profiled in auto mode (repeats, warm-up).
-   *  Default ProfileOptions(). */
+  /** How the chain is profiled in auto mode (repeats, warm-up) and each
+   *  stage's menu (selective_levels, offload). Default ProfileOptions(). */
   TORCH_ARG(ProfileOptions, profile) = ProfileOptions();
 };
 
@@ -220,7 +231,8 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
  private:
   friend struct detail::Execution;
   struct Entry {
-    plan::Chain chain;
+    plan::Chain profiled;  // as measured
+    plan::Chain chain;     // as planned: profiled, or with parameter gradients charged (sequential.cpp)
     plan::Plan plan;
     std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
     std::shared_ptr<detail::StopRecords> stops;    // early stop's per-stage records

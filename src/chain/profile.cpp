@@ -204,8 +204,8 @@ std::vector<StageLever> stage_menu(torch::nn::AnyModule& module, const Values& h
 
 /** One option of the stage measured as the stage is (bytes kept, forward
  *  and backward temporaries, median times), its times raised to at least
- *  the stage's own (noise; plan::Chain::validate). nullopt: it keeps no
- *  fewer bytes than keeping everything. */
+ *  the stage's own (noise; plan::Chain::validate). nullopt: it keeps
+ *  hardly fewer bytes than keeping everything. */
 std::optional<plan::StageOption> measure_lever(torch::nn::AnyModule& module, const Values& h, const StageLever& lever,
                                                const plan::Stage& stage, bool writes, const std::string& who,
                                                const c10::Device& dev, const std::vector<at::Tensor>& buffers,
@@ -274,7 +274,8 @@ std::optional<plan::StageOption> measure_lever(torch::nn::AnyModule& module, con
     opt.backward_freed_bytes =
         std::min(std::max<int64_t>(0, -above), opt.saved_bytes + stage.grad_bytes() - stage.shared_input_bytes);
   }
-  if (opt.saved_bytes >= stage.saved_bytes) return std::nullopt;
+  // Worth a place on the menu: it keeps at least 1% (and 4 KiB) less.
+  if (opt.saved_bytes > stage.saved_bytes - std::max<int64_t>(4096, stage.saved_bytes / 100)) return std::nullopt;
   opt.forward_ms = std::max(median(forward_ms), stage.forward_ms);
   opt.backward_ms = std::max(median(backward_ms), stage.backward_ms);
   return opt;

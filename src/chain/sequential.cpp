@@ -766,6 +766,47 @@ std::vector<int64_t> plan_key(const Values& x, const torch::nn::Sequential& seq)
 }
 
 }  // namespace
+
+/** NOTE [parameter gradients in the plan]: a stage's backward that finds a
+ *  parameter's .grad undefined (the first step, or zero_grad() setting
+ *  gradients to none, LibTorch's default) allocates it, and it stays until
+ *  the optimizer's step; with .grad kept (zeroed in place) nothing is
+ *  allocated. Per stage: the bytes of the gradients its backward would
+ *  allocate now (each parameter counted at the last stage that uses it,
+ *  whose backward runs first). */
+std::vector<int64_t> new_param_grad_bytes(const torch::nn::Sequential& seq) {
+  std::vector<int64_t> out(seq->size(), 0);
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t i = seq->size(); i-- > 0;) {
+    for (const auto& p : (seq->begin() + static_cast<std::ptrdiff_t>(i))->ptr()->parameters()) {
+      if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second || p.grad().defined()) continue;
+      out[i] += static_cast<int64_t>(p.numel()) * static_cast<int64_t>(p.element_size());
+    }
+  }
+  return out;
+}
+
+/** The chain with the parameter gradients that its stages' backwards
+ *  allocate charged to the boundary gradients: |grad_j| grows by those of
+ *  stages j..L-1, which are live from their backward on, so every op after
+ *  backward(i) counts them. backward(i) allocates grad_i, which now holds
+ *  the gradients of stages above i as well, while grad_{i+1} still holds
+ *  them: its backward_freed_bytes grow by those, so that its peak counts
+ *  them once, plus its own. The op model needs nothing new. */
+plan::Chain with_param_grads(const plan::Chain& chain, const std::vector<int64_t>& grad_bytes) {
+  plan::Chain c = chain;
+  int64_t after = 0;  // stages above i
+  for (int i = c.size() - 1; i >= 0; --i) {
+    plan::Stage& st = c.stages[i];
+    st.output_grad_bytes = chain.stages[i].grad_bytes() + after;
+    st.backward_freed_bytes += after;
+    for (plan::StageOption& o : st.options) o.backward_freed_bytes += after;
+    after += grad_bytes[static_cast<size_t>(i)];
+  }
+  c.input_grad_bytes = chain.grad_bytes(0) + after;
+  return c;
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -851,11 +892,14 @@ std::shared_ptr<Tripwire> tripwire_for(const torch::nn::Sequential& seq) {
 namespace {
 
 /** NOTE [stage options]: a stage's menu (ProfileOptions::selective_levels,
- *  offload) is planned by optimal() with the rest of the schedule. A plan
- *  that uses a disk offload option must fit with the stores' in-flight
- *  bytes (Levers::inflight_margin) added, whatever the disk's pace: the
- *  optimal plan is solved twice, without the disk options at the budget and
- *  with them at the budget less the margin, and the faster one kept. */
+ *  offload) is planned by optimal() with the rest of the schedule, in the
+ *  persistent class (plan::OptimalScope). A plan that uses a disk offload
+ *  option must fit with the stores' in-flight bytes (Levers::
+ *  inflight_margin) added, whatever the disk's pace. So the optimal plan is
+ *  the fastest of: the chain without its menu (in the scope asked for, all
+ *  schedules where cheap), without its disk options at the budget, and
+ *  with them at the budget less the margin. The menu never makes a plan
+ *  slower than the same profile without it. */
 int64_t lowest_peak(const plan::Chain& chain, const detail::Levers* levers) {
   const int64_t margin = levers ? levers->inflight_margin() : 0;
   if (margin == 0) return plan::min_feasible_peak_bytes(chain);
@@ -864,31 +908,47 @@ int64_t lowest_peak(const plan::Chain& chain, const detail::Levers* levers) {
 }
 
 plan::Plan solve_chain(const plan::Chain& chain, const detail::Levers* levers, const plan::SolveOptions& so) {
+  if (!chain.has_options() || so.budget_bytes <= 0 || so.algorithm != plan::Algorithm::kOptimal) {
+    plan::Chain bare = chain;
+    for (auto& st : bare.stages) st.options.clear();
+    return plan::solve(bare, so);
+  }
+  // Candidates: without the menu (in the scope asked for: all schedules
+  // where cheap, which the menu's persistent scope does not search),
+  // without disk offload, and with it at the budget less the margin.
   const int64_t margin = levers ? levers->inflight_margin() : 0;
-  if (margin == 0 || so.budget_bytes <= 0 || so.algorithm != plan::Algorithm::kOptimal) {
-    return plan::solve(levers ? levers->without_disk(chain) : chain, so);
-  }
-  std::optional<plan::Plan> kept, off;
-  try {
-    kept = plan::solve(levers->without_disk(chain), so);
-  } catch (const Error&) {
-  }
-  if (so.budget_bytes > margin) {
-    plan::SolveOptions less = so;
-    less.budget_bytes -= margin;
+  std::vector<plan::Plan> fit;
+  auto attempt = [&](const plan::Chain& c, int64_t budget, plan::OptimalScope scope) {
+    if (budget <= 0) return;
+    plan::SolveOptions o = so;
+    o.budget_bytes = budget;
+    o.scope = scope;
     try {
-      off = plan::solve(chain, less);
-      if (!levers->uses_disk(off->schedule)) off.reset();
+      fit.push_back(plan::solve(c, o));
     } catch (const Error&) {
     }
+  };
+  plan::Chain bare = chain;
+  for (auto& st : bare.stages) st.options.clear();
+  attempt(bare, so.budget_bytes, so.scope == plan::OptimalScope::kPersistent ? so.scope : plan::OptimalScope::kAuto);
+  const plan::Chain kept = levers ? levers->without_disk(chain) : chain;
+  const plan::OptimalScope menu_scope = plan::OptimalScope::kPersistent;
+  attempt(kept, so.budget_bytes, menu_scope);
+  if (margin > 0) attempt(chain, so.budget_bytes - margin, menu_scope);
+  if (fit.empty()) {
+    throw Error("[remat::plan] no schedule fits in " + format_bytes(so.budget_bytes) +
+                "; the smallest feasible peak is " + format_bytes(lowest_peak(chain, levers)) +
+                (margin > 0 ? " (a plan that offloads to disk counts " + format_bytes(margin) +
+                                  " for the stores' writes and reads in flight)"
+                            : std::string()) +
+                ". Raise memory_budget_bytes" +
+                (margin > 0 ? std::string(", or lower the offload options' max_inflight_bytes.") : std::string(".")));
   }
-  if (kept && (!off || kept->prediction.time_ms <= off->prediction.time_ms)) return *kept;
-  if (off) return *off;
-  throw Error("[remat::plan] no schedule fits in " + format_bytes(so.budget_bytes) +
-              "; the smallest feasible peak is " + format_bytes(lowest_peak(chain, levers)) +
-              " (a plan that offloads to disk counts " + format_bytes(margin) +
-              " for the stores' writes and reads in flight). Raise memory_budget_bytes, or lower the offload "
-              "options' max_inflight_bytes.");
+  size_t best = 0;
+  for (size_t k = 1; k < fit.size(); ++k) {
+    if (fit[k].prediction.time_ms < fit[best].prediction.time_ms) best = k;
+  }
+  return fit[best];
 }
 
 torch::nn::Sequential join(const std::vector<torch::nn::Sequential>& parts) {
@@ -1009,18 +1069,39 @@ std::shared_ptr<torch::nn::Module> CheckpointedSequentialImpl::clone(const std::
 
 const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(const detail::Values& x) {
   auto key = detail::plan_key(x, seq_);
+  // NOTE [parameter gradients in the plan]: with count_parameter_gradients,
+  // does this step's backward allocate parameter gradients (some .grad
+  // undefined: the first step, or zero_grad setting them to none)? Then
+  // they are in the plan.
+  const std::vector<int64_t> grad_bytes =
+      options_.count_parameter_gradients() ? detail::new_param_grad_bytes(seq_) : std::vector<int64_t>(seq_->size(), 0);
+  const bool allocates = std::any_of(grad_bytes.begin(), grad_bytes.end(), [](int64_t b) { return b > 0; });
+  key.push_back(allocates);
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
   Entry e;
-  detail::Values result;
-  ProfileOptions popts = options_.profile();
-  if (!options_.early_stop()) popts.recompute(false);  // no cut recomputes to time
-  auto levers = std::make_shared<detail::Levers>();
-  e.chain = detail::profile_values(seq_, x, popts, &result, &e.writes_input, levers.get());
-  e.levers = levers;
-  e.result = std::make_shared<detail::Values>(std::move(result));
-  e.stops = std::make_shared<detail::StopRecords>(static_cast<int>(e.chain.stages.size()));
-  ++profiles_;
+  auto other = key;
+  other.back() = !allocates;
+  if (auto sibling = plans_.find(other); sibling != plans_.end()) {
+    // The same profile, the other accounting: solved again, not measured again.
+    const Entry& s = sibling->second;
+    e.profiled = s.profiled;
+    e.levers = s.levers;
+    e.result = s.result;
+    e.stops = s.stops;
+    e.writes_input = s.writes_input;
+  } else {
+    detail::Values result;
+    ProfileOptions popts = options_.profile();
+    if (!options_.early_stop()) popts.recompute(false);  // no cut recomputes to time
+    auto levers = std::make_shared<detail::Levers>();
+    e.profiled = detail::profile_values(seq_, x, popts, &result, &e.writes_input, levers.get());
+    e.levers = levers;
+    e.result = std::make_shared<detail::Values>(std::move(result));
+    e.stops = std::make_shared<detail::StopRecords>(static_cast<int>(e.profiled.stages.size()));
+    ++profiles_;
+  }
+  e.chain = allocates ? detail::with_param_grads(e.profiled, grad_bytes) : e.profiled;
   int64_t budget = options_.memory_budget_bytes();
   const double fraction = options_.memory_budget_fraction();
   int64_t plain = -1;

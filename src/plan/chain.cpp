@@ -86,6 +86,9 @@ void Chain::validate() const {
   if (input_bytes < 0)
     throw Error("[remat::plan] chain: input_bytes is negative (" + std::to_string(input_bytes) +
                 "); sizes are bytes >= 0.");
+  if (input_grad_bytes < -1)
+    throw Error("[remat::plan] chain: input_grad_bytes is " + std::to_string(input_grad_bytes) +
+                "; sizes are bytes >= 0 (-1: input_bytes).");
   for (int i = 0; i < size(); ++i) {
     const Stage& s = stages[i];
     check_time(*this, i, "forward_ms", s.forward_ms);
@@ -133,6 +136,7 @@ void Chain::validate() const {
     total += v;
   };
   add(input_bytes);
+  add(std::max<int64_t>(0, input_grad_bytes));
   for (const Stage& s : stages) {
     add(s.output_bytes);
     add(s.saved_bytes);

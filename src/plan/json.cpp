@@ -71,6 +71,7 @@ Chain chain_from_json(std::string_view text) {
   if (!j.is_object()) throw Error("[remat::plan] chain JSON: expected an object with input_bytes and stages.");
   Chain chain;
   chain.input_bytes = get_bytes(j, "input_bytes", "", true);
+  if (j.contains("input_grad_bytes")) chain.input_grad_bytes = get_bytes(j, "input_grad_bytes", "", true);
   auto st = j.find("stages");
   if (st == j.end()) field_error("stages", "missing.");
   if (!st->is_array()) field_error("stages", "expected an array of stages.");
@@ -129,6 +130,7 @@ Chain chain_from_json(std::string_view text) {
 std::string chain_to_json(const Chain& chain, int indent) {
   json j;
   j["input_bytes"] = chain.input_bytes;
+  if (chain.input_grad_bytes >= 0) j["input_grad_bytes"] = chain.input_grad_bytes;
   j["stages"] = json::array();
   for (const Stage& s : chain.stages) {
     json o;

@@ -194,7 +194,7 @@ void PersistentDp::emit(std::vector<Op>& ops, int s, int t, int m) const {
 namespace {
 
 int64_t gcd_sizes(const Chain& chain) {
-  int64_t g = chain.input_bytes;
+  int64_t g = std::gcd(chain.input_bytes, chain.grad_bytes(0));
   for (const Stage& s : chain.stages)
     for (int64_t v : {s.output_bytes, s.saved_bytes, s.forward_tmp_bytes, s.plain_tmp_bytes(), s.backward_tmp_bytes,
                       s.backward_freed_bytes, s.shared_input_bytes, s.grad_bytes()})

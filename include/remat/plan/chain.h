@@ -1,5 +1,6 @@
 // The planner's model of a sequential network: a chain of stages with their
-// measured (or estimated) times and sizes. Torch-free: the runtime fills a
+// measured (or estimated) times and sizes, and each stage's other options
+// for keeping what its backward needs. Torch-free: the runtime fills a
 // Chain from profiling; parameters and parameter gradients are not modeled.
 // The memory rules built on it are in docs/planner.md and schedule.h.
 #pragma once
@@ -105,14 +106,21 @@ struct Chain {
   /** |a_0|: bytes of the chain input; always live, and the size of the gradient at boundary 0. */
   int64_t input_bytes = 0;
   std::vector<Stage> stages;  ///< the L stages, in execution order
+  /** |grad_0|, the gradient at the chain input, where it differs from
+   *  input_bytes (a runtime may charge the parameter gradients its stages'
+   *  backwards allocate to the gradients at the boundaries: docs/runtime.md);
+   *  < 0: input_bytes (the default). */
+  int64_t input_grad_bytes = -1;
 
   /** Number of stages L. */
   int size() const { return static_cast<int>(stages.size()); }
   /** |a_j| for j in [0, L]: input_bytes for j = 0, else stages[j-1].output_bytes. */
   int64_t value_bytes(int j) const { return j == 0 ? input_bytes : stages[j - 1].output_bytes; }
-  /** |grad_j| for j in [0, L]: input_bytes for j = 0, else stages[j-1].grad_bytes();
-   *  grad_L is the loss gradient. */
-  int64_t grad_bytes(int j) const { return j == 0 ? input_bytes : stages[j - 1].grad_bytes(); }
+  /** |grad_j| for j in [0, L]: input_grad_bytes (else input_bytes) for j = 0,
+   *  else stages[j-1].grad_bytes(); grad_L is the loss gradient. */
+  int64_t grad_bytes(int j) const {
+    return j == 0 ? (input_grad_bytes < 0 ? input_bytes : input_grad_bytes) : stages[j - 1].grad_bytes();
+  }
   /** |a_{j+1}| net of the bytes it shares with a_j (Stage::shared_input_bytes),
    *  j in [0, L-1]: what a forward of stage j adds while a_j is live. */
   int64_t new_value_bytes(int j) const { return stages[j].output_bytes - stages[j].shared_input_bytes; }

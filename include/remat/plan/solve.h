@@ -1,6 +1,8 @@
 // Checkpointing algorithms: each returns a valid Schedule for a Chain plus the
-// simulator's prediction for it. Leaves out offload and op-level selective
-// recompute (the runtime's business); the memory model is the one in schedule.h.
+// simulator's prediction for it. optimal() also picks among each stage's
+// options (Stage::options: selective levels, offload, as measured by the
+// runtime); the others run every forward_save as is. The memory model is
+// the one in schedule.h.
 #pragma once
 
 #include <cstdint>
@@ -91,7 +93,9 @@ OptimalScope parse_optimal_scope(std::string_view text);
 /** "auto", "all", "persistent". */
 const char* optimal_scope_name(OptimalScope scope);
 
-/** Minimal-time schedule under budget_bytes, multi-level included, by a dynamic
+/** Minimal-time schedule under budget_bytes, multi-level included (and each
+ *  forward_save's stage option, for a chain with options: persistent
+ *  schedules only, see Chain's Stage::options), by a dynamic
  *  program over memory discretized into at least memory_slots units: Beaumont,
  *  Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
  *  heterogeneous chains" (rotor), extended to schedules that drop a checkpoint
