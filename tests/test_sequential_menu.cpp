@@ -7,10 +7,14 @@
 // are pinned.
 #include "common.h"
 
+#include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include <remat/plan/plan.h>
 #include <remat/sequential.h>
+
+#include "../src/offload/offload_internal.h"
 
 using namespace remat_test;
 using torch::Tensor;
@@ -267,4 +271,51 @@ TEST(SequentialMenu, ParameterGradientsCountedWhenTheBackwardAllocatesThem) {
     }
     EXPECT_EQ(net->profiles(), 1);
   }
+}
+
+// NOTE [chain offload priced by the step]: a step whose disk offload runs
+// far slower than profiled (writers held back for 150 ms here, as a slow
+// disk would) reprices the disk options and solves again; training stays
+// bitwise a plain run's.
+TEST(SequentialMenu, SlowDiskRepricesOffloadFromTheMeasuredStep) {
+  const std::string dir = fresh_dir("menu_reprice");
+  const auto popts = remat::ProfileOptions().offload(
+      {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(128 << 10)});
+  torch::manual_seed(3);
+  std::vector<Tensor> xs;
+  for (int k = 0; k < 3; ++k) xs.push_back(torch::randn({4, 32, 64}).requires_grad_(true));
+  torch::nn::Sequential ref = six_gpt_blocks(1, 0.1);
+  const std::vector<Tensor> want = train(
+      ref, [&](const Tensor& x) { return ref->forward(x); }, xs);
+
+  // The leanest budget: only plans that offload to disk fit.
+  torch::nn::Sequential probe_seq = six_gpt_blocks(1, 0.1);
+  const remat::plan::Chain chain = remat::profile(probe_seq, xs[0], popts);
+  const int64_t budget = remat::plan::min_feasible_peak_bytes(chain) + (128 << 10);
+  torch::nn::Sequential seq = six_gpt_blocks(1, 0.1);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget).profile(popts));
+  std::vector<double> predicted, measured;
+  const std::vector<Tensor> got = train(
+      seq,
+      [&](const Tensor& x) {
+        predicted.push_back(net->plan(x).prediction.time_ms);
+        remat::detail::pause_offload_writers(true);
+        std::thread resume([] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(150));
+          remat::detail::pause_offload_writers(false);
+        });
+        resume.detach();
+        Tensor y = net->forward(x);
+        return y;
+      },
+      xs);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the last resume thread is done
+  expect_equal_state(want, got, "slow disk");
+  const std::string how = net->explain();
+  EXPECT_NE(how.find("disk offload repriced"), std::string::npos) << how;
+  ASSERT_EQ(predicted.size(), 3u);
+  // Each stalled step charges the excess: the plan after it is predicted slower.
+  EXPECT_GT(net->plan().prediction.time_ms, 1.5 * predicted[0]) << how;
+  EXPECT_GE(net->last_step().chain_ms, 150.0);
+  EXPECT_EQ(files_in(dir), 0u);
 }

@@ -229,6 +229,17 @@ int64_t peak_of(Model& m, const Fn& f, bench::Meter& meter, bool hold_output) {
   return meter.peak() - base + static_cast<int64_t>(m.x.nbytes());
 }
 
+/** "1: offload disk, 4: save 2 addmm": the stage options a chain's plan uses, or "none". */
+std::string options_used(const remat::CheckpointedSequentialImpl& net) {
+  std::string used;
+  for (const auto& op : net.plan().schedule.ops) {
+    if (op.option == 0) continue;
+    used += (used.empty() ? "" : ", ") + std::to_string(op.stage) + ": " +
+            net.chain().stages[op.stage].options[op.option - 1].name;
+  }
+  return used.empty() ? "none" : used;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -361,15 +372,7 @@ int main(int argc, char** argv) {
           const auto timed = remat::plan::simulate((*net)->chain(), old.schedule);
           std::fprintf(stderr, "; uncut DP: %s, %.0f ms with the cut counted", counts(timed).c_str(), timed.time_ms);
         }
-        if (s.rfind("menu:", 0) == 0) {
-          std::string used;
-          for (const auto& op : plan.schedule.ops) {
-            if (op.option == 0) continue;
-            used += (used.empty() ? "" : ", ") + std::to_string(op.stage) + ": " +
-                    (*net)->chain().stages[op.stage].options[op.option - 1].name;
-          }
-          std::fprintf(stderr, "; options used: %s", used.empty() ? "none" : used.c_str());
-        }
+        if (s.rfind("menu:", 0) == 0) std::fprintf(stderr, "; options used: %s", options_used(**net).c_str());
         std::fprintf(stderr, "\n");
         nets.push_back(net);
         r.net = net;
@@ -416,6 +419,14 @@ int main(int argc, char** argv) {
     }
   }
   if (op_profile) prof.print(sweep_steps < steps ? sweep_steps : steps);
+  for (const auto& r : runs) {  // menu:F after its steps (a step may reprice disk offload and re-plan)
+    if (!r.net || r.name.rfind("menu:", 0) != 0) continue;
+    const std::string how = (*r.net)->explain();
+    const size_t at = how.find("disk offload repriced");
+    std::fprintf(stderr, "%s final: predicted %.0f ms; options used: %s; %s\n", r.name.c_str(),
+                 (*r.net)->plan().prediction.time_ms, options_used(**r.net).c_str(),
+                 at == std::string::npos ? "not repriced" : how.substr(at, how.find('\n', at) - at).c_str());
+  }
   if (explain) {  // the planned runs' explain() after their last step: stages, predicted and measured peaks
     for (const auto& r : runs) {
       if (r.net) std::fprintf(stderr, "== %s\n%s\n", r.name.c_str(), (*r.net)->explain().c_str());

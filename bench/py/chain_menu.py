@@ -36,7 +36,7 @@ def run(build, model, budgets, steps, warmup):
     env = dict(os.environ, OMP_NUM_THREADS="1", **MALLOC_KEEP)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     res = json.loads(p.stdout)
-    res["plans"] = [l for l in p.stderr.splitlines() if re.match(r"^(opt|menu):", l)]
+    res["plans"] = [l for l in p.stderr.splitlines() if re.match(r"^(opt|menu):", l)]  # also "menu:F final: ..."
     return res
 
 
@@ -72,12 +72,15 @@ def fragments(result):
     label = {"resnet-ref-split": "ResNet (half blocks)", "gpt-ref": "GPT stack", "resnet": "ResNet (toy)",
              "gpt": "GPT (toy)"}
     rows = ["| chain | budget x plain | menu | peak x plain | predicted x plain | time x plain (paired) | range | "
-            "options used |", "|---|---:|---|---:|---:|---:|---|---|"]
+            "options used (first plan; after repricing) |", "|---|---:|---|---:|---:|---:|---|---|"]
     for model, res in result["models"].items():
         runs = {r["name"]: r for r in res["runs"]}
         plain = runs["plain"]
         pp = res["plain_peak"]
-        plans = {l.split(":", 2)[0] + ":" + l.split(":", 2)[1].split(" ")[0].rstrip(":"): l for l in res["plans"]}
+        first, final = {}, {}
+        for line in res["plans"]:
+            name = line.split(" ", 1)[0].rstrip(":")
+            (final if line.startswith(name + " final:") else first)[name] = line
         for r in res["runs"]:
             if r["name"] == "plain":
                 continue
@@ -89,9 +92,17 @@ def fragments(result):
                 continue
             x = _ratios(r, plain)
             used = "-"
-            line = plans.get(r["name"], "")
-            if "options used:" in line:
-                used = line.split("options used:", 1)[1].strip()
+
+            def options(line):
+                return line.split("options used:", 1)[1].split(";", 1)[0].strip() if "options used:" in line else ""
+
+            if kind == "menu":
+                used = options(first.get(r["name"], "")) or "?"
+                last = final.get(r["name"], "")
+                if "disk offload repriced" in last:
+                    m = re.search(r"repriced (\d+)x from measured steps: \+(\d+) ms per GiB", last)
+                    used += (f"; after {m.group(1)} repricing(s) (+{int(m.group(2)) / 1000:.1f} s per GiB sent): "
+                             if m else "; repriced: ") + options(last)
             rows.append(f"| {label.get(model, model)} | {float(frac):.2f} | {menu} | {r['peak'] / pp:.3f} | "
                         f"{r['predicted'] / pp:.3f} | {statistics.median(x):.3f} | {min(x):.3f}-{max(x):.3f} | "
                         f"{used} |")

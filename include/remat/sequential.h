@@ -131,6 +131,9 @@ struct StepReport {
   std::vector<int> forwards_per_stage;
   /** Ops of recomputes that early stop produced without running them. */
   int64_t recompute_ops_skipped = 0;
+  /** The chain's own time in the step, ms: its forward part and its
+   *  stages' backwards (recomputes included), wall clock; -1 before a step. */
+  double chain_ms = -1;
 };
 
 namespace detail {
@@ -243,7 +246,13 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     int64_t outside_bytes = -1;
     int steps_measured = 0;
     std::string step_error;
+    // NOTE [chain offload priced by the step]: how the plan was solved, and
+    // what measured steps added to the disk options' time (ms per GiB sent).
+    std::optional<plan::SolveOptions> solve;
+    double offload_ms_per_gib = 0;
+    int reprices = 0;
   };
+  void reprice_offload(Entry& e, double chain_ms);  // with mu_ held
   friend class StepScope;
   void end_step(int64_t step_peak, int64_t chain_steps_before);
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options, bool own_children);
