@@ -10,7 +10,9 @@
 //  - exact cases (budget - input_bytes <= memory_slots, so one slot per byte
 //    unit and the DP is exact, scope kAll): optimal() is at least as fast as
 //    every other plan that fits the budget, and kPersistent never faster (to
-//    the float precision of the DP's costs, kDpRel).
+//    the float precision of the DP's costs, kDpRel);
+//  - a chain with a menu (Stage::options, on some stages): kAll refused, and
+//    the persistent optimum, options included, is the one the others meet.
 // Also replays random op sequences: simulate() must accept or throw Error.
 // Leaves out JSON (chain_json_fuzz) and text parsing (parse_fuzz).
 #include <fuzzer/FuzzedDataProvider.h>
@@ -75,6 +77,21 @@ rp::Chain fuzz_chain(FuzzedDataProvider& in, int max_stages) {
       s.shared_input_bytes = std::min({fuzz_bytes(in, unit, rough), c.value_bytes(i), s.output_bytes});
     if (in.ConsumeBool()) s.output_grad_bytes = fuzz_bytes(in, unit, rough);
     s.backward_freed_bytes = std::min(s.backward_freed_bytes, s.saved_bytes + s.grad_bytes() - s.shared_input_bytes);
+    // A menu (Stage::options) on some stages: keeps between the output and
+    // everything, costs at least what keeping everything costs.
+    for (int k = in.ConsumeIntegralInRange<int>(0, 7) == 0 ? in.ConsumeIntegralInRange<int>(1, 2) : 0; k > 0; --k) {
+      rp::StageOption o;
+      o.name = "o" + std::to_string(k);
+      o.saved_bytes = std::min(s.saved_bytes, s.output_bytes + fuzz_bytes(in, unit, rough));
+      o.forward_ms = s.forward_ms + fuzz_ms(in);
+      o.backward_ms = s.backward_ms + fuzz_ms(in);
+      if (in.ConsumeBool()) o.forward_tmp_bytes = fuzz_bytes(in, unit, rough);
+      if (in.ConsumeBool()) o.backward_tmp_bytes = fuzz_bytes(in, unit, rough);
+      if (in.ConsumeBool())
+        o.backward_freed_bytes =
+            std::min(fuzz_bytes(in, unit, rough), o.saved_bytes + s.grad_bytes() - s.shared_input_bytes);
+      s.options.push_back(o);
+    }
     c.stages.push_back(s);
   }
   return c;
@@ -183,6 +200,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const int slots = in.ConsumeBool() ? 500 : in.ConsumeIntegralInRange<int>(-1, 64);
   const bool exact = budget >= chain.input_bytes && budget - chain.input_bytes <= slots;
+  // A chain with a menu is planned over persistent schedules only: kAll is
+  // refused, and the persistent optimum is the one every other plan meets.
+  const bool menu = chain.has_options();
+  const int best = menu ? 1 : 0;
 
   // optimal() under both explicit scopes (and auto), against everything else.
   std::vector<rp::Plan> others;
@@ -193,18 +214,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                               std::to_string(slots) + ", " + rp::optimal_scope_name(scopes[k]) + ")";
     try {
       const rp::Plan plan = rp::optimal(chain, budget, slots, scopes[k]);
-      best_ms[k] = checker.check(plan, label, budget, scopes[k] != rp::OptimalScope::kPersistent).time_ms;
+      if (menu && scopes[k] == rp::OptimalScope::kAll) fail(describe(chain, label + ": a menu not refused in kAll"));
+      best_ms[k] =
+          checker.check(plan, label, budget, !menu && scopes[k] != rp::OptimalScope::kPersistent).time_ms;
       ++stats.optimal_ok;
       if (budget >= hi && plan.prediction.time_ms != all.prediction.time_ms)
         fail(describe(chain, label + ": store-all fits but the plan is slower"));
     } catch (const rp::Error&) {
+      if (menu && scopes[k] == rp::OptimalScope::kAll) continue;
       if (budget >= hi && slots >= 1) fail(describe(chain, label + ": refused although store-all fits"));
     }
   }
-  if (exact && best_ms[0] >= 0) ++stats.exact;
-  if (exact && best_ms[0] < 0 && budget >= min_peak && slots >= 1)
-    fail(describe(chain, "exact optimal(kAll) refused a budget >= min_feasible_peak_bytes " + std::to_string(budget)));
-  if (exact && best_ms[0] >= 0 && best_ms[1] >= 0 && !le_time(best_ms[0], best_ms[1], kDpRel))
+  if (exact && best_ms[best] >= 0) ++stats.exact;
+  if (exact && best_ms[best] < 0 && budget >= min_peak && slots >= 1)
+    fail(describe(chain, "exact optimal refused a budget >= min_feasible_peak_bytes " + std::to_string(budget)));
+  if (!menu && exact && best_ms[0] >= 0 && best_ms[1] >= 0 && !le_time(best_ms[0], best_ms[1], kDpRel))
     fail(describe(chain, "exact optimal: kAll slower than kPersistent, budget " + std::to_string(budget)));
 
   // The other algorithms, by spec (solve's parser included) or directly.
@@ -256,10 +280,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } catch (const rp::Error&) {
       continue;
     }
-    const rp::Prediction p = checker.check(plan, label, plan_budget, label == "optimal");
-    if (exact && best_ms[0] >= 0 && p.peak_bytes <= budget) ++stats.exact_compared;
-    if (exact && best_ms[0] >= 0 && p.peak_bytes <= budget && !le_time(best_ms[0], p.time_ms, kDpRel))
-      fail(describe(chain, "exact optimal(kAll, budget " + std::to_string(budget) + ") slower than " + label));
+    const rp::Prediction p = checker.check(plan, label, plan_budget, !menu && label == "optimal");
+    if (exact && best_ms[best] >= 0 && p.peak_bytes <= budget) ++stats.exact_compared;
+    if (exact && best_ms[best] >= 0 && p.peak_bytes <= budget && !le_time(best_ms[best], p.time_ms, kDpRel))
+      fail(describe(chain, "exact optimal(budget " + std::to_string(budget) + ") slower than " + label));
   }
   return 0;
 }

@@ -130,6 +130,10 @@ TEST(SequentialMenu, PlansMixLevelsAndOffloadBitwiseWithinBudget) {
                 remat::format_bytes(floor_menu).c_str(), remat::format_bytes(floor_bare).c_str(),
                 remat::format_bytes(top).c_str());
     EXPECT_LE(floor_menu, floor_bare) << c.name;
+    // With 128 KiB in flight, disk offload lowers the GPT blocks' floor (1.00 MiB -> 833 KiB).
+    if (std::string(c.name).rfind("GPT", 0) == 0) {
+      EXPECT_LT(floor_menu, floor_bare * 0.9) << c.name;
+    }
 
     int64_t buffer_bytes = 0;
     for (const auto& b : probe_seq->buffers()) buffer_bytes += b.numel() * b.element_size();
@@ -273,17 +277,17 @@ TEST(SequentialMenu, ParameterGradientsCountedWhenTheBackwardAllocatesThem) {
   }
 }
 
-// NOTE [chain offload priced by the step]: a step whose disk offload runs
+// NOTE [chain offload priced by the step]: steps whose disk offload runs
 // far slower than profiled (writers held back for 150 ms here, as a slow
-// disk would) reprices the disk options and solves again; training stays
-// bitwise a plain run's.
+// disk would) reprice the disk options, two in a row, and the next forward
+// solves again; training stays bitwise a plain run's.
 TEST(SequentialMenu, SlowDiskRepricesOffloadFromTheMeasuredStep) {
   const std::string dir = fresh_dir("menu_reprice");
   const auto popts = remat::ProfileOptions().offload(
       {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(128 << 10)});
   torch::manual_seed(3);
   std::vector<Tensor> xs;
-  for (int k = 0; k < 3; ++k) xs.push_back(torch::randn({4, 32, 64}).requires_grad_(true));
+  for (int k = 0; k < 4; ++k) xs.push_back(torch::randn({4, 32, 64}).requires_grad_(true));
   torch::nn::Sequential ref = six_gpt_blocks(1, 0.1);
   const std::vector<Tensor> want = train(
       ref, [&](const Tensor& x) { return ref->forward(x); }, xs);
@@ -311,11 +315,16 @@ TEST(SequentialMenu, SlowDiskRepricesOffloadFromTheMeasuredStep) {
       xs);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the last resume thread is done
   expect_equal_state(want, got, "slow disk");
+  // Two slow steps in a row charge the excess and the next forward solves
+  // again at the new prices; the steps after it are no longer over the
+  // (repriced) prediction, so nothing more is charged.
+  ASSERT_EQ(predicted.size(), 4u);
+  EXPECT_EQ(predicted[1], predicted[0]);  // one slow step charges nothing
+  EXPECT_GT(predicted[2], 1.5 * predicted[0]);
+  const double after = net->plan(xs[0]).prediction.time_ms;
   const std::string how = net->explain();
-  EXPECT_NE(how.find("disk offload repriced"), std::string::npos) << how;
-  ASSERT_EQ(predicted.size(), 3u);
-  // Each stalled step charges the excess: the plan after it is predicted slower.
-  EXPECT_GT(net->plan().prediction.time_ms, 1.5 * predicted[0]) << how;
+  EXPECT_NE(how.find("disk offload repriced 1x from measured steps"), std::string::npos) << how;
+  EXPECT_EQ(after, predicted[3]) << how;
   EXPECT_GE(net->last_step().chain_ms, 150.0);
   EXPECT_EQ(files_in(dir), 0u);
 }

@@ -63,9 +63,13 @@ def _ratios(run, plain):
     return [m / p for m, p in zip(run["ms"], plain["ms"])]
 
 
-def _floor(note):
-    m = re.search(r"smallest feasible peak (?:is )?([\d.]+ [KMG]iB|\d+ bytes)", note)
-    return m.group(1) if m else "?"
+def _floor(note, plain_peak):
+    """The smallest feasible peak a note names, as a fraction of the plain peak."""
+    m = re.search(r"smallest feasible peak (?:is )?([\d.]+) ([KMG]iB|bytes)", note)
+    if not m:
+        return "?"
+    scale = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)]
+    return f"{float(m.group(1)) * scale / plain_peak:.3f} x plain"
 
 
 def fragments(result):
@@ -88,7 +92,7 @@ def fragments(result):
             menu = "yes" if kind == "menu" else "no"
             if r["peak"] < 0:
                 rows.append(f"| {label.get(model, model)} | {float(frac):.2f} | {menu} | infeasible: smallest peak "
-                            f"{_floor(r['note'])} | | | | |")
+                            f"{_floor(r['note'], pp)} | | | | |")
                 continue
             x = _ratios(r, plain)
             used = "-"

@@ -246,13 +246,19 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     int64_t outside_bytes = -1;
     int steps_measured = 0;
     std::string step_error;
-    // NOTE [chain offload priced by the step]: how the plan was solved, and
-    // what measured steps added to the disk options' time (ms per GiB sent).
+    // NOTE [chain offload priced by the step]: how the plan was solved,
+    // what measured steps added to the disk options' time (ms per GiB
+    // sent), consecutive slow steps, and a charge waiting for the next
+    // forward (ms per byte sent).
     std::optional<plan::SolveOptions> solve;
     double offload_ms_per_gib = 0;
     int reprices = 0;
+    int slow_steps = 0;
+    double pending_ms_per_byte = 0;
   };
-  void reprice_offload(Entry& e, double chain_ms);  // with mu_ held
+  // NOTE [chain offload priced by the step]; both with mu_ held.
+  void note_step_time(Entry& e, const plan::Schedule& ran, double predicted_ms, double chain_ms);
+  void apply_reprice(Entry& e);
   friend class StepScope;
   void end_step(int64_t step_peak, int64_t chain_steps_before);
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options, bool own_children);

@@ -10,17 +10,15 @@
 namespace remat::detail {
 
 int64_t Levers::inflight_margin() const {
-  std::vector<const OffloadOptions*> seen;
+  // Per store, as the options share them (OffloadStore::shared's key).
+  std::vector<const OffloadStore*> seen;
   int64_t margin = 0;
   for (const auto& menu : stages) {
     for (const StageLever& l : menu) {
       if (!l.disk()) continue;
-      const bool again = std::any_of(seen.begin(), seen.end(), [&](const OffloadOptions* o) {
-        return o->directory() == l.offload->directory() && o->max_inflight_bytes() == l.offload->max_inflight_bytes() &&
-               o->codec() == l.offload->codec();
-      });
-      if (again) continue;
-      seen.push_back(&*l.offload);
+      const OffloadStore* store = OffloadStore::shared(*l.offload).get();
+      if (std::find(seen.begin(), seen.end(), store) != seen.end()) continue;
+      seen.push_back(store);
       margin += std::max(l.offload->max_inflight_bytes(), largest_saved);
     }
   }

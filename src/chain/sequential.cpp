@@ -129,6 +129,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
   std::vector<int64_t> op_peak;  // per schedule op: the chain's own bytes at most while it ran
   int64_t ops_skipped = 0;       // by early stop, this step
   const CheckpointedSequentialImpl::Entry* entry = nullptr;         // the plan this execution runs
+  double predicted_ms = 0;                                          // the plan\'s, as this execution runs it
   double own_ms = 0;                                                // StepReport::chain_ms, closed intervals
   std::optional<std::chrono::steady_clock::time_point> open_since;  // the interval running now
 
@@ -715,7 +716,6 @@ struct Execution : std::enable_shared_from_this<Execution> {
     StepReport report;
     report.forwards_per_stage = st.runs;
     report.recompute_ops_skipped = ops_skipped;
-    // Node 0's interval is still open.
     report.chain_ms =
         own_ms +
         (open_since ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *open_since).count()
@@ -738,7 +738,9 @@ struct Execution : std::enable_shared_from_this<Execution> {
     owner->last_step_ = std::move(report);
     owner->last_chain_entry_ = const_cast<CheckpointedSequentialImpl::Entry*>(entry);
     ++owner->chain_steps_;
-    if (entry) owner->reprice_offload(*owner->last_chain_entry_, chain_ms);
+    if (entry && device_of(input).is_cpu()) {  // CPU times only: a CUDA chain's are not synchronized here
+      owner->note_step_time(*owner->last_chain_entry_, schedule, predicted_ms, chain_ms);
+    }
   }
 };
 
@@ -934,7 +936,9 @@ plan::Plan solve_chain(const plan::Chain& chain, const detail::Levers* levers, c
   // where cheap, which the menu's persistent scope does not search),
   // without disk offload, and with it at the budget less the margin.
   const int64_t margin = levers ? levers->inflight_margin() : 0;
+  const int64_t lowest = lowest_peak(chain, levers);
   std::vector<plan::Plan> fit;
+  std::string first_error;  // a failure other than "does not fit" (a DP table too large)
   auto attempt = [&](const plan::Chain& c, int64_t budget, plan::OptimalScope scope) {
     if (budget <= 0) return;
     plan::SolveOptions o = so;
@@ -942,19 +946,21 @@ plan::Plan solve_chain(const plan::Chain& chain, const detail::Levers* levers, c
     o.scope = scope;
     try {
       fit.push_back(plan::solve(c, o));
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      if (budget >= plan::min_feasible_peak_bytes(c) && first_error.empty()) first_error = e.what();
     }
   };
   plan::Chain bare = chain;
   for (auto& st : bare.stages) st.options.clear();
-  attempt(bare, so.budget_bytes, so.scope == plan::OptimalScope::kPersistent ? so.scope : plan::OptimalScope::kAuto);
+  attempt(bare, so.budget_bytes, so.scope);
   const plan::Chain kept = levers ? levers->without_disk(chain) : chain;
   const plan::OptimalScope menu_scope = plan::OptimalScope::kPersistent;
   attempt(kept, so.budget_bytes, menu_scope);
   if (margin > 0) attempt(chain, so.budget_bytes - margin, menu_scope);
+  if (fit.empty() && !first_error.empty() && so.budget_bytes >= lowest) throw Error(first_error);
   if (fit.empty()) {
     throw Error("[remat::plan] no schedule fits in " + format_bytes(so.budget_bytes) +
-                "; the smallest feasible peak is " + format_bytes(lowest_peak(chain, levers)) +
+                "; the smallest feasible peak is " + format_bytes(lowest) +
                 (margin > 0 ? " (a plan that offloads to disk counts " + format_bytes(margin) +
                                   " for the stores' writes and reads in flight)"
                             : std::string()) +
@@ -1095,7 +1101,10 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   const bool allocates = std::any_of(grad_bytes.begin(), grad_bytes.end(), [](int64_t b) { return b > 0; });
   key.push_back(allocates);
   auto it = plans_.find(key);
-  if (it != plans_.end()) return it->second;
+  if (it != plans_.end()) {
+    if (it->second.pending_ms_per_byte > 0) apply_reprice(it->second);
+    return it->second;
+  }
   Entry e;
   auto other = key;
   other.back() = !allocates;
@@ -1246,6 +1255,7 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
 
   const Entry* entry;
   plan::Schedule schedule;
+  double predicted_ms = 0;
   {
     // Entries are never erased while the module lives (map nodes are
     // stable), so the pointer stays valid after the lock is released; the
@@ -1260,6 +1270,7 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
     entry = last_ = &entry_for(x);
     if (!entry->step_error.empty()) throw Error(entry->step_error);
     schedule = entry->plan.schedule;
+    predicted_ms = entry->plan.prediction.time_ms;
   }
   // Checked before running anything: a wrong call changes no buffer or RNG.
   check_result(*entry->result);
@@ -1267,6 +1278,7 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
   exec->owner = std::static_pointer_cast<CheckpointedSequentialImpl>(shared_from_this());
   exec->seq = seq_;
   exec->schedule = std::move(schedule);
+  exec->predicted_ms = predicted_ms;
   exec->entry = entry;
   exec->L = L;
   exec->st.a.resize(L + 1);
@@ -1412,39 +1424,56 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
  *  profiled on its own, one stage's tensors through a warm page cache; a
  *  step sends every offloaded stage's at once, and a disk (or a machine
  *  whose fresh pages are slow) can take far longer for that (GPT stack of
- *  docs/BENCHMARKS.md: 1.62x plain measured where 0.94x of the plan without
- *  offload was predicted). When a step whose plan offloads to disk takes
- *  more than 10% over its predicted time, the excess is charged to the
- *  disk options per byte they send (what keeping everything would keep
- *  less what the option keeps), on every stage, and the plan is solved
- *  again (from the next step on). */
-void CheckpointedSequentialImpl::reprice_offload(Entry& e, double chain_ms) {
-  if (!e.levers || !e.solve || !(chain_ms > 0)) return;
-  const plan::Plan& p = e.plan;
-  if (!e.levers->uses_disk(p.schedule) || !(chain_ms > 1.10 * p.prediction.time_ms)) return;
-  auto sends = [](const plan::Stage& st, size_t k) {
-    return static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[k].saved_bytes));
-  };
-  double sent = 0;
-  for (const plan::Op& op : p.schedule.ops) {
-    if (op.option <= 0 || !e.levers->stages[op.stage][op.option - 1].disk()) continue;
-    sent += sends(e.chain.stages[op.stage], static_cast<size_t>(op.option - 1));
+ *  docs/BENCHMARKS.md: 1.62x plain measured where the plan predicted 6-10%
+ *  less than recompute's). When two steps in a row of a plan that offloads
+ *  to disk (CPU chains) each take more than 10% over its predicted time,
+ *  the second one's excess is charged to the disk options per byte they
+ *  send (what keeping everything would keep less what the option keeps),
+ *  on every stage, and the next forward solves again (on the caller's
+ *  thread; the prices change only with a plan solved for them). */
+void CheckpointedSequentialImpl::note_step_time(Entry& e, const plan::Schedule& ran, double predicted_ms,
+                                                double chain_ms) {
+  const bool slow = e.levers && e.solve && chain_ms > 0 && e.plan.schedule == ran && e.levers->uses_disk(ran) &&
+                    chain_ms > 1.10 * predicted_ms;
+  if (!slow) {
+    e.slow_steps = 0;
+    return;
   }
-  if (sent <= 0) return;
-  const double per_byte = (chain_ms - p.prediction.time_ms) / sent;
-  for (plan::Chain* c : {&e.profiled, &e.chain}) {
+  if (++e.slow_steps < 2) return;
+  e.slow_steps = 0;
+  double sent = 0;
+  for (const plan::Op& op : ran.ops) {
+    if (op.option <= 0 || !e.levers->stages[op.stage][op.option - 1].disk()) continue;
+    const plan::Stage& st = e.chain.stages[op.stage];
+    sent += static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[op.option - 1].saved_bytes));
+  }
+  if (sent > 0) e.pending_ms_per_byte = (chain_ms - predicted_ms) / sent;
+}
+
+void CheckpointedSequentialImpl::apply_reprice(Entry& e) {
+  const double per_byte = e.pending_ms_per_byte;
+  e.pending_ms_per_byte = 0;
+  if (!(per_byte > 0) || !e.levers || !e.solve) return;
+  plan::Chain chain = e.chain, profiled = e.profiled;
+  for (plan::Chain* c : {&profiled, &chain}) {
     for (size_t i = 0; i < c->stages.size() && i < e.levers->stages.size(); ++i) {
-      for (size_t k = 0; k < c->stages[i].options.size() && k < e.levers->stages[i].size(); ++k) {
-        if (e.levers->stages[i][k].disk()) c->stages[i].options[k].forward_ms += per_byte * sends(c->stages[i], k);
+      plan::Stage& st = c->stages[i];
+      for (size_t k = 0; k < st.options.size() && k < e.levers->stages[i].size(); ++k) {
+        if (!e.levers->stages[i][k].disk()) continue;
+        st.options[k].forward_ms +=
+            per_byte * static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[k].saved_bytes));
       }
     }
   }
-  e.offload_ms_per_gib += per_byte * static_cast<double>(int64_t{1} << 30);
-  ++e.reprices;
   try {
-    e.plan = solve_chain(e.chain, e.levers.get(), *e.solve);
+    plan::Plan p = solve_chain(chain, e.levers.get(), *e.solve);
+    e.chain = std::move(chain);
+    e.profiled = std::move(profiled);
+    e.plan = std::move(p);
+    e.offload_ms_per_gib += per_byte * static_cast<double>(int64_t{1} << 30);
+    ++e.reprices;
   } catch (const std::exception&) {
-    // The plan in force stays.
+    // The plan in force stays, at its prices.
   }
 }
 
