@@ -215,8 +215,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     try {
       const rp::Plan plan = rp::optimal(chain, budget, slots, scopes[k]);
       if (menu && scopes[k] == rp::OptimalScope::kAll) fail(describe(chain, label + ": a menu not refused in kAll"));
-      best_ms[k] =
-          checker.check(plan, label, budget, !menu && scopes[k] != rp::OptimalScope::kPersistent).time_ms;
+      best_ms[k] = checker.check(plan, label, budget, !menu && scopes[k] != rp::OptimalScope::kPersistent).time_ms;
       ++stats.optimal_ok;
       if (budget >= hi && plan.prediction.time_ms != all.prediction.time_ms)
         fail(describe(chain, label + ": store-all fits but the plan is slower"));
