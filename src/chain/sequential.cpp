@@ -1423,9 +1423,9 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
 /** NOTE [chain offload priced by the step]: a stage's disk offload is
  *  profiled on its own, one stage's tensors through a warm page cache; a
  *  step sends every offloaded stage's at once, and a disk (or a machine
- *  whose fresh pages are slow) can take far longer for that (GPT stack of
- *  docs/BENCHMARKS.md: 1.62x plain measured where the plan predicted 6-10%
- *  less than recompute's). When two steps in a row of a plan that offloads
+ *  whose fresh pages are slow) can take far longer for that (this VM, the
+ *  reference GPT stack unrepriced: 1.62x plain measured where 6-10% less
+ *  than recompute's time was predicted). When two steps in a row of a plan that offloads
  *  to disk (CPU chains) each take more than 10% over its predicted time,
  *  the second one's excess is charged to the disk options per byte they
  *  send (what keeping everything would keep less what the option keeps),
