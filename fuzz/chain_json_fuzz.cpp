@@ -2,7 +2,7 @@
 // format, include/remat/plan/json.h). Input: arbitrary bytes as JSON text.
 // Checks: no crash or sanitizer finding; no exception but remat::Error; an
 // accepted chain validates, and chain_to_json of it parses back to the same
-// chain (names, times and sizes exactly); store_all, min_memory and
+// chain (names, times, sizes and stage options exactly); store_all, min_memory and
 // plan_to_json take it. Leaves out the other solvers (solve_fuzz).
 #include <cstddef>
 #include <cstdint>
@@ -20,7 +20,7 @@ namespace rp = remat::plan;
 namespace {
 
 bool same(const rp::Chain& a, const rp::Chain& b) {
-  if (a.input_bytes != b.input_bytes || a.size() != b.size()) return false;
+  if (a.input_bytes != b.input_bytes || a.input_grad_bytes != b.input_grad_bytes || a.size() != b.size()) return false;
   for (int i = 0; i < a.size(); ++i) {
     const rp::Stage& x = a.stages[i];
     const rp::Stage& y = b.stages[i];
@@ -28,8 +28,16 @@ bool same(const rp::Chain& a, const rp::Chain& b) {
         x.output_bytes != y.output_bytes || x.saved_bytes != y.saved_bytes ||
         x.forward_tmp_bytes != y.forward_tmp_bytes || x.backward_tmp_bytes != y.backward_tmp_bytes ||
         x.backward_freed_bytes != y.backward_freed_bytes || x.shared_input_bytes != y.shared_input_bytes ||
-        x.output_grad_bytes != y.output_grad_bytes || x.plain_forward_tmp_bytes != y.plain_forward_tmp_bytes)
+        x.output_grad_bytes != y.output_grad_bytes || x.plain_forward_tmp_bytes != y.plain_forward_tmp_bytes ||
+        x.options.size() != y.options.size())
       return false;
+    for (size_t k = 0; k < x.options.size(); ++k) {
+      const rp::StageOption &o = x.options[k], &q = y.options[k];
+      if (o.name != q.name || o.saved_bytes != q.saved_bytes || o.forward_ms != q.forward_ms ||
+          o.backward_ms != q.backward_ms || o.forward_tmp_bytes != q.forward_tmp_bytes ||
+          o.backward_tmp_bytes != q.backward_tmp_bytes || o.backward_freed_bytes != q.backward_freed_bytes)
+        return false;
+    }
   }
   return true;
 }
