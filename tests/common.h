@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -130,6 +131,19 @@ inline torch::nn::Sequential six_gpt_blocks(uint64_t seed = 0, double p = 0.0) {
 inline std::vector<torch::Tensor> plain_step_grads(torch::nn::Sequential& seq, torch::Tensor x, uint64_t rng_seed) {
   torch::manual_seed(rng_seed);
   return step_grads(*seq, x, [&](torch::Tensor h) { return seq->forward(h); });
+}
+
+/** A fresh, empty directory under the test's temp dir. */
+inline std::string fresh_dir(const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+/** Entries in a directory (an offload store's files left behind). */
+inline size_t files_in(const std::string& dir) {
+  return static_cast<size_t>(std::distance(std::filesystem::directory_iterator(dir), {}));
 }
 
 /** The message of what fn throws ("" if nothing). */

@@ -23,17 +23,6 @@ namespace {
 
 const bool kTracking = (remat::memory::enable_tracking(), true);
 
-std::string fresh_dir(const std::string& name) {
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
-
-size_t files_in(const std::string& dir) {
-  return static_cast<size_t>(std::distance(std::filesystem::directory_iterator(dir), {}));
-}
-
 torch::nn::Sequential cnn(uint64_t seed) {
   torch::manual_seed(seed);
   torch::nn::Sequential s;

@@ -117,23 +117,8 @@ int main(int argc, char** argv) {
   const std::string stem = gpt_model ? "bench/results/auto" : "bench/results/auto-resnet";
   const std::string out_path = arg(argc, argv, "--out", stem + (quick ? "-quick.json" : ".json"));
   torch::set_num_threads(static_cast<int>(int_arg(argc, argv, "--threads", "1")));
-  std::string offload_dir = arg(argc, argv, "--offload-dir", "");
-  const bool own_dir = offload_dir.empty();
-  if (own_dir) {
-    char tmpl[] = "/tmp/remat_auto.XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) {
-      std::perror("remat_auto: mkdtemp");
-      return 1;
-    }
-    offload_dir = tmpl;
-  }
-  struct RemoveDir {
-    std::string dir;
-    bool own;
-    ~RemoveDir() {
-      if (own) std::filesystem::remove_all(dir);
-    }
-  } remove_dir{offload_dir, own_dir};
+  const ScratchDir scratch(argc, argv, "remat_auto");
+  const std::string& offload_dir = scratch.path();
   const auto store = remat::OffloadOptions(remat::OffloadTarget::kDisk)
                          .directory(offload_dir)
                          .max_inflight_bytes(int_arg(argc, argv, "--offload-inflight-kib", "16384") << 10);

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -207,6 +208,34 @@ inline std::string first_output_line(const std::string& cmd) {
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
   return s;
 }
+
+/** A benchmark's offload directory: --offload-dir when given (kept), else
+ *  a new directory /tmp/PROGRAM.XXXXXX, removed with its files when this
+ *  object goes. Exits with status 1 when it cannot be made. */
+class ScratchDir {
+ public:
+  ScratchDir(int argc, char** argv, const std::string& program) : path_(arg(argc, argv, "--offload-dir", "")) {
+    if (!path_.empty()) return;
+    std::string tmpl = "/tmp/" + program + ".XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      std::perror((program + ": mkdtemp").c_str());
+      std::exit(1);
+    }
+    path_ = tmpl;
+    own_ = true;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    if (own_) std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  bool own_ = false;
+};
 
 /** The run-metadata record, one JSON object: program, UTC date, git commit
  *  of the source tree ("" when git or the tree is absent; git runs without

@@ -256,23 +256,8 @@ int main(int argc, char** argv) {
   const bool op_profile = arg(argc, argv, "--op-profile", "0") == "1";
   const bool explain = arg(argc, argv, "--explain", "0") == "1";
   // menu:F's offload store (a new directory under /tmp unless given, removed at the end).
-  std::string offload_dir = arg(argc, argv, "--offload-dir", "");
-  const bool own_dir = offload_dir.empty();
-  if (own_dir) {
-    char tmpl[] = "/tmp/remat_compare.XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) {
-      std::perror("remat_compare: mkdtemp");
-      return 1;
-    }
-    offload_dir = tmpl;
-  }
-  struct RemoveDir {
-    std::string dir;
-    bool own;
-    ~RemoveDir() {
-      if (own) std::filesystem::remove_all(dir);
-    }
-  } remove_dir{offload_dir, own_dir};
+  const bench::ScratchDir scratch(argc, argv, "remat_compare");
+  const std::string& offload_dir = scratch.path();
   const auto menu =
       remat::ProfileOptions()
           .selective_levels(static_cast<int>(bench::int_arg(argc, argv, "--menu-levels", "2")))

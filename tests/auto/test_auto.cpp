@@ -29,6 +29,8 @@
 #include <remat/models/resnet.h>
 #include <remat/plan/error.h>
 
+#include "../common.h"
+
 namespace {
 
 const bool kOneThread = (torch::set_num_threads(1), true);
@@ -429,29 +431,17 @@ TEST(Auto, GanStepWithTheDiscriminatorTwiceBitwiseAndWithinBudget) {
       "GAN");
 }
 
-/** A fresh, empty directory under the test's temp dir. */
-std::string fresh_dir(const std::string& name) {
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
-
-size_t files_in(const std::string& dir) {
-  return static_cast<size_t>(std::distance(std::filesystem::directory_iterator(dir), {}));
-}
-
 TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   // Disk and compressed memory beside recompute and the selective levels:
   // on the GPT, and on the U-Net whose in-place ReLUs write tensors that
   // the store holds.
-  const std::string dir = fresh_dir("auto_offload");
+  const std::string dir = remat_test::fresh_dir("auto_offload");
   const auto base = remat::AutoOptions().offload(
       {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(64 << 10),
        remat::OffloadOptions(remat::OffloadTarget::kMemory).codec(remat::Codec::kLz4).min_bytes(0)});
   const Make make = gpt_workload();
   check_workload(make, "GPT with offload options", base);
-  EXPECT_EQ(files_in(dir), 0u) << "the offload files outlive the steps";
+  EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
   // Offload reaches a leaner step than recompute alone (the stores' bytes
   // in flight included); a plan at that peak must offload.
   torch::manual_seed(0);
@@ -472,7 +462,7 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
     EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(leanest))
         << planner.explain();
   }
-  EXPECT_EQ(files_in(dir), 0u) << "the offload files outlive the steps";
+  EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
   // A step that offloads and runs well over its prediction (here slowed by
   // a sleep) reprices the offload options and solves again.
   double before = 0, after = 0;

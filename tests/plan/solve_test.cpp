@@ -850,10 +850,13 @@ TEST(StageOptions, JsonRoundTrip) {
     }
   }
   const int64_t budget = rp::min_feasible_peak_bytes(c);
-  const std::string plan = rp::plan_to_json(c, rp::optimal(c, budget));
-  EXPECT_EQ(rp::optimal(back, budget).schedule, rp::optimal(c, budget).schedule);
+  const rp::Plan p = rp::optimal(c, budget);
+  EXPECT_EQ(rp::optimal(back, budget).schedule, p.schedule);
   EXPECT_NE(rp::chain_to_json(c).find("\"options\""), std::string::npos);
-  (void)plan;
+  // A plan's JSON names the options its forward_saves run under.
+  const bool uses =
+      std::any_of(p.schedule.ops.begin(), p.schedule.ops.end(), [](const rp::Op& op) { return op.option; });
+  EXPECT_EQ(rp::plan_to_json(c, p).find("\"option_name\"") != std::string::npos, uses);
 }
 
 // Sizes that no few hundred slots divide: the rounded passes keep the plan
