@@ -14,10 +14,15 @@
 //   }
 //   std::cout << planner.explain();
 //
-// The units are the model's Checkpointable modules, the outermost ones of
-// each call (a checkpointable module called inside another one runs as part
-// of it, switched off). A unit may be called several times per step (a GAN's
-// discriminator), in any order, with skip connections across units.
+// The units are the model's Checkpointable modules. A unit may be called
+// several times per step (a GAN's discriminator), in any order, with skip
+// connections across units, and inside another unit (a GPT block's
+// attention and MLP inside the block): such an inner unit takes an option
+// of its own only while every unit around it keeps everything (inside a
+// recomputed or offloaded unit it runs as part of it), and a unit with
+// inner units may also recompute with them checkpointed inside its
+// recompute ("recompute, inner units too": a lower backward peak for a
+// third run of the inner units' forwards).
 //
 // step() runs the user's step: the first `warmup_steps` plainly (every unit
 // off), then one profiled step (still plain: it must fit), which records the
@@ -45,9 +50,9 @@
 // releasing its inputs are not credited, and writes are priced as if they
 // did not overlap compute.
 // Leaves out: recompute with the checkpoint offloaded (its only gain is
-// the inputs, which the model does not credit), CUDA memory (the planner
+// the inputs, which the model does not credit) and CUDA memory (the planner
 // measures CPU memory; a unit whose inputs are on a CUDA device is
-// refused), and units inside units.
+// refused).
 #pragma once
 
 #include <cstdint>
@@ -98,6 +103,12 @@ struct AutoOptions {
    *  kMemory without a codec (nothing saved) are refused. Default none: a
    *  disk needs a directory only the user can name. */
   TORCH_ARG(std::vector<OffloadOptions>, offload);
+  /** Plan the checkpointable modules called inside other units as units of
+   *  their own, and offer units with inner units "recompute, inner units
+   *  too". Each inner unit's calls are measured under its whole menu, so
+   *  the profiled step takes longer. false: only the outermost units are
+   *  planned; the inner ones run as part of them. Default true. */
+  TORCH_ARG(bool, inner_units) = true;
   /** The options of the recompute options (RNG replay, determinism check);
    *  a policy here is combined with each level's (any_of). Default
    *  CheckpointOptions(). */
@@ -124,7 +135,8 @@ struct AutoUnit {
   std::vector<std::string> options;  ///< its menu; [0] is "keep"
   int choice = 0;                    ///< the option chosen
   /** Summed over its calls, for the chosen option: bytes held from forward
-   *  to backward, and time added to the step, ms. */
+   *  to backward (with what its inner units' options save taken off), and
+   *  time added to the step, ms. */
   ///@{
   int64_t kept_bytes = 0;
   double time_added_ms = 0;

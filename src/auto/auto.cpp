@@ -1,8 +1,8 @@
 // The whole-step planner (auto.h): profiles one step of the user's step
 // function through the units' checkpoint switch (Checkpointable's
 // UnitObserver), turns it into a plan::StepModel, solves it and applies the
-// choice through the same switches. Leaves out CUDA memory and units inside
-// units (auto.h says what that means for users).
+// choice through the same switches. Leaves out CUDA memory (auto.h says
+// what that means for users).
 //
 // NOTE [what a profiled step measures]: the step runs plain. Each unit call
 // is first run again in isolation under every option of its unit, on clones
@@ -16,6 +16,17 @@
 // the call's backward window. A memory::Timeline records every allocation
 // of the step, with the isolated runs' windows cut out; the windows of all
 // calls cut it into segments, whose peaks are the model's baseline.
+//
+// NOTE [units inside units]: a unit called inside another one's forward in
+// the profiled step (a GPT block's attention) is a unit of its own, with
+// the enclosing unit as its parent (plan::StepUnit::parent): its isolated
+// runs happen inside the parent's real forward, under a hook scope of their
+// own so that their unpacks are not taken for the parent's backward, and
+// every unpack of its real call counts for the parent's backward window too
+// (a block's backward starts with its MLP's). A unit with inner units gets
+// one more option, "recompute, inner units too": its recompute runs the
+// inner units checkpointed (nested checkpoints), so its backward holds one
+// inner unit's working set at a time instead of all of them.
 #include <remat/auto.h>
 
 #include <ATen/Context.h>
@@ -58,7 +69,13 @@ struct Option {
   std::string name;
   std::optional<CheckpointOptions> switch_state;  // nullopt: not recomputed
   std::optional<OffloadOptions> offload;          // with switch_state nullopt: saves go to this store
+  bool inner = false;                             // the unit's inner units recompute too (nested)
 };
+
+/** Where a unit's calls ran: the enclosing unit's index, or one of these. */
+constexpr int64_t kTop = -1;       // outside every unit
+constexpr int64_t kNotSeen = -2;   // not called yet
+constexpr int64_t kDisagree = -3;  // calls inside different units (or at the top and inside one)
 
 /** A checkpointable module of the tree. */
 struct Unit {
@@ -68,21 +85,42 @@ struct Unit {
   std::vector<Option> menu;  // built at its first observed call
   bool plannable = false;    // has a backward and more than one option
   std::vector<size_t> calls;
+  std::vector<size_t> inner;    // units below it in the module tree
+  int64_t parent = kNotSeen;    // the unit its calls ran inside (NOTE [units inside units])
+  std::vector<size_t> offered;  // menu indices the step model offers, in order
 };
 
 /** One observed call of a unit in the profiled step. */
 struct CallRecord {
   size_t unit = 0;
+  std::shared_ptr<CallRecord> enclosing;  // the call of the unit it ran inside
   double forward_begin_us = 0, forward_end_us = -1;
   std::mutex mu;
   double first_unpack_us = -1, last_unpack_us = -1;
   std::vector<plan::StepCost> costs;
+  /** An unpack of this call's saves: part of its backward and of every
+   *  enclosing call's. */
   void unpacked(double t) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (first_unpack_us < 0) first_unpack_us = t;
-    last_unpack_us = std::max(last_unpack_us, t);
+    for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
+      std::lock_guard<std::mutex> lock(r->mu);
+      if (r->first_unpack_us < 0) r->first_unpack_us = t;
+      r->last_unpack_us = std::max(r->last_unpack_us, t);
+    }
   }
 };
+
+/** What the planner's hooks keep of a saved tensor: the tensor detached.
+ *  Autograd puts the graph back on unpack; the tensor itself would hold its
+ *  own grad_fn when it is an output (a cycle that leaks the graph of a
+ *  forward never run backward: a menu's op-timing run). */
+std::any keep_detached(const at::Tensor& t) { return t.detach(); }
+
+/** A saved-tensor hook scope that does nothing: a nested unit's isolated
+ *  runs save under it, not under the enclosing call's recorder. */
+std::shared_ptr<HookFactory> quiet_hooks() {
+  return detail::make_function_hooks(
+      keep_detached, [](const std::any& p) -> at::Tensor { return std::any_cast<const at::Tensor&>(p); });
+}
 
 /** Puts back the CPU RNG and a module's buffers when destroyed. */
 class Restore {
@@ -161,7 +199,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
   memory::Timeline* timeline = nullptr;                  // while profiling
-  int depth = 0;
+  std::vector<std::shared_ptr<CallRecord>> active;       // observed calls running now, outermost first
   bool in_trial = false;
 
   Impl(torch::nn::Module& m, AutoOptions o) : model(m), options(std::move(o)) {}
@@ -172,14 +210,13 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     ObservedCall(Impl& impl, std::shared_ptr<CallRecord> rec)
         : impl_(impl),
           rec_(rec),
-          hooks_(detail::make_function_hooks([](const at::Tensor& t) -> std::any { return t; },
-                                             [rec, tl = impl.timeline](const std::any& p) -> at::Tensor {
-                                               rec->unpacked(tl->now_us());
-                                               return std::any_cast<const at::Tensor&>(p);
-                                             })) {
-      ++impl_.depth;
+          hooks_(detail::make_function_hooks(keep_detached, [rec, tl = impl.timeline](const std::any& p) -> at::Tensor {
+            rec->unpacked(tl->now_us());
+            return std::any_cast<const at::Tensor&>(p);
+          })) {
+      impl_.active.push_back(rec_);
     }
-    ~ObservedCall() override { --impl_.depth; }
+    ~ObservedCall() override { impl_.active.pop_back(); }
     void finish(const std::vector<at::Tensor>&) override { rec_->forward_end_us = impl_.timeline->now_us(); }
 
    private:
@@ -190,9 +227,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
 
   std::unique_ptr<Call> begin(Checkpointable& c, const std::vector<at::Tensor>& inputs,
                               const detail::UnitRun& run) override {
-    if (timeline == nullptr || depth > 0 || in_trial || is_recomputing() || !at::GradMode::is_enabled()) {
-      return nullptr;
-    }
+    if (timeline == nullptr || in_trial || is_recomputing() || !at::GradMode::is_enabled()) return nullptr;
+    if (!active.empty() && !options.inner_units()) return nullptr;  // runs as part of the enclosing unit
     auto it = index.find(&c);
     if (it == index.end()) return nullptr;  // not a module of this model
     Unit& u = units[it->second];
@@ -205,9 +241,15 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     }
     auto rec = std::make_shared<CallRecord>();
     rec->unit = it->second;
+    const int64_t parent = active.empty() ? kTop : static_cast<int64_t>(active.back()->unit);
+    if (u.parent == kNotSeen) u.parent = parent;
+    if (u.parent != parent) u.parent = kDisagree;
+    if (!active.empty()) rec->enclosing = active.back();
     const double t0 = timeline->now_us();
     in_trial = true;
     try {
+      std::optional<ScopedHooks> quiet;
+      if (!active.empty()) quiet.emplace(quiet_hooks());  // NOTE [units inside units]
       measure(u, inputs, run, *rec);
     } catch (...) {
       in_trial = false;
@@ -231,17 +273,33 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     // first run, the time is the fastest run's; taking the options in turn
     // spreads any drift of the machine over all of them.
     bool has_backward = true;
-    measure_one(u, inputs, run, Option{}, &has_backward);
+    int64_t retained = 0;
+    measure_one(u, inputs, run, Option{}, &has_backward, &retained);
     rec.costs.assign(u.menu.size(), plan::StepCost{});
+    std::vector<int64_t> io_kept(u.menu.size(), 0);
     for (int r = 0; r < options.profile_repeats(); ++r) {
       for (size_t k = 0; k < u.menu.size(); ++k) {
-        const plan::StepCost cost = measure_one(u, inputs, run, u.menu[k], &has_backward);
+        const plan::StepCost cost = measure_one(u, inputs, run, u.menu[k], &has_backward, &retained);
         if (r == 0) {
           rec.costs[k] = cost;
+          io_kept[k] = retained;
         } else {
           rec.costs[k].time_ms = std::min(rec.costs[k].time_ms, cost.time_ms);
         }
       }
+    }
+    // NOTE [inputs an option keeps]: the costs count the call's inputs and
+    // outputs as held by its caller. An option that keeps more of them than
+    // keep does (a checkpoint keeps its inputs for the recompute, where
+    // keep under autocast saves only their low-precision copies; a
+    // selective policy keeps an output that keep does not save) is charged
+    // the difference until its backward: the caller may let them go after
+    // the forward. An option that keeps less is not credited (the caller
+    // may hold them).
+    for (size_t k = 1; k < u.menu.size(); ++k) {
+      const int64_t extra = std::max<int64_t>(0, io_kept[k] - io_kept[0]);
+      rec.costs[k].kept_bytes += extra;
+      rec.costs[k].backward_peak_bytes += extra;
     }
     if (!has_backward) u.plannable = false;
   }
@@ -250,6 +308,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     u.menu.push_back({"keep", std::nullopt, std::nullopt});
     const CheckpointOptions& base = options.checkpoint_options();
     u.menu.push_back({"recompute", base, std::nullopt});
+    if (options.inner_units() && !u.inner.empty())
+      u.menu.push_back({"recompute, inner units too", base, std::nullopt, true});
     u.plannable = true;
     if (options.selective_levels() > 0) {
       // One run under an op timer: every op call's signature, output bytes and time.
@@ -281,12 +341,24 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
    *  assumed); what the real store holds in flight beyond that is the
    *  margin of solve(). */
   plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run,
-                             const Option& opt, bool* has_backward) {
+                             const Option& opt, bool* has_backward, int64_t* io_kept) {
     Restore restore(u.module);
     TrialInputs t = trial_inputs(inputs);
     std::vector<at::Tensor> wrt = t.leaves;
     for (const auto& p : u.module->parameters()) {
       if (p.requires_grad()) wrt.push_back(p);
+    }
+    struct InnerOn {  // the inner units checkpointed for this run (nested recompute)
+      Impl& impl;
+      const std::vector<size_t>* inner = nullptr;
+      ~InnerOn() {
+        if (inner == nullptr) return;
+        for (size_t i : *inner) impl.units[i].c->set_checkpointing(std::nullopt);
+      }
+    } inner_on{*this};
+    if (opt.inner) {
+      inner_on.inner = &u.inner;
+      for (size_t i : u.inner) units[i].c->set_checkpointing(options.checkpoint_options());
     }
     plan::StepCost cost;
     detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
@@ -302,6 +374,30 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     double ms = ms_since(t0);
     cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
     cost.forward_peak_bytes = probe.peak_bytes();
+    // What the call holds of its inputs and outputs besides the references
+    // here (NOTE [inputs an option keeps]).
+    *io_kept = 0;
+    {
+      struct Ours {
+        size_t refs = 0;  // tensors here that use the storage
+        at::Storage storage;
+      };
+      std::unordered_map<const c10::StorageImpl*, Ours> ours;
+      for (const auto* v : {&t.in, &out}) {
+        for (const auto& x : *v) {
+          if (!x.defined() || !x.has_storage()) continue;
+          Ours& o = ours[x.storage().unsafeGetStorageImpl()];
+          ++o.refs;
+          o.storage = x.storage();
+        }
+      }
+      for (const auto& [impl, o] : ours) {
+        // use_count: the tensors using it, plus the copy in `o`.
+        if (o.storage.use_count() > o.refs + 1) {
+          *io_kept += static_cast<int64_t>(impl->nbytes());
+        }
+      }
+    }
     std::vector<at::Tensor> roots, grads_out;
     for (const auto& o : out) {
       if (o.defined() && o.requires_grad()) {
@@ -332,7 +428,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
   void profile(const std::function<void()>& fn) {
     calls.clear();
     trial_windows.clear();
-    for (auto& u : units) u.calls.clear();
+    for (auto& u : units) {
+      u.calls.clear();
+      u.parent = kNotSeen;
+    }
     memory::enable_tracking();
     const int64_t start_bytes = memory::current_bytes();
     memory::Timeline tl;
@@ -401,12 +500,29 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     profiled_peak = 0;
     for (int64_t p : m.segment_peak_bytes) profiled_peak = std::max(profiled_peak, p);
 
-    for (const Unit& u : units) {
+    std::vector<int64_t> model_index(units.size(), -1);
+    for (size_t i = 0, j = 0; i < units.size(); ++i) {
+      if (!units[i].calls.empty()) model_index[i] = static_cast<int64_t>(j++);
+    }
+    for (size_t i = 0; i < units.size(); ++i) {
+      Unit& u = units[i];
       if (u.calls.empty()) continue;
       plan::StepUnit su;
       su.name = shown(u.name);
-      for (const Option& o : u.menu) su.options.push_back(o.name);
-      if (!u.plannable) su.options.resize(1);
+      su.parent = u.parent >= 0 ? model_index[static_cast<size_t>(u.parent)] : -1;
+      u.offered.clear();
+      for (size_t k = 0; k < u.menu.size(); ++k) {
+        // "inner units too" switches them on wherever they run: offered only
+        // when each of them runs inside this unit alone.
+        if (u.menu[k].inner && !inner_calls_inside(i)) continue;
+        u.offered.push_back(k);
+        su.options.push_back(u.menu[k].name);
+      }
+      // Not plannable, or called inside different units: kept.
+      if (!u.plannable || u.parent == kDisagree) {
+        su.options.resize(1);
+        u.offered.resize(1);
+      }
       for (size_t ci : u.calls) {
         const CallRecord& c = *calls[ci];
         plan::StepCall sc;
@@ -414,13 +530,24 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
         sc.forward_end = at(c.forward_end_us);
         sc.backward_begin = at(c.first_unpack_us);
         sc.backward_end = at(c.last_unpack_us);
-        sc.costs = c.costs;
-        sc.costs.resize(su.options.size());
+        for (size_t k : u.offered) sc.costs.push_back(c.costs[k]);
         su.calls.push_back(std::move(sc));
       }
       m.units.push_back(std::move(su));
     }
     step_model = std::move(m);
+  }
+
+  /** True when every inner unit of units[i] that ran in the profiled step
+   *  ran only inside units[i] (at any depth). */
+  bool inner_calls_inside(size_t i) const {
+    for (size_t d : units[i].inner) {
+      if (units[d].calls.empty()) continue;
+      int64_t a = units[d].parent;
+      while (a >= 0 && static_cast<size_t>(a) != i) a = units[static_cast<size_t>(a)].parent;
+      if (a < 0) return false;
+    }
+    return true;
   }
 
   /** Units of the step model, in model order, as indices into units. */
@@ -519,9 +646,15 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     const std::vector<size_t> mu = model_units();
     for (size_t j = 0; j < mu.size(); ++j) {
       Unit& u = units[mu[j]];
-      const Option& o = u.menu[step_plan.prediction.choice[j]];
+      const Option& o = u.menu[u.offered[static_cast<size_t>(step_plan.prediction.choice[j])]];
       u.c->set_checkpointing(o.switch_state);
       u.c->set_offloading(o.offload);
+    }
+    // Nested recompute: the inner units are at option 0 (the nesting rule).
+    for (size_t j = 0; j < mu.size(); ++j) {
+      const Unit& u = units[mu[j]];
+      if (!u.menu[u.offered[static_cast<size_t>(step_plan.prediction.choice[j])]].inner) continue;
+      for (size_t i : u.inner) units[i].c->set_checkpointing(options.checkpoint_options());
     }
   }
 
@@ -646,7 +779,16 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
     auto* c = dynamic_cast<Checkpointable*>(m);
     if (c == nullptr || !seen.emplace(m, true).second) continue;
     impl_->index[c] = impl_->units.size();
-    impl_->units.push_back(Unit{item.key(), c, m, {}, false, {}});
+    impl_->units.push_back(Unit{item.key(), c, m, {}, false, {}, {}, kNotSeen, {}});
+  }
+  for (Unit& u : impl_->units) {
+    for (const auto& sub : u.module->modules(/*include_self=*/false)) {
+      auto* c = dynamic_cast<Checkpointable*>(sub.get());
+      auto it = c == nullptr ? impl_->index.end() : impl_->index.find(c);
+      if (it != impl_->index.end() && std::find(u.inner.begin(), u.inner.end(), it->second) == u.inner.end()) {
+        u.inner.push_back(it->second);
+      }
+    }
   }
   if (impl_->units.empty()) {
     throw Error("[remat::auto] the model (" + model.name() +
@@ -748,6 +890,16 @@ std::vector<AutoUnit> AutoCheckpoint::units() const {
     }
     out.push_back(std::move(a));
   }
+  // What inner units keep less is kept less by the units around them.
+  for (size_t j = 0; j < out.size(); ++j) {
+    int64_t saved = 0;
+    for (const plan::StepCall& c : m.step_model.units[j].calls) {
+      saved += c.costs[0].kept_bytes - c.costs[out[j].choice].kept_bytes;
+    }
+    for (int64_t a = m.step_model.units[j].parent; a >= 0 && saved != 0; a = m.step_model.units[a].parent) {
+      out[static_cast<size_t>(a)].kept_bytes -= saved;
+    }
+  }
   return out;
 }
 
@@ -806,7 +958,8 @@ std::string AutoCheckpoint::explain() const {
   }
   for (const Unit& u : m.units) {
     if (u.calls.empty())
-      os << shown(u.name) << ": not called at the top of a unit (inside another unit, or not at all): off\n";
+      os << shown(u.name) << ": not called with grad enabled in the profiled step"
+         << (m.options.inner_units() ? "" : " outside another unit") << ": off\n";
   }
   return os.str();
 }

@@ -594,10 +594,17 @@ std::vector<int> Trainer::auto_forwards_per_block() const {
   if (!impl_->auto_ck || !impl_->auto_ck->planned()) return {};
   std::vector<int> out;
   for (const AutoUnit& u : impl_->auto_ck->units()) {
-    if (u.name.rfind("blocks.", 0) != 0) continue;  // the blocks, in order ("blocks.0", ...)
+    if (u.name.rfind("blocks.", 0) != 0) continue;  // the blocks, in order ("blocks.0", ...), then inner units
     const std::string& o = u.options.at(static_cast<size_t>(u.choice));
-    // keep and offload run the forward once; recompute and selective run it again in backward
-    out.push_back(o == "keep" || o.rfind("offload", 0) == 0 ? 1 : 2);
+    // keep and offload run the forward once; recompute and selective run it
+    // again in backward; nested recompute runs the inner units' a third time
+    const int runs = o == "keep" || o.rfind("offload", 0) == 0 ? 1 : o == "recompute, inner units too" ? 3 : 2;
+    const bool inner = u.name.find('.', 7) != std::string::npos;  // "blocks.3.attn"
+    if (!inner) {
+      out.push_back(runs);
+    } else if (!out.empty()) {
+      out.back() = std::max(out.back(), runs);  // an inner unit of the last block (units come in tree order)
+    }
   }
   return out;
 }

@@ -51,6 +51,31 @@ double added_ms(const StepUnit& u, int k) {
   return t;
 }
 
+// The first unit given an option other than 0 inside an ancestor that runs
+// one, and that ancestor; {-1, -1} when the choice respects the nesting.
+std::pair<int64_t, int64_t> nesting_violation(const StepModel& m, const std::vector<int>& choice) {
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    if (choice[u] == 0) continue;
+    for (int64_t a = m.units[u].parent; a >= 0; a = m.units[a].parent) {
+      if (choice[a] != 0) return {static_cast<int64_t>(u), a};
+    }
+  }
+  return {-1, -1};
+}
+
+// Every unit's fastest option, each on its own (may break the nesting).
+std::vector<int> fastest_choice(const StepModel& m) {
+  std::vector<int> fastest(m.units.size(), 0);
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+      if (added_ms(m.units[u], static_cast<int>(k)) < added_ms(m.units[u], fastest[u])) {
+        fastest[u] = static_cast<int>(k);
+      }
+    }
+  }
+  return fastest;
+}
+
 // One memory constraint: rhs_bytes - sum(coef * x) >= 0, where x are the
 // non-profiled options of the units the segment touches.
 struct Row {
@@ -171,6 +196,24 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
       ar.push_back(1);
     }
   }
+  // Units inside units: sum_k x(u, k) + sum_k x(a, k) <= 1 for every
+  // ancestor a (u takes an option other than 0 only while a runs option 0).
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    if (m.units[u].options.size() < 2) continue;
+    for (int64_t a = m.units[u].parent; a >= 0; a = m.units[a].parent) {
+      if (m.units[a].options.size() < 2) continue;
+      glp_add_rows(p, 1);
+      ++row;
+      glp_set_row_bnds(p, row, GLP_UP, 0, 1);
+      for (size_t v : {u, static_cast<size_t>(a)}) {
+        for (size_t k = 1; k < m.units[v].options.size(); ++k) {
+          ia.push_back(row);
+          ja.push_back(first_col[v] + static_cast<int>(k) - 1);
+          ar.push_back(1);
+        }
+      }
+    }
+  }
   for (const Row& r : rows) {
     glp_add_rows(p, 1);
     ++row;
@@ -271,7 +314,7 @@ struct ChainCaps {
 std::optional<ChainCaps> chain_structure(const StepModel& m) {
   const size_t n = m.units.size();
   for (const auto& u : m.units) {
-    if (u.calls.size() != 1) return std::nullopt;
+    if (u.calls.size() != 1 || u.parent >= 0) return std::nullopt;
   }
   ChainCaps c;
   c.order.resize(n);
@@ -395,10 +438,22 @@ void validate(const StepModel& m) {
     throw Error("[remat::plan] the step model's step_time_ms is " + std::to_string(m.step_time_ms) +
                 "; it must be finite and >= 0.");
   }
+  const int64_t units = static_cast<int64_t>(m.units.size());
   for (size_t u = 0; u < m.units.size(); ++u) {
     const StepUnit& unit = m.units[u];
     if (unit.options.empty()) {
       throw Error("[remat::plan] " + unit_label(m, u) + " has no options; give at least the profiled one.");
+    }
+    if (unit.parent < -1 || unit.parent >= units || unit.parent == static_cast<int64_t>(u)) {
+      throw Error("[remat::plan] " + unit_label(m, u) + " has parent " + std::to_string(unit.parent) +
+                  "; give the index of another of the " + std::to_string(units) + " units, or -1 for none.");
+    }
+    int64_t steps = 0;
+    for (int64_t a = unit.parent; a >= 0; a = m.units[a].parent) {
+      if (++steps > units) {
+        throw Error("[remat::plan] the parents of " + unit_label(m, u) +
+                    " form a cycle; a unit cannot run inside itself.");
+      }
     }
     for (size_t c = 0; c < unit.calls.size(); ++c) {
       const StepCall& call = unit.calls[c];
@@ -443,6 +498,15 @@ StepPrediction simulate_step(const StepModel& m, const std::vector<int>& choice)
       throw Error("[remat::plan] option " + std::to_string(k) + " of " + unit_label(m, u) + ", which has " +
                   std::to_string(m.units[u].options.size()) + " options.");
     }
+  }
+  if (const auto [u, a] = nesting_violation(m, choice); u >= 0) {
+    const auto uu = static_cast<size_t>(u), aa = static_cast<size_t>(a);
+    throw Error("[remat::plan] " + unit_label(m, uu) + " has option '" + m.units[uu].options[choice[uu]] + "' inside " +
+                unit_label(m, aa) + ", which runs option '" + m.units[aa].options[choice[aa]] +
+                "': a unit inside a recomputed or offloaded unit runs as part of it; give it option 0.");
+  }
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const int k = choice[u];
     if (k == 0) continue;
     out.time_ms += added_ms(m.units[u], k);
     for (const StepCall& c : m.units[u].calls) {
@@ -526,16 +590,8 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
   const auto t0 = std::chrono::steady_clock::now();
   StepPlan plan;
   plan.budget_bytes = budget_bytes;
-  {
+  if (const std::vector<int> fastest = fastest_choice(m); nesting_violation(m, fastest).first < 0) {
     // The fastest option of every unit, when it fits, is the answer.
-    std::vector<int> fastest(m.units.size(), 0);
-    for (size_t u = 0; u < m.units.size(); ++u) {
-      for (size_t k = 1; k < m.units[u].options.size(); ++k) {
-        if (added_ms(m.units[u], static_cast<int>(k)) < added_ms(m.units[u], fastest[u])) {
-          fastest[u] = static_cast<int>(k);
-        }
-      }
-    }
     StepPrediction pred = simulate_step(m, fastest);
     if (pred.peak_bytes <= budget_bytes) {
       plan.prediction = std::move(pred);
@@ -567,16 +623,9 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
     const std::vector<Row> rows = binding_rows(all, target);
     MipResult r;
     bool found;
-    if (rows.empty()) {
+    if (rows.empty() && nesting_violation(m, fastest_choice(m)).first < 0) {
       // Every choice fits: the fastest option of each unit, independently.
-      r.choice.assign(m.units.size(), 0);
-      for (size_t u = 0; u < m.units.size(); ++u) {
-        for (size_t k = 1; k < m.units[u].options.size(); ++k) {
-          if (added_ms(m.units[u], static_cast<int>(k)) < added_ms(m.units[u], r.choice[u])) {
-            r.choice[u] = static_cast<int>(k);
-          }
-        }
-      }
+      r.choice = fastest_choice(m);
       r.optimal = true;
       found = true;
     } else {

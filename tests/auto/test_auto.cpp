@@ -192,9 +192,13 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
     int64_t expected = 0, predicted = 0;
     if (planned_step) {
       predicted = planner.plan().prediction.peak_bytes;
-      for (const auto& u : planner.units()) {
+      const auto units = planner.units();
+      for (const auto& u : units) {
         const std::string& o = u.options[u.choice];
         expected += o == "keep" || o.rfind("offload", 0) == 0 ? 0 : u.calls;
+        // Its inner units recompute inside its recompute, once per call of theirs.
+        if (o != "recompute, inner units too") continue;
+        for (const auto& v : units) expected += v.name.rfind(u.name + ".", 0) == 0 ? v.calls : 0;
       }
     }
     remat::reset_checkpoint_stats();
@@ -253,6 +257,7 @@ void check_workload(const Make& make, const std::string& name, const remat::Auto
     const Result probe = run(make, set_to_none, remat::AutoOptions(base).memory_budget_fraction(1.0));
     expect_bitwise(plain, probe, name + " at the plain peak");
     const int64_t low = probe.min_peak, high = probe.profiled_peak;
+    if (std::getenv("REMAT_AUTO_TEST_DUMP")) std::printf("probe %s\n%s", name.c_str(), probe.explain.c_str());
     ASSERT_LT(low, high) << name << ": nothing to plan";
     for (double f : {0.05, 0.5, 0.9}) {
       const int64_t budget = low + static_cast<int64_t>(f * static_cast<double>(high - low));
@@ -498,19 +503,43 @@ TEST(Auto, ExplainAndTraceDescribeThePlan) {
   const std::string e = planner.explain();
   std::printf("%s", e.c_str());
   EXPECT_NE(e.find("remat::auto_checkpoint: budget "), std::string::npos) << e;
-  EXPECT_NE(e.find("solver: chain DP, optimal"), std::string::npos) << e;  // the blocks form a chain
+  EXPECT_NE(e.find("solver: GLPK, optimal"), std::string::npos) << e;  // units inside units: not a chain
   EXPECT_NE(e.find("last step: measured peak "), std::string::npos) << e;
-  // The four blocks are the units; their attn and mlp are inside them.
+  // The four blocks are units, and so are their attn and mlp, inside them.
   const auto units = planner.units();
-  ASSERT_EQ(units.size(), 4u);
+  ASSERT_EQ(units.size(), 12u);
+  const auto& model = planner.step_model();
   for (size_t i = 0; i < units.size(); ++i) {
-    EXPECT_EQ(units[i].name, "blocks." + std::to_string(i));
+    const size_t block = i / 3;
+    const std::string name = "blocks." + std::to_string(block) +
+                             std::string(i % 3 == 0   ? ""
+                                         : i % 3 == 1 ? ".attn"
+                                                      : ".mlp");
+    EXPECT_EQ(units[i].name, name);
+    EXPECT_EQ(model.units[i].parent, i % 3 == 0 ? -1 : static_cast<int64_t>(3 * block)) << name;
     EXPECT_EQ(units[i].calls, 1);
     EXPECT_EQ(units[i].options[0], "keep");
     EXPECT_EQ(units[i].options[1], "recompute");
+    if (i % 3 == 0) {
+      EXPECT_EQ(units[i].options[2], "recompute, inner units too");
+    }
     EXPECT_GE(units[i].options.size(), 3u) << "no selective level";
   }
-  EXPECT_NE(e.find("blocks.0.attn: not called at the top of a unit"), std::string::npos) << e;
+  // Without inner units: the four blocks form a chain, their attn and mlp run as part of them.
+  {
+    torch::manual_seed(0);
+    Workload w2 = make(true);
+    auto p2 = remat::auto_checkpoint(
+        *w2.model, remat::AutoOptions().memory_budget_fraction(0.7).profile_repeats(1).inner_units(false));
+    for (int k = 0; k < 3; ++k) p2.step([&] { w2.step(k); });
+    const std::string e2 = p2.explain();
+    EXPECT_NE(e2.find("solver: chain DP, optimal"), std::string::npos) << e2;
+    ASSERT_EQ(p2.units().size(), 4u);
+    for (const auto& u : p2.units()) EXPECT_EQ(u.options[2].rfind("save ", 0), 0u) << u.name;
+    EXPECT_NE(e2.find("blocks.0.attn: not called with grad enabled in the profiled step outside another unit: off"),
+              std::string::npos)
+        << e2;
+  }
   // A policy given in AutoOptions().policies is an option of every unit.
   {
     torch::manual_seed(0);
@@ -696,4 +725,13 @@ TEST(Auto, AUnitOffTheCpuIsRefusedByName) {
                  "device, use CheckpointedSequential's memory budget or the per-module switch (enable_checkpointing).");
   }
   EXPECT_FALSE(planner.planned());
+}
+TEST(Auto, APlannedModelLeavesNoTensorBehind) {
+  // The menu's op-timing runs of inner units run forwards never run
+  // backward, inside the enclosing unit's hooks: nothing of them may stay.
+  remat::memory::enable_tracking();
+  (void)run(gpt_workload(2), true, remat::AutoOptions().memory_budget_fraction(1.0));  // warms the caches
+  const int64_t before = remat::memory::current_bytes();
+  (void)run(gpt_workload(2), true, remat::AutoOptions().memory_budget_fraction(1.0));
+  EXPECT_EQ(remat::memory::current_bytes(), before);
 }

@@ -36,11 +36,23 @@ struct Brute {
   int64_t min_peak = std::numeric_limits<int64_t>::max();
 };
 
+// True when no unit takes an option other than 0 inside an ancestor that
+// runs one (step.h's rule for units inside units).
+bool nesting_ok(const rp::StepModel& m, const std::vector<int>& choice) {
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (int64_t a = m.units[u].parent; a >= 0 && choice[u] != 0; a = m.units[a].parent) {
+      if (choice[a] != 0) return false;
+    }
+  }
+  return true;
+}
+
 // Over every choice: the fastest within budget, and the smallest peak.
 Brute brute(const rp::StepModel& m, int64_t budget) {
   Brute out;
   std::vector<int> choice(m.units.size(), 0);
   while (true) {
+    const bool ok = nesting_ok(m, choice);
     int64_t peak = 0;
     for (int64_t s = 0; s < static_cast<int64_t>(m.segment_peak_bytes.size()); ++s) {
       peak = std::max(peak, brute_segment(m, choice, s));
@@ -49,8 +61,8 @@ Brute brute(const rp::StepModel& m, int64_t budget) {
     for (size_t u = 0; u < m.units.size(); ++u) {
       for (const rp::StepCall& c : m.units[u].calls) t += c.costs[choice[u]].time_ms - c.costs[0].time_ms;
     }
-    out.min_peak = std::min(out.min_peak, peak);
-    if (peak <= budget) out.best_time = std::min(out.best_time, t);
+    if (ok) out.min_peak = std::min(out.min_peak, peak);
+    if (ok && peak <= budget) out.best_time = std::min(out.best_time, t);
     size_t u = 0;
     for (; u < choice.size(); ++u) {
       if (++choice[u] < static_cast<int>(m.units[u].options.size())) break;
@@ -134,6 +146,44 @@ rp::StepModel random_gan(std::mt19937& rng, int max_options) {
   return m;
 }
 
+// Blocks in a chain, each with units inside (a GPT block's attention and
+// MLP): the inner units' forwards lie in the block's forward, their
+// backwards in its backward, in reverse. Every unit gets 1..max_options
+// options; the profiled peaks add what each window holds.
+rp::StepModel random_nested(std::mt19937& rng, int blocks, int inner, int max_options) {
+  std::uniform_int_distribution<int> opts(1, max_options);
+  rp::StepModel m;
+  m.step_time_ms = 100;
+  const int64_t per = inner + 1;  // segments per block forward (inner forwards, then its own tail)
+  const int64_t n = 2 * blocks * per + 2;
+  auto add = [&](const std::string& name, int64_t parent, int64_t fb, int64_t fe, int64_t bb, int64_t be) {
+    rp::StepUnit u{name, {}, {}, parent};
+    const int o = opts(rng);
+    for (int k = 0; k < o; ++k) u.options.push_back(k == 0 ? "keep" : "opt" + std::to_string(k));
+    u.calls.push_back(random_call(rng, o, fb, fe, bb, be));
+    m.units.push_back(u);
+  };
+  for (int b = 0; b < blocks; ++b) {
+    const int64_t f0 = b * per, b0 = n - 2 - (b + 1) * per;  // its forward's and backward's first segment
+    const int64_t parent = static_cast<int64_t>(m.units.size());
+    add("b" + std::to_string(b), -1, f0, f0 + per, b0, b0 + per);
+    for (int i = 0; i < inner; ++i) {
+      add("b" + std::to_string(b) + ".i" + std::to_string(i), parent, f0 + i, f0 + i + 1, b0 + per - 1 - i,
+          b0 + per - i);
+    }
+  }
+  m.segment_peak_bytes.assign(n, 10 << 20);
+  for (const auto& unit : m.units) {
+    const rp::StepCall& c = unit.calls[0];
+    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
+      if (s < c.forward_end) m.segment_peak_bytes[s] += c.costs[0].forward_peak_bytes;
+      else if (s < c.backward_begin) m.segment_peak_bytes[s] += c.costs[0].kept_bytes;
+      else m.segment_peak_bytes[s] += c.costs[0].backward_peak_bytes;
+    }
+  }
+  return m;
+}
+
 void check_against_brute(const rp::StepModel& m, const std::string& what) {
   const Brute all = brute(m, std::numeric_limits<int64_t>::max());
   int64_t max_peak = 0;
@@ -151,7 +201,8 @@ void check_against_brute(const rp::StepModel& m, const std::string& what) {
     EXPECT_TRUE(plan.optimal) << what;
     // A chain goes to the DP, the GAN (a unit called twice) to GLPK, unless
     // every unit's fastest option fits.
-    EXPECT_TRUE(plan.solver == "fastest fits" || plan.solver == (what.rfind("gan", 0) == 0 ? "GLPK" : "chain DP"))
+    const bool chain = what.rfind("gan", 0) != 0 && what.rfind("nested", 0) != 0;
+    EXPECT_TRUE(plan.solver == "fastest fits" || plan.solver == (chain ? "chain DP" : "GLPK"))
         << what << ": " << plan.solver;
     EXPECT_LE(plan.prediction.peak_bytes, budget) << what << " budget " << budget;
     EXPECT_NEAR(plan.prediction.time_ms, b.best_time, 1e-9) << what << " budget " << budget;
@@ -161,6 +212,7 @@ void check_against_brute(const rp::StepModel& m, const std::string& what) {
       peak = std::max(peak, brute_segment(m, plan.prediction.choice, s));
     }
     EXPECT_EQ(plan.prediction.peak_bytes, peak) << what;
+    EXPECT_TRUE(nesting_ok(m, plan.prediction.choice)) << what;
   }
   if (all.min_peak > 1) {
     EXPECT_THROW(rp::solve_step(m, all.min_peak - 1), remat::Error) << what;
@@ -188,6 +240,63 @@ TEST(StepSolve, GanStepsMatchBruteForce) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 30; ++trial) {
     check_against_brute(random_gan(rng, 4), "gan trial " + std::to_string(trial));
+  }
+}
+
+TEST(StepSolve, UnitsInsideUnitsMatchBruteForce) {
+  std::mt19937 rng(13);
+  int inner_chosen = 0;  // plans that give an inner unit an option other than 0
+  for (int trial = 0; trial < 24; ++trial) {
+    const rp::StepModel m = random_nested(rng, 1 + trial % 3, 1 + trial % 2, 3);
+    check_against_brute(m, "nested trial " + std::to_string(trial));
+    const rp::StepPlan low = rp::min_peak_step(m);
+    for (size_t u = 0; u < m.units.size(); ++u) inner_chosen += m.units[u].parent >= 0 && low.prediction.choice[u];
+  }
+  EXPECT_GT(inner_chosen, 0);  // the nesting is exercised, not only kept at 0
+}
+
+TEST(StepSolve, AUnitInsideARecomputedOneKeepsOptionZero) {
+  rp::StepModel m;
+  m.step_time_ms = 10;
+  m.segment_peak_bytes = {100 << 20, 100 << 20, 300 << 20, 300 << 20};
+  const rp::StepCost keep{1, 100 << 20, 100 << 20, 150 << 20}, recompute{2, 100 << 20, 10 << 20, 160 << 20};
+  // Its fastest option is not 0: the solver must not take it inside a recomputed parent.
+  const rp::StepCost fast{0.5, 100 << 20, 90 << 20, 150 << 20};
+  m.units.push_back({"block", {"keep", "recompute"}, {{0, 2, 2, 4, {keep, recompute}}}});
+  m.units.push_back({"block.attn", {"keep", "recompute", "fast"}, {{0, 1, 3, 4, {keep, recompute, fast}}}, 0});
+  try {
+    rp::simulate_step(m, {1, 2});
+    FAIL() << "expected an error";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 1 ('block.attn') has option 'fast' inside unit 0 ('block'), which runs option "
+                 "'recompute': a unit inside a recomputed or offloaded unit runs as part of it; give it option 0.");
+  }
+  // Every choice fits: the fastest that respects the nesting.
+  const rp::StepPlan plan = rp::solve_step(m, int64_t{1} << 40);
+  EXPECT_EQ(plan.prediction.choice, (std::vector<int>{0, 2}));
+  EXPECT_EQ(plan.solver, "fastest fits");
+  m.units[0].calls[0].costs[1].time_ms = 0.1;  // now the parent's recompute is the fastest too
+  const rp::StepPlan both = rp::solve_step(m, int64_t{1} << 40);
+  EXPECT_EQ(both.prediction.choice, (std::vector<int>{1, 0}));
+  EXPECT_EQ(both.solver, "GLPK");
+  m.units[1].parent = 1;
+  try {
+    rp::validate(m);
+    FAIL() << "expected an error";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 1 ('block.attn') has parent 1; give the index of another of the 2 units, or -1 "
+                 "for none.");
+  }
+  m.units[1].parent = 0;
+  m.units[0].parent = 1;
+  try {
+    rp::validate(m);
+    FAIL() << "expected an error";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] the parents of unit 0 ('block') form a cycle; a unit cannot run inside itself.");
   }
 }
 

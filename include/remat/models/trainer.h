@@ -292,10 +292,13 @@ class Trainer {
    *  nullptr for the ResNet. */
   const Tokenizer* tokenizer() const;
   /** With --checkpoint auto once planned (step 2 on): per block (GPT block
-   *  or ResNet block, in order), forward runs per call under the plan in
-   *  force: 1 for keep (or offload), 2 for recompute or selective (its
-   *  forward runs again, wholly or in part, in backward). Empty before the
-   *  plan and for the other strategies. */
+   *  or ResNet block, in order), forward runs per call of its most-run part
+   *  under the plan in force: 1 when the block and its inner units keep
+   *  (or offload), 2 when it or an inner unit recomputes or is selective
+   *  (that forward runs again, wholly or in part, in backward), 3 when it
+   *  recomputes with its inner units checkpointed inside (their forwards
+   *  run a third time). Empty before the plan and for the other
+   *  strategies. */
   std::vector<int> auto_forwards_per_block() const;
   /** The config, with defaults resolved (e.g. layers 0 -> 6 for the GPT). */
   const TrainConfig& config() const;

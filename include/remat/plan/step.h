@@ -8,8 +8,9 @@
 // a budget, exactly: a dynamic program when the step is a chain (each unit
 // called once, the later units' windows inside the earlier ones' kept
 // intervals, as in a sequential model), an integer program solved by GLPK
-// otherwise (skips across units, a unit called twice). Torch-free: the
-// auto layer (src/auto) fills a StepModel from a profiled step.
+// otherwise (skips across units, a unit called twice, units inside units).
+// Torch-free: the auto layer (src/auto) fills a StepModel from a profiled
+// step.
 //
 // Memory rule: under a choice, segment s peaks at
 //   segment_peak_bytes[s] + sum over calls c of their unit u with option k:
@@ -18,6 +19,13 @@
 //     backward_peak(k) - backward_peak(0)  for s in [backward_begin, backward_end)
 // where option 0 is the one the step was profiled with. Time: the profiled
 // step's time plus, per call, time(k) - time(0).
+//
+// Units inside units: a unit whose calls run inside another unit's names it
+// as its parent. Inside a recomputed or offloaded unit it runs as part of
+// that unit (whose options were measured with it inside, plain), so it may
+// take an option other than 0 only while its parent and every ancestor run
+// option 0; the deltas then add up as above, since option 0 of every
+// ancestor is the profiled one.
 #pragma once
 
 #include <cstdint>
@@ -60,6 +68,10 @@ struct StepUnit {
   std::string name;                  ///< for reports and errors ("blocks.3")
   std::vector<std::string> options;  ///< option names; [0] is the one profiled ("keep")
   std::vector<StepCall> calls;       ///< every call in the step, in forward order
+  /** The unit whose calls this one's run inside (an index into
+   *  StepModel::units), or -1: it may take an option other than 0 only
+   *  while every ancestor runs option 0. */
+  int64_t parent = -1;
 };
 
 /** The profiled step. */
@@ -77,7 +89,8 @@ struct StepModel {
 
 /** Throws remat::Error naming the first inconsistency (windows out of
  *  order or range, a cost list of the wrong length, negative bytes, a
- *  non-finite time, an empty menu). */
+ *  non-finite time, an empty menu, a parent out of range or a cycle of
+ *  parents). */
 void validate(const StepModel& model);
 
 /** A choice of one option per unit and what it is predicted to cost. */
@@ -90,7 +103,9 @@ struct StepPrediction {
 };
 
 /** The prediction of a choice (one option index per unit). Exact under the
- *  memory rule above, in integer bytes. */
+ *  memory rule above, in integer bytes. Throws remat::Error for a choice
+ *  that gives a unit an option other than 0 inside an ancestor that runs
+ *  one. */
 StepPrediction simulate_step(const StepModel& model, const std::vector<int>& choice);
 
 /** Solver settings. */
@@ -104,9 +119,9 @@ struct StepPlan {
   StepPrediction prediction;  ///< the choice and its cost
   int64_t budget_bytes = 0;   ///< what it was solved for
   /** "fastest fits" (every unit's fastest option fits the budget), "chain
-   *  DP" (every unit called once, windows nested as a chain's: an exact
-   *  dynamic program over the kept bytes, in integer bytes) or "GLPK" (the
-   *  0-1 program, any structure). */
+   *  DP" (every unit called once, windows nested as a chain's, no unit
+   *  inside another: an exact dynamic program over the kept bytes, in
+   *  integer bytes) or "GLPK" (the 0-1 program, any structure). */
   std::string solver;
   /** True when the solver proved the choice optimal (gap 0). */
   bool optimal = false;
