@@ -3,11 +3,15 @@
 // called once each, forwards in order, backwards in reverse, a head between;
 // each unit with 6 options (keep, recompute, 3 selective levels, offload)
 // whose kept bytes fall as their added time rises, costs drawn at random
-// (seed 1). For each U, budgets at 5 points from the leanest feasible peak
-// to the plain peak: solve time (ms, one solve each), rows and columns of the
+// (seed 1). A second shape nests units: U/3 blocks, each with two inner
+// units (attention, MLP) inside it, as auto_checkpoint sees remat's GPT;
+// the blocks get a seventh option (recompute with the inner units
+// checkpointed), the inner units five; the solver takes GLPK there. For each
+// shape and U, budgets at 5 points from the leanest feasible peak to the
+// plain peak: solve time (ms, one solve each), rows and columns of the
 // integer program, optimal or the gap. Writes JSON lines to
 // bench/results/step_solve.json ({"kind": "meta"} then one {"kind": "solve"}
-// per U and budget) and prints a table. Torch-free.
+// per shape, U and budget) and prints a table. Torch-free.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -59,6 +63,74 @@ rp::StepModel transformer_like(int units, std::mt19937& rng) {
   return m;
 }
 
+// Costs of one call: keep, recompute, `levels` selective levels, offload
+// (and nested recompute when `nested`), kept bytes falling as time rises.
+rp::StepCall call_costs(std::mt19937& rng, int64_t kept, int levels, bool nested, double* keep_ms) {
+  std::uniform_real_distribution<double> ms(20, 80), frac(0.05, 0.95);
+  rp::StepCall c;
+  const double f = ms(rng);
+  const int64_t out = kept / 16;
+  c.costs.push_back({3 * f, kept + kept / 4, kept, kept + kept / 2});
+  c.costs.push_back({4 * f, out + kept / 4, out, kept + kept / 2 + kept / 8});
+  if (nested) c.costs.push_back({4.6 * f, out + kept / 4, out, kept + kept / 4});
+  for (int l = 1; l <= levels; ++l) {
+    const double keep_frac = l / (levels + 1.0) * frac(rng);
+    const int64_t k = out + static_cast<int64_t>(keep_frac * static_cast<double>(kept - out));
+    c.costs.push_back({3 * f + f * (1 - keep_frac) * frac(rng), k + kept / 4, k, kept + kept / 2 + kept / 16});
+  }
+  c.costs.push_back({3 * f + f * frac(rng), kept / 4, 0, kept + kept / 2 + kept / 4});
+  *keep_ms = 3 * f;
+  return c;
+}
+
+// Blocks with an attention and an MLP unit inside each: a block's forward
+// covers 3 segments (attention, MLP, its own tail), its backward 3 in
+// reverse; the inner units' windows lie in them. About `units` units.
+rp::StepModel transformer_nested(int units, std::mt19937& rng) {
+  std::uniform_int_distribution<int> mib(8, 64);
+  const int64_t MiB = 1 << 20;
+  const int blocks = std::max(1, units / 3);
+  rp::StepModel m;
+  const int64_t n = 6 * blocks + 3;
+  m.segment_peak_bytes.assign(n, 512 * MiB);
+  m.step_time_ms = 0;
+  for (int b = 0; b < blocks; ++b) {
+    const int64_t f0 = 3 * b + 1, b0 = n - 3 * b - 5;  // first segment of its forward, of its backward
+    const int64_t kept = mib(rng) * MiB;
+    const int64_t parent = static_cast<int64_t>(m.units.size());
+    double t = 0;
+    rp::StepCall c = call_costs(rng, kept, 3, true, &t);
+    c.forward_begin = f0, c.forward_end = f0 + 3, c.backward_begin = b0, c.backward_end = b0 + 3;
+    m.step_time_ms += t;
+    m.units.push_back({"blocks." + std::to_string(b),
+                       {"keep", "recompute", "recompute, inner units too", "sel1", "sel2", "sel3", "offload"},
+                       {c}});
+    const char* names[] = {"attn", "mlp"};
+    const int64_t share[] = {kept * 55 / 100, kept * 35 / 100};
+    for (int i = 0; i < 2; ++i) {
+      double ti = 0;
+      rp::StepCall ci = call_costs(rng, share[i], 2, false, &ti);
+      ci.forward_begin = f0 + i, ci.forward_end = f0 + i + 1, ci.backward_begin = b0 + 2 - i,
+      ci.backward_end = b0 + 3 - i;
+      m.units.push_back({"blocks." + std::to_string(b) + "." + names[i],
+                         {"keep", "recompute", "sel1", "sel2", "offload"},
+                         {ci},
+                         parent});
+    }
+  }
+  // The profiled peaks: the blocks' own bytes (the inner units' are part of theirs).
+  for (const auto& unit : m.units) {
+    if (unit.parent >= 0) continue;
+    const rp::StepCall& c = unit.calls[0];
+    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
+      m.segment_peak_bytes[s] += s < c.forward_end      ? c.costs[0].forward_peak_bytes
+                                 : s < c.backward_begin ? c.costs[0].kept_bytes
+                                                        : c.costs[0].backward_peak_bytes;
+    }
+  }
+  return m;
+}
+
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -72,25 +144,31 @@ int main(int argc, char** argv) {
   }
   std::ofstream out(out_path);
   out << "{\"kind\": \"meta\", \"program\": \"remat_step_solve\", \"options_per_unit\": 6, \"seed\": 1}\n";
-  std::printf("%6s %8s %10s %8s %8s %10s %s\n", "units", "budget", "solve ms", "rows", "cols", "time ms", "status");
-  for (int units : {10, 25, 50, 100, 200, 400}) {
-    std::mt19937 rng(1);
-    const rp::StepModel m = transformer_like(units, rng);
-    const auto t0 = std::chrono::steady_clock::now();
-    const rp::StepPlan lean = rp::min_peak_step(m);
-    const double lean_ms = ms_since(t0);
-    const int64_t low = lean.prediction.peak_bytes;
-    const int64_t high = rp::simulate_step(m, std::vector<int>(m.units.size(), 0)).peak_bytes;
-    for (double f : {0.0, 0.25, 0.5, 0.75, 1.0}) {
-      const int64_t budget = low + static_cast<int64_t>(f * static_cast<double>(high - low));
-      const rp::StepPlan p = rp::solve_step(m, budget);
-      const std::string status = p.optimal ? "optimal" : "gap " + std::to_string(p.relative_gap);
-      std::printf("%6d %8.2f %10.1f %8lld %8lld %10.1f %s\n", units, f, p.solve_ms, static_cast<long long>(p.rows),
-                  static_cast<long long>(p.columns), p.prediction.time_ms, status.c_str());
-      out << "{\"kind\": \"solve\", \"units\": " << units << ", \"budget_fraction\": " << f
-          << ", \"budget\": " << budget << ", \"solve_ms\": " << p.solve_ms << ", \"rows\": " << p.rows
-          << ", \"columns\": " << p.columns << ", \"optimal\": " << (p.optimal ? "true" : "false")
-          << ", \"relative_gap\": " << p.relative_gap << ", \"leanest_ms\": " << lean_ms << "}\n";
+  std::printf("%7s %6s %8s %10s %8s %8s %10s %s\n", "shape", "units", "budget", "solve ms", "rows", "cols", "time ms",
+              "solver status");
+  for (const std::string shape : {"chain", "nested"}) {
+    for (int units : {10, 25, 50, 100, 200, 400}) {
+      std::mt19937 rng(1);
+      const rp::StepModel m = shape == "chain" ? transformer_like(units, rng) : transformer_nested(units, rng);
+      const int u_count = static_cast<int>(m.units.size());
+      const auto t0 = std::chrono::steady_clock::now();
+      const rp::StepPlan lean = rp::min_peak_step(m);
+      const double lean_ms = ms_since(t0);
+      const int64_t low = lean.prediction.peak_bytes;
+      const int64_t high = rp::simulate_step(m, std::vector<int>(m.units.size(), 0)).peak_bytes;
+      for (double f : {0.0, 0.25, 0.5, 0.75, 1.0}) {
+        const int64_t budget = low + static_cast<int64_t>(f * static_cast<double>(high - low));
+        const rp::StepPlan p = rp::solve_step(m, budget);
+        const std::string status = p.optimal ? "optimal" : "gap " + std::to_string(p.relative_gap);
+        std::printf("%7s %6d %8.2f %10.1f %8lld %8lld %10.1f %s %s\n", shape.c_str(), u_count, f, p.solve_ms,
+                    static_cast<long long>(p.rows), static_cast<long long>(p.columns), p.prediction.time_ms,
+                    p.solver.c_str(), status.c_str());
+        out << "{\"kind\": \"solve\", \"shape\": \"" << shape << "\", \"solver\": \"" << p.solver
+            << "\", \"units\": " << u_count << ", \"budget_fraction\": " << f << ", \"budget\": " << budget
+            << ", \"solve_ms\": " << p.solve_ms << ", \"rows\": " << p.rows << ", \"columns\": " << p.columns
+            << ", \"optimal\": " << (p.optimal ? "true" : "false") << ", \"relative_gap\": " << p.relative_gap
+            << ", \"leanest_ms\": " << lean_ms << "}\n";
+      }
     }
   }
   std::printf("wrote %s\n", out_path.c_str());

@@ -236,16 +236,21 @@ def targets(recs, py=None):
     return "\n".join(rows) + "\n"
 
 
+SHAPES = {"chain": "a chain of blocks", "nested": "blocks with attention and MLP units inside"}
+
+
 def solver(recs):
     solves = [r for r in recs if r["kind"] == "solve"]
     by = {}
     for r in solves:
-        by.setdefault(r["units"], []).append(r)
-    rows = ["| units | slowest solve over 5 budgets | leanest-peak search | every solve optimal |", "|---|---|---|---|"]
-    for u in sorted(by):
-        rs = by[u]
-        rows.append(f"| {u} | {max(r['solve_ms'] for r in rs):.1f} ms | {rs[0]['leanest_ms']:.1f} ms | "
-                    f"{'yes' if all(r['optimal'] for r in rs) else 'no'} |")
+        by.setdefault((r.get("shape", "chain"), r["units"]), []).append(r)
+    rows = ["| step | units | slowest solve over 5 budgets | leanest-peak search | solvers | every solve optimal |",
+            "|---|---|---|---|---|---|"]
+    for shape, u in sorted(by, key=lambda k: (list(SHAPES).index(k[0]), k[1])):
+        rs = by[(shape, u)]
+        used = ", ".join(sorted({r["solver"] for r in rs if "solver" in r})) or "-"
+        rows.append(f"| {SHAPES[shape]} | {u} | {max(r['solve_ms'] for r in rs):.1f} ms | {rs[0]['leanest_ms']:.1f} ms | "
+                    f"{used} | {'yes' if all(r['optimal'] for r in rs) else 'no'} |")
     return "\n".join(rows) + "\n"
 
 

@@ -294,31 +294,49 @@ std::vector<Row> binding_rows(const std::vector<Row>& rows, int64_t budget_bytes
   return out;
 }
 
-// NOTE [the chain DP]: when every unit is called once and, in forward
-// order, each unit's windows lie inside the kept interval of every unit
-// before it (forward_end_i <= forward_begin_j and backward_end_j <=
-// backward_begin_i for i < j), the units whose kept interval covers a
-// segment are a prefix 0..q-1 of that order, and at most one unit (q) has a
-// window there. Every constraint then reads P_q + own_q(k) <= cap, where
-// P_q is the sum of the first q units' kept-byte deltas. A dynamic program
-// over the units in order keeps the Pareto front of (P, time) pairs: a pair
-// with both more kept bytes and more time than another can never be better.
-// Exact in integer bytes; the front stays small in practice (its size is
-// capped, beyond which GLPK takes over).
+// NOTE [the chain DP]: when the outermost units (parent -1) are each
+// called once and, in forward order, each one's windows lie inside the kept
+// interval of every one before it (forward_end_i <= forward_begin_j and
+// backward_end_j <= backward_begin_i for i < j), the outer units whose kept
+// interval covers a segment are a prefix 0..q-1 of that order, and at most
+// one outer unit (q) has a window there. Units inside an outer unit (called
+// once, windows inside its windows) make it a block: its options are the
+// outer unit's options other than keep, and keep with every valid
+// combination of its inner units' options. Every constraint then reads
+// P_q + need_q(o) <= cap, where P_q is the sum of the first q blocks'
+// kept-byte deltas and need_q(o) the highest segment of block q's windows
+// under its option o. A dynamic program over the blocks in order keeps the
+// Pareto front of (P, time) pairs: a pair with both more kept bytes and
+// more time than another can never be better. Exact in integer bytes; the
+// front stays small in practice (its size is capped, beyond which GLPK
+// takes over, as it does for blocks with too many combinations).
+struct BlockOption {
+  std::vector<int> choice;   // one option per member of the block
+  int64_t kept = 0;          // kept-byte delta from the block's forward end to its backward begin
+  int64_t fwd = 0, bwd = 0;  // highest segment of its forward / backward window (min: no such window)
+  double ms = 0;             // time added
+};
 struct ChainCaps {
-  std::vector<size_t> order;      // units in forward order
-  std::vector<int64_t> fwd, bwd;  // per position: max segment peak of its forward / backward window
-  std::vector<int64_t> between;   // per prefix length q = 0..n: max peak of segments with no window
+  std::vector<size_t> order;                      // outer units in forward order
+  std::vector<std::vector<size_t>> members;       // per block: its outer unit, then its inner units
+  std::vector<std::vector<BlockOption>> options;  // per block
+  std::vector<int64_t> between;                   // per prefix length q = 0..n: max peak of segments with no window
 };
 
+constexpr size_t kMaxBlockOptions = 1 << 14;
+
 std::optional<ChainCaps> chain_structure(const StepModel& m) {
-  const size_t n = m.units.size();
-  for (const auto& u : m.units) {
-    if (u.calls.size() != 1 || u.parent >= 0) return std::nullopt;
-  }
+  const int64_t none = std::numeric_limits<int64_t>::min();
   ChainCaps c;
-  c.order.resize(n);
-  for (size_t i = 0; i < n; ++i) c.order[i] = i;
+  std::vector<int64_t> block_of(m.units.size(), -1);  // outer unit of each unit
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    if (m.units[u].calls.size() != 1) return std::nullopt;
+    int64_t top = static_cast<int64_t>(u);
+    while (m.units[top].parent >= 0) top = m.units[top].parent;
+    block_of[u] = top;
+    if (static_cast<size_t>(top) == u) c.order.push_back(u);
+  }
+  const size_t n = c.order.size();
   std::sort(c.order.begin(), c.order.end(),
             [&](size_t a, size_t b) { return m.units[a].calls[0].forward_begin < m.units[b].calls[0].forward_begin; });
   for (size_t i = 0; i + 1 < n; ++i) {
@@ -326,12 +344,29 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
     const StepCall& b = m.units[c.order[i + 1]].calls[0];
     if (a.forward_end > b.forward_begin || b.backward_end > a.backward_begin) return std::nullopt;
   }
-  c.fwd.assign(n, std::numeric_limits<int64_t>::min());
-  c.bwd.assign(n, std::numeric_limits<int64_t>::min());
-  c.between.assign(n + 1, std::numeric_limits<int64_t>::min());
+  std::vector<size_t> position(m.units.size(), 0);
+  c.members.resize(n);
+  for (size_t j = 0; j < n; ++j) {
+    position[c.order[j]] = j;
+    c.members[j].push_back(c.order[j]);
+  }
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const size_t top = static_cast<size_t>(block_of[u]);
+    if (top == u) continue;
+    // An inner unit's windows lie inside its block's: its kept interval then
+    // covers the block's, and it has no window outside the block's.
+    const StepCall& b = m.units[top].calls[0];
+    const StepCall& i = m.units[u].calls[0];
+    if (i.forward_begin < b.forward_begin || i.forward_end > b.forward_end || i.backward_begin < b.backward_begin ||
+        i.backward_end > b.backward_end) {
+      return std::nullopt;
+    }
+    c.members[position[top]].push_back(u);
+  }
+  c.between.assign(n + 1, none);
   const int64_t segments = static_cast<int64_t>(m.segment_peak_bytes.size());
   for (int64_t s = 0; s < segments; ++s) {
-    size_t q = 0;  // units whose kept interval covers s: a prefix
+    size_t q = 0;  // outer units whose kept interval covers s: a prefix
     while (q < n) {
       const StepCall& c0 = m.units[c.order[q]].calls[0];
       if (!(c0.forward_end <= s && s < c0.backward_begin)) break;
@@ -341,16 +376,48 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
       const StepCall& ci = m.units[c.order[i]].calls[0];
       if (ci.forward_end <= s && s < ci.backward_begin) return std::nullopt;
     }
-    const int64_t p = m.segment_peak_bytes[s];
-    int window = 0;
-    if (q < n) window = klass(m.units[c.order[q]].calls[0], s);
-    if (window == 1) {
-      c.fwd[q] = std::max(c.fwd[q], p);
-    } else if (window == 3) {
-      c.bwd[q] = std::max(c.bwd[q], p);
-    } else {
-      c.between[q] = std::max(c.between[q], p);
+    const int window = q < n ? klass(m.units[c.order[q]].calls[0], s) : 0;
+    if (window != 1 && window != 3) c.between[q] = std::max(c.between[q], m.segment_peak_bytes[s]);
+  }
+  // Each block's options: every valid combination of its members' options.
+  c.options.resize(n);
+  for (size_t j = 0; j < n; ++j) {
+    const std::vector<size_t>& mem = c.members[j];
+    size_t combos = 1;
+    for (size_t u : mem) {
+      combos *= m.units[u].options.size();
+      if (combos > kMaxBlockOptions) return std::nullopt;
     }
+    const StepCall& outer = m.units[mem[0]].calls[0];
+    std::vector<int> pick(mem.size(), 0), full(m.units.size(), 0);
+    for (size_t x = 0; x < combos; ++x) {
+      size_t r = x;
+      for (size_t i = 0; i < mem.size(); ++i) {
+        pick[i] = static_cast<int>(r % m.units[mem[i]].options.size());
+        r /= m.units[mem[i]].options.size();
+        full[mem[i]] = pick[i];
+      }
+      if (nesting_violation(m, full).first >= 0) continue;
+      BlockOption o;
+      o.choice = pick;
+      o.fwd = o.bwd = none;
+      for (size_t i = 0; i < mem.size(); ++i) {
+        const StepCall& call = m.units[mem[i]].calls[0];
+        o.ms += call.costs[pick[i]].time_ms - call.costs[0].time_ms;
+        o.kept += delta(call, 2, pick[i]);  // every member's kept interval covers the block's
+      }
+      for (int64_t s = outer.forward_begin; s < outer.backward_end; ++s) {
+        const int w = klass(outer, s);
+        if (w != 1 && w != 3) continue;
+        int64_t bytes = m.segment_peak_bytes[s];
+        for (size_t i = 0; i < mem.size(); ++i)
+          bytes += delta(m.units[mem[i]].calls[0], klass(m.units[mem[i]].calls[0], s), pick[i]);
+        int64_t& need = w == 1 ? o.fwd : o.bwd;
+        need = std::max(need, bytes);
+      }
+      c.options[j].push_back(std::move(o));
+    }
+    for (size_t i = 0; i < mem.size(); ++i) full[mem[i]] = 0;
   }
   return c;
 }
@@ -372,19 +439,17 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
   std::vector<std::vector<Entry>> levels;
   levels.push_back({{0, 0.0, -1, -1}});
   for (size_t j = 0; j < n; ++j) {
-    const StepUnit& u = m.units[c.order[j]];
-    const StepCall& call = u.calls[0];
     std::vector<Entry> next;
     const auto& front = levels.back();
     for (size_t e = 0; e < front.size(); ++e) {
-      for (size_t k = 0; k < u.options.size(); ++k) {
+      for (size_t k = 0; k < c.options[j].size(); ++k) {
+        const BlockOption& o = c.options[j][k];
         const int64_t p = front[e].p;
-        if (c.fwd[j] != none && c.fwd[j] + p + delta(call, 1, static_cast<int>(k)) > budget) continue;
-        if (c.bwd[j] != none && c.bwd[j] + p + delta(call, 3, static_cast<int>(k)) > budget) continue;
-        const int64_t q = p + delta(call, 2, static_cast<int>(k));
+        if (o.fwd != none && o.fwd + p > budget) continue;
+        if (o.bwd != none && o.bwd + p > budget) continue;
+        const int64_t q = p + o.kept;
         if (c.between[j + 1] != none && c.between[j + 1] + q > budget) continue;
-        next.push_back({q, front[e].t + (call.costs[k].time_ms - call.costs[0].time_ms), static_cast<int32_t>(e),
-                        static_cast<int32_t>(k)});
+        next.push_back({q, front[e].t + o.ms, static_cast<int32_t>(e), static_cast<int32_t>(k)});
       }
     }
     if (next.empty()) return false;
@@ -412,7 +477,8 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
   int32_t at = static_cast<int32_t>(best);
   for (size_t j = n; j > 0; --j) {
     const Entry& x = levels[j][at];
-    (*choice)[c.order[j - 1]] = x.option;
+    const BlockOption& o = c.options[j - 1][static_cast<size_t>(x.option)];
+    for (size_t i = 0; i < o.choice.size(); ++i) (*choice)[c.members[j - 1][i]] = o.choice[i];
     at = x.prev;
   }
   return true;

@@ -169,6 +169,8 @@ struct Result {
   std::vector<int64_t> recomputes, expected_recomputes;
   std::vector<std::string> choices;  // the options of the last plan, per unit
   std::string explain;
+  int inner_chosen = 0;   // inner units given an option other than keep by the last plan
+  int nested_chosen = 0;  // units recomputing with their inner units checkpointed
 };
 
 constexpr int kSteps = 4;  // 1 warm-up, 1 profiled, 2 planned
@@ -211,7 +213,13 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
       r.expected_recomputes.push_back(expected);
     }
   }
-  for (const auto& u : planner.units()) r.choices.push_back(u.options[u.choice]);
+  const auto units = planner.units();
+  for (size_t j = 0; j < units.size(); ++j) {
+    const auto& u = units[j];
+    r.choices.push_back(u.options[u.choice]);
+    r.inner_chosen += planner.step_model().units[j].parent >= 0 && u.choice != 0;
+    r.nested_chosen += u.options[u.choice] == "recompute, inner units too";
+  }
   r.budget = planner.budget_bytes();
   r.profiled_peak = planner.profiled_peak_bytes();
   r.min_peak = planner.leanest_peak_bytes();
@@ -250,7 +258,9 @@ void expect_bitwise(const Result& plain, const Result& got, const std::string& w
 /** Plain against auto at three budgets from the leanest feasible to the
  *  plain peak (found from a first planned run's step model), both zero_grad
  *  styles; base gives the options but the budget. */
-void check_workload(const Make& make, const std::string& name, const remat::AutoOptions& base = remat::AutoOptions()) {
+void check_workload(const Make& make, const std::string& name, const remat::AutoOptions& base = remat::AutoOptions(),
+                    bool has_inner_units = false) {
+  int inner_chosen = 0, nested_chosen = 0;  // over every plan: the nesting is exercised, not only kept at keep
   for (bool set_to_none : {true, false}) {
     const Result plain = run(make, set_to_none, std::nullopt);
     // The step model of a run at the plain peak gives the range of budgets.
@@ -267,6 +277,8 @@ void check_workload(const Make& make, const std::string& name, const remat::Auto
           ")";
       const Result got = run(make, set_to_none, remat::AutoOptions(base).memory_budget_bytes(budget));
       expect_bitwise(plain, got, what);
+      inner_chosen += got.inner_chosen;
+      nested_chosen += got.nested_chosen;
       if (std::getenv("REMAT_AUTO_TEST_DUMP")) std::printf("%s\n%s", what.c_str(), got.explain.c_str());
       ASSERT_EQ(got.peaks.size(), 2u) << what;
       for (size_t i = 0; i < got.peaks.size(); ++i) {
@@ -279,6 +291,12 @@ void check_workload(const Make& make, const std::string& name, const remat::Auto
         EXPECT_EQ(got.recomputes[i], got.expected_recomputes[i]) << what << "\n" << got.explain;
       }
     }
+  }
+  std::printf("%s: inner units given an option %d times, nested recompute chosen %d times over 6 plans\n", name.c_str(),
+              inner_chosen, nested_chosen);
+  if (has_inner_units) {
+    EXPECT_GT(inner_chosen, 0) << name;
+    EXPECT_GT(nested_chosen, 0) << name;
   }
 }
 
@@ -330,7 +348,7 @@ Make gpt_workload(int64_t layers = 4) {
 
 }  // namespace
 
-TEST(Auto, GptBitwiseAndWithinBudget) { check_workload(gpt_workload(), "GPT"); }
+TEST(Auto, GptBitwiseAndWithinBudget) { check_workload(gpt_workload(), "GPT", remat::AutoOptions(), true); }
 
 TEST(Auto, GptUnderBf16AutocastBitwiseAndWithinBudget) {
   const Make base = gpt_workload();
@@ -392,7 +410,7 @@ TEST(Auto, ResNetWithBatchNormBitwiseAndWithinBudget) {
         auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
         return classifier(net, opt, batches(kSteps, {16, 3, 32, 32}), batches(kSteps, {16}, true, 10), set_to_none);
       },
-      "ResNet");
+      "ResNet", remat::AutoOptions(), true);
 }
 
 TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
@@ -503,7 +521,7 @@ TEST(Auto, ExplainAndTraceDescribeThePlan) {
   const std::string e = planner.explain();
   std::printf("%s", e.c_str());
   EXPECT_NE(e.find("remat::auto_checkpoint: budget "), std::string::npos) << e;
-  EXPECT_NE(e.find("solver: GLPK, optimal"), std::string::npos) << e;  // units inside units: not a chain
+  EXPECT_NE(e.find("solver: chain DP, optimal"), std::string::npos) << e;  // blocks with inner units: a chain
   EXPECT_NE(e.find("last step: measured peak "), std::string::npos) << e;
   // The four blocks are units, and so are their attn and mlp, inside them.
   const auto units = planner.units();
