@@ -141,6 +141,10 @@ struct AutoUnit {
   int64_t kept_bytes = 0;
   double time_added_ms = 0;
   ///@}
+  /** The unit around it whose option covers it (one that does not keep
+   *  everything: it runs as part of that unit, its own choice is 0 and its
+   *  figures 0), or empty. */
+  std::string runs_in;
 };
 
 /** A planned step: made by auto_checkpoint(); step() runs the user's step

@@ -379,21 +379,33 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     *io_kept = 0;
     {
       struct Ours {
-        size_t refs = 0;  // tensors here that use the storage
+        std::unordered_map<const c10::TensorImpl*, std::pair<size_t, at::Tensor>> tensors;  // ours, with our refs
         at::Storage storage;
       };
       std::unordered_map<const c10::StorageImpl*, Ours> ours;
+      auto note = [&](const at::Tensor& x) {  // one expected reference to x
+        Ours& o = ours[x.storage().unsafeGetStorageImpl()];
+        auto& [refs, tensor] = o.tensors[x.unsafeGetTensorImpl()];
+        ++refs;
+        tensor = x;
+        o.storage = x.storage();
+      };
       for (const auto* v : {&t.in, &out}) {
         for (const auto& x : *v) {
           if (!x.defined() || !x.has_storage()) continue;
-          Ours& o = ours[x.storage().unsafeGetStorageImpl()];
-          ++o.refs;
-          o.storage = x.storage();
+          note(x);
+          // A view (an output reshaped from a matmul's) holds its base.
+          if (x.is_view()) note(at::Tensor(x._base()));
         }
       }
       for (const auto& [impl, o] : ours) {
-        // use_count: the tensors using it, plus the copy in `o`.
-        if (o.storage.use_count() > o.refs + 1) {
+        // Held elsewhere: one of these tensors (autograd saves an input as
+        // the tensor itself; a policy keeps an op's output), or the storage
+        // through another tensor (a detached alias, a view). use_count
+        // counts the copies made here too.
+        bool held = o.storage.use_count() > o.tensors.size() + 1;
+        for (const auto& [ti, rt] : o.tensors) held |= static_cast<size_t>(rt.second.use_count()) > rt.first + 1;
+        if (held) {
           *io_kept += static_cast<int64_t>(impl->nbytes());
         }
       }
@@ -890,6 +902,13 @@ std::vector<AutoUnit> AutoCheckpoint::units() const {
     }
     out.push_back(std::move(a));
   }
+  // A unit inside one that does not keep runs as part of it.
+  for (size_t j = 0; j < out.size(); ++j) {
+    for (int64_t a = m.step_model.units[j].parent; a >= 0; a = m.step_model.units[a].parent) {
+      if (out[static_cast<size_t>(a)].choice != 0) out[j].runs_in = out[static_cast<size_t>(a)].name;
+    }
+    if (!out[j].runs_in.empty()) out[j].kept_bytes = 0;
+  }
   // What inner units keep less is kept less by the units around them.
   for (size_t j = 0; j < out.size(); ++j) {
     int64_t saved = 0;
@@ -952,9 +971,13 @@ std::string AutoCheckpoint::explain() const {
      << "option" << std::setw(14) << "kept/step"
      << "time added\n";
   for (const auto& u : units()) {
-    os << std::left << std::setw(static_cast<int>(width) + 2) << u.name << std::setw(7) << u.calls << std::setw(ow)
-       << u.options[u.choice] << std::setw(14) << plan::format_bytes(u.kept_bytes) << "+" << fmt_ms(u.time_added_ms)
-       << "\n";
+    os << std::left << std::setw(static_cast<int>(width) + 2) << u.name << std::setw(7) << u.calls;
+    if (!u.runs_in.empty()) {
+      os << "part of " << u.runs_in << "\n";
+      continue;
+    }
+    os << std::setw(ow) << u.options[u.choice] << std::setw(14) << plan::format_bytes(u.kept_bytes) << "+"
+       << fmt_ms(u.time_added_ms) << "\n";
   }
   for (const Unit& u : m.units) {
     if (u.calls.empty())

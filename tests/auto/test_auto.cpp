@@ -219,6 +219,11 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
     r.choices.push_back(u.options[u.choice]);
     r.inner_chosen += planner.step_model().units[j].parent >= 0 && u.choice != 0;
     r.nested_chosen += u.options[u.choice] == "recompute, inner units too";
+    if (!u.runs_in.empty()) {  // inside a unit that does not keep: part of it
+      EXPECT_EQ(u.choice, 0) << u.name;
+      EXPECT_EQ(u.kept_bytes, 0) << u.name;
+      EXPECT_NE(planner.explain().find("part of " + u.runs_in + "\n"), std::string::npos) << planner.explain();
+    }
   }
   r.budget = planner.budget_bytes();
   r.profiled_peak = planner.profiled_peak_bytes();
