@@ -976,8 +976,9 @@ std::string AutoCheckpoint::explain() const {
       os << "part of " << u.runs_in << "\n";
       continue;
     }
-    os << std::setw(ow) << u.options[u.choice] << std::setw(14) << plan::format_bytes(u.kept_bytes) << "+"
-       << fmt_ms(u.time_added_ms) << "\n";
+    char added[32];
+    std::snprintf(added, sizeof added, "%+.1f ms", u.time_added_ms);
+    os << std::setw(ow) << u.options[u.choice] << std::setw(14) << plan::format_bytes(u.kept_bytes) << added << "\n";
   }
   for (const Unit& u : m.units) {
     if (u.calls.empty())
