@@ -395,7 +395,13 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
           if (!x.defined() || !x.has_storage()) continue;
           note(x);
           // A view (an output reshaped from a matmul's) holds its base.
-          if (x.is_view()) note(at::Tensor(x._base()));
+          // Without a backward view there is no base to name: its
+          // reference then reads as held (over-counted, never under).
+          if (!x.is_view()) continue;
+          try {
+            note(at::Tensor(x._base()));
+          } catch (const c10::Error&) {
+          }
         }
       }
       for (const auto& [impl, o] : ours) {
