@@ -172,6 +172,68 @@ TrialInputs trial_inputs(const std::vector<at::Tensor>& inputs) {
   return t;
 }
 
+/** Per input, then per output of an isolated run: held by something besides
+ *  the run's own references (NOTE [inputs an option keeps]), and bytes. */
+struct Held {
+  std::vector<char> held;
+  std::vector<int64_t> bytes;
+};
+
+/** Which of a run's inputs and outputs are held elsewhere: through one of
+ *  these tensors (autograd saves an input as the tensor itself; a policy
+ *  keeps an op's output), through another tensor on the same storage (a
+ *  detached alias, a view), or through a view's base. A tensor whose
+ *  references cannot be told apart reads as held (over-counted, never
+ *  under). */
+Held held_elsewhere(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out) {
+  struct Ours {
+    std::unordered_map<const c10::TensorImpl*, std::pair<size_t, at::Tensor>> tensors;  // with expected refs
+    at::Storage storage;
+  };
+  std::unordered_map<const c10::StorageImpl*, Ours> ours;
+  auto note = [&](const at::Tensor& x) {  // one expected reference to x
+    Ours& o = ours[x.storage().unsafeGetStorageImpl()];
+    auto& [refs, tensor] = o.tensors[x.unsafeGetTensorImpl()];
+    ++refs;
+    tensor = x;
+    o.storage = x.storage();
+  };
+  std::vector<const c10::TensorImpl*> views;  // distinct views: each holds its base once
+  std::vector<const c10::TensorImpl*> no_base;
+  for (const auto* v : {&in, &out}) {
+    for (const auto& x : *v) {
+      if (!x.defined() || !x.has_storage()) continue;
+      note(x);
+      if (!x.is_view()) continue;
+      if (std::find(views.begin(), views.end(), x.unsafeGetTensorImpl()) != views.end()) continue;
+      views.push_back(x.unsafeGetTensorImpl());
+      try {
+        note(at::Tensor(x._base()));  // a view (an output reshaped from a matmul's) holds its base
+      } catch (const c10::Error&) {
+        no_base.push_back(x.unsafeGetTensorImpl());
+      }
+    }
+  }
+  auto held = [&](const at::Tensor& x) -> bool {
+    if (!x.defined()) return false;
+    if (!x.has_storage()) return true;
+    const Ours& o = ours.at(x.storage().unsafeGetStorageImpl());
+    if (o.storage.use_count() > o.tensors.size() + 1) return true;  // use_count counts the copies here too
+    for (const auto& [ti, rt] : o.tensors) {
+      if (static_cast<size_t>(rt.second.use_count()) > rt.first + 1) return true;
+    }
+    return std::find(no_base.begin(), no_base.end(), x.unsafeGetTensorImpl()) != no_base.end();
+  };
+  Held h;
+  for (const auto* v : {&in, &out}) {
+    for (const auto& x : *v) {
+      h.held.push_back(held(x) ? 1 : 0);
+      h.bytes.push_back(x.defined() && x.has_storage() ? static_cast<int64_t>(x.storage().nbytes()) : 0);
+    }
+  }
+  return h;
+}
+
 }  // namespace
 
 struct AutoCheckpoint::Impl : detail::UnitObserver {
@@ -273,10 +335,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     // first run, the time is the fastest run's; taking the options in turn
     // spreads any drift of the machine over all of them.
     bool has_backward = true;
-    int64_t retained = 0;
+    Held retained;
     measure_one(u, inputs, run, Option{}, &has_backward, &retained);
     rec.costs.assign(u.menu.size(), plan::StepCost{});
-    std::vector<int64_t> io_kept(u.menu.size(), 0);
+    std::vector<Held> io_kept(u.menu.size());
     for (int r = 0; r < options.profile_repeats(); ++r) {
       for (size_t k = 0; k < u.menu.size(); ++k) {
         const plan::StepCost cost = measure_one(u, inputs, run, u.menu[k], &has_backward, &retained);
@@ -297,7 +359,25 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     // the forward. An option that keeps less is not credited (the caller
     // may hold them).
     for (size_t k = 1; k < u.menu.size(); ++k) {
-      const int64_t extra = std::max<int64_t>(0, io_kept[k] - io_kept[0]);
+      // Per input and output, so that keeping one does not offset letting
+      // another go; an input is charged its whole storage (a view's base).
+      int64_t extra = 0;
+      std::vector<const c10::StorageImpl*> charged;
+      const Held& h = io_kept[k];
+      const Held& h0 = io_kept[0];
+      for (size_t s = 0; s < h.held.size() && s < h0.held.size(); ++s) {
+        if (!h.held[s] || h0.held[s]) continue;
+        if (s < inputs.size()) {
+          const at::Tensor& x = inputs[s];
+          if (!x.defined() || !x.has_storage()) continue;
+          const c10::StorageImpl* st = x.storage().unsafeGetStorageImpl();
+          if (std::find(charged.begin(), charged.end(), st) != charged.end()) continue;
+          charged.push_back(st);
+          extra += static_cast<int64_t>(st->nbytes());
+        } else {
+          extra += h.bytes[s];
+        }
+      }
       rec.costs[k].kept_bytes += extra;
       rec.costs[k].backward_peak_bytes += extra;
     }
@@ -341,7 +421,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
    *  assumed); what the real store holds in flight beyond that is the
    *  margin of solve(). */
   plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run,
-                             const Option& opt, bool* has_backward, int64_t* io_kept) {
+                             const Option& opt, bool* has_backward, Held* io_kept) {
     Restore restore(u.module);
     TrialInputs t = trial_inputs(inputs);
     std::vector<at::Tensor> wrt = t.leaves;
@@ -376,46 +456,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     cost.forward_peak_bytes = probe.peak_bytes();
     // What the call holds of its inputs and outputs besides the references
     // here (NOTE [inputs an option keeps]).
-    *io_kept = 0;
-    {
-      struct Ours {
-        std::unordered_map<const c10::TensorImpl*, std::pair<size_t, at::Tensor>> tensors;  // ours, with our refs
-        at::Storage storage;
-      };
-      std::unordered_map<const c10::StorageImpl*, Ours> ours;
-      auto note = [&](const at::Tensor& x) {  // one expected reference to x
-        Ours& o = ours[x.storage().unsafeGetStorageImpl()];
-        auto& [refs, tensor] = o.tensors[x.unsafeGetTensorImpl()];
-        ++refs;
-        tensor = x;
-        o.storage = x.storage();
-      };
-      for (const auto* v : {&t.in, &out}) {
-        for (const auto& x : *v) {
-          if (!x.defined() || !x.has_storage()) continue;
-          note(x);
-          // A view (an output reshaped from a matmul's) holds its base.
-          // Without a backward view there is no base to name: its
-          // reference then reads as held (over-counted, never under).
-          if (!x.is_view()) continue;
-          try {
-            note(at::Tensor(x._base()));
-          } catch (const c10::Error&) {
-          }
-        }
-      }
-      for (const auto& [impl, o] : ours) {
-        // Held elsewhere: one of these tensors (autograd saves an input as
-        // the tensor itself; a policy keeps an op's output), or the storage
-        // through another tensor (a detached alias, a view). use_count
-        // counts the copies made here too.
-        bool held = o.storage.use_count() > o.tensors.size() + 1;
-        for (const auto& [ti, rt] : o.tensors) held |= static_cast<size_t>(rt.second.use_count()) > rt.first + 1;
-        if (held) {
-          *io_kept += static_cast<int64_t>(impl->nbytes());
-        }
-      }
-    }
+    *io_kept = held_elsewhere(t.in, out);
     std::vector<at::Tensor> roots, grads_out;
     for (const auto& o : out) {
       if (o.defined() && o.requires_grad()) {
@@ -536,8 +577,13 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
         u.offered.push_back(k);
         su.options.push_back(u.menu[k].name);
       }
-      // Not plannable, or called inside different units: kept.
-      if (!u.plannable || u.parent == kDisagree) {
+      // Not plannable, or called inside different units (or inside a unit
+      // that is, whose options were measured with it plain): kept.
+      bool disagrees = u.parent == kDisagree;
+      for (int64_t a = u.parent; a >= 0 && !disagrees; a = units[static_cast<size_t>(a)].parent) {
+        disagrees = units[static_cast<size_t>(a)].parent == kDisagree;
+      }
+      if (!u.plannable || disagrees) {
         su.options.resize(1);
         u.offered.resize(1);
       }

@@ -441,6 +441,10 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
   for (size_t j = 0; j < n; ++j) {
     std::vector<Entry> next;
     const auto& front = levels.back();
+    if (front.size() * c.options[j].size() > 16 * kMaxFront) {  // bounds next's memory; GLPK takes over
+      *too_big = true;
+      return false;
+    }
     for (size_t e = 0; e < front.size(); ++e) {
       for (size_t k = 0; k < c.options[j].size(); ++k) {
         const BlockOption& o = c.options[j][k];
@@ -672,6 +676,11 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
     bool too_big = false;
     if (solve_chain(m, *chain, budget_bytes, &choice, &too_big)) {
       plan.prediction = simulate_step(m, choice);
+      if (plan.prediction.peak_bytes > budget_bytes) {
+        throw Error("[remat::plan] internal: the chain DP's choice peaks at " +
+                    format_bytes(plan.prediction.peak_bytes) + " over the budget of " + format_bytes(budget_bytes) +
+                    "; please report it with the model.");
+      }
       plan.solver = "chain DP";
       plan.optimal = true;
       plan.solve_ms = ms_since(t0);

@@ -6,9 +6,10 @@
 // covers (its forward, the interval it keeps bytes live, its backward) and
 // adds time; the solver picks the fastest choice whose predicted peak fits
 // a budget, exactly: a dynamic program when the step is a chain (each unit
-// called once, the later units' windows inside the earlier ones' kept
-// intervals, as in a sequential model), an integer program solved by GLPK
-// otherwise (skips across units, a unit called twice, units inside units).
+// called once, the later outer units' windows inside the earlier ones' kept
+// intervals, as in a sequential model, and each inner unit's windows inside
+// its outer unit's), an integer program solved by GLPK otherwise (skips
+// across units, a unit called twice).
 // Torch-free: the auto layer (src/auto) fills a StepModel from a profiled
 // step.
 //
@@ -118,10 +119,11 @@ struct StepSolveOptions {
 struct StepPlan {
   StepPrediction prediction;  ///< the choice and its cost
   int64_t budget_bytes = 0;   ///< what it was solved for
-  /** "fastest fits" (every unit's fastest option fits the budget), "chain
-   *  DP" (every unit called once, windows nested as a chain's, no unit
-   *  inside another: an exact dynamic program over the kept bytes, in
-   *  integer bytes) or "GLPK" (the 0-1 program, any structure). */
+  /** "fastest fits" (every unit's fastest option fits the budget and
+   *  respects the nesting), "chain DP" (every unit called once, the outer
+   *  units' windows nested as a chain's, inner units' inside their outer
+   *  unit's: an exact dynamic program over the kept bytes, in integer
+   *  bytes) or "GLPK" (the 0-1 program, any structure). */
   std::string solver;
   /** True when the solver proved the choice optimal (gap 0). */
   bool optimal = false;
