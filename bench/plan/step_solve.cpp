@@ -27,6 +27,20 @@ namespace rp = remat::plan;
 
 namespace {
 
+// Adds each outer unit's profiled (keep) bytes to the segments its windows
+// cover (an inner unit's are part of its outer unit's).
+void add_keep_peaks(rp::StepModel& m) {
+  for (const auto& unit : m.units) {
+    if (unit.parent >= 0) continue;
+    const rp::StepCall& c = unit.calls[0];
+    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
+      m.segment_peak_bytes[s] += s < c.forward_end      ? c.costs[0].forward_peak_bytes
+                                 : s < c.backward_begin ? c.costs[0].kept_bytes
+                                                        : c.costs[0].backward_peak_bytes;
+    }
+  }
+}
+
 rp::StepModel transformer_like(int units, std::mt19937& rng) {
   std::uniform_int_distribution<int> mib(8, 64);
   std::uniform_real_distribution<double> ms(20, 80), frac(0.05, 0.95);
@@ -52,14 +66,7 @@ rp::StepModel transformer_like(int units, std::mt19937& rng) {
     unit.calls.push_back(c);
     m.units.push_back(unit);
   }
-  for (const auto& unit : m.units) {
-    const rp::StepCall& c = unit.calls[0];
-    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
-      m.segment_peak_bytes[s] += s < c.forward_end      ? c.costs[0].forward_peak_bytes
-                                 : s < c.backward_begin ? c.costs[0].kept_bytes
-                                                        : c.costs[0].backward_peak_bytes;
-    }
-  }
+  add_keep_peaks(m);
   return m;
 }
 
@@ -119,15 +126,7 @@ rp::StepModel transformer_nested(int units, std::mt19937& rng) {
     }
   }
   // The profiled peaks: the blocks' own bytes (the inner units' are part of theirs).
-  for (const auto& unit : m.units) {
-    if (unit.parent >= 0) continue;
-    const rp::StepCall& c = unit.calls[0];
-    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
-      m.segment_peak_bytes[s] += s < c.forward_end      ? c.costs[0].forward_peak_bytes
-                                 : s < c.backward_begin ? c.costs[0].kept_bytes
-                                                        : c.costs[0].backward_peak_bytes;
-    }
-  }
+  add_keep_peaks(m);
   return m;
 }
 

@@ -73,6 +73,18 @@ Brute brute(const rp::StepModel& m, int64_t budget) {
   return out;
 }
 
+// Adds each unit's profiled (keep) bytes to the segments its windows cover.
+void add_keep_peaks(rp::StepModel& m) {
+  for (const auto& unit : m.units) {
+    const rp::StepCall& c = unit.calls[0];
+    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
+      if (s < c.forward_end) m.segment_peak_bytes[s] += c.costs[0].forward_peak_bytes;
+      else if (s < c.backward_begin) m.segment_peak_bytes[s] += c.costs[0].kept_bytes;
+      else m.segment_peak_bytes[s] += c.costs[0].backward_peak_bytes;
+    }
+  }
+}
+
 // A random option menu per call: keep first (most memory, least time), the
 // others trade kept bytes for time, like recompute, selective and offload.
 rp::StepCall random_call(std::mt19937& rng, int options, int64_t fb, int64_t fe, int64_t bb, int64_t be) {
@@ -112,14 +124,7 @@ rp::StepModel random_chain(std::mt19937& rng, int units, int max_options) {
   }
   // The profiled step's memory: what each unit keeps, plus its windows' peaks.
   m.segment_peak_bytes.assign(n, 10 << 20);
-  for (const auto& unit : m.units) {
-    const rp::StepCall& c = unit.calls[0];
-    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
-      if (s < c.forward_end) m.segment_peak_bytes[s] += c.costs[0].forward_peak_bytes;
-      else if (s < c.backward_begin) m.segment_peak_bytes[s] += c.costs[0].kept_bytes;
-      else m.segment_peak_bytes[s] += c.costs[0].backward_peak_bytes;
-    }
-  }
+  add_keep_peaks(m);
   return m;
 }
 
@@ -175,14 +180,7 @@ rp::StepModel random_nested(std::mt19937& rng, int blocks, int inner, int max_op
     }
   }
   m.segment_peak_bytes.assign(n, 10 << 20);
-  for (const auto& unit : m.units) {
-    const rp::StepCall& c = unit.calls[0];
-    for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
-      if (s < c.forward_end) m.segment_peak_bytes[s] += c.costs[0].forward_peak_bytes;
-      else if (s < c.backward_begin) m.segment_peak_bytes[s] += c.costs[0].kept_bytes;
-      else m.segment_peak_bytes[s] += c.costs[0].backward_peak_bytes;
-    }
-  }
+  add_keep_peaks(m);
   return m;
 }
 
