@@ -14,7 +14,10 @@
 //   }
 //   std::cout << planner.explain();
 //
-// The units are the model's Checkpointable modules. A unit may be called
+// The units are the model's Checkpointable modules and its
+// CheckpointedSequential chains (a chain's options are its own planner's
+// schedules: store-all, and its optimal schedule at several budgets; what
+// runs inside a chain is not planned apart). A unit may be called
 // several times per step (a GAN's discriminator), in any order, with skip
 // connections across units, and inside another unit (a GPT block's
 // attention and MLP inside the block): such an inner unit takes an option

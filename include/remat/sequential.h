@@ -137,7 +137,10 @@ struct StepReport {
 };
 
 namespace detail {
+struct ChainAccess;
+struct ChainOption;
 struct Execution;
+struct ForcedSchedule;
 struct Levers;
 struct Values;
 class StopRecords;
@@ -233,6 +236,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
 
  private:
   friend struct detail::Execution;
+  friend struct detail::ChainAccess;
   struct Entry {
     plan::Chain profiled;  // as measured
     plan::Chain chain;     // as planned: profiled, or with parameter gradients charged (sequential.cpp)
@@ -265,6 +269,12 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   const Entry& entry_for(const detail::Values& x);  // with mu_ held
   const Entry& last_entry() const;
   detail::Values run(const detail::Values& x, bool want_tensor);
+  /** run() without the whole-step observer: under `trial` when given (an
+   *  isolated run of the whole-step profiler: nullptr schedule = store-all),
+   *  else under forced_ or the options' plan. */
+  /** The whole-step planner's options for x (src/chain/observe.h's ChainMenu). */
+  std::vector<detail::ChainOption> menu_for(const detail::Values& x, int budgets);
+  detail::Values run_planned(const detail::Values& x, bool want_tensor, const detail::ForcedSchedule* trial);
 
   torch::nn::Sequential seq_;
   SequentialOptions options_;
@@ -284,6 +294,9 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   // one Sequential; a backward through its modules before any of them ran
   // throws (the model calls its own Sequential member, not the wrapper).
   std::shared_ptr<detail::Tripwire> tripwire_;
+  // The whole-step planner's schedule (auto.h), overriding the options'
+  // plan; nullptr: none. Guarded by mu_.
+  std::shared_ptr<const detail::ForcedSchedule> forced_;
 };
 
 /** The module holder (as TORCH_MODULE would define it), plus the

@@ -51,7 +51,9 @@
 #include <remat/offload.h>
 #include <remat/plan/error.h>
 #include <remat/policy.h>
+#include <remat/sequential.h>
 
+#include "../chain/observe.h"
 #include "../core/dispatch.h"
 #include "../core/replay.h"
 #include "../region/levels.h"
@@ -70,20 +72,34 @@ struct Option {
   std::optional<CheckpointOptions> switch_state;  // nullopt: not recomputed
   std::optional<OffloadOptions> offload;          // with switch_state nullopt: saves go to this store
   bool inner = false;                             // the unit's inner units recompute too (nested)
+  std::optional<plan::Schedule> schedule;         // a chain's: nullopt = store-all
+
+  Option() = default;
+  Option(std::string n, std::optional<CheckpointOptions> s, std::optional<OffloadOptions> o, bool in = false)
+      : name(std::move(n)), switch_state(std::move(s)), offload(std::move(o)), inner(in) {}
 };
+
+/** Runs one call of a unit again under an option (a Checkpointable's
+ *  UnitRun or a chain's ChainRun, as the option says). */
+using RunOption = std::function<std::vector<at::Tensor>(const Option&, const std::vector<at::Tensor>&)>;
+
+/** Schedules a chain unit offers besides store-all: its optimal schedule at
+ *  this many budgets from its leanest feasible peak up (duplicates dropped). */
+constexpr int kChainBudgets = 6;
 
 /** Where a unit's calls ran: the enclosing unit's index, or one of these. */
 constexpr int64_t kTop = -1;       // outside every unit
 constexpr int64_t kNotSeen = -2;   // not called yet
 constexpr int64_t kDisagree = -3;  // calls inside different units (or at the top and inside one)
 
-/** A checkpointable module of the tree. */
+/** A checkpointable module of the tree, or a CheckpointedSequential. */
 struct Unit {
   std::string name;
-  Checkpointable* c = nullptr;
-  torch::nn::Module* module = nullptr;
-  std::vector<Option> menu;  // built at its first observed call
-  bool plannable = false;    // has a backward and more than one option
+  Checkpointable* c = nullptr;                  // nullptr for a chain
+  CheckpointedSequentialImpl* chain = nullptr;  // a chain: its options are its schedules
+  torch::nn::Module* module = nullptr;          // whose parameters and buffers it uses
+  std::vector<Option> menu;                     // built at its first observed call
+  bool plannable = false;                       // has a backward and more than one option
   std::vector<size_t> calls;
   std::vector<size_t> inner;    // units below it in the module tree
   int64_t parent = kNotSeen;    // the unit its calls ran inside (NOTE [units inside units])
@@ -236,11 +252,12 @@ Held held_elsewhere(const std::vector<at::Tensor>& in, const std::vector<at::Ten
 
 }  // namespace
 
-struct AutoCheckpoint::Impl : detail::UnitObserver {
+struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   torch::nn::Module& model;
   AutoOptions options;
   std::vector<Unit> units;
   std::unordered_map<const Checkpointable*, size_t> index;
+  std::unordered_map<const CheckpointedSequentialImpl*, size_t> chain_index;
   int steps_run = 0;
   bool planned = false;
   int64_t budget = 0;
@@ -287,22 +304,51 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     ScopedHooks hooks_;
   };
 
+  /** True when a call starting now is observed: the profiled step is
+   *  running, outside the isolated runs and recomputes, and not inside a
+   *  chain (its stages run as its schedule says) or, without inner units,
+   *  inside another unit. */
+  bool observing() const {
+    if (timeline == nullptr || in_trial || is_recomputing() || !at::GradMode::is_enabled()) return false;
+    if (!active.empty() && !options.inner_units()) return false;  // runs as part of the enclosing unit
+    for (const auto& a : active) {
+      if (units[a->unit].chain != nullptr) return false;
+    }
+    return true;
+  }
+
   std::unique_ptr<Call> begin(Checkpointable& c, const std::vector<at::Tensor>& inputs,
                               const detail::UnitRun& run) override {
-    if (timeline == nullptr || in_trial || is_recomputing() || !at::GradMode::is_enabled()) return nullptr;
-    if (!active.empty() && !options.inner_units()) return nullptr;  // runs as part of the enclosing unit
+    if (!observing()) return nullptr;
     auto it = index.find(&c);
     if (it == index.end()) return nullptr;  // not a module of this model
-    Unit& u = units[it->second];
+    RunOption again = [&run](const Option& o, const std::vector<at::Tensor>& in) { return run(o.switch_state, in); };
+    return begin_call(it->second, inputs, again, nullptr);
+  }
+
+  std::unique_ptr<Call> begin(CheckpointedSequentialImpl& chain, const std::vector<at::Tensor>& inputs,
+                              const detail::ChainRun& run, const detail::ChainMenu& menu) override {
+    if (!observing()) return nullptr;
+    auto it = chain_index.find(&chain);
+    if (it == chain_index.end()) return nullptr;  // not a module of this model
+    RunOption again = [&run](const Option& o, const std::vector<at::Tensor>& in) { return run(o.schedule, in); };
+    return begin_call(it->second, inputs, again, &menu);
+  }
+
+  std::unique_ptr<Call> begin_call(size_t unit, const std::vector<at::Tensor>& inputs, const RunOption& run,
+                                   const detail::ChainMenu* menu) {
+    Unit& u = units[unit];
     for (const auto& x : inputs) {
       if (x.defined() && !x.device().is_cpu()) {
         throw Error("[remat::auto] unit '" + shown(u.name) + "' runs on " + x.device().str() +
-                    "; the whole-step planner measures CPU memory only. On a CUDA device, use "
-                    "CheckpointedSequential's memory budget or the per-module switch (enable_checkpointing).");
+                    "; the whole-step planner measures CPU memory only. On a CUDA device, use " +
+                    (u.chain != nullptr ? "the chain's own memory budget (SequentialOptions) without auto_checkpoint."
+                                        : "CheckpointedSequential's memory budget or the per-module switch "
+                                          "(enable_checkpointing)."));
       }
     }
     auto rec = std::make_shared<CallRecord>();
-    rec->unit = it->second;
+    rec->unit = unit;
     const int64_t parent = active.empty() ? kTop : static_cast<int64_t>(active.back()->unit);
     if (u.parent == kNotSeen) u.parent = parent;
     if (u.parent != parent) u.parent = kDisagree;
@@ -312,7 +358,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     try {
       std::optional<ScopedHooks> quiet;
       if (!active.empty()) quiet.emplace(quiet_hooks());  // NOTE [units inside units]
-      measure(u, inputs, run, *rec);
+      measure(u, inputs, run, menu, *rec);
     } catch (...) {
       in_trial = false;
       throw;
@@ -328,8 +374,15 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
 
   /** Builds u's menu at its first call (the selective levels from this
    *  call's residuals and op times), then measures every option. */
-  void measure(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run, CallRecord& rec) {
-    if (u.menu.empty()) build_menu(u, inputs, run);
+  void measure(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run, const detail::ChainMenu* menu,
+               CallRecord& rec) {
+    if (u.menu.empty()) {
+      if (menu != nullptr) {
+        build_chain_menu(u, *menu);
+      } else {
+        build_menu(u, inputs, run);
+      }
+    }
     // One untimed run first (a call's first run pays for cold caches), then
     // the options in turn, `profile_repeats` times: bytes are exact from the
     // first run, the time is the fastest run's; taking the options in turn
@@ -384,7 +437,18 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     if (!has_backward) u.plannable = false;
   }
 
-  void build_menu(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run) {
+  /** A chain's menu: store-all as keep, then its own planner's schedules. */
+  void build_chain_menu(Unit& u, const detail::ChainMenu& menu) {
+    for (detail::ChainOption& o : menu(kChainBudgets)) {
+      Option opt;
+      opt.name = u.menu.empty() ? "keep" : o.name;
+      if (!u.menu.empty()) opt.schedule = std::move(o.schedule);
+      u.menu.push_back(std::move(opt));
+    }
+    u.plannable = u.menu.size() > 1;
+  }
+
+  void build_menu(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run) {
     u.menu.push_back({"keep", std::nullopt, std::nullopt});
     const CheckpointOptions& base = options.checkpoint_options();
     u.menu.push_back({"recompute", base, std::nullopt});
@@ -398,7 +462,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
       detail::OpTimer timer;
       {
         dispatch::Scope scope(&timer);
-        std::vector<at::Tensor> out = run(std::nullopt, t.in);
+        std::vector<at::Tensor> out = run(Option{}, t.in);
       }
       for (const Policy& level : detail::level_policies(timer.items(), options.selective_levels())) {
         CheckpointOptions o = base;
@@ -420,8 +484,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
    *  pace, and its time includes its writes (no overlap with compute
    *  assumed); what the real store holds in flight beyond that is the
    *  margin of solve(). */
-  plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const detail::UnitRun& run,
-                             const Option& opt, bool* has_backward, Held* io_kept) {
+  plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run, const Option& opt,
+                             bool* has_backward, Held* io_kept) {
     Restore restore(u.module);
     TrialInputs t = trial_inputs(inputs);
     std::vector<at::Tensor> wrt = t.leaves;
@@ -448,7 +512,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     {
       std::optional<detail::OffloadCall> to_store;
       if (opt.offload) to_store.emplace(trial_store(*opt.offload));
-      out = run(opt.switch_state, t.in);
+      out = run(opt, t.in);
     }
     if (opt.offload) wait_checkpoint_offloads();
     double ms = ms_since(t0);
@@ -496,14 +560,17 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     memory::Timeline tl;
     timeline = &tl;
     detail::UnitObserver* previous = detail::set_unit_observer(this);
+    detail::ChainObserver* previous_chain = detail::set_chain_observer(this);
     struct Reset {
       Impl* self;
       detail::UnitObserver* previous;
+      detail::ChainObserver* previous_chain;
       ~Reset() {
         detail::set_unit_observer(previous);
+        detail::set_chain_observer(previous_chain);
         self->timeline = nullptr;
       }
-    } reset{this, previous};
+    } reset{this, previous, previous_chain};
     const double begin_us = tl.now_us();
     fn();
     const double end_us = tl.now_us();
@@ -711,6 +778,13 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
     for (size_t j = 0; j < mu.size(); ++j) {
       Unit& u = units[mu[j]];
       const Option& o = u.menu[u.offered[static_cast<size_t>(step_plan.prediction.choice[j])]];
+      if (u.chain != nullptr) {
+        auto forced = std::make_shared<detail::ForcedSchedule>();
+        forced->store_all = !o.schedule.has_value();
+        if (o.schedule) forced->schedule = *o.schedule;
+        detail::ChainAccess::force(*u.chain, std::move(forced));
+        continue;
+      }
       u.c->set_checkpointing(o.switch_state);
       u.c->set_offloading(o.offload);
     }
@@ -725,6 +799,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver {
   /** Every unit plain: no recompute, nothing offloaded. */
   void switch_off() {
     for (auto& u : units) {
+      if (u.chain != nullptr) {
+        detail::ChainAccess::force(*u.chain, std::make_shared<detail::ForcedSchedule>());  // store-all
+        continue;
+      }
       u.c->set_checkpointing(std::nullopt);
       u.c->set_offloading(std::nullopt);
     }
@@ -841,11 +919,31 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     torch::nn::Module* m = item.value().get();
     auto* c = dynamic_cast<Checkpointable*>(m);
-    if (c == nullptr || !seen.emplace(m, true).second) continue;
-    impl_->index[c] = impl_->units.size();
-    impl_->units.push_back(Unit{item.key(), c, m, {}, false, {}, {}, kNotSeen, {}});
+    auto* chain = dynamic_cast<CheckpointedSequentialImpl*>(m);
+    if ((c == nullptr && chain == nullptr) || !seen.emplace(m, true).second) continue;
+    Unit u;
+    u.name = item.key();
+    u.c = c;
+    u.module = m;
+    if (chain != nullptr) {
+      if (detail::ChainAccess::step_budget(*chain) > 0) {
+        throw Error("[remat::auto] the CheckpointedSequential '" + shown(item.key()) +
+                    "' has a step budget (step_memory_budget_bytes " +
+                    std::to_string(detail::ChainAccess::step_budget(*chain)) +
+                    "), and the whole-step planner plans its schedule under the planner's own budget; build it "
+                    "without step_memory_budget_bytes.");
+      }
+      u.c = nullptr;
+      u.chain = chain;
+      u.module = chain->sequential().ptr().get();  // a chain over several Sequentials registers none of them
+      impl_->chain_index[chain] = impl_->units.size();
+    } else {
+      impl_->index[c] = impl_->units.size();
+    }
+    impl_->units.push_back(std::move(u));
   }
   for (Unit& u : impl_->units) {
+    if (u.chain != nullptr) continue;  // what runs inside a chain runs as its schedule says
     for (const auto& sub : u.module->modules(/*include_self=*/false)) {
       auto* c = dynamic_cast<Checkpointable*>(sub.get());
       auto it = c == nullptr ? impl_->index.end() : impl_->index.find(c);
@@ -856,8 +954,8 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
   }
   if (impl_->units.empty()) {
     throw Error("[remat::auto] the model (" + model.name() +
-                ") has no Checkpointable module: the planner's units are modules deriving from "
-                "remat::Checkpointable whose forward calls checkpointed().");
+                ") has no Checkpointable module and no CheckpointedSequential: the planner's units are modules "
+                "deriving from remat::Checkpointable whose forward calls checkpointed(), and chains.");
   }
   // Counted from here on: the warm-up's gradients and optimizer state are
   // then in every step's figures, the profiled one's included.

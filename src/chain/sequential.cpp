@@ -64,6 +64,7 @@
 #include "early_stop.h"
 #include "grad_edges.h"
 #include "levers.h"
+#include "observe.h"
 #include "values.h"
 
 namespace remat {
@@ -1224,7 +1225,81 @@ std::vector<at::Tensor> CheckpointedSequentialImpl::forward_values(const std::ve
   return run(detail::Values(detail::Values::Kind::kVector, xs), /*want_tensor=*/false).ts;
 }
 
+namespace detail {
+namespace {
+thread_local ChainObserver* tls_chain_observer = nullptr;
+}  // namespace
+ChainObserver* chain_observer() { return tls_chain_observer; }
+ChainObserver* set_chain_observer(ChainObserver* o) { return std::exchange(tls_chain_observer, o); }
+
+void ChainAccess::force(CheckpointedSequentialImpl& chain, std::shared_ptr<const ForcedSchedule> forced) {
+  std::lock_guard<std::mutex> lock(*chain.mu_);
+  chain.forced_ = std::move(forced);
+}
+}  // namespace detail
+
 detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool want_tensor) {
+  detail::ChainObserver* observer = detail::chain_observer();
+  if (observer == nullptr || !at::GradMode::is_enabled()) return run_planned(x, want_tensor, nullptr);
+  auto self = std::static_pointer_cast<CheckpointedSequentialImpl>(shared_from_this());
+  const detail::Values::Kind kind = x.kind;
+  detail::ChainRun again = [self, kind, want_tensor](const std::optional<plan::Schedule>& s,
+                                                     const std::vector<at::Tensor>& in) {
+    detail::ForcedSchedule trial;
+    trial.store_all = !s.has_value();
+    if (s) trial.schedule = *s;
+    return self->run_planned(detail::Values(kind, in), want_tensor, &trial).ts;
+  };
+  detail::ChainMenu menu = [self, &x](int budgets) { return self->menu_for(x, budgets); };
+  std::unique_ptr<detail::UnitObserver::Call> call = observer->begin(*this, x.ts, again, menu);
+  detail::Values y = run_planned(x, want_tensor, nullptr);
+  if (call) call->finish(y.ts);
+  return y;
+}
+
+std::vector<detail::ChainOption> CheckpointedSequentialImpl::menu_for(const detail::Values& x, int budgets) {
+  std::lock_guard<std::mutex> lock(*mu_);
+  const Entry& e = entry_for(x);
+  std::vector<detail::ChainOption> out;
+  auto add = [&](std::string name, plan::Plan p) {
+    for (const auto& o : out) {
+      if (o.schedule == p.schedule) return;
+    }
+    out.push_back({std::move(name), std::move(p.schedule), std::move(p.prediction)});
+  };
+  plan::Plan all = plan::store_all(e.chain);
+  const int64_t high = all.prediction.peak_bytes;
+  add("store-all", std::move(all));
+  const int64_t low = lowest_peak(e.chain, e.levers.get());
+  for (int j = 0; j < budgets && low < high; ++j) {
+    const int64_t budget = low + (high - low) * j / std::max(1, budgets);
+    auto solve = plan::parse_algorithm("optimal")
+                     .with_memory_slots(options_.memory_slots())
+                     .with_scope(options_.scope())
+                     .with_budget_bytes(budget);
+    plan::Plan p;
+    try {
+      p = solve_chain(e.chain, e.levers.get(), solve);
+    } catch (const Error&) {
+      continue;  // the DP's memory slots can miss the leanest budget by a slot
+    }
+    // Stages run under a selective level: each runs again in its backward.
+    int64_t selective = 0;
+    for (const plan::Op& op : p.schedule.ops) {
+      selective += op.option > 0 && e.levers && e.levers->stages[op.stage][op.option - 1].region ? 1 : 0;
+    }
+    char name[128];
+    std::snprintf(name, sizeof name, "schedule: %lld stage forwards%s, %s predicted",
+                  static_cast<long long>(p.prediction.forward_executions),
+                  selective > 0 ? (", " + std::to_string(selective) + " selective").c_str() : "",
+                  format_bytes(p.prediction.peak_bytes).c_str());
+    add(name, std::move(p));
+  }
+  return out;
+}
+
+detail::Values CheckpointedSequentialImpl::run_planned(const detail::Values& x, bool want_tensor,
+                                                       const detail::ForcedSchedule* trial) {
   if (tripwire_) tripwire_->ran.store(true);
   const int L = static_cast<int>(seq_->size());
   // Per stage: its parameters that require grad, each once.
@@ -1271,6 +1346,18 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
     if (!entry->step_error.empty()) throw Error(entry->step_error);
     schedule = entry->plan.schedule;
     predicted_ms = entry->plan.prediction.time_ms;
+    // The whole-step planner's schedule, or one of its isolated runs'.
+    const detail::ForcedSchedule* forced = trial != nullptr ? trial : forced_.get();
+    if (forced != nullptr) {
+      try {
+        schedule = forced->store_all ? plan::store_all(entry->chain).schedule : forced->schedule;
+        predicted_ms = plan::simulate(entry->chain, schedule).time_ms;
+      } catch (const Error& err) {
+        throw Error(std::string("[remat::CheckpointedSequential] the schedule that the whole-step planner "
+                                "(remat::auto_checkpoint) chose does not fit this call's chain: ") +
+                    err.what() + " Profile a step of this shape again (AutoCheckpoint::profile_step).");
+      }
+    }
   }
   // Checked before running anything: a wrong call changes no buffer or RNG.
   check_result(*entry->result);

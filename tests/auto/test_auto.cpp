@@ -2,7 +2,10 @@
 // GPT with embedding, head and loss (also under bf16 autocast, and with two
 // micro-batches per step); a ResNet with BatchNorm; a U-Net whose skips
 // cross nested checkpointable stages, with in-place ReLUs; and a GAN step
-// whose discriminator runs twice before its backward. Each is trained
+// whose discriminator runs twice before its backward; a CheckpointedSequential
+// beside a unit (its schedules as options, its stage forwards counted by the
+// stages, with and without selective stage levers) and remat's GPT with its
+// blocks as a chain. Each is trained
 // plainly and under auto plans at three budgets, with both zero_grad styles:
 // parameters and BatchNorm statistics must be bitwise equal to the plain run
 // after every step, and each planned step's measured peak within the budget
@@ -137,6 +140,56 @@ struct GanImpl : torch::nn::Module {
 };
 TORCH_MODULE(Gan);
 
+/** Counts its calls: the first module of each chain stage, so that stage
+ *  forwards are counted apart from what the planner says it runs. */
+struct CountImpl : torch::nn::Module {
+  explicit CountImpl(std::shared_ptr<std::atomic<int64_t>> n) : n(std::move(n)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++*n;
+    return x;
+  }
+  std::shared_ptr<std::atomic<int64_t>> n;
+};
+TORCH_MODULE(Count);
+
+/** One stage of ChainNet: counted, then an MLP with BatchNorm and dropout. */
+struct MlpStageImpl : torch::nn::Module {
+  MlpStageImpl(int64_t d, std::shared_ptr<std::atomic<int64_t>> n)
+      : count(register_module("count", Count(std::move(n)))),
+        fc1(register_module("fc1", torch::nn::Linear(d, 4 * d))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * d, d))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(d))),
+        drop(register_module("drop", torch::nn::Dropout(0.1))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return drop(bn(fc2(torch::gelu(fc1(count(x)))))); }
+  Count count;
+  torch::nn::Linear fc1, fc2;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(MlpStage);
+
+/** An input layer, a CheckpointedSequential of MLP stages with BatchNorm
+ *  and dropout, and a checkpointable Dense block beside it: a chain unit
+ *  and a module unit in one step. */
+struct ChainNetImpl : torch::nn::Module {
+  ChainNetImpl(int64_t d, int64_t stages, std::shared_ptr<std::atomic<int64_t>> n,
+               const remat::SequentialOptions& options = remat::SequentialOptions()) {
+    in = register_module("in", torch::nn::Linear(16, d));
+    torch::nn::Sequential seq;
+    for (int64_t i = 0; i < stages; ++i) {
+      seq->push_back(MlpStage(d, n));
+    }
+    body = register_module("body", remat::CheckpointedSequential(seq, options));
+    head = register_module("head", Dense(d));
+    out = register_module("out", torch::nn::Linear(d, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return out(head->forward(body->forward(in(x)))); }
+  torch::nn::Linear in{nullptr}, out{nullptr};
+  remat::CheckpointedSequential body{nullptr};
+  Dense head{nullptr};
+};
+TORCH_MODULE(ChainNet);
+
 // --- the harness ---------------------------------------------------------------
 
 /** Parameters then buffers, as bytes outside the tracked allocator (so that
@@ -158,6 +211,12 @@ std::vector<Bytes> state_of(torch::nn::Module& m) {
 struct Workload {
   std::shared_ptr<torch::nn::Module> model;
   std::function<void(int step)> step;  // one training step on batch `step`
+  // A chain unit's stage forwards, counted by its stages (CountImpl);
+  // nullptr without a chain.
+  std::shared_ptr<std::atomic<int64_t>> stage_forwards;
+  std::string chain;          // the chain unit's name
+  int64_t chain_stages = 0;   // its stages
+  bool chain_levers = false;  // its stages offer selective levels, which the leanest plans use
 };
 using Make = std::function<Workload(bool set_to_none)>;
 
@@ -167,6 +226,9 @@ struct Result {
   std::vector<int64_t> predicted;          // the plan's prediction at each planned step
   int64_t budget = 0, profiled_peak = 0, min_peak = 0;
   std::vector<int64_t> recomputes, expected_recomputes;
+  std::vector<int64_t> stage_forwards, expected_stage_forwards;  // chain workloads
+  std::string chain_choice;                                      // the chain unit's option in the last plan
+  bool chain_levers = false;
   std::vector<std::string> choices;  // the options of the last plan, per unit
   std::string explain;
   int inner_chosen = 0;   // inner units given an option other than keep by the last plan
@@ -191,12 +253,22 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
   for (int k = 0; k < kSteps; ++k) {
     const bool planned_step = planner.planned();
     // The plan in force for this step (an overrun re-plans after it).
-    int64_t expected = 0, predicted = 0;
+    int64_t expected = 0, predicted = 0, expected_forwards = 0;
     if (planned_step) {
       predicted = planner.plan().prediction.peak_bytes;
       const auto units = planner.units();
       for (const auto& u : units) {
         const std::string& o = u.options[u.choice];
+        if (u.name == w.chain) {
+          // "schedule: N stage forwards[, S selective], ...": N forwards, and S
+          // stages under a selective level, each run again in its backward.
+          const size_t at = o.find(" selective");
+          const int64_t selective = at == std::string::npos ? 0 : std::stoll(o.substr(o.rfind(", ", at) + 2));
+          expected_forwards +=
+              u.calls * (o == "keep" ? w.chain_stages : std::stoll(o.substr(o.find(':') + 1)) + selective);
+          expected += u.calls * selective;
+          continue;
+        }
         expected += o == "keep" || o.rfind("offload", 0) == 0 ? 0 : u.calls;
         // Its inner units recompute inside its recompute, once per call of theirs.
         if (o != "recompute, inner units too") continue;
@@ -204,6 +276,7 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
       }
     }
     remat::reset_checkpoint_stats();
+    if (w.stage_forwards) *w.stage_forwards = 0;
     planner.step([&] { w.step(k); });
     r.states.push_back(state_of(*w.model));
     if (planned_step) {
@@ -211,12 +284,18 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
       r.predicted.push_back(predicted);
       r.recomputes.push_back(remat::checkpoint_stats().recomputations);
       r.expected_recomputes.push_back(expected);
+      if (w.stage_forwards) {
+        r.stage_forwards.push_back(*w.stage_forwards);
+        r.expected_stage_forwards.push_back(expected_forwards);
+      }
     }
   }
   const auto units = planner.units();
   for (size_t j = 0; j < units.size(); ++j) {
     const auto& u = units[j];
     r.choices.push_back(u.options[u.choice]);
+    if (u.name == w.chain) r.chain_choice = u.options[u.choice];
+    r.chain_levers = w.chain_levers;
     r.inner_chosen += planner.step_model().units[j].parent >= 0 && u.choice != 0;
     r.nested_chosen += u.options[u.choice] == "recompute, inner units too";
     if (!u.runs_in.empty()) {  // inside a unit that does not keep: part of it
@@ -294,6 +373,17 @@ void check_workload(const Make& make, const std::string& name, const remat::Auto
                                                                                              << got.explain;
         // Each unit with a recompute option runs its function again once per call.
         EXPECT_EQ(got.recomputes[i], got.expected_recomputes[i]) << what << "\n" << got.explain;
+        // A chain runs its stages as often as its schedule says, counted by the stages.
+        if (!got.stage_forwards.empty()) {
+          EXPECT_EQ(got.stage_forwards[i], got.expected_stage_forwards[i]) << what << "\n" << got.explain;
+        }
+      }
+      // The leanest plans recompute inside the chain: its schedules are used, not only store-all.
+      if (!got.chain_choice.empty() && f == 0.05) {
+        EXPECT_EQ(got.chain_choice.rfind("schedule: ", 0), 0u) << what << "\n" << got.explain;
+        if (got.chain_levers) {
+          EXPECT_NE(got.chain_choice.find(" selective"), std::string::npos) << got.explain;
+        }
       }
     }
   }
@@ -351,7 +441,86 @@ Make gpt_workload(int64_t layers = 4) {
   };
 }
 
+/** ChainNet (a chain of 6 stages beside a Dense unit), classifying. */
+Make chain_net_workload(const remat::SequentialOptions& options = remat::SequentialOptions()) {
+  return [options](bool set_to_none) {
+    auto n = std::make_shared<std::atomic<int64_t>>(0);
+    auto net = ChainNet(64, 6, n, options);
+    auto opt = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-3));
+    Workload w = classifier(net, opt, batches(kSteps, {256, 16}), batches(kSteps, {256}, true, 4), set_to_none);
+    w.stage_forwards = n;
+    w.chain = "body";
+    w.chain_stages = 6;
+    w.chain_levers = options.profile().selective_levels() > 0;
+    return w;
+  };
+}
+
+/** remat's GPT whose blocks run as a CheckpointedSequential: the blocks'
+ *  own switches are not planned; the chain's schedules are. */
+struct ChainedGptImpl : torch::nn::Module {
+  explicit ChainedGptImpl(const remat::models::GptConfig& c) : gpt(register_module("gpt", remat::models::Gpt(c))) {
+    blocks = register_module("blocks", remat::CheckpointedSequential(gpt->blocks));
+  }
+  remat::models::Gpt gpt;
+  remat::CheckpointedSequential blocks{nullptr};
+};
+TORCH_MODULE(ChainedGpt);
+
+Make chained_gpt_workload() {
+  return [](bool set_to_none) {
+    remat::models::GptConfig c;
+    c.vocab = 256;
+    c.seq_len = 64;
+    c.d_model = 64;
+    c.heads = 4;
+    c.layers = 6;
+    c.dropout = 0.1;
+    auto net = ChainedGpt(c);
+    auto opt = std::make_shared<torch::optim::AdamW>(net->gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto idx = batches(kSteps + 1, {8, 65}, true, c.vocab);
+    Workload w;
+    w.model = net.ptr();
+    w.step = [net, opt, idx, set_to_none](int k) mutable {
+      auto x = idx[k].slice(1, 0, 64), y = idx[k].slice(1, 1, 65);
+      opt->zero_grad(set_to_none);
+      net->gpt->loss(net->blocks->forward(net->gpt->embed(x)), y).backward();
+      opt->step();
+    };
+    w.chain = "blocks";
+    return w;
+  };
+}
+
 }  // namespace
+
+TEST(Auto, ChainUnitRunsItsOwnSchedulesBitwiseWithinBudgetCountedByItsStages) {
+  check_workload(chain_net_workload(), "chain beside a unit");
+}
+
+TEST(Auto, ChainUnitWithSelectiveStageLeversBitwiseAndWithinBudget) {
+  // The chain's stage menu (selective levels) joins its schedules; its own
+  // budget is overridden by the planner's.
+  check_workload(chain_net_workload(remat::SequentialOptions().memory_budget_fraction(0.5).profile(
+                     remat::ProfileOptions().selective_levels(2))),
+                 "chain with selective stage levers");
+}
+
+TEST(Auto, AChainWithAStepBudgetIsRefused) {
+  remat::CheckpointedSequential chain(torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::ReLU()),
+                                      remat::SequentialOptions().step_memory_budget_bytes(1 << 20));
+  try {
+    remat::auto_checkpoint(*chain, remat::AutoOptions().memory_budget_bytes(1 << 20));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::auto] the CheckpointedSequential '(root)' has a step budget (step_memory_budget_bytes "
+                 "1048576), and the whole-step planner plans its schedule under the planner's own budget; build it "
+                 "without step_memory_budget_bytes.");
+  }
+}
+
+TEST(Auto, GptBlocksAsAChainBitwiseAndWithinBudget) { check_workload(chained_gpt_workload(), "GPT blocks as a chain"); }
 
 TEST(Auto, GptBitwiseAndWithinBudget) { check_workload(gpt_workload(), "GPT", remat::AutoOptions(), true); }
 
@@ -630,8 +799,9 @@ TEST(Auto, ErrorsNameTheValueAndTheRemedy) {
   } catch (const remat::Error& e) {
     EXPECT_STREQ(
         e.what(),
-        "[remat::auto] the model (torch::nn::SequentialImpl) has no Checkpointable module: the planner's units "
-        "are modules deriving from remat::Checkpointable whose forward calls checkpointed().");
+        "[remat::auto] the model (torch::nn::SequentialImpl) has no Checkpointable module and no "
+        "CheckpointedSequential: the planner's units are modules deriving from remat::Checkpointable whose forward "
+        "calls checkpointed(), and chains.");
   }
 }
 
