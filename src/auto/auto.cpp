@@ -278,6 +278,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
   memory::Timeline* timeline = nullptr;                  // while profiling
+  std::shared_ptr<memory::Timeline> timeline_owner;      // the same, for the unpack hooks (weakly)
   std::vector<std::shared_ptr<CallRecord>> active;       // observed calls running now, outermost first
   bool in_trial = false;
 
@@ -289,10 +290,14 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     ObservedCall(Impl& impl, std::shared_ptr<CallRecord> rec)
         : impl_(impl),
           rec_(rec),
-          hooks_(detail::make_function_hooks(keep_detached, [rec, tl = impl.timeline](const std::any& p) -> at::Tensor {
-            rec->unpacked(tl->now_us());
-            return std::any_cast<const at::Tensor&>(p);
-          })) {
+          // A graph kept past the profiled step may be unpacked after its
+          // timeline is gone: the unpack is then not the step's.
+          hooks_(detail::make_function_hooks(
+              keep_detached,
+              [rec, weak = std::weak_ptr<memory::Timeline>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
+                if (auto tl = weak.lock()) rec->unpacked(tl->now_us());
+                return std::any_cast<const at::Tensor&>(p);
+              })) {
       impl_.active.push_back(rec_);
     }
     ~ObservedCall() override { impl_.active.pop_back(); }
@@ -557,7 +562,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     }
     memory::enable_tracking();
     const int64_t start_bytes = memory::current_bytes();
-    memory::Timeline tl;
+    timeline_owner = std::make_shared<memory::Timeline>();
+    memory::Timeline& tl = *timeline_owner;
     timeline = &tl;
     detail::UnitObserver* previous = detail::set_unit_observer(this);
     detail::ChainObserver* previous_chain = detail::set_chain_observer(this);
@@ -569,6 +575,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         detail::set_unit_observer(previous);
         detail::set_chain_observer(previous_chain);
         self->timeline = nullptr;
+        self->timeline_owner.reset();
       }
     } reset{this, previous, previous_chain};
     const double begin_us = tl.now_us();

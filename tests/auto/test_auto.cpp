@@ -520,6 +520,63 @@ TEST(Auto, AChainWithAStepBudgetIsRefused) {
   }
 }
 
+TEST(Auto, AChainScheduleThatDoesNotFitAnotherShapeSaysSo) {
+  // Planned at batch 256, where the leanest plan runs stages under selective
+  // levels; at batch 2 the stages' menus are empty (every level saves under
+  // 4 KiB), so the schedule names options that do not exist.
+  const Workload w = chain_net_workload(
+      remat::SequentialOptions().profile(remat::ProfileOptions().selective_levels(2)))(/*set_to_none=*/true);
+  auto* net = dynamic_cast<ChainNetImpl*>(w.model.get());
+  ASSERT_NE(net, nullptr);
+  auto planner = remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  planner.replan(planner.leanest_peak_bytes());
+  ASSERT_NE(planner.units()[0].options[planner.units()[0].choice].find(" selective"), std::string::npos)
+      << planner.explain();
+  try {
+    net->forward(torch::randn({2, 16}));
+    FAIL() << "a schedule with stage options ran on a chain without them";
+  } catch (const remat::Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("[remat::CheckpointedSequential] the schedule that the whole-step planner "
+                      "(remat::auto_checkpoint) chose does not fit this call's chain: ",
+                      0),
+              0u)
+        << m;
+    EXPECT_NE(m.find(" Profile a step of this shape again (AutoCheckpoint::profile_step)."), std::string::npos) << m;
+  }
+}
+
+TEST(Auto, AGraphKeptPastTheProfiledStepIsBackpropagatedLater) {
+  // Each step backpropagates the previous step's forward (a pipelined
+  // loop): the profiled step's graph is unpacked in the next step, after the
+  // profiler's timeline is gone (under ASan, a read of it would be caught).
+  auto run = [](bool planned) {
+    torch::manual_seed(0);
+    torch::nn::Sequential net(Dense(32), Dense(32), Dense(32));
+    std::optional<remat::AutoCheckpoint> planner;
+    if (planned) {
+      planner.emplace(remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(1.0).warmup_steps(0)));
+    }
+    torch::manual_seed(1);
+    torch::Tensor pending;
+    for (int k = 0; k < 3; ++k) {
+      auto step = [&] {
+        if (pending.defined()) pending.backward();
+        pending = net->forward(torch::randn({16, 32})).square().sum();
+      };
+      planner ? planner->step(step) : step();
+    }
+    pending.backward();
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : net->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto plain = run(false), planned = run(true);
+  ASSERT_EQ(plain.size(), planned.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], planned[i])) << "gradient " << i;
+}
+
 TEST(Auto, GptBlocksAsAChainBitwiseAndWithinBudget) { check_workload(chained_gpt_workload(), "GPT blocks as a chain"); }
 
 TEST(Auto, GptBitwiseAndWithinBudget) { check_workload(gpt_workload(), "GPT", remat::AutoOptions(), true); }
