@@ -26,10 +26,12 @@ std::string unit_label(const StepModel& m, size_t u) {
   return "unit " + std::to_string(u) + " ('" + m.units[u].name + "')";
 }
 
-// The segment's classes for one call: 0 outside, 1 forward, 2 kept, 3 backward.
+// The segment's classes for one call: 0 outside, 1 forward, 2 kept, 3
+// backward, 4 kept after its release point.
+constexpr int kClasses = 5;
 int klass(const StepCall& c, int64_t s) {
   if (s >= c.forward_begin && s < c.forward_end) return 1;
-  if (s >= c.forward_end && s < c.backward_begin) return 2;
+  if (s >= c.forward_end && s < c.backward_begin) return c.release_begin >= 0 && s >= c.release_begin ? 4 : 2;
   if (s >= c.backward_begin && s < c.backward_end) return 3;
   return 0;
 }
@@ -37,10 +39,12 @@ int klass(const StepCall& c, int64_t s) {
 int64_t delta(const StepCall& c, int cls, int k) {
   const StepCost& a = c.costs[k];
   const StepCost& b = c.costs[0];
+  const int64_t released = c.release_begin >= 0 ? a.released_bytes - b.released_bytes : 0;
   switch (cls) {
     case 1: return a.forward_peak_bytes - b.forward_peak_bytes;
     case 2: return a.kept_bytes - b.kept_bytes;
-    case 3: return a.backward_peak_bytes - b.backward_peak_bytes;
+    case 3: return a.backward_peak_bytes - b.backward_peak_bytes - released;
+    case 4: return a.kept_bytes - b.kept_bytes - released;
     default: return 0;
   }
 }
@@ -97,7 +101,7 @@ std::vector<Row> rows_of(const StepModel& m) {
       for (size_t c = 0; c < calls.size(); ++c) {
         if (int cls = klass(calls[c], s)) {
           key.push_back(static_cast<int64_t>(u));
-          key.push_back(static_cast<int64_t>(c) * 4 + cls);
+          key.push_back(static_cast<int64_t>(c) * kClasses + cls);
         }
       }
     }
@@ -113,8 +117,8 @@ std::vector<Row> rows_of(const StepModel& m) {
     Row r{m.segment_peak_bytes[s], s, {}};
     for (size_t i = 0; i < key.size(); i += 2) {
       const size_t u = static_cast<size_t>(key[i]);
-      const StepCall& c = m.units[u].calls[key[i + 1] / 4];
-      const int cls = static_cast<int>(key[i + 1] % 4);
+      const StepCall& c = m.units[u].calls[key[i + 1] / kClasses];
+      const int cls = static_cast<int>(key[i + 1] % kClasses);
       const size_t options = m.units[u].options.size();
       if (r.units.empty() || r.units.back().second != u) r.units.push_back({std::vector<int64_t>(options - 1, 0), u});
       for (size_t k = 1; k < options; ++k) r.units.back().first[k - 1] += delta(c, cls, static_cast<int>(k));
@@ -311,16 +315,22 @@ std::vector<Row> binding_rows(const std::vector<Row>& rows, int64_t budget_bytes
 // front stays small in practice (its size is capped, beyond which GLPK
 // takes over, as it does for blocks with too many combinations).
 struct BlockOption {
-  std::vector<int> choice;   // one option per member of the block
-  int64_t kept = 0;          // kept-byte delta from the block's forward end to its backward begin
-  int64_t fwd = 0, bwd = 0;  // highest segment of its forward / backward window (min: no such window)
-  double ms = 0;             // time added
+  std::vector<int> choice;  // one option per member of the block
+  int64_t kept = 0;         // kept-byte delta from the block's release point to its backward begin
+  // Highest segment of its forward window, of its backward window, and of
+  // its kept interval before its release point (min: no such segment).
+  int64_t fwd = 0, bwd = 0, early = 0;
+  double ms = 0;  // time added
 };
 struct ChainCaps {
   std::vector<size_t> order;                      // outer units in forward order
   std::vector<std::vector<size_t>> members;       // per block: its outer unit, then its inner units
   std::vector<std::vector<BlockOption>> options;  // per block
   std::vector<int64_t> between;                   // per prefix length q = 0..n: max peak of segments with no window
+  // Per block: where its members' kept deltas become final (the latest
+  // release point of a member, or the outer unit's forward end). The
+  // segments before it in the block's kept interval are its `early` need.
+  std::vector<int64_t> settled;
 };
 
 constexpr size_t kMaxBlockOptions = 1 << 14;
@@ -363,6 +373,22 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
     }
     c.members[position[top]].push_back(u);
   }
+  // NOTE [released inputs in the chain DP]: a member's kept delta drops at
+  // its release point. The DP needs each block's delta constant wherever a
+  // later block or a between segment sees it, so a block's last release
+  // must come before the next block's forward; the segments before it are
+  // the block's own `early` need.
+  c.settled.assign(n, 0);
+  for (size_t j = 0; j < n; ++j) {
+    const StepCall& outer = m.units[c.order[j]].calls[0];
+    int64_t r = outer.forward_end;
+    for (size_t u : c.members[j]) {
+      const StepCall& call = m.units[u].calls[0];
+      if (call.release_begin >= 0) r = std::max(r, call.release_begin);
+    }
+    if (j + 1 < n && r > m.units[c.order[j + 1]].calls[0].forward_begin) return std::nullopt;
+    c.settled[j] = r;
+  }
   c.between.assign(n + 1, none);
   const int64_t segments = static_cast<int64_t>(m.segment_peak_bytes.size());
   for (int64_t s = 0; s < segments; ++s) {
@@ -377,6 +403,7 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
       if (ci.forward_end <= s && s < ci.backward_begin) return std::nullopt;
     }
     const int window = q < n ? klass(m.units[c.order[q]].calls[0], s) : 0;
+    if (q > 0 && s < c.settled[q - 1]) continue;  // block q-1's early need
     if (window != 1 && window != 3) c.between[q] = std::max(c.between[q], m.segment_peak_bytes[s]);
   }
   // Each block's options: every valid combination of its members' options.
@@ -400,19 +427,23 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
       if (nesting_violation(m, full).first >= 0) continue;
       BlockOption o;
       o.choice = pick;
-      o.fwd = o.bwd = none;
+      o.fwd = o.bwd = o.early = none;
       for (size_t i = 0; i < mem.size(); ++i) {
         const StepCall& call = m.units[mem[i]].calls[0];
         o.ms += call.costs[pick[i]].time_ms - call.costs[0].time_ms;
-        o.kept += delta(call, 2, pick[i]);  // every member's kept interval covers the block's
+        // Every member's kept interval covers the block's: from the settled
+        // point on, each member is kept and past its release point, if any.
+        o.kept += delta(call, call.release_begin >= 0 ? 4 : 2, pick[i]);
       }
+      const int64_t settled = c.settled[j];
       for (int64_t s = outer.forward_begin; s < outer.backward_end; ++s) {
         const int w = klass(outer, s);
-        if (w != 1 && w != 3) continue;
+        const bool early = (w == 2 || w == 4) && s < settled;
+        if (w != 1 && w != 3 && !early) continue;
         int64_t bytes = m.segment_peak_bytes[s];
         for (size_t i = 0; i < mem.size(); ++i)
           bytes += delta(m.units[mem[i]].calls[0], klass(m.units[mem[i]].calls[0], s), pick[i]);
-        int64_t& need = w == 1 ? o.fwd : o.bwd;
+        int64_t& need = early ? o.early : w == 1 ? o.fwd : o.bwd;
         need = std::max(need, bytes);
       }
       c.options[j].push_back(std::move(o));
@@ -451,6 +482,7 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
         const int64_t p = front[e].p;
         if (o.fwd != none && o.fwd + p > budget) continue;
         if (o.bwd != none && o.bwd + p > budget) continue;
+        if (o.early != none && o.early + p > budget) continue;
         const int64_t q = p + o.kept;
         if (c.between[j + 1] != none && c.between[j + 1] + q > budget) continue;
         next.push_back({q, front[e].t + o.ms, static_cast<int32_t>(e), static_cast<int32_t>(k)});
@@ -536,6 +568,13 @@ void validate(const StepModel& m) {
                     std::to_string(call.backward_end) + "]; they must be ordered and within the " + std::to_string(n) +
                     " segments.");
       }
+      if (call.release_begin != -1 &&
+          !(call.forward_end <= call.release_begin && call.release_begin <= call.backward_begin)) {
+        throw Error("[remat::plan] " + where + " has its release point at segment " +
+                    std::to_string(call.release_begin) + ", outside its kept interval [" +
+                    std::to_string(call.forward_end) + ", " + std::to_string(call.backward_begin) +
+                    "]; give -1 (none) or a segment in it.");
+      }
       if (call.costs.size() != unit.options.size()) {
         throw Error("[remat::plan] " + where + " has " + std::to_string(call.costs.size()) + " costs for " +
                     std::to_string(unit.options.size()) + " options; give one per option.");
@@ -543,7 +582,7 @@ void validate(const StepModel& m) {
       for (size_t k = 0; k < call.costs.size(); ++k) {
         const StepCost& cost = call.costs[k];
         if (!std::isfinite(cost.time_ms) || cost.forward_peak_bytes < 0 || cost.kept_bytes < 0 ||
-            cost.backward_peak_bytes < 0) {
+            cost.backward_peak_bytes < 0 || cost.released_bytes < 0) {
           throw Error("[remat::plan] " + where + " option '" + unit.options[k] +
                       "' has a non-finite time or negative bytes.");
         }

@@ -26,6 +26,10 @@ int64_t brute_segment(const rp::StepModel& m, const std::vector<int>& choice, in
       if (c.forward_begin <= s && s < c.forward_end) bytes += a.forward_peak_bytes - b.forward_peak_bytes;
       if (c.forward_end <= s && s < c.backward_begin) bytes += a.kept_bytes - b.kept_bytes;
       if (c.backward_begin <= s && s < c.backward_end) bytes += a.backward_peak_bytes - b.backward_peak_bytes;
+      // Released inputs: credited from the release point to the backward's end.
+      if (c.release_begin >= 0 && c.release_begin <= s && s < c.backward_end) {
+        bytes -= a.released_bytes - b.released_bytes;
+      }
     }
   }
   return bytes;
@@ -87,7 +91,10 @@ void add_keep_peaks(rp::StepModel& m) {
 
 // A random option menu per call: keep first (most memory, least time), the
 // others trade kept bytes for time, like recompute, selective and offload.
-rp::StepCall random_call(std::mt19937& rng, int options, int64_t fb, int64_t fe, int64_t bb, int64_t be) {
+// With release_hi >= fe, half the calls get a release point in [fe,
+// min(release_hi, bb)] and their options release 0-3 MiB of inputs.
+rp::StepCall random_call(std::mt19937& rng, int options, int64_t fb, int64_t fe, int64_t bb, int64_t be,
+                         int64_t release_hi = -1) {
   std::uniform_int_distribution<int> mib(1, 64);
   std::uniform_real_distribution<double> ms(0.5, 20);
   rp::StepCall c{fb, fe, bb, be, {}};
@@ -105,12 +112,18 @@ rp::StepCall random_call(std::mt19937& rng, int options, int64_t fb, int64_t fe,
     o.time_ms = keep.time_ms + ms(rng) * (10 - o.kept_bytes * 10 / std::max<int64_t>(1, keep.kept_bytes)) / 10;
     c.costs.push_back(o);
   }
+  if (release_hi >= fe && mib(rng) % 2 == 0) {
+    c.release_begin = std::uniform_int_distribution<int64_t>(fe, std::min(release_hi, bb))(rng);
+    for (size_t k = 1; k < c.costs.size(); ++k) c.costs[k].released_bytes = mib(rng) % 4 * MiB;
+  }
   return c;
 }
 
 // A chain: forwards in order, backwards in reverse, with `gap` segments of
 // other work (a head, a loss) between; segment peaks grow with what is live.
-rp::StepModel random_chain(std::mt19937& rng, int units, int max_options) {
+// With late_releases, a release may come after the next unit's forward
+// (the chain DP then hands the step to GLPK).
+rp::StepModel random_chain(std::mt19937& rng, int units, int max_options, bool late_releases = false) {
   std::uniform_int_distribution<int> opts(1, max_options);
   rp::StepModel m;
   m.step_time_ms = 100;
@@ -119,7 +132,8 @@ rp::StepModel random_chain(std::mt19937& rng, int units, int max_options) {
     rp::StepUnit unit{"u" + std::to_string(u), {}, {}};
     const int o = opts(rng);
     for (int k = 0; k < o; ++k) unit.options.push_back(k == 0 ? "keep" : "opt" + std::to_string(k));
-    unit.calls.push_back(random_call(rng, o, 2 * u, 2 * u + 1, n - 2 * u - 2, n - 2 * u - 1));
+    unit.calls.push_back(
+        random_call(rng, o, 2 * u, 2 * u + 1, n - 2 * u - 2, n - 2 * u - 1, late_releases ? n : 2 * u + 2));
     m.units.push_back(unit);
   }
   // The profiled step's memory: what each unit keeps, plus its windows' peaks.
@@ -142,7 +156,7 @@ rp::StepModel random_gan(std::mt19937& rng, int max_options, bool nest = false) 
     rp::StepUnit u{name, {}, {}};
     const int o = opts(rng);
     for (int k = 0; k < o; ++k) u.options.push_back(k == 0 ? "keep" : "opt" + std::to_string(k));
-    for (const auto& w : windows) u.calls.push_back(random_call(rng, o, w[0], w[1], w[2], w[3]));
+    for (const auto& w : windows) u.calls.push_back(random_call(rng, o, w[0], w[1], w[2], w[3], w[2]));
     m.units.push_back(u);
   };
   add("G", {{0, 1, 10, 11}});
@@ -163,20 +177,21 @@ rp::StepModel random_nested(std::mt19937& rng, int blocks, int inner, int max_op
   m.step_time_ms = 100;
   const int64_t per = inner + 1;  // segments per block forward (inner forwards, then its own tail)
   const int64_t n = 2 * blocks * per + 2;
-  auto add = [&](const std::string& name, int64_t parent, int64_t fb, int64_t fe, int64_t bb, int64_t be) {
+  auto add = [&](const std::string& name, int64_t parent, int64_t fb, int64_t fe, int64_t bb, int64_t be,
+                 int64_t release_hi) {
     rp::StepUnit u{name, {}, {}, parent};
     const int o = opts(rng);
     for (int k = 0; k < o; ++k) u.options.push_back(k == 0 ? "keep" : "opt" + std::to_string(k));
-    u.calls.push_back(random_call(rng, o, fb, fe, bb, be));
+    u.calls.push_back(random_call(rng, o, fb, fe, bb, be, release_hi));
     m.units.push_back(u);
   };
   for (int b = 0; b < blocks; ++b) {
     const int64_t f0 = b * per, b0 = n - 2 - (b + 1) * per;  // its forward's and backward's first segment
     const int64_t parent = static_cast<int64_t>(m.units.size());
-    add("b" + std::to_string(b), -1, f0, f0 + per, b0, b0 + per);
+    add("b" + std::to_string(b), -1, f0, f0 + per, b0, b0 + per, f0 + per);
     for (int i = 0; i < inner; ++i) {
       add("b" + std::to_string(b) + ".i" + std::to_string(i), parent, f0 + i, f0 + i + 1, b0 + per - 1 - i,
-          b0 + per - i);
+          b0 + per - i, f0 + per);
     }
   }
   m.segment_peak_bytes.assign(n, 10 << 20);
@@ -227,6 +242,56 @@ TEST(StepSolve, ChainsMatchBruteForce) {
     const int units = 1 + trial % 8;
     check_against_brute(random_chain(rng, units, 3 + trial % 2), "chain trial " + std::to_string(trial));
   }
+}
+
+TEST(StepSolve, ChainsWithLateReleasesMatchBruteForceThroughGlpk) {
+  std::mt19937 rng(23);
+  int late = 0;  // steps with a release after the next unit's forward: not a chain for the DP
+  for (int trial = 0; trial < 20; ++trial) {
+    const rp::StepModel m = random_chain(rng, 2 + trial % 5, 3, /*late_releases=*/true);
+    bool is_late = false;
+    for (size_t u = 0; u + 1 < m.units.size(); ++u) {
+      is_late |= m.units[u].calls[0].release_begin > m.units[u + 1].calls[0].forward_begin;
+    }
+    late += is_late;
+    check_against_brute(m, (is_late ? "gan-like late release " : "chain with releases ") + std::to_string(trial));
+  }
+  EXPECT_GT(late, 0);
+}
+
+TEST(StepSolve, ReleasedInputsAreCreditedFromTheReleasePointOnly) {
+  // Unit a's second option lets its 30 MiB input go, but its caller holds
+  // the input until segment 2: segment 1, the step's peak, gets no credit.
+  const int64_t MiB = 1 << 20;
+  rp::StepModel m;
+  m.step_time_ms = 10;
+  m.segment_peak_bytes = {20 * MiB, 100 * MiB, 40 * MiB, 40 * MiB, 30 * MiB};
+  rp::StepCall a{0, 1, 4, 5, {{1, 10 * MiB, 10 * MiB, 20 * MiB}, {3, 10 * MiB, 10 * MiB, 25 * MiB, 30 * MiB}}, 2};
+  rp::StepCall b{2, 3, 3, 4, {{1, 10 * MiB, 5 * MiB, 10 * MiB}, {2, 10 * MiB, 0, 10 * MiB}}};
+  m.units.push_back({"a", {"keep", "offload"}, {a}});
+  m.units.push_back({"b", {"keep", "recompute"}, {b}});
+  const rp::StepPrediction p = rp::simulate_step(m, {1, 0});
+  EXPECT_EQ(p.segment_bytes, (std::vector<int64_t>{20 * MiB, 100 * MiB, 10 * MiB, 10 * MiB, 5 * MiB}));
+  EXPECT_EQ(rp::min_peak_step(m).prediction.peak_bytes, 100 * MiB);
+  try {
+    rp::solve_step(m, 100 * MiB - 1);
+    FAIL() << "segment 1 holds the input under every choice";
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("[remat::auto] no plan of the step fits in ", 0), 0u) << e.what();
+  }
+  // Lower that segment: the credit after it now decides (20 MiB, with a's
+  // input let go). Released at segment 3 instead, after b's forward begins,
+  // the step is no chain for the DP; segment 2 then holds the input.
+  m.segment_peak_bytes[1] = 20 * MiB;
+  const rp::StepPlan dp = rp::min_peak_step(m);
+  EXPECT_EQ(dp.solver, "chain DP");
+  EXPECT_EQ(dp.prediction.peak_bytes, 20 * MiB);
+  EXPECT_EQ(dp.prediction.choice, (std::vector<int>{1, 0}));
+  m.units[0].calls[0].release_begin = 3;
+  const rp::StepPlan late = rp::min_peak_step(m);
+  EXPECT_NE(late.solver, "chain DP");
+  EXPECT_EQ(late.prediction.peak_bytes, 40 * MiB);
+  EXPECT_EQ(late.prediction.peak_bytes, brute(m, std::numeric_limits<int64_t>::max()).min_peak);
 }
 
 TEST(StepSolve, TenUnitChainsMatchBruteForce) {
@@ -365,6 +430,20 @@ TEST(StepSolve, ValidateNamesTheProblem) {
                  "[remat::plan] unit 0 ('a') call 0 option 'recompute' has a non-finite time or negative bytes.");
   }
   m.units[0].calls[0].costs[1].kept_bytes = 0;
+  EXPECT_NO_THROW(rp::validate(m));
+  m.units[0].calls[0].release_begin = 2;  // after its backward begins
+  try {
+    rp::validate(m);
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 0 ('a') call 0 has its release point at segment 2, outside its kept interval "
+                 "[1, 1]; give -1 (none) or a segment in it.");
+  }
+  m.units[0].calls[0].release_begin = 1;
+  m.units[0].calls[0].costs[1].released_bytes = -1;
+  EXPECT_THROW(rp::validate(m), remat::Error);
+  m.units[0].calls[0].costs[1].released_bytes = 0;
   EXPECT_NO_THROW(rp::validate(m));
   try {
     rp::simulate_step(m, {2});

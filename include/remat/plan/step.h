@@ -18,7 +18,11 @@
 //     forward_peak(k) - forward_peak(0)    for s in [forward_begin, forward_end)
 //     kept(k) - kept(0)                    for s in [forward_end, backward_begin)
 //     backward_peak(k) - backward_peak(0)  for s in [backward_begin, backward_end)
-// where option 0 is the one the step was profiled with. Time: the profiled
+//   less, when the call has a release point r (release_begin >= 0),
+//     released(k) - released(0)            for s in [r, backward_end)
+// where option 0 is the one the step was profiled with. The release is
+// what an option lets go of the call's inputs once nothing else holds them
+// (from r, when the profiled step saw the caller let them go). Time: the profiled
 // step's time plus, per call, time(k) - time(0).
 //
 // Units inside units: a unit whose calls run inside another unit's names it
@@ -49,6 +53,11 @@ struct StepCost {
   /** Peak during its backward, bytes above its forward's start (what it
    *  keeps, the gradients and the recompute's working set included). */
   int64_t backward_peak_bytes = 0;
+  /** Bytes of the call's inputs that this option does not hold and option
+   *  0 does, credited from the call's release_begin to its backward's end
+   *  (nothing else holds them then; the backward's reload of them is in
+   *  backward_peak_bytes). 0 without a release point. */
+  int64_t released_bytes = 0;
 };
 
 /** One call of a unit in the step: where its windows lie on the segment
@@ -62,6 +71,10 @@ struct StepCall {
   ///@}
   /** One per option of the unit, in the unit's order. */
   std::vector<StepCost> costs;
+  /** The segment from which only this call holds the inputs that options
+   *  release (forward_end <= release_begin <= backward_begin), or -1: none
+   *  (StepCost::released_bytes is then ignored). */
+  int64_t release_begin = -1;
 };
 
 /** A unit: one decision (the same option for all its calls). */
