@@ -48,14 +48,13 @@
 // time charges the excess to the offload options, per byte they send, and
 // the plan is solved again (the real step's transfer rate, which isolated
 // runs through a warm page cache do not show; explain() says so).
-// Offload is priced conservatively: a unit's inputs are counted as held by
-// whoever made them, so the bytes an offloaded (or recomputed) unit frees by
-// releasing its inputs are not credited, and writes are priced as if they
-// did not overlap compute.
-// Leaves out: recompute with the checkpoint offloaded (its only gain is
-// the inputs, which the model does not credit) and CUDA memory (the planner
-// measures CPU memory; a unit whose inputs are on a CUDA device is
-// refused).
+// Offload is priced conservatively: an input that an option sends away is
+// credited only from when the profiled step saw nothing but the unit's own
+// saves hold it (its caller moved on) to the end of its backward, never
+// when something else holds it (a skip, a ReLU's saved output); writes are
+// priced as if they did not overlap compute.
+// Leaves out: CUDA memory (the planner measures CPU memory; a unit whose
+// inputs are on a CUDA device is refused).
 #pragma once
 
 #include <cstdint>
@@ -94,10 +93,13 @@ struct AutoOptions {
    *  own (e.g. a model's Megatron policy), beside the knapsack's levels, so
    *  that a plan can mix it per unit with the rest. Default none. */
   TORCH_ARG(std::vector<Policy>, policies);
-  /** Offload options for every unit: each adds one option, "offload disk"
+  /** Offload options for every unit: each adds the option "offload disk"
    *  (OffloadTarget::kDisk) or "offload memory <codec>" (kMemory with a
    *  codec), under which what the unit saves for backward goes to the
-   *  store and nothing is recomputed (Checkpointable::set_offloading). Its
+   *  store and nothing is recomputed (Checkpointable::set_offloading), and,
+   *  for units outside other units, "recompute, inputs to disk" (or
+   *  "... to memory <codec>"): recompute, with the inputs it keeps for it
+   *  in the store (CheckpointOptions::offload). Their
    *  cost is measured as the others': bytes kept right after the forward
    *  (writes still pending count), and time with the writes waited for (no
    *  overlap with compute assumed). Lossless codecs keep the step bitwise

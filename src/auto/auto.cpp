@@ -1,7 +1,8 @@
 // The whole-step planner (auto.h): profiles one step of the user's step
 // function through the units' checkpoint switch (Checkpointable's
-// UnitObserver), turns it into a plan::StepModel, solves it and applies the
-// choice through the same switches. Leaves out CUDA memory (auto.h says
+// UnitObserver) and its chains (CheckpointedSequential's ChainObserver),
+// turns it into a plan::StepModel, solves it and applies the choice through
+// the same switches (and a forced schedule per chain). Leaves out CUDA memory (auto.h says
 // what that means for users).
 //
 // NOTE [what a profiled step measures]: the step runs plain. Each unit call
@@ -73,6 +74,7 @@ struct Option {
   std::optional<OffloadOptions> offload;          // with switch_state nullopt: saves go to this store
   bool inner = false;                             // the unit's inner units recompute too (nested)
   std::optional<plan::Schedule> schedule;         // a chain's: nullopt = store-all
+  int store = -1;  // index in AutoOptions::offload of the store it sends to, or -1; such options end the menu
 
   Option() = default;
   Option(std::string n, std::optional<CheckpointOptions> s, std::optional<OffloadOptions> o, bool in = false)
@@ -114,12 +116,55 @@ struct CallRecord {
   std::mutex mu;
   double first_unpack_us = -1, last_unpack_us = -1;
   std::vector<plan::StepCost> costs;
+
+  // NOTE [released inputs]: an option that does not hold an input that keep
+  // holds (an offload sends it away) frees it once its caller lets it go,
+  // if nothing else holds it then. The profiled step sees when: the input's
+  // storage is referenced only by tensors this call's saves (its inner
+  // calls' included) packed. Checked at every later unit call's start and
+  // forward end and at its own first unpack, so the time seen is never
+  // earlier than the true one; a packed tensor freed early (a dead branch)
+  // is not counted, so another holder is never taken for it.
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> inputs;  // per input slot
+  std::vector<double> exclusive_us;                               // per input slot: -1, or when seen held only here
+  std::vector<std::vector<char>> lets_go;                         // per menu option, per input slot
+  std::vector<const c10::StorageImpl*> input_ids;                 // per input slot: its storage (nullptr: none)
+  std::vector<int64_t> input_bytes;                               // per input slot: its storage's bytes
+  double release_us = -1;    // the latest exclusive_us of an input some option lets go; -1: none
+  int64_t largest_pack = 0;  // bytes of the largest storage its saves (or an inner call's) packed
+  std::vector<std::pair<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>> packs;
+
+  /** A tensor this call's saves (or an inner call's) packed. */
+  void packed(const at::Tensor& t) {
+    if (!t.has_storage()) return;
+    for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->largest_pack = std::max(r->largest_pack, static_cast<int64_t>(t.storage().nbytes()));
+      r->packs.emplace_back(t.storage().unsafeGetStorageImpl(),
+                            c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+    }
+  }
+  /** Notes the inputs that only the tensors packed here hold now; mu held. */
+  void note_exclusive(double now) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (exclusive_us[i] >= 0) continue;
+      c10::intrusive_ptr<c10::StorageImpl> st = inputs[i].lock();
+      if (!st) continue;
+      size_t live = 0;
+      for (const auto& [impl, weak] : packs) live += impl == st.get() && !weak.expired() ? 1 : 0;
+      // Each live packed tensor holds one reference, and `st` one.
+      if (live > 0 && st.use_count() == live + 1) exclusive_us[i] = now;
+    }
+  }
   /** An unpack of this call's saves: part of its backward and of every
    *  enclosing call's. */
   void unpacked(double t) {
     for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
       std::lock_guard<std::mutex> lock(r->mu);
-      if (r->first_unpack_us < 0) r->first_unpack_us = t;
+      if (r->first_unpack_us < 0) {
+        r->note_exclusive(t);
+        r->first_unpack_us = t;
+      }
       r->last_unpack_us = std::max(r->last_unpack_us, t);
     }
   }
@@ -278,8 +323,9 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
   memory::Timeline* timeline = nullptr;                  // while profiling
-  std::shared_ptr<memory::Timeline> timeline_owner;      // the same, for the unpack hooks (weakly)
-  std::vector<std::shared_ptr<CallRecord>> active;       // observed calls running now, outermost first
+  int64_t largest_sent = 0;  // bytes of the largest tensor a unit saves or takes in the profiled step
+  std::shared_ptr<memory::Timeline> timeline_owner;  // the same, for the unpack hooks (weakly)
+  std::vector<std::shared_ptr<CallRecord>> active;   // observed calls running now, outermost first
   bool in_trial = false;
 
   Impl(torch::nn::Module& m, AutoOptions o) : model(m), options(std::move(o)) {}
@@ -293,7 +339,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
           // A graph kept past the profiled step may be unpacked after its
           // timeline is gone: the unpack is then not the step's.
           hooks_(detail::make_function_hooks(
-              keep_detached,
+              [rec](const at::Tensor& t) -> std::any {
+                at::Tensor d = t.detach();  // keep_detached, noted for NOTE [released inputs]
+                rec->packed(d);
+                return d;
+              },
               [rec, weak = std::weak_ptr<memory::Timeline>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
                 if (auto tl = weak.lock()) rec->unpacked(tl->now_us());
                 return std::any_cast<const at::Tensor&>(p);
@@ -301,13 +351,25 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       impl_.active.push_back(rec_);
     }
     ~ObservedCall() override { impl_.active.pop_back(); }
-    void finish(const std::vector<at::Tensor>&) override { rec_->forward_end_us = impl_.timeline->now_us(); }
+    void finish(const std::vector<at::Tensor>&) override {
+      rec_->forward_end_us = impl_.timeline->now_us();
+      impl_.note_exclusive(rec_->forward_end_us);
+    }
 
    private:
     Impl& impl_;
     std::shared_ptr<CallRecord> rec_;
     ScopedHooks hooks_;
   };
+
+  /** NOTE [released inputs]: at an event of the profiled step, every call
+   *  between its forward's end and its backward. */
+  void note_exclusive(double now) {
+    for (const auto& c : calls) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      if (c->forward_end_us >= 0 && c->first_unpack_us < 0) c->note_exclusive(now);
+    }
+  }
 
   /** True when a call starting now is observed: the profiled step is
    *  running, outside the isolated runs and recomputes, and not inside a
@@ -354,11 +416,20 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     }
     auto rec = std::make_shared<CallRecord>();
     rec->unit = unit;
+    for (const auto& x : inputs) {
+      const bool stored = x.defined() && x.has_storage();
+      rec->inputs.push_back(stored ? x.storage().getWeakStorageImpl()
+                                   : c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>()));
+      rec->input_ids.push_back(stored ? x.storage().unsafeGetStorageImpl() : nullptr);
+      rec->input_bytes.push_back(stored ? static_cast<int64_t>(x.storage().nbytes()) : 0);
+    }
+    rec->exclusive_us.assign(inputs.size(), -1);
     const int64_t parent = active.empty() ? kTop : static_cast<int64_t>(active.back()->unit);
     if (u.parent == kNotSeen) u.parent = parent;
     if (u.parent != parent) u.parent = kDisagree;
     if (!active.empty()) rec->enclosing = active.back();
     const double t0 = timeline->now_us();
+    note_exclusive(t0);
     in_trial = true;
     try {
       std::optional<ScopedHooks> quiet;
@@ -416,6 +487,13 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     // the difference until its backward: the caller may let them go after
     // the forward. An option that keeps less is not credited (the caller
     // may hold them).
+    // NOTE [released inputs]: which inputs each option lets go where keep holds them.
+    rec.lets_go.assign(u.menu.size(), std::vector<char>(inputs.size(), 0));
+    for (size_t k = 1; k < u.menu.size(); ++k) {
+      for (size_t s = 0; s < inputs.size() && s < io_kept[k].held.size() && s < io_kept[0].held.size(); ++s) {
+        rec.lets_go[k][s] = io_kept[0].held[s] && !io_kept[k].held[s] ? 1 : 0;
+      }
+    }
     for (size_t k = 1; k < u.menu.size(); ++k) {
       // Per input and output, so that keeping one does not offset letting
       // another go; an input is charged its whole storage (a view's base).
@@ -480,7 +558,24 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       o.policy(base.policy() ? policy::any_of({*base.policy(), p}) : p);
       u.menu.push_back({p.description(), o, std::nullopt});
     }
-    for (const OffloadOptions& o : options.offload()) u.menu.push_back({detail::offload_name(o), std::nullopt, o});
+    // Options that send to a store end the menu (without_offload drops them).
+    for (size_t i = 0; i < options.offload().size(); ++i) {
+      Option o(detail::offload_name(options.offload()[i]), std::nullopt, options.offload()[i]);
+      o.store = static_cast<int>(i);
+      u.menu.push_back(std::move(o));
+    }
+    // Recompute with the inputs sent to the store: what it keeps is what
+    // recompute keeps less its inputs, which it lets go once the caller
+    // does (NOTE [released inputs]). Not for a unit inside another: a
+    // region nested in another sends nothing (its inputs are the outer's).
+    for (size_t i = 0; i < options.offload().size() && u.parent == kTop; ++i) {
+      CheckpointOptions co = base;
+      co.offload(options.offload()[i]);
+      const std::string where = detail::offload_name(options.offload()[i]).substr(std::string("offload ").size());
+      Option o("recompute, inputs to " + where, co, std::nullopt);
+      o.store = static_cast<int>(i);
+      u.menu.push_back(std::move(o));
+    }
   }
 
   /** One isolated run of a call under option `opt`: forward, then backward
@@ -514,12 +609,19 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     memory::Probe probe;
     auto t0 = Clock::now();
     std::vector<at::Tensor> out;
+    const bool sends = opt.offload || (opt.switch_state && opt.switch_state->offload());
     {
       std::optional<detail::OffloadCall> to_store;
       if (opt.offload) to_store.emplace(trial_store(*opt.offload));
-      out = run(opt, t.in);
+      if (opt.switch_state && opt.switch_state->offload()) {
+        Option trial = opt;
+        trial.switch_state->offload(trial_store(*opt.switch_state->offload()));
+        out = run(trial, t.in);
+      } else {
+        out = run(opt, t.in);
+      }
     }
-    if (opt.offload) wait_checkpoint_offloads();
+    if (sends) wait_checkpoint_offloads();
     double ms = ms_since(t0);
     cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
     cost.forward_peak_bytes = probe.peak_bytes();
@@ -603,12 +705,28 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
     // Segment boundaries: the step's ends and every window's ends.
     points_us = {begin_us, end_us};
+    largest_sent = 0;
     for (const auto& c : calls) {
       if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
       if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
       for (double t : {c->forward_begin_us, c->forward_end_us, c->first_unpack_us, c->last_unpack_us}) {
         points_us.push_back(t);
       }
+      // NOTE [released inputs]: from when every input that some option
+      // lets go (and that the step saw held only by this call) is free to go.
+      c->release_us = -1;
+      for (size_t i = 0; i < c->exclusive_us.size(); ++i) {
+        bool let_go = false;
+        for (const auto& k : c->lets_go) let_go |= i < k.size() && k[i];
+        if (let_go && c->exclusive_us[i] >= 0) c->release_us = std::max(c->release_us, c->exclusive_us[i]);
+      }
+      if (c->release_us >= 0) {
+        c->release_us = std::clamp(c->release_us, c->forward_end_us, c->first_unpack_us);
+        points_us.push_back(c->release_us);
+      }
+      c->packs.clear();  // the weak references are needed no more
+      largest_sent = std::max(largest_sent, c->largest_pack);
+      for (int64_t b : c->input_bytes) largest_sent = std::max(largest_sent, b);
     }
     std::sort(points_us.begin(), points_us.end());
     points_us.erase(std::unique(points_us.begin(), points_us.end()), points_us.end());
@@ -668,7 +786,20 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         sc.forward_end = at(c.forward_end_us);
         sc.backward_begin = at(c.first_unpack_us);
         sc.backward_end = at(c.last_unpack_us);
-        for (size_t k : u.offered) sc.costs.push_back(c.costs[k]);
+        for (size_t k : u.offered) {
+          plan::StepCost cost = c.costs[k];
+          if (c.release_us >= 0) {  // what it lets go of the inputs held only here, each storage once
+            std::vector<const c10::StorageImpl*> counted;
+            for (size_t i = 0; i < c.exclusive_us.size(); ++i) {
+              if (!c.lets_go[k][i] || c.exclusive_us[i] < 0 || c.input_ids[i] == nullptr) continue;
+              if (std::find(counted.begin(), counted.end(), c.input_ids[i]) != counted.end()) continue;
+              counted.push_back(c.input_ids[i]);
+              cost.released_bytes += c.input_bytes[i];
+            }
+          }
+          sc.costs.push_back(cost);
+        }
+        if (c.release_us >= 0) sc.release_begin = at(c.release_us);
         su.calls.push_back(std::move(sc));
       }
       m.units.push_back(std::move(su));
@@ -706,23 +837,34 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
   /** Bytes the offload stores may hold in flight at once (pending writes,
    *  reads ahead), beyond what the isolated runs measured: each kDisk
-   *  option's max_inflight_bytes. */
+   *  option's max_inflight_bytes, or the largest tensor a unit saves or
+   *  takes in, which a store lets go alone. */
   int64_t inflight_margin() const {
     int64_t m = 0;
     for (const OffloadOptions& o : options.offload()) {
-      if (o.target() == OffloadTarget::kDisk) m += o.max_inflight_bytes();
+      // A store lets one tensor larger than max_inflight_bytes go alone.
+      if (o.target() == OffloadTarget::kDisk) m += std::max(o.max_inflight_bytes(), largest_sent);
     }
     return m;
   }
 
-  /** The step model with the offload options left out (they end each menu). */
+  /** The store an option of step-model unit j sends to (an index in
+   *  options.offload()), or -1. */
+  int store_of(size_t j, size_t k) const {
+    const Unit& u = units[model_units()[j]];
+    return u.menu[u.offered[k]].store;
+  }
+
+  /** The step model with the options that send to a store left out (they
+   *  end each menu). */
   plan::StepModel without_offload() const {
     plan::StepModel m = step_model;
-    const size_t n = options.offload().size();
-    for (auto& u : m.units) {
-      if (u.options.size() <= n) continue;  // not plannable: keep only
-      u.options.resize(u.options.size() - n);
-      for (auto& c : u.calls) c.costs.resize(u.options.size());
+    for (size_t j = 0; j < m.units.size(); ++j) {
+      plan::StepUnit& u = m.units[j];
+      size_t n = u.options.size();
+      while (n > 1 && store_of(j, n - 1) >= 0) --n;
+      u.options.resize(n);
+      for (auto& c : u.calls) c.costs.resize(n);
     }
     return m;
   }
@@ -828,29 +970,43 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   bool reprice_offload(double step_ms) {
     const plan::StepPrediction& p = step_plan.prediction;
     if (options.offload().empty() || !(step_ms > 1.10 * p.time_ms)) return false;
-    const size_t n = options.offload().size();
-    double sent = 0;                   // bytes the plan's offloaded calls send
-    std::vector<bool> used(n, false);  // which of options.offload() the plan uses
-    for (size_t j = 0; j < step_model.units.size(); ++j) {
-      const plan::StepUnit& su = step_model.units[j];
-      const size_t k = static_cast<size_t>(p.choice[j]);
-      if (su.options.size() <= n || k < su.options.size() - n) continue;  // not an offload option
-      used[k - (su.options.size() - n)] = true;
-      for (const plan::StepCall& c : su.calls) {
-        sent += static_cast<double>(std::max<int64_t>(0, c.costs[0].kept_bytes - c.costs[k].kept_bytes));
+    const std::vector<size_t> mu = model_units();
+    // Bytes option k of unit j sends per call: its inputs when it recomputes
+    // (each storage once), else what keep would keep less what it keeps.
+    auto sent_by = [&](size_t j, size_t ci, size_t k) -> double {
+      const Unit& u = units[mu[j]];
+      const plan::StepCall& c = step_model.units[j].calls[ci];
+      if (!u.menu[u.offered[k]].switch_state) {
+        return static_cast<double>(std::max<int64_t>(0, c.costs[0].kept_bytes - c.costs[k].kept_bytes));
       }
+      const CallRecord& r = *calls[u.calls[ci]];
+      double bytes = 0;
+      for (size_t i = 0; i < r.input_ids.size(); ++i) {
+        if (r.input_ids[i] != nullptr && std::find(r.input_ids.begin(), r.input_ids.begin() + static_cast<int64_t>(i),
+                                                   r.input_ids[i]) == r.input_ids.begin() + static_cast<int64_t>(i)) {
+          bytes += static_cast<double>(r.input_bytes[i]);
+        }
+      }
+      return bytes;
+    };
+    double sent = 0;                                          // bytes the plan's offloading calls send
+    std::vector<bool> used(options.offload().size(), false);  // which of options.offload() the plan uses
+    for (size_t j = 0; j < step_model.units.size(); ++j) {
+      const size_t k = static_cast<size_t>(p.choice[j]);
+      const int store = store_of(j, k);
+      if (store < 0) continue;
+      used[static_cast<size_t>(store)] = true;
+      for (size_t ci = 0; ci < step_model.units[j].calls.size(); ++ci) sent += sent_by(j, ci, k);
     }
     if (sent <= 0) return false;
     const double per_byte = (step_ms - p.time_ms) / sent;
     offload_ms_per_gib += per_byte * static_cast<double>(int64_t{1} << 30);
-    for (plan::StepUnit& su : step_model.units) {
-      if (su.options.size() <= n) continue;
-      for (plan::StepCall& c : su.calls) {
-        for (size_t k = su.options.size() - n; k < su.options.size(); ++k) {
-          if (!used[k - (su.options.size() - n)]) continue;
-          c.costs[k].time_ms +=
-              per_byte * static_cast<double>(std::max<int64_t>(0, c.costs[0].kept_bytes - c.costs[k].kept_bytes));
-        }
+    for (size_t j = 0; j < step_model.units.size(); ++j) {
+      plan::StepUnit& su = step_model.units[j];
+      for (size_t k = 1; k < su.options.size(); ++k) {
+        const int store = store_of(j, k);
+        if (store < 0 || !used[static_cast<size_t>(store)]) continue;
+        for (size_t ci = 0; ci < su.calls.size(); ++ci) su.calls[ci].costs[k].time_ms += per_byte * sent_by(j, ci, k);
       }
     }
     ++reprices;
@@ -1104,7 +1260,11 @@ std::string AutoCheckpoint::explain() const {
     }
     if (m.step_plan.budget_bytes != 0 && m.inflight_margin() > 0 && p.peak_bytes + m.inflight_margin() <= m.budget) {
       bool offloads = false;
-      for (const auto& u : units()) offloads |= u.options[u.choice].rfind("offload disk", 0) == 0;
+      const std::vector<AutoUnit> us = units();
+      for (size_t j = 0; j < us.size(); ++j) {
+        const int store = m.store_of(j, static_cast<size_t>(us[j].choice));
+        offloads |= store >= 0 && m.options.offload()[static_cast<size_t>(store)].target() == OffloadTarget::kDisk;
+      }
       if (offloads) {
         os << "offload: up to " << plan::format_bytes(m.inflight_margin())
            << " of writes and reads in flight on top of the prediction, within the budget\n";
