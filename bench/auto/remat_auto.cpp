@@ -184,7 +184,10 @@ int main(int argc, char** argv) {
     const int64_t lo = planner.leanest_peak_bytes(), hi = planner.profiled_peak_bytes();
     planner.replan(lo + (hi - lo) * i / 7);
     bool offloads = false;
-    for (const auto& u : planner.units()) offloads |= u.options[u.choice].rfind("offload", 0) == 0;
+    for (const auto& u : planner.units()) {
+      const std::string& o = u.options[u.choice];
+      offloads |= o.rfind("offload", 0) == 0 || o.rfind("recompute, inputs to ", 0) == 0;
+    }
     if (!offloads) continue;
     for (; calibration_steps < 2; ++calibration_steps) planner.step(step);
     std::printf("%s", planner.explain().c_str());

@@ -93,7 +93,8 @@ struct AutoOptions {
    *  own (e.g. a model's Megatron policy), beside the knapsack's levels, so
    *  that a plan can mix it per unit with the rest. Default none. */
   TORCH_ARG(std::vector<Policy>, policies);
-  /** Offload options for every unit: each adds the option "offload disk"
+  /** Offload options for every unit but chains (whose options are their
+   *  schedules): each adds the option "offload disk"
    *  (OffloadTarget::kDisk) or "offload memory <codec>" (kMemory with a
    *  codec), under which what the unit saves for backward goes to the
    *  store and nothing is recomputed (Checkpointable::set_offloading), and,

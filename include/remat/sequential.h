@@ -244,6 +244,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
     std::shared_ptr<detail::StopRecords> stops;    // early stop's per-stage records
     std::vector<char> writes_input;                // per stage: writes its input in place (profiled)
+    bool own_plan = false;                         // `plan` is the options' (else store-all, for a forced schedule)
     std::shared_ptr<const detail::Levers> levers;  // per stage: how its options run (plan::Stage::options)
     // Step budget: bytes outside the chain (measured), steps measured, and
     // why the budget cannot be met (thrown by the next forward).
@@ -266,14 +267,17 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   friend class StepScope;
   void end_step(int64_t step_peak, int64_t chain_steps_before);
   CheckpointedSequentialImpl(torch::nn::Sequential seq, SequentialOptions options, bool own_children);
-  const Entry& entry_for(const detail::Values& x);  // with mu_ held
+  // With mu_ held. forced: the whole-step planner's schedule runs, so the
+  // options' plan is not solved (solve_own does, on a later call without).
+  const Entry& entry_for(const detail::Values& x, bool forced = false);
+  void solve_own(Entry& e);  // the options' plan into e.plan; throws when the options cannot be met
   const Entry& last_entry() const;
   detail::Values run(const detail::Values& x, bool want_tensor);
-  /** run() without the whole-step observer: under `trial` when given (an
-   *  isolated run of the whole-step profiler: nullptr schedule = store-all),
-   *  else under forced_ or the options' plan. */
   /** The whole-step planner's options for x (src/chain/observe.h's ChainMenu). */
   std::vector<detail::ChainOption> menu_for(const detail::Values& x, int budgets);
+  /** run() without the whole-step observer: under `trial` when given (an
+   *  isolated run of the whole-step profiler), else under forced_ or the
+   *  options' plan. */
   detail::Values run_planned(const detail::Values& x, bool want_tensor, const detail::ForcedSchedule* trial);
 
   torch::nn::Sequential seq_;

@@ -129,19 +129,23 @@ struct CallRecord {
   std::vector<double> exclusive_us;                               // per input slot: -1, or when seen held only here
   std::vector<std::vector<char>> lets_go;                         // per menu option, per input slot
   std::vector<const c10::StorageImpl*> input_ids;                 // per input slot: its storage (nullptr: none)
-  std::vector<int64_t> input_bytes;                               // per input slot: its storage's bytes
-  double release_us = -1;    // the latest exclusive_us of an input some option lets go; -1: none
-  int64_t largest_pack = 0;  // bytes of the largest storage its saves (or an inner call's) packed
+  std::vector<double> alive_us;      // per input slot: the last unpack of the call that saw its storage still live
+  std::vector<int64_t> input_bytes;  // per input slot: its storage's bytes
+  double release_us = -1;            // the latest exclusive_us of an input some option lets go; -1: none
+  double release_end_us = -1;        // where the credit for those inputs ends (in the call's backward)
+  int64_t largest_pack = 0;          // bytes of the largest storage its saves (or an inner call's) packed
   std::vector<std::pair<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>> packs;
 
-  /** A tensor this call's saves (or an inner call's) packed. */
+  /** A tensor this call's saves (or an inner call's) packed: noted where
+   *  it shares an input's storage. */
   void packed(const at::Tensor& t) {
     if (!t.has_storage()) return;
+    const c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
     for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
       std::lock_guard<std::mutex> lock(r->mu);
       r->largest_pack = std::max(r->largest_pack, static_cast<int64_t>(t.storage().nbytes()));
-      r->packs.emplace_back(t.storage().unsafeGetStorageImpl(),
-                            c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+      if (std::find(r->input_ids.begin(), r->input_ids.end(), st) == r->input_ids.end()) continue;
+      r->packs.emplace_back(st, c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
     }
   }
   /** Notes the inputs that only the tensors packed here hold now; mu held. */
@@ -166,6 +170,11 @@ struct CallRecord {
         r->first_unpack_us = t;
       }
       r->last_unpack_us = std::max(r->last_unpack_us, t);
+      // Keep may let an input go inside its backward: credit it no longer
+      // than it is seen live (NOTE [released inputs]).
+      for (size_t i = 0; i < r->inputs.size(); ++i) {
+        if (r->exclusive_us[i] >= 0 && !r->inputs[i].expired()) r->alive_us[i] = t;
+      }
     }
   }
 };
@@ -323,7 +332,14 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
   memory::Timeline* timeline = nullptr;                  // while profiling
-  int64_t largest_sent = 0;  // bytes of the largest tensor a unit saves or takes in the profiled step
+  int64_t largest_sent = 0;        // bytes of the largest tensor a unit that may send saves or takes in
+  int64_t largest_input_sent = 0;  // bytes of the largest input of a unit that may send its inputs
+  int64_t plan_margin = 0;         // the in-flight margin the plan in force was solved with
+  // The step model's units (indices into units) and, per unit and call, the
+  // bytes of its inputs (each storage once): as of the last profile that
+  // completed, so that a profile that throws leaves them matching step_model.
+  std::vector<size_t> modeled;
+  std::vector<std::vector<double>> input_bytes_of;
   std::shared_ptr<memory::Timeline> timeline_owner;  // the same, for the unpack hooks (weakly)
   std::vector<std::shared_ptr<CallRecord>> active;   // observed calls running now, outermost first
   bool in_trial = false;
@@ -424,6 +440,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       rec->input_bytes.push_back(stored ? static_cast<int64_t>(x.storage().nbytes()) : 0);
     }
     rec->exclusive_us.assign(inputs.size(), -1);
+    rec->alive_us.assign(inputs.size(), -1);
     const int64_t parent = active.empty() ? kTop : static_cast<int64_t>(active.back()->unit);
     if (u.parent == kNotSeen) u.parent = parent;
     if (u.parent != parent) u.parent = kDisagree;
@@ -470,7 +487,15 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     std::vector<Held> io_kept(u.menu.size());
     for (int r = 0; r < options.profile_repeats(); ++r) {
       for (size_t k = 0; k < u.menu.size(); ++k) {
-        const plan::StepCost cost = measure_one(u, inputs, run, u.menu[k], &has_backward, &retained);
+        plan::StepCost cost;
+        try {
+          cost = measure_one(u, inputs, run, u.menu[k], &has_backward, &retained);
+        } catch (const Error&) {
+          // A chain called with another shape than its first call's, whose
+          // schedules name stage options this call's chain lacks: it keeps.
+          if (u.chain == nullptr || k == 0) throw;
+          u.plannable = false;
+        }
         if (r == 0) {
           rec.costs[k] = cost;
           io_kept[k] = retained;
@@ -558,12 +583,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       o.policy(base.policy() ? policy::any_of({*base.policy(), p}) : p);
       u.menu.push_back({p.description(), o, std::nullopt});
     }
-    // Options that send to a store end the menu (without_offload drops them).
-    for (size_t i = 0; i < options.offload().size(); ++i) {
-      Option o(detail::offload_name(options.offload()[i]), std::nullopt, options.offload()[i]);
-      o.store = static_cast<int>(i);
-      u.menu.push_back(std::move(o));
-    }
+    // Options that send to a store end the menu, those sending only inputs
+    // first (the margin tiers of solve() drop them from the end).
     // Recompute with the inputs sent to the store: what it keeps is what
     // recompute keeps less its inputs, which it lets go once the caller
     // does (NOTE [released inputs]). Not for a unit inside another: a
@@ -573,6 +594,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       co.offload(options.offload()[i]);
       const std::string where = detail::offload_name(options.offload()[i]).substr(std::string("offload ").size());
       Option o("recompute, inputs to " + where, co, std::nullopt);
+      o.store = static_cast<int>(i);
+      u.menu.push_back(std::move(o));
+    }
+    for (size_t i = 0; i < options.offload().size(); ++i) {
+      Option o(detail::offload_name(options.offload()[i]), std::nullopt, options.offload()[i]);
       o.store = static_cast<int>(i);
       u.menu.push_back(std::move(o));
     }
@@ -705,7 +731,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
     // Segment boundaries: the step's ends and every window's ends.
     points_us = {begin_us, end_us};
-    largest_sent = 0;
+    largest_sent = largest_input_sent = 0;
     for (const auto& c : calls) {
       if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
       if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
@@ -714,19 +740,39 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       }
       // NOTE [released inputs]: from when every input that some option
       // lets go (and that the step saw held only by this call) is free to go.
-      c->release_us = -1;
+      // The credit ends at the earliest last sighting of such an input
+      // alive in the call's backward (keep may free it there).
+      c->release_us = c->release_end_us = -1;
       for (size_t i = 0; i < c->exclusive_us.size(); ++i) {
         bool let_go = false;
         for (const auto& k : c->lets_go) let_go |= i < k.size() && k[i];
-        if (let_go && c->exclusive_us[i] >= 0) c->release_us = std::max(c->release_us, c->exclusive_us[i]);
+        if (!let_go || c->exclusive_us[i] < 0) continue;
+        c->release_us = std::max(c->release_us, c->exclusive_us[i]);
+        const double alive = std::max(c->alive_us[i], c->first_unpack_us);
+        c->release_end_us = c->release_end_us < 0 ? alive : std::min(c->release_end_us, alive);
       }
-      if (c->release_us >= 0) {
+      if (c->release_us >= 0 && c->forward_end_us <= c->first_unpack_us) {
         c->release_us = std::clamp(c->release_us, c->forward_end_us, c->first_unpack_us);
+        c->release_end_us = std::clamp(c->release_end_us, c->first_unpack_us, c->last_unpack_us);
         points_us.push_back(c->release_us);
+        points_us.push_back(c->release_end_us);
+      } else {
+        c->release_us = c->release_end_us = -1;
       }
       c->packs.clear();  // the weak references are needed no more
-      largest_sent = std::max(largest_sent, c->largest_pack);
-      for (int64_t b : c->input_bytes) largest_sent = std::max(largest_sent, b);
+      // The largest tensor a unit that may send to a store saves or takes in.
+      bool sends = false, sends_inputs = false;
+      for (const Option& o : units[c->unit].menu) {
+        sends |= o.store >= 0;
+        sends_inputs |= o.store >= 0 && o.switch_state.has_value();
+      }
+      if (sends) {
+        largest_sent = std::max(largest_sent, c->largest_pack);
+        for (int64_t b : c->input_bytes) largest_sent = std::max(largest_sent, b);
+      }
+      if (sends_inputs) {
+        for (int64_t b : c->input_bytes) largest_input_sent = std::max(largest_input_sent, b);
+      }
     }
     std::sort(points_us.begin(), points_us.end());
     points_us.erase(std::unique(points_us.begin(), points_us.end()), points_us.end());
@@ -752,8 +798,24 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     for (int64_t p : m.segment_peak_bytes) profiled_peak = std::max(profiled_peak, p);
 
     std::vector<int64_t> model_index(units.size(), -1);
+    std::vector<size_t> now_modeled;
+    std::vector<std::vector<double>> now_input_bytes;
     for (size_t i = 0, j = 0; i < units.size(); ++i) {
-      if (!units[i].calls.empty()) model_index[i] = static_cast<int64_t>(j++);
+      if (units[i].calls.empty()) continue;
+      model_index[i] = static_cast<int64_t>(j++);
+      now_modeled.push_back(i);
+      now_input_bytes.emplace_back();
+      for (size_t ci : units[i].calls) {
+        const CallRecord& r = *calls[ci];
+        double bytes = 0;
+        for (size_t x = 0; x < r.input_ids.size(); ++x) {
+          const auto first = std::find(r.input_ids.begin(), r.input_ids.end(), r.input_ids[x]);
+          if (r.input_ids[x] != nullptr && first == r.input_ids.begin() + static_cast<int64_t>(x)) {
+            bytes += static_cast<double>(r.input_bytes[x]);
+          }
+        }
+        now_input_bytes.back().push_back(bytes);
+      }
     }
     for (size_t i = 0; i < units.size(); ++i) {
       Unit& u = units[i];
@@ -799,12 +861,17 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
           }
           sc.costs.push_back(cost);
         }
-        if (c.release_us >= 0) sc.release_begin = at(c.release_us);
+        if (c.release_us >= 0) {
+          sc.release_begin = at(c.release_us);
+          sc.release_end = at(c.release_end_us);
+        }
         su.calls.push_back(std::move(sc));
       }
       m.units.push_back(std::move(su));
     }
     step_model = std::move(m);
+    modeled = std::move(now_modeled);
+    input_bytes_of = std::move(now_input_bytes);
   }
 
   /** True when every inner unit of units[i] that ran in the profiled step
@@ -820,13 +887,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   }
 
   /** Units of the step model, in model order, as indices into units. */
-  std::vector<size_t> model_units() const {
-    std::vector<size_t> out;
-    for (size_t i = 0; i < units.size(); ++i) {
-      if (!units[i].calls.empty()) out.push_back(i);
-    }
-    return out;
-  }
+  std::vector<size_t> model_units() const { return modeled; }
 
   /** The store an offload option's isolated runs use: the option's, with
    *  at most one tensor in flight (the forward waits for each write). */
@@ -837,15 +898,31 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
   /** Bytes the offload stores may hold in flight at once (pending writes,
    *  reads ahead), beyond what the isolated runs measured: each kDisk
-   *  option's max_inflight_bytes, or the largest tensor a unit saves or
-   *  takes in, which a store lets go alone. */
-  int64_t inflight_margin() const {
+   *  option's max_inflight_bytes, or the largest tensor sent, which a store
+   *  lets go alone: of any tensor a unit saves or takes in, or with
+   *  inputs_only (plans whose units send only their inputs) of the inputs. */
+  int64_t inflight_margin(bool inputs_only = false) const {
     int64_t m = 0;
     for (const OffloadOptions& o : options.offload()) {
-      // A store lets one tensor larger than max_inflight_bytes go alone.
-      if (o.target() == OffloadTarget::kDisk) m += std::max(o.max_inflight_bytes(), largest_sent);
+      if (o.target() == OffloadTarget::kDisk) {
+        m += std::max(o.max_inflight_bytes(), inputs_only ? largest_input_sent : largest_sent);
+      }
     }
     return m;
+  }
+
+  /** The plans solve() compares: without options that send to a store (no
+   *  margin); with those sending only inputs (the inputs' margin); with
+   *  every option (the whole margin). */
+  struct Tier {
+    plan::StepModel model;
+    int64_t margin = 0;
+  };
+  std::vector<Tier> tiers() const {
+    const int64_t all = inflight_margin(), inputs = inflight_margin(/*inputs_only=*/true);
+    if (all == 0) return {{step_model, 0}};
+    return {
+        {without_offload(/*plain_only=*/false), 0}, {without_offload(/*plain_only=*/true), inputs}, {step_model, all}};
   }
 
   /** The store an option of step-model unit j sends to (an index in
@@ -856,13 +933,16 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   }
 
   /** The step model with the options that send to a store left out (they
-   *  end each menu). */
-  plan::StepModel without_offload() const {
+   *  end each menu), or with plain_only those that send what the unit saves
+   *  (they end it). */
+  plan::StepModel without_offload(bool plain_only = false) const {
     plan::StepModel m = step_model;
+    const std::vector<size_t> mu = model_units();
     for (size_t j = 0; j < m.units.size(); ++j) {
       plan::StepUnit& u = m.units[j];
+      const Unit& unit = units[mu[j]];
       size_t n = u.options.size();
-      while (n > 1 && store_of(j, n - 1) >= 0) --n;
+      while (n > 1 && (plain_only ? unit.menu[unit.offered[n - 1]].offload.has_value() : store_of(j, n - 1) >= 0)) --n;
       u.options.resize(n);
       for (auto& c : u.calls) c.costs.resize(n);
     }
@@ -872,47 +952,46 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   /** The fastest plan whose predicted peak fits target. Plans that offload
    *  through a disk store must fit with the stores' in-flight bytes added
    *  (inflight_margin), so that bound holds whatever the disk's pace. */
-  plan::StepPlan solve(int64_t target) const {
+  plan::StepPlan solve(int64_t target) {
     const plan::StepSolveOptions so{options.solver_time_limit_s()};
-    const int64_t margin = inflight_margin();
-    if (margin == 0) return plan::solve_step(step_model, target, so);
-    std::optional<plan::StepPlan> kept, offloading;
-    try {
-      kept = plan::solve_step(without_offload(), target, so);
-    } catch (const Error&) {
-    }
-    if (target > margin) {
+    std::optional<plan::StepPlan> best;
+    for (const Tier& t : tiers()) {
+      if (target <= t.margin) continue;
       try {
-        offloading = plan::solve_step(step_model, target - margin, so);
-        offloading->budget_bytes = target;
+        plan::StepPlan p = plan::solve_step(t.model, target - t.margin, so);
+        p.budget_bytes = target;
+        if (!best || p.prediction.time_ms < best->prediction.time_ms) {
+          best = std::move(p);
+          plan_margin = t.margin;
+        }
       } catch (const Error&) {
       }
     }
-    if (kept && (!offloading || kept->prediction.time_ms <= offloading->prediction.time_ms)) return *kept;
-    if (offloading) return *offloading;
+    if (best) return *best;
     const Leanest low = leanest();
-    throw Error("[remat::auto] no plan of the step fits in " + plan::format_bytes(target) +
-                "; the smallest feasible peak is " + plan::format_bytes(low.peak) + ", reached " +
-                plan::describe_segment(step_model, low.segment) +
-                (low.offloads ? " (with " + plan::format_bytes(margin) + " for offload writes and reads in flight)"
-                              : std::string()) +
-                ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or "
-                "images per step).");
+    throw Error(
+        "[remat::auto] no plan of the step fits in " + plan::format_bytes(target) + "; the smallest feasible peak is " +
+        plan::format_bytes(low.peak) + ", reached " + plan::describe_segment(step_model, low.segment) +
+        (low.margin > 0 ? " (with " + plan::format_bytes(low.margin) + " for offload writes and reads in flight)"
+                        : std::string()) +
+        ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or "
+        "images per step).");
   }
 
   struct Leanest {
     int64_t peak = 0, segment = 0;
-    bool offloads = false;  // reached by a plan that offloads (margin included)
+    int64_t margin = 0;  // the in-flight margin of the plan that reaches it (included)
   };
-  /** The smallest peak a plan reaches, the in-flight margin included. */
+  /** The smallest peak a plan reaches, its in-flight margin included. */
   Leanest leanest() const {
     const plan::StepSolveOptions so{options.solver_time_limit_s()};
-    const int64_t margin = inflight_margin();
-    const plan::StepPrediction all = plan::min_peak_step(step_model, so).prediction;
-    if (margin == 0) return {all.peak_bytes, all.peak_segment, false};
-    const plan::StepPrediction kept = plan::min_peak_step(without_offload(), so).prediction;
-    if (kept.peak_bytes <= all.peak_bytes + margin) return {kept.peak_bytes, kept.peak_segment, false};
-    return {all.peak_bytes + margin, all.peak_segment, true};
+    std::optional<Leanest> best;
+    for (const Tier& t : tiers()) {
+      const plan::StepPrediction p = plan::min_peak_step(t.model, so).prediction;
+      if (!best || p.peak_bytes + t.margin < best->peak)
+        best = Leanest{p.peak_bytes + t.margin, p.peak_segment, t.margin};
+    }
+    return *best;
   }
 
   void solve_and_apply(int64_t target) {
@@ -979,15 +1058,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       if (!u.menu[u.offered[k]].switch_state) {
         return static_cast<double>(std::max<int64_t>(0, c.costs[0].kept_bytes - c.costs[k].kept_bytes));
       }
-      const CallRecord& r = *calls[u.calls[ci]];
-      double bytes = 0;
-      for (size_t i = 0; i < r.input_ids.size(); ++i) {
-        if (r.input_ids[i] != nullptr && std::find(r.input_ids.begin(), r.input_ids.begin() + static_cast<int64_t>(i),
-                                                   r.input_ids[i]) == r.input_ids.begin() + static_cast<int64_t>(i)) {
-          bytes += static_cast<double>(r.input_bytes[i]);
-        }
-      }
-      return bytes;
+      return input_bytes_of[j][ci];
     };
     double sent = 0;                                          // bytes the plan's offloading calls send
     std::vector<bool> used(options.offload().size(), false);  // which of options.offload() the plan uses
@@ -1107,7 +1178,15 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
   }
   for (Unit& u : impl_->units) {
     if (u.chain != nullptr) continue;  // what runs inside a chain runs as its schedule says
+    // Not below a chain: what runs inside one runs as its schedule says.
+    std::vector<const torch::nn::Module*> in_chains;
     for (const auto& sub : u.module->modules(/*include_self=*/false)) {
+      if (auto* chain = dynamic_cast<CheckpointedSequentialImpl*>(sub.get())) {
+        for (const auto& m : chain->sequential()->modules(/*include_self=*/true)) in_chains.push_back(m.get());
+      }
+    }
+    for (const auto& sub : u.module->modules(/*include_self=*/false)) {
+      if (std::find(in_chains.begin(), in_chains.end(), sub.get()) != in_chains.end()) continue;
       auto* c = dynamic_cast<Checkpointable*>(sub.get());
       auto it = c == nullptr ? impl_->index.end() : impl_->index.find(c);
       if (it != impl_->index.end() && std::find(u.inner.begin(), u.inner.end(), it->second) == u.inner.end()) {
@@ -1153,8 +1232,9 @@ void AutoCheckpoint::profile_step(const std::function<void()>& fn) {
   ++m.steps_run;
   if (m.step_model.units.empty()) {
     throw Error("[remat::auto] the profiled step called none of the model's " + std::to_string(m.units.size()) +
-                " Checkpointable modules with grad enabled (first: '" + shown(m.units[0].name) +
-                "'); run the step function that trains this model, with its forward routed through checkpointed().");
+                " units (Checkpointable modules and chains) with grad enabled (first: '" + shown(m.units[0].name) +
+                "'); run the step function that trains this model, with its Checkpointable modules' forward routed "
+                "through checkpointed().");
   }
   m.budget = m.options.memory_budget_bytes() > 0
                  ? m.options.memory_budget_bytes()
@@ -1258,7 +1338,7 @@ std::string AutoCheckpoint::explain() const {
                     m.offload_ms_per_gib);
       os << b;
     }
-    if (m.step_plan.budget_bytes != 0 && m.inflight_margin() > 0 && p.peak_bytes + m.inflight_margin() <= m.budget) {
+    if (m.step_plan.budget_bytes != 0 && m.plan_margin > 0 && p.peak_bytes + m.plan_margin <= m.budget) {
       bool offloads = false;
       const std::vector<AutoUnit> us = units();
       for (size_t j = 0; j < us.size(); ++j) {
@@ -1266,7 +1346,7 @@ std::string AutoCheckpoint::explain() const {
         offloads |= store >= 0 && m.options.offload()[static_cast<size_t>(store)].target() == OffloadTarget::kDisk;
       }
       if (offloads) {
-        os << "offload: up to " << plan::format_bytes(m.inflight_margin())
+        os << "offload: up to " << plan::format_bytes(m.plan_margin)
            << " of writes and reads in flight on top of the prediction, within the budget\n";
       }
     }

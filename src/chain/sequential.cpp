@@ -1091,7 +1091,7 @@ std::shared_ptr<torch::nn::Module> CheckpointedSequentialImpl::clone(const std::
   return copy;
 }
 
-const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(const detail::Values& x) {
+const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(const detail::Values& x, bool forced) {
   auto key = detail::plan_key(x, seq_);
   // NOTE [parameter gradients in the plan]: with count_parameter_gradients,
   // does this step's backward allocate parameter gradients (some .grad
@@ -1103,6 +1103,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   key.push_back(allocates);
   auto it = plans_.find(key);
   if (it != plans_.end()) {
+    if (!forced && !it->second.own_plan) solve_own(it->second);  // profiled under the whole-step planner
     if (it->second.pending_ms_per_byte > 0) apply_reprice(it->second);
     return it->second;
   }
@@ -1129,6 +1130,18 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
     ++profiles_;
   }
   e.chain = allocates ? detail::with_param_grads(e.profiled, grad_bytes) : e.profiled;
+  if (forced) {
+    // The whole-step planner runs its own schedule: the options' plan is
+    // solved later, when a call runs without it (and may throw then).
+    e.plan = plan::store_all(e.chain);
+    e.own_plan = false;
+    return plans_.emplace(std::move(key), std::move(e)).first->second;
+  }
+  solve_own(e);
+  return plans_.emplace(std::move(key), std::move(e)).first->second;
+}
+
+void CheckpointedSequentialImpl::solve_own(Entry& e) {
   int64_t budget = options_.memory_budget_bytes();
   const double fraction = options_.memory_budget_fraction();
   int64_t plain = -1;
@@ -1186,7 +1199,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
                   "; use algorithm \"optimal\" (the default with a budget) or raise " + raise + ".");
     }
   }
-  return plans_.emplace(std::move(key), std::move(e)).first->second;
+  e.own_plan = true;
 }
 
 const plan::Plan& CheckpointedSequentialImpl::plan(const at::Tensor& x) {
@@ -1259,7 +1272,11 @@ detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool wan
 
 std::vector<detail::ChainOption> CheckpointedSequentialImpl::menu_for(const detail::Values& x, int budgets) {
   std::lock_guard<std::mutex> lock(*mu_);
-  const Entry& e = entry_for(x);
+  const Entry& e = entry_for(x, /*forced=*/true);
+  // Without the stages' disk levers: the whole-step planner measures each
+  // schedule in one isolated run, which cannot bound the disk's writes in
+  // flight (they are last in each stage's menu, so the others' indices hold).
+  const plan::Chain chain = e.levers ? e.levers->without_disk(e.chain) : e.chain;
   std::vector<detail::ChainOption> out;
   auto add = [&](std::string name, plan::Plan p) {
     for (const auto& o : out) {
@@ -1267,10 +1284,10 @@ std::vector<detail::ChainOption> CheckpointedSequentialImpl::menu_for(const deta
     }
     out.push_back({std::move(name), std::move(p.schedule), std::move(p.prediction)});
   };
-  plan::Plan all = plan::store_all(e.chain);
+  plan::Plan all = plan::store_all(chain);
   const int64_t high = all.prediction.peak_bytes;
   add("store-all", std::move(all));
-  const int64_t low = lowest_peak(e.chain, e.levers.get());
+  const int64_t low = lowest_peak(chain, nullptr);
   for (int j = 0; j < budgets && low < high; ++j) {
     const int64_t budget = low + (high - low) * j / std::max(1, budgets);
     auto solve = plan::parse_algorithm("optimal")
@@ -1279,7 +1296,7 @@ std::vector<detail::ChainOption> CheckpointedSequentialImpl::menu_for(const deta
                      .with_budget_bytes(budget);
     plan::Plan p;
     try {
-      p = solve_chain(e.chain, e.levers.get(), solve);
+      p = solve_chain(chain, nullptr, solve);
     } catch (const Error&) {
       continue;  // the DP's memory slots can miss the leanest budget by a slot
     }
@@ -1342,7 +1359,7 @@ detail::Values CheckpointedSequentialImpl::run_planned(const detail::Values& x, 
           "`auto step = net->begin_step();` before the model's forward and keep it until the step ends (after "
           "the optimizer step).");
     }
-    entry = last_ = &entry_for(x);
+    entry = last_ = &entry_for(x, trial != nullptr || forced_ != nullptr);
     if (!entry->step_error.empty()) throw Error(entry->step_error);
     schedule = entry->plan.schedule;
     predicted_ms = entry->plan.prediction.time_ms;

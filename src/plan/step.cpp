@@ -27,14 +27,16 @@ std::string unit_label(const StepModel& m, size_t u) {
 }
 
 // The segment's classes for one call: 0 outside, 1 forward, 2 kept, 3
-// backward, 4 kept after its release point.
-constexpr int kClasses = 5;
+// backward, 4 kept after its release point, 5 backward after the credit.
+constexpr int kClasses = 6;
 int klass(const StepCall& c, int64_t s) {
   if (s >= c.forward_begin && s < c.forward_end) return 1;
   if (s >= c.forward_end && s < c.backward_begin) return c.release_begin >= 0 && s >= c.release_begin ? 4 : 2;
-  if (s >= c.backward_begin && s < c.backward_end) return 3;
+  if (s >= c.backward_begin && s < c.backward_end) return c.release_end >= 0 && s >= c.release_end ? 5 : 3;
   return 0;
 }
+
+bool backward_class(int cls) { return cls == 3 || cls == 5; }
 
 int64_t delta(const StepCall& c, int cls, int k) {
   const StepCost& a = c.costs[k];
@@ -45,6 +47,7 @@ int64_t delta(const StepCall& c, int cls, int k) {
     case 2: return a.kept_bytes - b.kept_bytes;
     case 3: return a.backward_peak_bytes - b.backward_peak_bytes - released;
     case 4: return a.kept_bytes - b.kept_bytes - released;
+    case 5: return a.backward_peak_bytes - b.backward_peak_bytes;
     default: return 0;
   }
 }
@@ -404,7 +407,7 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
     }
     const int window = q < n ? klass(m.units[c.order[q]].calls[0], s) : 0;
     if (q > 0 && s < c.settled[q - 1]) continue;  // block q-1's early need
-    if (window != 1 && window != 3) c.between[q] = std::max(c.between[q], m.segment_peak_bytes[s]);
+    if (window != 1 && !backward_class(window)) c.between[q] = std::max(c.between[q], m.segment_peak_bytes[s]);
   }
   // Each block's options: every valid combination of its members' options.
   c.options.resize(n);
@@ -439,7 +442,7 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
       for (int64_t s = outer.forward_begin; s < outer.backward_end; ++s) {
         const int w = klass(outer, s);
         const bool early = (w == 2 || w == 4) && s < settled;
-        if (w != 1 && w != 3 && !early) continue;
+        if (w != 1 && !backward_class(w) && !early) continue;
         int64_t bytes = m.segment_peak_bytes[s];
         for (size_t i = 0; i < mem.size(); ++i)
           bytes += delta(m.units[mem[i]].calls[0], klass(m.units[mem[i]].calls[0], s), pick[i]);
@@ -575,6 +578,12 @@ void validate(const StepModel& m) {
                     std::to_string(call.forward_end) + ", " + std::to_string(call.backward_begin) +
                     "]; give -1 (none) or a segment in it.");
       }
+      if (call.release_end != -1 &&
+          !(call.backward_begin <= call.release_end && call.release_end <= call.backward_end)) {
+        throw Error("[remat::plan] " + where + " has its release end at segment " + std::to_string(call.release_end) +
+                    ", outside its backward [" + std::to_string(call.backward_begin) + ", " +
+                    std::to_string(call.backward_end) + "]; give -1 (the backward's end) or a segment in it.");
+      }
       if (call.costs.size() != unit.options.size()) {
         throw Error("[remat::plan] " + where + " has " + std::to_string(call.costs.size()) + " costs for " +
                     std::to_string(unit.options.size()) + " options; give one per option.");
@@ -640,7 +649,7 @@ std::string describe_segment(const StepModel& m, int64_t s) {
     const auto& calls = m.units[u].calls;
     for (size_t c = 0; c < calls.size(); ++c) {
       const int cls = klass(calls[c], s);
-      if (cls != 1 && cls != 3) continue;
+      if (cls != 1 && !backward_class(cls)) continue;
       const int64_t len =
           cls == 1 ? calls[c].forward_end - calls[c].forward_begin : calls[c].backward_end - calls[c].backward_begin;
       if (len < best) {

@@ -753,11 +753,29 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   for (; k < 2; ++k) planner.step([&] { w.step(k); });
   ASSERT_TRUE(planner.planned());
   const int64_t leanest = planner.leanest_peak_bytes();
-  // The margin for writes in flight: max_inflight_bytes (64 KiB), or the
-  // largest tensor a unit saves, which the store lets go alone: 512 KiB
-  // (the attention scores, 8 x 4 x 64 x 64 floats, and the MLP's hidden
-  // activations, 8 x 64 x 256).
-  EXPECT_EQ(leanest, remat::plan::min_peak_step(planner.step_model()).prediction.peak_bytes + (512 << 10));
+  // The leanest of three tiers, each with its margin for writes in flight
+  // (max_inflight_bytes, 64 KiB, or the largest tensor sent, which the
+  // store lets go alone): no option that sends (no margin); recompute with
+  // the inputs sent, no plain offload (a block's input, 8 x 64 x 64 floats:
+  // 128 KiB); every option (the attention scores, 8 x 4 x 64 x 64 floats,
+  // and the MLP's hidden activations, 8 x 64 x 256: 512 KiB).
+  auto without = [&](bool inputs_too) {
+    remat::plan::StepModel m = planner.step_model();
+    for (auto& u : m.units) {
+      size_t n = u.options.size();
+      while (n > 1 && (u.options[n - 1].rfind("offload", 0) == 0 ||
+                       (inputs_too && u.options[n - 1].rfind("recompute, inputs to ", 0) == 0))) {
+        --n;
+      }
+      u.options.resize(n);
+      for (auto& c : u.calls) c.costs.resize(n);
+    }
+    return remat::plan::min_peak_step(m).prediction.peak_bytes;
+  };
+  const int64_t tiers =
+      std::min({without(true), without(false) + (128 << 10),
+                remat::plan::min_peak_step(planner.step_model()).prediction.peak_bytes + (512 << 10)});
+  EXPECT_EQ(leanest, tiers);
   // Blocks run at the top: they also offer recompute with their input sent
   // to each store, whose input (8 x 64 x 64 floats, 128 KiB) is credited
   // once the next block starts; attn and mlp run inside blocks: no such option.
@@ -939,9 +957,9 @@ TEST(Auto, AStepThatCallsNoUnitIsRefused) {
     FAIL();
   } catch (const remat::Error& e) {
     EXPECT_STREQ(e.what(),
-                 "[remat::auto] the profiled step called none of the model's 24 Checkpointable modules with grad "
-                 "enabled (first: 'blocks.0'); run the step function that trains this model, with its forward "
-                 "routed through checkpointed().");
+                 "[remat::auto] the profiled step called none of the model's 24 units (Checkpointable modules and "
+                 "chains) with grad enabled (first: 'blocks.0'); run the step function that trains this model, with "
+                 "its Checkpointable modules' forward routed through checkpointed().");
   }
 }
 
@@ -1045,6 +1063,97 @@ TEST(Auto, AUnitOffTheCpuIsRefusedByName) {
   }
   EXPECT_FALSE(planner.planned());
 }
+TEST(Auto, AChainOffTheCpuIsRefusedByName) {
+  // (No parameters: a module cannot be moved to the meta device.)
+  remat::CheckpointedSequential chain{torch::nn::Sequential(torch::nn::ReLU(), torch::nn::Tanh())};
+  auto planner = remat::auto_checkpoint(*chain, remat::AutoOptions().memory_budget_fraction(0.5).warmup_steps(0));
+  try {
+    planner.step([&] {
+      chain->forward(torch::ones({2, 4}, torch::TensorOptions().device(torch::kMeta).requires_grad(true)));
+    });
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::auto] unit '(root)' runs on meta; the whole-step planner measures CPU memory only. On a "
+                 "CUDA device, use the chain's own memory budget (SequentialOptions) without auto_checkpoint.");
+  }
+  EXPECT_FALSE(planner.planned());
+}
+
+TEST(Auto, AChainWithAnInfeasibleBudgetOfItsOwnRunsThePlannersSchedule) {
+  // Alone, the chain refuses a budget under its leanest peak at its first
+  // forward; under a planner its options' plan is not used, so nothing is
+  // refused, and the step is the plain one, bitwise.
+  auto step_of = [](ChainNet net) {
+    auto opt = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-3));
+    return classifier(net, opt, batches(kSteps, {256, 16}), batches(kSteps, {256}, true, 4), true);
+  };
+  torch::manual_seed(0);
+  Workload plain = step_of(ChainNet(64, 6, std::make_shared<std::atomic<int64_t>>(0)));
+  torch::manual_seed(0);
+  Workload tight = step_of(ChainNet(64, 6, std::make_shared<std::atomic<int64_t>>(0),
+                                    remat::SequentialOptions().memory_budget_fraction(0.01)));
+  auto planner = remat::auto_checkpoint(*tight.model, remat::AutoOptions().memory_budget_fraction(0.85));
+  torch::manual_seed(1);
+  for (int k = 0; k < kSteps; ++k) plain.step(k);
+  torch::manual_seed(1);
+  for (int k = 0; k < kSteps; ++k) planner.step([&] { tight.step(k); });
+  ASSERT_TRUE(planner.planned());
+  EXPECT_TRUE(state_of(*plain.model) == state_of(*tight.model));
+  EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(planner.budget_bytes()));
+  // Without the planner's schedule, the options' plan is solved, and refused.
+  torch::manual_seed(0);
+  auto alone = ChainNet(64, 6, std::make_shared<std::atomic<int64_t>>(0),
+                        remat::SequentialOptions().memory_budget_fraction(0.01));
+  try {
+    alone->forward(torch::randn({256, 16}));
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("[remat::CheckpointedSequential] no schedule fits in memory_budget_fraction "
+                                          "0.01",
+                                          0),
+              0u)
+        << e.what();
+  }
+}
+
+TEST(Auto, AChainCalledWithTwoShapesKeepsWhereItsSchedulesDoNotFit) {
+  // One step runs the chain on a batch of 256 and on a batch of 2: the
+  // schedules from the first call's stage menus (selective levels) name
+  // options the second call's chain lacks. The chain keeps; nothing throws.
+  const auto levers = remat::SequentialOptions().profile(remat::ProfileOptions().selective_levels(2));
+  auto make = [&] {
+    torch::manual_seed(0);
+    auto net = ChainNet(64, 6, std::make_shared<std::atomic<int64_t>>(0), levers);
+    auto opt = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto xs = batches(kSteps, {256, 16});
+    auto small = batches(kSteps, {2, 16});
+    Workload w;
+    w.model = net.ptr();
+    w.step = [net, opt, xs, small](int k) mutable {
+      opt->zero_grad();
+      // Two micro-batches, a full one first (the menu comes from its call), then a ragged one.
+      net->forward(xs[k]).square().mean().backward();
+      net->forward(small[k]).square().mean().backward();
+      opt->step();
+    };
+    return w;
+  };
+  Workload plain = make(), planned = make();
+  auto planner = remat::auto_checkpoint(*planned.model, remat::AutoOptions().memory_budget_fraction(1.0));
+  torch::manual_seed(1);
+  for (int k = 0; k < kSteps; ++k) plain.step(k);
+  torch::manual_seed(1);
+  for (int k = 0; k < kSteps; ++k) planner.step([&] { planned.step(k); });
+  ASSERT_TRUE(planner.planned());
+  for (const auto& u : planner.units()) {
+    if (u.name == "body") {
+      EXPECT_EQ(u.options.size(), 1u) << planner.explain();
+    }
+  }
+  EXPECT_TRUE(state_of(*plain.model) == state_of(*planned.model));
+}
+
 TEST(Auto, APlannedModelLeavesNoTensorBehind) {
   // The menu's op-timing runs of inner units run forwards never run
   // backward, inside the enclosing unit's hooks: nothing of them may stay.

@@ -27,7 +27,8 @@ int64_t brute_segment(const rp::StepModel& m, const std::vector<int>& choice, in
       if (c.forward_end <= s && s < c.backward_begin) bytes += a.kept_bytes - b.kept_bytes;
       if (c.backward_begin <= s && s < c.backward_end) bytes += a.backward_peak_bytes - b.backward_peak_bytes;
       // Released inputs: credited from the release point to the backward's end.
-      if (c.release_begin >= 0 && c.release_begin <= s && s < c.backward_end) {
+      const int64_t credit_end = c.release_end >= 0 ? c.release_end : c.backward_end;
+      if (c.release_begin >= 0 && c.release_begin <= s && s < credit_end) {
         bytes -= a.released_bytes - b.released_bytes;
       }
     }
@@ -114,6 +115,7 @@ rp::StepCall random_call(std::mt19937& rng, int options, int64_t fb, int64_t fe,
   }
   if (release_hi >= fe && mib(rng) % 2 == 0) {
     c.release_begin = std::uniform_int_distribution<int64_t>(fe, std::min(release_hi, bb))(rng);
+    if (mib(rng) % 2 == 0) c.release_end = std::uniform_int_distribution<int64_t>(bb, be)(rng);
     for (size_t k = 1; k < c.costs.size(); ++k) c.costs[k].released_bytes = mib(rng) % 4 * MiB;
   }
   return c;
@@ -441,6 +443,16 @@ TEST(StepSolve, ValidateNamesTheProblem) {
                  "[1, 1]; give -1 (none) or a segment in it.");
   }
   m.units[0].calls[0].release_begin = 1;
+  m.units[0].calls[0].release_end = 3;
+  try {
+    rp::validate(m);
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 0 ('a') call 0 has its release end at segment 3, outside its backward [1, 2]; "
+                 "give -1 (the backward's end) or a segment in it.");
+  }
+  m.units[0].calls[0].release_end = -1;
   m.units[0].calls[0].costs[1].released_bytes = -1;
   EXPECT_THROW(rp::validate(m), remat::Error);
   m.units[0].calls[0].costs[1].released_bytes = 0;

@@ -19,7 +19,8 @@
 //     kept(k) - kept(0)                    for s in [forward_end, backward_begin)
 //     backward_peak(k) - backward_peak(0)  for s in [backward_begin, backward_end)
 //   less, when the call has a release point r (release_begin >= 0),
-//     released(k) - released(0)            for s in [r, backward_end)
+//     released(k) - released(0)            for s in [r, e)
+//   with e = release_end, or backward_end when release_end is -1
 // where option 0 is the one the step was profiled with. The release is
 // what an option lets go of the call's inputs once nothing else holds them
 // (from r, when the profiled step saw the caller let them go). Time: the profiled
@@ -75,6 +76,10 @@ struct StepCall {
    *  release (forward_end <= release_begin <= backward_begin), or -1: none
    *  (StepCost::released_bytes is then ignored). */
   int64_t release_begin = -1;
+  /** One past the last segment of the credit: where option 0 may have let
+   *  the inputs go in its backward (backward_begin <= release_end <=
+   *  backward_end), or -1: the backward's end. */
+  int64_t release_end = -1;
 };
 
 /** A unit: one decision (the same option for all its calls). */
