@@ -356,9 +356,9 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
           // timeline is gone: the unpack is then not the step's.
           hooks_(detail::make_function_hooks(
               [rec](const at::Tensor& t) -> std::any {
-                at::Tensor d = t.detach();  // keep_detached, noted for NOTE [released inputs]
-                rec->packed(d);
-                return d;
+                std::any kept = keep_detached(t);
+                rec->packed(std::any_cast<const at::Tensor&>(kept));  // NOTE [released inputs]
+                return kept;
               },
               [rec, weak = std::weak_ptr<memory::Timeline>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
                 if (auto tl = weak.lock()) rec->unpacked(tl->now_us());
