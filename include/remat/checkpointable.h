@@ -88,6 +88,20 @@ class OffloadCall {
   std::unique_ptr<ScopedHooks> hooks_;
 };
 
+/** Hooks around every call of one Checkpointable object, on any thread
+ *  (remat::parallel::FullyShard gathers a unit's parameters before its
+ *  forward and arms its backward after). A recompute that calls the module
+ *  again calls them again. */
+class UnitHook {
+ public:
+  virtual ~UnitHook() = default;
+  /** Before the call runs (before a UnitObserver sees it). */
+  virtual void before_forward() = 0;
+  /** After it returned, with its output tensors flattened (not called when
+   *  it throws). */
+  virtual void after_forward(const std::vector<at::Tensor>& outputs) = 0;
+};
+
 /** This thread's observer, or nullptr (the common case). */
 UnitObserver* unit_observer();
 /** Installs `o` on this thread (nullptr removes it); returns the previous one. */
@@ -134,6 +148,11 @@ class Checkpointable {
    *  was made; a copy (clone()) starts at 0. 0 after a forward that ran the
    *  module means the forward does not route through the switch. */
   int64_t checkpointed_calls() const { return calls_.n.load(std::memory_order_relaxed); }
+  /** Installs hooks around this module's calls (nullptr removes them);
+   *  one at a time. Not copied by clone(). */
+  void set_unit_hook(std::shared_ptr<detail::UnitHook> hook) { hook_.p = std::move(hook); }
+  /** The hooks set_unit_hook() installed, or nullptr. */
+  detail::UnitHook* unit_hook() const { return hook_.p.get(); }
 
  protected:
   /** fn(args...) under remat::checkpoint when the switch is on (with this
@@ -142,14 +161,38 @@ class Checkpointable {
   template <class Fn, class... Args>
   auto checkpointed(Fn&& fn, Args&&... args) -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
     calls_.n.fetch_add(1, std::memory_order_relaxed);
+    if (hook_.p) return hooked(hook_.p, fn, std::forward<Args>(args)...);
+    return switched(std::forward<Fn>(fn), std::forward<Args>(args)...);
+  }
+
+ private:
+  /** checkpointed() past its hooks: observed, checkpointed or plain. */
+  template <class Fn, class... Args>
+  auto switched(Fn&& fn, Args&&... args) -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
     if (detail::UnitObserver* observer = detail::unit_observer()) {
       return observed(*observer, std::forward<Fn>(fn), std::forward<Args>(args)...);
     }
     if (!options_) return off(fn, std::forward<Args>(args)...);
     return detail::checkpoint_impl(*options_, state(), std::forward<Fn>(fn), std::forward<Args>(args)...);
   }
-
- private:
+  /** switched() between the hooks' before_forward and after_forward (held
+   *  by `hook` for the call, so that removing them mid-call is safe). */
+  template <class Fn, class... Args>
+  auto hooked(std::shared_ptr<detail::UnitHook> hook, Fn& fn, Args&&... args)
+      -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
+    using R = decltype(detail::call(fn, std::forward<Args>(args)...));
+    hook->before_forward();
+    if constexpr (std::is_void_v<R>) {
+      switched(fn, std::forward<Args>(args)...);
+      hook->after_forward({});
+    } else {
+      R r = switched(fn, std::forward<Args>(args)...);
+      std::vector<at::Tensor> outputs;
+      detail::flatten_outputs(r, outputs);
+      hook->after_forward(outputs);
+      return r;
+    }
+  }
   /** A counter that modules may be copied with (it restarts at 0) and
    *  forwards on several threads may bump. */
   struct Calls {
@@ -218,6 +261,14 @@ class Checkpointable {
   std::optional<CheckpointOptions> options_;
   std::optional<OffloadOptions> offload_;
   Calls calls_;
+  /** The hooks, which a copy (clone()) does not take: they are the
+   *  original's (its parameters, its sharding). */
+  struct Hook {
+    std::shared_ptr<detail::UnitHook> p;
+    Hook() = default;
+    Hook(const Hook&) {}
+    Hook& operator=(const Hook&) { return *this; }
+  } hook_;
 };
 
 /** A checkpointable module as selectors see it. */
@@ -305,6 +356,13 @@ int64_t disable_checkpointing(torch::nn::Module& model);
  *  told from one that bypasses). Before any forward, and in a tree where
  *  no module calls checkpointed() at all, nothing is marked. */
 std::string describe_checkpointing(const torch::nn::Module& model);
+
+/** The checkpointable modules of model that selector chooses, in tree order
+ *  (each object once, at its first name), for layers that act on the same
+ *  modules as enable_checkpointing. Throws remat::Error as it does when the
+ *  selector chooses none; `caller` names the function in that message. */
+std::vector<SelectorInput> selected_checkpointables(const torch::nn::Module& model, const Selector& selector,
+                                                    const std::string& caller);
 
 /** enable_checkpointing() on a module holder (e.g. a TORCH_MODULE Gpt). */
 template <class M>

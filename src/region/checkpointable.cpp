@@ -125,14 +125,14 @@ Selector first_n(int64_t n, Selector base) { return positional("first_n", n, 0, 
 namespace {
 /** The checkpointable modules of model that selector chooses; throws, listing
  *  them all, when it chooses none. `caller` names the function in errors. */
-std::vector<Checkpointable*> chosen_by(torch::nn::Module& model, const Selector& selector, const std::string& caller) {
+std::vector<Found> chosen(const torch::nn::Module& model, const Selector& selector, const std::string& caller) {
   auto all = checkpointables(model);
   std::vector<SelectorInput> in;
   for (const auto& f : all) in.push_back(f.in);
-  const std::vector<bool> chosen = selector(in);
-  std::vector<Checkpointable*> out;
+  const std::vector<bool> flags = selector(in);
+  std::vector<Found> out;
   for (size_t i = 0; i < all.size(); ++i) {
-    if (chosen.at(i)) out.push_back(all[i].c);
+    if (flags.at(i)) out.push_back(all[i]);
   }
   if (out.empty()) {
     std::string have;
@@ -145,7 +145,20 @@ std::vector<Checkpointable*> chosen_by(torch::nn::Module& model, const Selector&
   }
   return out;
 }
+
+std::vector<Checkpointable*> chosen_by(torch::nn::Module& model, const Selector& selector, const std::string& caller) {
+  std::vector<Checkpointable*> out;
+  for (const auto& f : chosen(model, selector, caller)) out.push_back(f.c);
+  return out;
+}
 }  // namespace
+
+std::vector<SelectorInput> selected_checkpointables(const torch::nn::Module& model, const Selector& selector,
+                                                    const std::string& caller) {
+  std::vector<SelectorInput> out;
+  for (const auto& f : chosen(model, selector, caller)) out.push_back(f.in);
+  return out;
+}
 
 int64_t enable_checkpointing(torch::nn::Module& model, const Selector& selector, const CheckpointOptions& options) {
   const auto chosen = chosen_by(model, selector, "enable_checkpointing");

@@ -26,13 +26,16 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 #include <torch/utils.h>
 
 #include <remat/checkpoint.h>
 #include <remat/error.h>
+#include <remat/models/gpt.h>
 #include <remat/models/trainer.h>
 #include <remat/parallel/data_parallel.h>
+#include <remat/parallel/fully_shard.h>
 #include <remat/sequential.h>
 
 extern char** environ;
@@ -515,6 +518,304 @@ TEST(DataParallel, BadModulesAreClearErrors) {
             }),
             "[remat::parallel] bucket_cap_bytes 0 and first_bucket_cap_bytes 1048576 must be positive (the defaults "
             "are 25 MiB and 1 MiB).");
+}
+
+// --- FullyShard: sharded data parallel ------------------------------------
+
+/** The GPT fsdp_worker trains (4 blocks of d_model 64), as initialised. */
+remat::models::Gpt worker_gpt() {
+  torch::manual_seed(1);
+  remat::models::GptConfig cfg;
+  cfg.vocab = 64;
+  cfg.seq_len = 32;
+  cfg.d_model = 64;
+  cfg.heads = 4;
+  cfg.layers = 4;
+  return remat::models::Gpt(cfg);
+}
+
+std::vector<at::Tensor> loaded_params(const fs::path& p) {
+  auto gpt = worker_gpt();
+  torch::load(gpt, p.string());
+  std::vector<at::Tensor> v;
+  for (const auto& t : gpt->parameters()) v.push_back(t.detach().clone());
+  return v;
+}
+
+/** One line of fsdp_worker's figures (see its header). */
+struct FsdpStats {
+  int64_t forward_allgathers = -1, backward_allgathers = -1, reduce_scatters = -1, state_bytes = -1, max_gathered = -1,
+          largest_unit = -1, root_bytes = -1, units = -1;
+  double norm = -1;
+  int by_allreduce = -1;
+};
+
+FsdpStats read_stats(const fs::path& p) {
+  FsdpStats s;
+  std::istringstream in(read_file(p));
+  in >> s.forward_allgathers >> s.backward_allgathers >> s.reduce_scatters >> s.state_bytes >> s.max_gathered >>
+      s.largest_unit >> s.root_bytes >> s.units >> s.norm >> s.by_allreduce;
+  return s;
+}
+
+/** Runs fsdp_worker on `world` ranks (--plain: one process, no FullyShard),
+ *  each writing TAG.pt.rankR.stats; rank 0 the full model to TAG.pt. */
+std::vector<Proc> run_fsdp(const Dir& dir, const std::string& tag, int world, std::vector<std::string> extra,
+                           std::chrono::seconds limit = std::chrono::seconds(240)) {
+  std::vector<Proc> ps;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> args{REMAT_FSDP_WORKER,
+                                  "--rank",
+                                  std::to_string(r),
+                                  "--world",
+                                  std::to_string(world),
+                                  "--file-store",
+                                  (dir.path() / (tag + ".store")).string(),
+                                  "--out",
+                                  (dir.path() / (tag + ".pt")).string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ps.push_back(spawn(args, dir.path() / (tag + ".rank" + std::to_string(r) + ".err")));
+  }
+  wait_all(ps, limit);
+  return ps;
+}
+
+/** `world` sharded ranks at batch 4 / world against one plain process at
+ *  batch 4 (same data, AdamW): parameters after the steps within 1e-6. */
+void expect_sharded_equals_plain(int world, const std::string& strategy, std::vector<std::string> extra = {}) {
+  Dir dir;
+  std::vector<std::string> common{"--strategy", strategy, "--steps", "3"};
+  common.insert(common.end(), extra.begin(), extra.end());
+  auto sharded_args = common;
+  sharded_args.insert(sharded_args.end(), {"--batch", std::to_string(4 / world)});
+  auto plain_args = common;
+  plain_args.insert(plain_args.end(), {"--batch", "4", "--plain"});
+  auto sharded = run_fsdp(dir, "sharded", world, sharded_args);
+  auto plain = run_fsdp(dir, "plain", 1, plain_args);
+  for (const auto& p : sharded) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  ASSERT_EQ(plain[0].status, 0) << read_file(plain[0].err);
+  const auto a = loaded_params(dir.path() / "sharded.pt");
+  const auto b = loaded_params(dir.path() / "plain.pt");
+  auto init_gpt = worker_gpt();
+  std::vector<at::Tensor> init;
+  for (const auto& t : init_gpt->parameters()) init.push_back(t.detach());
+  const double d = max_abs_diff(a, b);
+  EXPECT_LE(d, 1e-6) << world << " ranks, " << strategy;
+  EXPECT_GT(max_abs_diff(b, init), 1e-3) << "three AdamW steps at lr 1e-2 moved the parameters";
+  const auto s = read_stats(dir.path() / "sharded.pt.rank0.stats");
+  const auto p = read_stats(dir.path() / "plain.pt.rank0.stats");
+  std::cout << "[" << strategy << "] " << world << " ranks vs 1: max |param diff| " << d << "; last step "
+            << s.forward_allgathers << " forward and " << s.backward_allgathers << " backward all-gathers, "
+            << s.reduce_scatters << " reduce-scatters over " << s.units << " units + root; model state "
+            << s.state_bytes << " B against " << p.state_bytes << " B plain; at most " << s.max_gathered
+            << " B gathered; norm " << s.norm << " (plain " << p.norm << ")\n";
+  EXPECT_EQ(s.by_allreduce, 0) << "Gloo here has reduce-scatter";
+}
+
+TEST(FullyShardProcesses, TwoRanksEqualOnePlain) { expect_sharded_equals_plain(2, "none"); }
+TEST(FullyShardProcesses, TwoRanksEqualOnePerBlock) { expect_sharded_equals_plain(2, "block"); }
+TEST(FullyShardProcesses, TwoRanksEqualOneSelective) { expect_sharded_equals_plain(2, "selective"); }
+// Units inside units: the blocks, their attention and MLP each a unit, the
+// attention and MLP checkpointed inside them.
+TEST(FullyShardProcesses, TwoRanksEqualOneNestedUnits) { expect_sharded_equals_plain(2, "inner", {"--units", "all"}); }
+TEST(FullyShardProcesses, FourRanksEqualOnePerBlock) { expect_sharded_equals_plain(4, "block"); }
+TEST(FullyShardProcesses, FourRanksEqualOneNestedUnitsCheckpointed) {
+  expect_sharded_equals_plain(4, "block", {"--units", "all"});
+}
+
+// Two micro-batches per step, and the global norm clipped over the shards.
+TEST(FullyShardProcesses, GradAccumulationAndClippingEqualOne) {
+  Dir dir;
+  const std::vector<std::string> common{"--strategy", "block", "--steps", "3", "--grad-accum", "2", "--clip", "0.05"};
+  auto sharded_args = common;
+  sharded_args.insert(sharded_args.end(), {"--batch", "1"});
+  auto plain_args = common;
+  plain_args.insert(plain_args.end(), {"--batch", "2", "--plain"});
+  auto sharded = run_fsdp(dir, "sharded", 2, sharded_args);
+  auto plain = run_fsdp(dir, "plain", 1, plain_args);
+  for (const auto& p : sharded) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  ASSERT_EQ(plain[0].status, 0) << read_file(plain[0].err);
+  EXPECT_LE(max_abs_diff(loaded_params(dir.path() / "sharded.pt"), loaded_params(dir.path() / "plain.pt")), 1e-6);
+  const auto s = read_stats(dir.path() / "sharded.pt.rank0.stats");
+  const auto s1 = read_stats(dir.path() / "sharded.pt.rank1.stats");
+  const auto p = read_stats(dir.path() / "plain.pt.rank0.stats");
+  EXPECT_GT(p.norm, 0.05) << "clipping is active";
+  EXPECT_NEAR(s.norm, p.norm, 1e-5 * p.norm) << "the norm over both ranks' shards";
+  EXPECT_EQ(s.norm, s1.norm) << "every rank gets the same norm";
+  // Each micro-batch: every unit reduced once, so two per step.
+  EXPECT_EQ(s.reduce_scatters, 2 * (s.units + 1));
+  EXPECT_EQ(s.forward_allgathers, 2 * (s.units + 1));
+  EXPECT_EQ(s.backward_allgathers, 2 * s.units);
+}
+
+/** Collectives of the last step on 2 ranks: forward all-gathers,
+ *  backward all-gathers, reduce-scatters, units. */
+FsdpStats two_rank_stats(std::vector<std::string> extra) {
+  Dir dir;
+  extra.insert(extra.end(), {"--steps", "2", "--batch", "1"});
+  auto ps = run_fsdp(dir, "c", 2, extra);
+  for (const auto& p : ps) EXPECT_EQ(p.status, 0) << read_file(p.err);
+  return read_stats(dir.path() / "c.pt.rank0.stats");
+}
+
+// The target: one forward and one backward all-gather per unit per
+// micro-batch, checkpointing or not; the recompute of a checkpointed unit
+// (and of the units inside it) reuses the backward's gather.
+TEST(FullyShardProcesses, OneForwardAndOneBackwardAllGatherPerUnit) {
+  for (const std::string strategy : {"none", "block", "selective"}) {
+    const auto s = two_rank_stats({"--strategy", strategy});
+    EXPECT_EQ(s.units, 4) << strategy;
+    EXPECT_EQ(s.forward_allgathers, s.units + 1) << strategy << ": each block, and the root in forward()";
+    EXPECT_EQ(s.backward_allgathers, s.units) << strategy << ": the root stays gathered until its gradients";
+    EXPECT_EQ(s.reduce_scatters, s.units + 1) << strategy;
+  }
+  // Blocks, attention and MLP units, the blocks checkpointed: the block's
+  // recompute runs its attention and MLP while they are gathered for it.
+  for (const std::string strategy : {"block", "inner"}) {
+    const auto s = two_rank_stats({"--strategy", strategy, "--units", "all"});
+    EXPECT_EQ(s.units, 12) << strategy;
+    EXPECT_EQ(s.forward_allgathers, s.units + 1) << strategy;
+    EXPECT_EQ(s.backward_allgathers, s.units) << strategy;
+    EXPECT_EQ(s.reduce_scatters, s.units + 1) << strategy;
+  }
+  // Kept gathered from forward to backward: no backward gathers.
+  const auto kept = two_rank_stats({"--strategy", "block", "--no-reshard"});
+  EXPECT_EQ(kept.forward_allgathers, kept.units + 1);
+  EXPECT_EQ(kept.backward_allgathers, 0);
+}
+
+// Parameters, gradients and AdamW's moments: about 1/N of one process's
+// (padding and the replicated buffers on top); full parameters gathered:
+// the root and the unit running, plus one prefetched unit.
+TEST(FullyShardProcesses, ModelStatePerRankIsAboutOneNth) {
+  Dir dir;
+  auto plain = run_fsdp(dir, "plain", 1, {"--plain", "--steps", "1", "--batch", "4"});
+  ASSERT_EQ(plain[0].status, 0) << read_file(plain[0].err);
+  const auto p = read_stats(dir.path() / "plain.pt.rank0.stats");
+  for (int world : {2, 4}) {
+    auto ps = run_fsdp(dir, "w" + std::to_string(world), world,
+                       {"--steps", "1", "--batch", std::to_string(4 / world), "--strategy", "block"});
+    for (const auto& q : ps) ASSERT_EQ(q.status, 0) << read_file(q.err);
+    for (int r = 0; r < world; ++r) {
+      const auto s = read_stats(dir.path() / ("w" + std::to_string(world) + ".pt.rank" + std::to_string(r) + ".stats"));
+      const double ratio = static_cast<double>(s.state_bytes) / static_cast<double>(p.state_bytes);
+      std::cout << world << " ranks, rank " << r << ": model state " << s.state_bytes << " B = " << ratio
+                << " of one process's " << p.state_bytes << " B; at most " << s.max_gathered << " B gathered\n";
+      EXPECT_LE(ratio, 1.0 / world + 0.02) << world << " ranks, rank " << r;
+      EXPECT_GT(ratio, 1.0 / world - 0.02) << world << " ranks, rank " << r;
+      EXPECT_LE(s.max_gathered, s.root_bytes + 2 * s.largest_unit);
+    }
+  }
+  // No prefetch: one unit at a time besides the root.
+  auto np = run_fsdp(dir, "np", 2, {"--steps", "1", "--batch", "2", "--strategy", "block", "--prefetch", "0"});
+  for (const auto& q : np) ASSERT_EQ(q.status, 0) << read_file(q.err);
+  const auto s = read_stats(dir.path() / "np.pt.rank0.stats");
+  EXPECT_EQ(s.max_gathered, s.root_bytes + s.largest_unit);
+}
+
+// save_sharded after two steps, load_sharded into a fresh run: the same
+// full model as the run that saved it.
+TEST(FullyShardProcesses, ShardedSaveLoadsBack) {
+  Dir dir;
+  const std::string prefix = (dir.path() / "ckpt").string();
+  auto a = run_fsdp(dir, "a", 2, {"--steps", "2", "--save-sharded", prefix});
+  for (const auto& p : a) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  EXPECT_TRUE(fs::exists(prefix + ".rank0-of-2"));
+  EXPECT_TRUE(fs::exists(prefix + ".rank1-of-2"));
+  auto b = run_fsdp(dir, "b", 2, {"--steps", "0", "--load-sharded", prefix});
+  for (const auto& p : b) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  EXPECT_EQ(max_abs_diff(loaded_params(dir.path() / "a.pt"), loaded_params(dir.path() / "b.pt")), 0.0);
+  // Another world size: a clear error naming the file it looked for.
+  auto c = run_fsdp(dir, "c", 1, {"--steps", "0", "--load-sharded", prefix});
+  ASSERT_EQ(c[0].status, 3);
+  EXPECT_NE(read_file(c[0].err).find("FullyShard::load_sharded: '" + prefix +
+                                     ".rank0-of-1' does not exist; load with the world size it was saved with"),
+            std::string::npos)
+      << read_file(c[0].err);
+}
+
+TEST(FullyShardProcesses, ARankThatDiesMidStepFailsTheOthersWithAClearError) {
+  Dir dir;
+  const auto t0 = std::chrono::steady_clock::now();
+  // Rank 1 exits after its forward of step 2; rank 0 is then in backward's collectives.
+  auto ps = run_fsdp(dir, "die", 2, {"--steps", "3", "--die-at-step", "2", "--timeout-ms", "20000"},
+                     std::chrono::seconds(120));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(ps[1].status, 7);
+  ASSERT_EQ(ps[0].status, 3) << "rank 0 must fail, not hang (-1) or succeed; stderr: " << read_file(ps[0].err);
+  const std::string err = read_file(ps[0].err);
+  EXPECT_NE(err.find("[remat::parallel] rank 0 of 2: the "), std::string::npos) << err;
+  EXPECT_NE(err.find("A peer process probably exited or stopped answering (timeout 20 s)"), std::string::npos) << err;
+  EXPECT_LT(s, 60.0) << "within the 20 s timeout plus start-up";
+}
+
+// One rank: the reduce-scatter is a copy and AdamW is elementwise, so the
+// sharded run's parameters are bitwise the plain run's, checkpointed blocks
+// and all.
+TEST(FullyShard, OneRankIsBitwisePlain) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  auto plain = worker_gpt();
+  auto sharded = worker_gpt();
+  remat::enable_checkpointing(sharded, remat::select::type<remat::models::GptBlockImpl>());
+  remat::parallel::FullyShard fsdp(sharded.ptr(), group);
+  // Every checkpointable module owning parameters: blocks (their
+  // LayerNorms), and their attention and MLP.
+  ASSERT_EQ(fsdp.units().size(), 13u);
+  EXPECT_EQ(fsdp.units()[0].name, "(root)");
+  EXPECT_EQ(fsdp.units()[1].name, "blocks.0");
+  EXPECT_EQ(fsdp.units()[2].name, "blocks.0.attn");
+  const auto o = torch::optim::AdamWOptions(1e-2);
+  torch::optim::AdamW opt_plain(plain->parameters(), o), opt_sharded(fsdp.parameters(), o);
+  for (int step = 0; step < 3; ++step) {
+    auto tok = torch::randint(64, {2, 33}, torch::kLong);
+    auto x = tok.slice(1, 0, 32), y = tok.slice(1, 1, 33);
+    opt_plain.zero_grad();
+    opt_sharded.zero_grad();
+    plain->loss(plain->blocks->forward(plain->embed(x)), y).backward();
+    fsdp.forward([&] { return sharded->loss(sharded->blocks->forward(sharded->embed(x)), y); }).backward();
+    opt_plain.step();
+    opt_sharded.step();
+    EXPECT_EQ(fsdp.memory().gathered_bytes, 0) << "every unit freed after backward";
+  }
+  const std::string path = (dir.path() / "full.pt").string();
+  fsdp.save_full(path);
+  auto back = worker_gpt();
+  torch::load(back, path);
+  const auto pp = plain->parameters(), bp = back->parameters();
+  ASSERT_EQ(pp.size(), bp.size());
+  for (size_t i = 0; i < pp.size(); ++i) EXPECT_TRUE(torch::equal(pp[i], bp[i])) << "parameter " << i;
+  EXPECT_FALSE(fs::exists(path + ".tmp." + std::to_string(::getpid())));
+}
+
+TEST(FullyShard, BadUseIsAClearError) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  auto gpt = worker_gpt();
+  EXPECT_EQ(message_of([&] {
+              remat::parallel::FullyShard f(gpt.ptr(), group, remat::parallel::FullyShardOptions().prefetch_bytes(-1));
+            }),
+            "[remat::parallel] FullyShard: prefetch_bytes -1 is negative; give 0 (no prefetch) or a byte bound "
+            "(default 64 MiB).");
+  EXPECT_EQ(message_of([&] { remat::parallel::FullyShard f(gpt.ptr(), remat::parallel::ProcessGroup()); }),
+            "[remat::parallel] FullyShard: the ProcessGroup was not joined; use init_process_group().");
+  // Two dtypes in one unit.
+  auto mixed = worker_gpt();
+  mixed->blocks[0]->parameters()[0].set_data(mixed->blocks[0]->parameters()[0].detach().to(at::kDouble));
+  EXPECT_NE(message_of([&] {
+              remat::parallel::FullyShard f(mixed.ptr(), group);
+            }).find("[remat::parallel] FullyShard: unit 'blocks.0' holds parameters of two dtypes ("),
+            std::string::npos);
+  remat::parallel::FullyShard fsdp(gpt.ptr(), group);
+  EXPECT_EQ(message_of([&] { remat::parallel::FullyShard again(gpt.ptr(), group); }),
+            "[remat::parallel] FullyShard: unit 'blocks.0' already has hooks (another FullyShard on the same "
+            "module?); shard a model once.");
+  EXPECT_EQ(message_of([&] { fsdp.load_sharded((dir.path() / "none").string()); }),
+            "[remat::parallel] FullyShard::load_sharded: '" + (dir.path() / "none").string() +
+                ".rank0-of-1' does not exist; load with the world size it was saved with (save_sharded writes one "
+                "file per rank: <prefix>.rank<r>-of-<world>).");
 }
 
 }  // namespace

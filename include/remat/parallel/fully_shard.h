@@ -1,0 +1,171 @@
+// remat::parallel::FullyShard: sharded data parallel on c10d (FSDP /
+// ZeRO-3 style). Each unit's parameters (a checkpointable module's own,
+// flattened into one buffer) are split evenly across the ranks; only this
+// rank's shard lives between uses. A unit's forward all-gathers them and
+// frees them after; its backward gathers them once more, for the
+// recompute of a checkpoint and the backward together, and reduce-scatters
+// the gradients into the shard (averaged, as DataParallel). The optimizer
+// steps on the shards, so its state is sharded too.
+//
+//   auto pg = remat::parallel::init_process_group(InitOptions(rank, world));
+//   remat::parallel::FullyShard fsdp(model.ptr(), pg);    // rank 0's values
+//   torch::optim::AdamW opt(fsdp.parameters(), ...);      // the shards
+//   for (...) {
+//     opt.zero_grad();
+//     auto loss = fsdp.forward([&] { return criterion(model->forward(x), y); });
+//     loss.backward();          // gathers, recomputes, reduce-scatters
+//     fsdp.clip_grad_norm(1.0); // optional: the norm over every shard
+//     opt.step();
+//   }
+//
+// NOTE [FullyShard and recompute]: a unit is gathered at most once per
+// backward. The hook on its outputs' gradient gathers it before its
+// backward starts; a checkpointed unit's recompute runs its forward while
+// it is gathered for backward, which then neither gathers nor frees it; it
+// is freed once autograd has accumulated the gradient of every parameter
+// it owns (the engine runs a parameter's accumulation after every node that
+// uses the parameter, so nothing reads it afterwards).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <remat/checkpointable.h>
+#include <remat/parallel/data_parallel.h>
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace remat::parallel {
+
+/** How FullyShard cuts the model into units and when it gathers them. */
+struct FullyShardOptions {
+  /** The units: checkpointable modules of the tree (as enable_checkpointing
+   *  selects them). A unit owns the parameters under it that no unit inside
+   *  it owns; the parameters of no unit form the root unit, gathered by
+   *  forward() and freed after backward. Default every checkpointable
+   *  module that owns a parameter. */
+  TORCH_ARG(Selector, units) = select::all();
+  /** Free a unit's gathered parameters after its forward (gather again for
+   *  backward). false keeps every unit gathered from its forward to its
+   *  backward: fewer gathers, more memory. Default true. */
+  TORCH_ARG(bool, reshard_after_forward) = true;
+  /** Gathers started ahead of use (the next unit in forward order, the
+   *  previous one in backward) while the current unit runs, bytes: a
+   *  unit is prefetched only while the gathered bytes that are not in use
+   *  stay within this. 0 turns prefetch off. Default 64 MiB. */
+  TORCH_ARG(int64_t, prefetch_bytes) = int64_t{64} << 20;
+};
+
+/** Collectives since construction or reset_stats(). Times in ms (steady
+ *  clock), bytes of the full (gathered) buffers. */
+struct ShardStats {
+  int64_t forward_allgathers = 0;    ///< all-gathers for a forward
+  int64_t backward_allgathers = 0;   ///< all-gathers for a backward (recompute included)
+  int64_t reduce_scatters = 0;       ///< gradient reductions into the shards
+  int64_t allgather_bytes = 0;       ///< bytes gathered (full buffers)
+  int64_t reduce_scatter_bytes = 0;  ///< gradient bytes reduced (full buffers)
+  double allgather_ms = 0;           ///< sum of launch-to-completion times
+  double reduce_scatter_ms = 0;      ///< sum of launch-to-completion times
+  /** Time the training thread waited for a collective: communication the
+   *  compute did not hide. */
+  double exposed_ms = 0;
+  /** Most full parameter bytes gathered (or being gathered) at once. */
+  int64_t max_gathered_bytes = 0;
+  /** True when the backend has no reduce-scatter (Gloo in some builds) and
+   *  gradients go through an all-reduce, each rank keeping its slice. */
+  bool reduce_scatter_by_allreduce = false;
+};
+
+/** What this rank holds, bytes. */
+struct ShardMemory {
+  int64_t shard_parameter_bytes = 0;  ///< this rank's shards (padding included)
+  int64_t shard_gradient_bytes = 0;   ///< their gradients, where defined
+  int64_t gathered_bytes = 0;         ///< full parameter buffers gathered right now
+  int64_t full_parameter_bytes = 0;   ///< every unit's full buffer: one process's parameters (padded)
+  int64_t largest_unit_bytes = 0;     ///< the largest unit's full buffer
+};
+
+/** One unit as FullyShard cut it. */
+struct ShardUnit {
+  std::string name;         ///< the module's name ("blocks.3"); "(root)" for the parameters of no unit
+  int64_t parameters = 0;   ///< parameter tensors it owns
+  int64_t numel = 0;        ///< their elements
+  int64_t shard_numel = 0;  ///< elements per rank (numel padded up to a multiple of the world size, / world)
+};
+
+/** Shards `module`'s parameters over `group` (a collective: every rank
+ *  constructs it at the same point, on the same model). Rank 0's
+ *  parameters and buffers are broadcast first, so every rank starts equal.
+ *  Afterwards the module's parameters keep their shapes and names but hold
+ *  data only while gathered: read them through save_full(), not directly.
+ *  The module must outlive this object and its parameters must not be
+ *  replaced; every forward whose parameters may be sharded runs inside
+ *  forward(). Parameters must be dense, on the group's device, and share a
+ *  dtype within a unit. Gradients are averaged over the ranks; every rank
+ *  must run the same units in the same order (as c10d requires of
+ *  collectives). Not yet combined with auto_checkpoint's profiled step
+ *  (refused with remat::Error). */
+class FullyShard {
+ public:
+  FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, FullyShardOptions options = {});
+  /** Removes the hooks; the module's parameters then hold no data (save
+   *  first with save_full()). */
+  ~FullyShard();
+  FullyShard(const FullyShard&) = delete;
+  FullyShard& operator=(const FullyShard&) = delete;
+
+  /** The shards, one flat tensor per unit (requires_grad where the unit's
+   *  parameters do), for the optimizer: its state is then sharded too. */
+  std::vector<at::Tensor> parameters() const;
+  /** Gathers the root unit's parameters and runs fn (the forward and loss);
+   *  returns what fn returns. */
+  template <class F>
+  auto forward(F&& fn) -> std::invoke_result_t<F&> {
+    begin_forward();
+    return fn();
+  }
+  /** What forward() does before fn: gathers the root unit. */
+  void begin_forward();
+  /** Scales the shards' gradients so that their global 2-norm (over every
+   *  rank) is at most max_norm, as torch::nn::utils::clip_grad_norm_;
+   *  returns the norm before clipping. A collective. */
+  double clip_grad_norm(double max_norm);
+  /** Writes the full model (torch::save of the module, loadable into an
+   *  unsharded one with torch::load) to path on rank 0, through a
+   *  temporary file renamed into place. A collective: every unit is
+   *  gathered once, then freed. */
+  void save_full(const std::string& path);
+  /** Each rank writes its shards to prefix + ".rank<r>-of-<world>"
+   *  (temporary file, renamed). */
+  void save_sharded(const std::string& prefix) const;
+  /** Loads what save_sharded(prefix) wrote with the same world size and
+   *  units; throws remat::Error naming the file or the mismatch, changing
+   *  nothing. */
+  void load_sharded(const std::string& prefix);
+
+  /** Collectives since construction or reset_stats(). */
+  ShardStats stats() const;
+  void reset_stats();
+  /** This rank's parameter memory now. */
+  ShardMemory memory() const;
+  /** The units, root first. */
+  std::vector<ShardUnit> units() const;
+  /** The group it shards over. */
+  const ProcessGroup& group() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace remat::parallel

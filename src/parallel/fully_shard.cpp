@@ -1,0 +1,682 @@
+// remat::parallel::FullyShard: see include/remat/parallel/fully_shard.h and
+// NOTE [FullyShard and recompute] there.
+//
+// NOTE [flat buffers]: each unit's parameters are made views of one flat
+// buffer (set_data keeps each parameter's TensorImpl, so the module, the
+// optimizer-free autograd graph and saved tensors still see it). Freeing
+// sets that buffer's StorageImpl to 0 bytes and gathering allocates it
+// again in place: every view of it, a saved copy of a parameter included,
+// sees the gathered values without a version bump (the collective writes
+// through the data pointer, as PyTorch's FSDP resizes storage to 0 and back).
+#include <remat/parallel/fully_shard.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+#include <torch/serialize.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <remat/error.h>
+
+// _allgather_base and _reduce_scatter_base are deprecated from torch 2.13 on
+// (all_gather_single, reduce_scatter_single), which older LibTorch lacks.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace remat::parallel {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return first_line(c->what_without_backtrace());
+  return first_line(e.what());
+}
+
+}  // namespace
+
+struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
+  struct Unit {
+    std::string name;
+    Checkpointable* module = nullptr;  // null: the root unit
+    std::vector<at::Tensor> params;    // the module's own tensors (views of flat once sharded)
+    std::vector<std::string> param_names;
+    std::vector<int64_t> offsets;
+    int64_t numel = 0, padded = 0, shard_numel = 0;
+    at::Tensor flat;   // padded elements; its storage is freed while sharded
+    at::Tensor shard;  // this rank's slice: a leaf, the optimizer's parameter
+    bool gathered = false;
+    bool for_backward = false;  // gathered by (or during) this backward: kept until its gradients are reduced
+    c10::intrusive_ptr<c10d::Work> gather_work;
+    Clock::time_point gather_start;
+    bool gather_in_backward = false;
+    at::Tensor grad_flat;  // this backward's full gradient, until reduced
+    std::vector<char> posted;
+    int64_t n_posted = 0, n_grad_params = 0;
+    std::vector<std::pair<decltype(torch::autograd::impl::grad_accumulator(at::Tensor())), uintptr_t>> post_hooks;
+    int64_t bytes() const { return padded * static_cast<int64_t>(flat.element_size()); }
+  };
+  struct PendingReduce {
+    size_t unit;
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor grad_flat, out;
+    Clock::time_point start;
+  };
+
+  std::shared_ptr<torch::nn::Module> module;
+  ProcessGroup group;
+  FullyShardOptions options;
+  int rank = 0, world = 1;
+  std::vector<Unit> units;    // [0] is the root
+  std::vector<size_t> order;  // units in first-forward order (root excluded)
+  bool order_known = false;
+  bool in_backward = false;
+  bool callback_queued = false;
+  std::vector<PendingReduce> pending;
+  ShardStats stats;
+
+  std::string where() const { return "rank " + std::to_string(rank) + " of " + std::to_string(world); }
+
+  [[noreturn]] void collective_failed(const std::string& what, const std::exception& e) const {
+    throw Error("[remat::parallel] " + where() + ": the " + what + " failed: " + message_of(e) +
+                ". A peer process probably exited or stopped answering (timeout " +
+                std::to_string(group.timeout().count() / 1000) +
+                " s); every rank must run the same units in the same order.");
+  }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+    const auto t0 = Clock::now();
+    try {
+      work->wait(group.timeout());
+    } catch (const std::exception& e) {
+      collective_failed(what, e);
+    }
+    stats.exposed_ms += ms_between(t0, Clock::now());
+  }
+
+  // --- flat buffers (NOTE [flat buffers]) ---------------------------------
+
+  static void allocate(Unit& u) {
+    c10::StorageImpl* s = u.flat.storage().unsafeGetStorageImpl();
+    const auto nbytes = static_cast<size_t>(u.bytes());
+    if (s->nbytes() == nbytes) return;
+    s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+    s->set_nbytes(nbytes);
+  }
+
+  static void release(Unit& u) {
+    c10::StorageImpl* s = u.flat.storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, u.flat.device()));
+    s->set_nbytes(0);
+  }
+
+  void start_gather(size_t i, bool backward) {
+    Unit& u = units[i];
+    if (u.gathered || u.gather_work) return;
+    allocate(u);
+    c10d::AllgatherOptions o;
+    o.timeout = group.timeout();
+    at::Tensor out = u.flat;
+    at::Tensor in = u.shard.detach();
+    try {
+      u.gather_work = group.c10d()->_allgather_base(out, in, o);
+    } catch (const std::exception& e) {
+      release(u);
+      collective_failed("all-gather of unit '" + u.name + "'", e);
+    }
+    u.gather_start = Clock::now();
+    u.gather_in_backward = backward;
+    (backward ? stats.backward_allgathers : stats.forward_allgathers) += 1;
+    int64_t now = 0;
+    for (const auto& v : units) {
+      if (v.gathered || v.gather_work) now += v.bytes();
+    }
+    stats.max_gathered_bytes = std::max(stats.max_gathered_bytes, now);
+    stats.allgather_bytes += u.bytes();
+  }
+
+  void finish_gather(size_t i) {
+    Unit& u = units[i];
+    if (!u.gather_work) return;
+    auto work = std::move(u.gather_work);
+    wait(work, "all-gather of unit '" + u.name + "'");
+    stats.allgather_ms += ms_between(u.gather_start, Clock::now());
+    u.gathered = true;
+  }
+
+  void gather(size_t i, bool backward) {
+    start_gather(i, backward);
+    finish_gather(i);
+  }
+
+  void reshard(size_t i) {
+    Unit& u = units[i];
+    finish_gather(i);
+    if (!u.gathered) return;
+    release(u);
+    u.gathered = false;
+    u.for_backward = false;
+  }
+
+  /** Starts gathering the unit after (forward) or before (backward) unit i
+   *  in forward order, within options.prefetch_bytes of idle gathered bytes. */
+  void prefetch(size_t i, bool backward) {
+    if (!order_known || options.prefetch_bytes() <= 0) return;
+    const auto at = std::find(order.begin(), order.end(), i);
+    if (at == order.end()) return;
+    size_t next;
+    if (backward) {
+      if (at == order.begin()) return;
+      next = *(at - 1);
+    } else {
+      if (at + 1 == order.end()) return;
+      next = *(at + 1);
+    }
+    Unit& n = units[next];
+    if (n.gathered || n.gather_work) return;
+    int64_t idle = 0;  // gathered or in flight, not the one running now
+    for (size_t k = 1; k < units.size(); ++k) {
+      if (k != i && (units[k].gathered || units[k].gather_work)) idle += units[k].bytes();
+    }
+    if (idle + n.bytes() > options.prefetch_bytes()) return;
+    start_gather(next, backward);
+  }
+
+  // --- backward ------------------------------------------------------------
+
+  void begin_backward() {
+    if (!in_backward) in_backward = true;
+    if (callback_queued) return;
+    callback_queued = true;
+    std::weak_ptr<Impl> weak = weak_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto self = weak.lock()) self->end_backward();
+    });
+  }
+
+  void pre_backward(size_t i) {
+    begin_backward();
+    Unit& u = units[i];
+    if (!u.gathered) gather(i, /*backward=*/true);
+    u.for_backward = true;
+    prefetch(i, /*backward=*/true);
+  }
+
+  void post_accumulate(size_t i, size_t p) {
+    begin_backward();
+    Unit& u = units[i];
+    at::Tensor& g = u.params[p].mutable_grad();
+    if (!g.defined()) return;
+    if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.padded}, u.flat.options());
+    u.grad_flat.narrow(0, u.offsets[p], u.params[p].numel()).add_(g.reshape({-1}));
+    g = at::Tensor();  // the full gradient lives in grad_flat until reduced
+    if (!u.posted[p]) {
+      u.posted[p] = 1;
+      ++u.n_posted;
+    }
+    if (u.n_posted == u.n_grad_params) reduce(i);
+  }
+
+  /** Reduce-scatters unit i's gradient (async; at most one in flight) and
+   *  frees its parameters: every node that reads them has run. */
+  void reduce(size_t i) {
+    Unit& u = units[i];
+    complete_reductions();
+    PendingReduce r;
+    r.unit = i;
+    r.grad_flat = std::move(u.grad_flat);
+    r.grad_flat.div_(world);
+    r.start = Clock::now();
+    if (!stats.reduce_scatter_by_allreduce) {
+      r.out = at::empty({u.shard_numel}, r.grad_flat.options());
+      c10d::ReduceScatterOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      o.timeout = group.timeout();
+      try {
+        r.work = group.c10d()->_reduce_scatter_base(r.out, r.grad_flat, o);
+      } catch (const c10::NotImplementedError&) {
+        stats.reduce_scatter_by_allreduce = true;
+      } catch (const std::exception& e) {
+        if (std::string(e.what()).find("does not support") == std::string::npos) {
+          collective_failed("reduce-scatter of unit '" + u.name + "'", e);
+        }
+        stats.reduce_scatter_by_allreduce = true;
+      }
+    }
+    if (stats.reduce_scatter_by_allreduce) {
+      std::vector<at::Tensor> ts{r.grad_flat};
+      c10d::AllreduceOptions o;
+      o.timeout = group.timeout();
+      try {
+        r.work = group.c10d()->allreduce(ts, o);
+      } catch (const std::exception& e) {
+        collective_failed("all-reduce of unit '" + u.name + "' gradients", e);
+      }
+    }
+    stats.reduce_scatters += 1;
+    stats.reduce_scatter_bytes += u.bytes();
+    pending.push_back(std::move(r));
+    std::fill(u.posted.begin(), u.posted.end(), 0);
+    u.n_posted = 0;
+    reshard(i);
+  }
+
+  void complete_reductions() {
+    for (auto& r : pending) {
+      Unit& u = units[r.unit];
+      wait(r.work, std::string(stats.reduce_scatter_by_allreduce ? "all-reduce" : "reduce-scatter") + " of unit '" +
+                       u.name + "' gradients");
+      stats.reduce_scatter_ms += ms_between(r.start, Clock::now());
+      at::Tensor mine = r.out.defined() ? r.out : r.grad_flat.narrow(0, rank * u.shard_numel, u.shard_numel);
+      torch::NoGradGuard no_grad;
+      at::Tensor& g = u.shard.mutable_grad();
+      if (g.defined()) {
+        g.add_(mine);
+      } else {
+        g = mine.clone();
+      }
+    }
+    pending.clear();
+  }
+
+  /** The engine's final callback: reduces what is left (parameters that got
+   *  no gradient count as zero), waits for every reduction, frees every unit. */
+  void end_backward() {
+    for (size_t i = 0; i < units.size(); ++i) {
+      if (units[i].grad_flat.defined()) reduce(i);
+    }
+    complete_reductions();
+    for (size_t i = 0; i < units.size(); ++i) {
+      Unit& u = units[i];
+      std::fill(u.posted.begin(), u.posted.end(), 0);
+      u.n_posted = 0;
+      reshard(i);
+    }
+    in_backward = false;
+    callback_queued = false;
+    if (!order.empty()) order_known = true;
+  }
+
+  // --- forward -------------------------------------------------------------
+
+  void before_forward(size_t i) {
+    if (detail::unit_observer() != nullptr) {
+      throw Error("[remat::parallel] FullyShard: unit '" + units[i].name +
+                  "' ran under auto_checkpoint's profiled step, which FullyShard does not support yet; plan the "
+                  "checkpointing by hand (enable_checkpointing, CheckpointedSequential) inside sharded units.");
+    }
+    Unit& u = units[i];
+    if (in_backward) {  // a recompute: gathered once for this backward
+      if (!u.gathered) gather(i, /*backward=*/true);
+      u.for_backward = true;
+      return;
+    }
+    if (!order_known && std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
+    gather(i, /*backward=*/false);
+    prefetch(i, /*backward=*/false);
+  }
+
+  void after_forward(size_t i, const std::vector<at::Tensor>& outputs) {
+    if (in_backward) return;
+    bool armed = false;
+    if (torch::autograd::GradMode::is_enabled()) {
+      std::weak_ptr<Impl> weak = weak_from_this();
+      for (const auto& t : outputs) {
+        if (!t.defined() || !t.requires_grad() || !t.grad_fn()) continue;
+        const_cast<at::Tensor&>(t).register_hook([weak, i](const at::Tensor&) {
+          if (auto self = weak.lock()) self->pre_backward(i);
+        });
+        armed = true;
+      }
+    }
+    if (options.reshard_after_forward() || !armed) reshard(i);
+  }
+};
+
+namespace {
+
+/** Forwards a Checkpointable's calls to its unit. */
+class ShardHook : public detail::UnitHook {
+ public:
+  ShardHook(std::weak_ptr<FullyShard::Impl> impl, size_t unit) : impl_(std::move(impl)), unit_(unit) {}
+  void before_forward() override {
+    if (auto p = impl_.lock()) p->before_forward(unit_);
+  }
+  void after_forward(const std::vector<at::Tensor>& outputs) override {
+    if (auto p = impl_.lock()) p->after_forward(unit_, outputs);
+  }
+
+ private:
+  std::weak_ptr<FullyShard::Impl> impl_;
+  size_t unit_;
+};
+
+bool under(const std::string& name, const std::string& prefix) {
+  return prefix.empty() || name.rfind(prefix + ".", 0) == 0;
+}
+
+}  // namespace
+
+FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, FullyShardOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  if (!module) throw Error("[remat::parallel] FullyShard: the module is null.");
+  if (!group.defined()) {
+    throw Error("[remat::parallel] FullyShard: the ProcessGroup was not joined; use init_process_group().");
+  }
+  if (options.prefetch_bytes() < 0) {
+    throw Error("[remat::parallel] FullyShard: prefetch_bytes " + std::to_string(options.prefetch_bytes()) +
+                " is negative; give 0 (no prefetch) or a byte bound (default 64 MiB).");
+  }
+  Impl& m = *impl_;
+  m.module = module;
+  m.group = group;
+  m.options = options;
+  m.rank = group.rank();
+  m.world = group.world_size();
+
+  // Units: the selected checkpointable modules that own parameters; each
+  // parameter goes to the deepest selected module whose name prefixes its own.
+  std::vector<SelectorInput> chosen;
+  bool any_checkpointable = false;
+  for (const auto& item : module->named_modules("", true)) {
+    any_checkpointable |= dynamic_cast<const Checkpointable*>(item.value().get()) != nullptr;
+  }
+  if (any_checkpointable) chosen = selected_checkpointables(*module, options.units(), "parallel::FullyShard");
+  m.units.emplace_back();
+  m.units[0].name = "(root)";
+  std::unordered_map<std::string, size_t> unit_of_name;
+  for (const auto& c : chosen) {
+    Impl::Unit u;
+    u.name = c.name.empty() ? "(root)" : c.name;
+    u.module = dynamic_cast<Checkpointable*>(const_cast<torch::nn::Module*>(c.module));
+    unit_of_name[c.name] = m.units.size();
+    m.units.push_back(std::move(u));
+  }
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    size_t owner = 0;
+    size_t best = 0;
+    for (const auto& c : chosen) {
+      if (under(item.key(), c.name) && (owner == 0 || c.name.size() >= best)) {
+        owner = unit_of_name[c.name];
+        best = c.name.size();
+      }
+    }
+    if (p.is_sparse() || p.device().type() != group.device()) {
+      throw Error("[remat::parallel] FullyShard: parameter '" + item.key() + "' is " +
+                  (p.is_sparse() ? std::string("sparse") : "on " + p.device().str()) +
+                  "; FullyShard shards dense parameters on the group's device (" + c10::DeviceTypeName(group.device()) +
+                  ").");
+    }
+    auto& u = m.units[owner];
+    if (!u.params.empty() && u.params[0].scalar_type() != p.scalar_type()) {
+      throw Error("[remat::parallel] FullyShard: unit '" + u.name + "' holds parameters of two dtypes ('" +
+                  u.param_names[0] + "' " + std::string(c10::toString(u.params[0].scalar_type())) + ", '" + item.key() +
+                  "' " + c10::toString(p.scalar_type()) +
+                  "); select units (FullyShardOptions::units) whose parameters share one.");
+    }
+    u.params.push_back(p);
+    u.param_names.push_back(item.key());
+  }
+  // Drop units that own nothing (the root stays, maybe empty).
+  std::vector<Impl::Unit> kept;
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    if (i == 0 || !m.units[i].params.empty()) kept.push_back(std::move(m.units[i]));
+  }
+  m.units = std::move(kept);
+  for (const auto& u : m.units) {  // before anything changes
+    if (u.module != nullptr && u.module->unit_hook() != nullptr) {
+      throw Error("[remat::parallel] FullyShard: unit '" + u.name +
+                  "' already has hooks (another FullyShard on the same module?); shard a model once.");
+    }
+  }
+
+  torch::NoGradGuard no_grad;
+  // Every rank starts from rank 0's buffers (BatchNorm statistics).
+  for (auto& b : module->buffers()) {
+    if (!b.defined()) continue;
+    std::vector<at::Tensor> ts{b};
+    try {
+      m.group.c10d()->broadcast(ts)->wait(m.group.timeout());
+    } catch (const std::exception& e) {
+      m.collective_failed("broadcast of rank 0's buffers", e);
+    }
+  }
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    auto& u = m.units[i];
+    if (u.params.empty()) continue;
+    for (const auto& p : u.params) {
+      u.offsets.push_back(u.numel);
+      u.numel += p.numel();
+    }
+    u.shard_numel = (u.numel + m.world - 1) / m.world;
+    u.padded = u.shard_numel * m.world;
+    u.flat = at::zeros({u.padded}, u.params[0].options().requires_grad(false));
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      u.flat.narrow(0, u.offsets[k], u.params[k].numel()).copy_(u.params[k].detach().reshape({-1}));
+    }
+    std::vector<at::Tensor> ts{u.flat};
+    try {
+      m.group.c10d()->broadcast(ts)->wait(m.group.timeout());
+    } catch (const std::exception& e) {
+      m.collective_failed("broadcast of rank 0's parameters of unit '" + u.name + "'", e);
+    }
+    bool grads = false;
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      at::Tensor& p = u.params[k];
+      grads |= p.requires_grad();
+      p.set_data(u.flat.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
+    }
+    u.shard = u.flat.narrow(0, static_cast<int64_t>(m.rank) * u.shard_numel, u.shard_numel).clone();
+    u.shard.set_requires_grad(grads);
+    u.gathered = true;
+    m.reshard(i);
+    u.posted.assign(u.params.size(), 0);
+    std::weak_ptr<Impl> weak = impl_;
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      if (!u.params[k].requires_grad()) continue;
+      ++u.n_grad_params;
+      auto acc = torch::autograd::impl::grad_accumulator(u.params[k]);
+      const uintptr_t key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [weak, i, k](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            if (auto self = weak.lock()) self->post_accumulate(i, k);
+            return outputs;
+          }));
+      u.post_hooks.emplace_back(std::move(acc), key);
+    }
+    if (u.module != nullptr) u.module->set_unit_hook(std::make_shared<ShardHook>(weak, i));
+  }
+}
+
+FullyShard::~FullyShard() {
+  for (auto& u : impl_->units) {
+    if (u.module != nullptr) u.module->set_unit_hook(nullptr);
+    for (auto& [node, key] : u.post_hooks) node->del_post_hook(key);
+  }
+}
+
+std::vector<at::Tensor> FullyShard::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : impl_->units) {
+    if (u.shard.defined()) out.push_back(u.shard);
+  }
+  return out;
+}
+
+void FullyShard::begin_forward() {
+  Impl& m = *impl_;
+  if (m.in_backward) {
+    throw Error(
+        "[remat::parallel] FullyShard::forward ran while a backward of it was still running; finish the "
+        "backward first.");
+  }
+  if (!m.units[0].params.empty()) m.gather(0, /*backward=*/false);
+  // The first unit's gather overlaps whatever runs before it (the embedding).
+  if (m.order_known && !m.order.empty() && m.units[m.order.front()].bytes() <= m.options.prefetch_bytes()) {
+    m.start_gather(m.order.front(), /*backward=*/false);
+  }
+}
+
+double FullyShard::clip_grad_norm(double max_norm) {
+  Impl& m = *impl_;
+  torch::NoGradGuard no_grad;
+  at::Tensor sq =
+      at::zeros({1}, at::TensorOptions()
+                         .dtype(at::kDouble)
+                         .device(m.group.device() == c10::kCUDA ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU)));
+  for (const auto& u : m.units) {
+    if (u.shard.defined() && u.shard.grad().defined()) sq += u.shard.grad().to(at::kDouble).square().sum();
+  }
+  std::vector<at::Tensor> ts{sq};
+  c10d::AllreduceOptions o;
+  o.timeout = m.group.timeout();
+  try {
+    m.group.c10d()->allreduce(ts, o)->wait(m.group.timeout());
+  } catch (const std::exception& e) {
+    m.collective_failed("all-reduce of the gradient norm", e);
+  }
+  const double norm = std::sqrt(sq.item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto& u : m.units) {
+      if (u.shard.defined() && u.shard.grad().defined()) u.shard.mutable_grad().mul_(coef);
+    }
+  }
+  return norm;
+}
+
+void FullyShard::save_full(const std::string& path) {
+  Impl& m = *impl_;
+  if (m.in_backward)
+    throw Error("[remat::parallel] FullyShard::save_full ran during a backward; call it between steps.");
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    if (!m.units[i].params.empty()) m.gather(i, /*backward=*/false);
+  }
+  std::string error;
+  if (m.rank == 0) {
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    try {
+      torch::save(m.module, tmp);
+      std::filesystem::rename(tmp, path);
+    } catch (const std::exception& e) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      error = "[remat::parallel] FullyShard::save_full could not write '" + path + "': " + message_of(e) +
+              ". Give a path in a writable folder.";
+    }
+  }
+  for (size_t i = 0; i < m.units.size(); ++i) m.reshard(i);
+  m.group.barrier();
+  if (!error.empty()) throw Error(error);
+}
+
+void FullyShard::save_sharded(const std::string& prefix) const {
+  const Impl& m = *impl_;
+  const std::string path = prefix + ".rank" + std::to_string(m.rank) + "-of-" + std::to_string(m.world);
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  std::vector<at::Tensor> shards;
+  for (const auto& u : m.units) {
+    if (u.shard.defined()) shards.push_back(u.shard.detach());
+  }
+  try {
+    torch::save(shards, tmp);
+    std::filesystem::rename(tmp, path);
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    throw Error("[remat::parallel] FullyShard::save_sharded could not write '" + path + "': " + message_of(e) +
+                ". Give a prefix in a writable folder.");
+  }
+}
+
+void FullyShard::load_sharded(const std::string& prefix) {
+  Impl& m = *impl_;
+  const std::string path = prefix + ".rank" + std::to_string(m.rank) + "-of-" + std::to_string(m.world);
+  if (!std::filesystem::exists(path)) {
+    throw Error("[remat::parallel] FullyShard::load_sharded: '" + path +
+                "' does not exist; load with the world size it was saved with (save_sharded writes one file per "
+                "rank: <prefix>.rank<r>-of-<world>).");
+  }
+  std::vector<at::Tensor> shards;
+  try {
+    torch::load(shards, path);
+  } catch (const std::exception& e) {
+    throw Error("[remat::parallel] FullyShard::load_sharded could not read '" + path + "': " + message_of(e) + ".");
+  }
+  std::vector<Impl::Unit*> mine;
+  for (auto& u : m.units) {
+    if (u.shard.defined()) mine.push_back(&u);
+  }
+  if (shards.size() != mine.size()) {
+    throw Error("[remat::parallel] FullyShard::load_sharded: '" + path + "' holds " + std::to_string(shards.size()) +
+                " shards, this model has " + std::to_string(mine.size()) +
+                " units; load into the model and units "
+                "it was saved from.");
+  }
+  for (size_t k = 0; k < mine.size(); ++k) {
+    if (shards[k].numel() != mine[k]->shard_numel || shards[k].scalar_type() != mine[k]->shard.scalar_type()) {
+      throw Error("[remat::parallel] FullyShard::load_sharded: shard " + std::to_string(k) + " of '" + path + "' has " +
+                  std::to_string(shards[k].numel()) + " elements, unit '" + mine[k]->name + "' " +
+                  std::to_string(mine[k]->shard_numel) + "; load into the model and units it was saved from.");
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < mine.size(); ++k) mine[k]->shard.copy_(shards[k]);
+}
+
+ShardStats FullyShard::stats() const { return impl_->stats; }
+
+void FullyShard::reset_stats() {
+  const bool by_allreduce = impl_->stats.reduce_scatter_by_allreduce;
+  impl_->stats = ShardStats();
+  impl_->stats.reduce_scatter_by_allreduce = by_allreduce;
+}
+
+ShardMemory FullyShard::memory() const {
+  ShardMemory out;
+  for (const auto& u : impl_->units) {
+    if (!u.shard.defined()) continue;
+    const int64_t item = static_cast<int64_t>(u.shard.element_size());
+    out.shard_parameter_bytes += u.shard_numel * item;
+    if (u.shard.grad().defined()) out.shard_gradient_bytes += u.shard_numel * item;
+    if (u.gathered || u.gather_work) out.gathered_bytes += u.bytes();
+    out.full_parameter_bytes += u.bytes();
+    out.largest_unit_bytes = std::max(out.largest_unit_bytes, u.bytes());
+  }
+  return out;
+}
+
+std::vector<ShardUnit> FullyShard::units() const {
+  std::vector<ShardUnit> out;
+  for (const auto& u : impl_->units) {
+    out.push_back({u.name, static_cast<int64_t>(u.params.size()), u.numel, u.shard_numel});
+  }
+  return out;
+}
+
+const ProcessGroup& FullyShard::group() const { return impl_->group; }
+
+}  // namespace remat::parallel

@@ -1,0 +1,154 @@
+// One rank of a sharded (FullyShard) or plain run for test_parallel: a small
+// GPT (4 blocks, d_model 64) under one checkpoint strategy, AdamW on a
+// global batch of world x --batch sequences split by rank (as
+// DistributedSampler). Rank 0 writes the full model after the steps
+// (torch::save of the module: FullyShard::save_full, or the plain model),
+// and every rank writes one line of figures to PREFIX.rankR.stats:
+//   forward_allgathers backward_allgathers reduce_scatters (last step)
+//   model_state_bytes (remat::memory after the last step, less before the
+//   model) max_gathered_bytes largest_unit_bytes root_bytes units
+//   last_norm by_allreduce
+// Exit codes: 0 done, 3 an error (message on stderr), 7 killed itself on
+// purpose (--die-at-step, rank world-1, before that step's backward).
+//
+// AdamW with eps 1e-3: an element whose gradient is near 0 then moves by
+// lr x g / eps, not by lr x sign(g), so runs whose gradients differ in the
+// last float bits (another summation order) stay within 1e-6 of each other.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/serialize.h>
+#include <torch/types.h>
+
+#include <remat/checkpointable.h>
+#include <remat/error.h>
+#include <remat/memory.h>
+#include <remat/models/gpt.h>
+#include <remat/parallel/fully_shard.h>
+
+namespace {
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (argv[i] == "--" + name) return argv[i + 1];
+  }
+  return fallback;
+}
+
+bool flag(int argc, char** argv, const std::string& name) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i] == "--" + name) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rank = std::stoi(arg(argc, argv, "rank", "0"));
+  const int world = std::stoi(arg(argc, argv, "world", "1"));
+  const int die_at = std::stoi(arg(argc, argv, "die-at-step", "0"));
+  const int64_t batch = std::stoi(arg(argc, argv, "batch", "2"));
+  const int steps = std::stoi(arg(argc, argv, "steps", "3"));
+  const int accum = std::stoi(arg(argc, argv, "grad-accum", "1"));
+  const double clip = std::stod(arg(argc, argv, "clip", "0"));
+  const std::string strategy = arg(argc, argv, "strategy", "none");
+  const std::string units = arg(argc, argv, "units", "blocks");
+  const std::string out = arg(argc, argv, "out", "");
+  const bool plain = flag(argc, argv, "plain");
+  try {
+    torch::set_num_threads(1);
+    remat::memory::enable_tracking();
+    const int64_t before_model = remat::memory::current_bytes();
+    torch::manual_seed(1);
+    remat::models::GptConfig cfg;
+    cfg.vocab = 64;
+    cfg.seq_len = 32;
+    cfg.d_model = 64;
+    cfg.heads = 4;
+    cfg.layers = 4;
+    remat::models::Gpt gpt(cfg);
+    using Block = remat::models::GptBlockImpl;
+    if (strategy == "block") {
+      remat::enable_checkpointing(gpt, remat::select::type<Block>());
+    } else if (strategy == "selective") {
+      remat::enable_checkpointing(gpt, remat::select::type<Block>(),
+                                  remat::CheckpointOptions().policy(remat::models::megatron_policy()));
+    } else if (strategy == "inner") {  // the blocks' attention and MLP, each checkpointed
+      remat::enable_checkpointing(gpt, remat::select::name("blocks.*.*"));
+    } else if (strategy != "none") {
+      throw remat::Error("fsdp_worker: unknown --strategy " + strategy);
+    }
+    std::unique_ptr<remat::parallel::FullyShard> fsdp;
+    remat::parallel::ProcessGroup group;
+    if (!plain) {
+      group = remat::parallel::init_process_group(
+          remat::parallel::InitOptions(rank, world)
+              .file_store(arg(argc, argv, "file-store", ""))
+              .master_port(std::stoi(arg(argc, argv, "port", "29500")))
+              .timeout(std::chrono::milliseconds(std::stoi(arg(argc, argv, "timeout-ms", "60000")))));
+      auto o = remat::parallel::FullyShardOptions()
+                   .units(units == "all" ? remat::select::all() : remat::select::type<Block>())
+                   .reshard_after_forward(!flag(argc, argv, "no-reshard"))
+                   .prefetch_bytes(std::stoll(arg(argc, argv, "prefetch", "67108864")));
+      fsdp = std::make_unique<remat::parallel::FullyShard>(gpt.ptr(), group, o);
+    }
+    const auto params = plain ? gpt->parameters() : fsdp->parameters();
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
+    if (!plain && !arg(argc, argv, "load-sharded", "").empty()) fsdp->load_sharded(arg(argc, argv, "load-sharded", ""));
+    double norm = 0;
+    remat::parallel::ShardStats last;
+    for (int step = 0; step < steps; ++step) {
+      opt.zero_grad();
+      if (fsdp) fsdp->reset_stats();
+      for (int micro = 0; micro < accum; ++micro) {
+        auto gen = at::detail::createCPUGenerator(1000 + step * 16 + micro);
+        auto tok = torch::randint(cfg.vocab, {world * batch, cfg.seq_len + 1}, gen, torch::kLong)
+                       .slice(0, rank * batch, (rank + 1) * batch);
+        auto x = tok.slice(1, 0, cfg.seq_len), y = tok.slice(1, 1, cfg.seq_len + 1);
+        auto run = [&] { return gpt->loss(gpt->blocks->forward(gpt->embed(x)), y) / static_cast<double>(accum); };
+        auto loss = fsdp ? fsdp->forward(run) : run();
+        if (die_at > 0 && rank == world - 1 && step + 1 == die_at) std::_Exit(7);
+        loss.backward();
+      }
+      if (clip > 0) {
+        norm = fsdp ? fsdp->clip_grad_norm(clip) : torch::nn::utils::clip_grad_norm_(gpt->parameters(), clip);
+      }
+      opt.step();
+      if (fsdp) last = fsdp->stats();
+    }
+    const int64_t state_bytes = remat::memory::current_bytes() - before_model;
+    if (!plain && !arg(argc, argv, "save-sharded", "").empty()) fsdp->save_sharded(arg(argc, argv, "save-sharded", ""));
+    if (!out.empty()) {
+      if (fsdp) {
+        fsdp->save_full(out);
+      } else {
+        torch::save(gpt, out);
+      }
+      int64_t largest = 0, root = 0, n_units = 0;
+      if (fsdp) {
+        const auto mem = fsdp->memory();
+        largest = mem.largest_unit_bytes;
+        const auto us = fsdp->units();
+        n_units = static_cast<int64_t>(us.size()) - 1;
+        root = us[0].shard_numel * world * 4;
+      }
+      std::ofstream(out + ".rank" + std::to_string(rank) + ".stats")
+          << last.forward_allgathers << " " << last.backward_allgathers << " " << last.reduce_scatters << " "
+          << state_bytes << " " << last.max_gathered_bytes << " " << largest << " " << root << " " << n_units << " "
+          << norm << " " << last.reduce_scatter_by_allreduce << "\n";
+    }
+  } catch (const std::exception& e) {
+    const auto* c = dynamic_cast<const c10::Error*>(&e);
+    std::cerr << "fsdp_worker rank " << rank << ": " << (c ? c->what_without_backtrace() : e.what()) << "\n";
+    return 3;
+  }
+  return 0;
+}
