@@ -75,6 +75,9 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     std::vector<char> posted;
     int64_t n_posted = 0, n_grad_params = 0;
     std::vector<std::pair<decltype(torch::autograd::impl::grad_accumulator(at::Tensor())), uintptr_t>> post_hooks;
+    int active = 0;                   // forwards of it running now (an isolated run inside one included)
+    std::vector<size_t> descendants;  // units inside its module, in tree order: gathered with it for backward
+    bool nested = false;              // its module lies inside another checkpointable module
     int64_t bytes() const { return padded * static_cast<int64_t>(flat.element_size()); }
   };
   struct PendingReduce {
@@ -92,7 +95,9 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   std::vector<size_t> order;  // units in first-forward order (root excluded)
   bool order_known = false;
   bool in_backward = false;
-  bool callback_queued = false;
+  std::unordered_set<int> queued_tasks;  // graph tasks of this backward that have our callback
+  int64_t grad_units = 0;                // units with a parameter that requires grad
+  int64_t reduced_units = 0;             // of those, reduced in this backward
   std::vector<PendingReduce> pending;
   ShardStats stats;
 
@@ -205,21 +210,43 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
 
   // --- backward ------------------------------------------------------------
 
+  /** Marks the backward and gives the running graph task our callback
+   *  (NOTE [the end of a backward]). */
   void begin_backward() {
-    if (!in_backward) in_backward = true;
-    if (callback_queued) return;
-    callback_queued = true;
+    in_backward = true;
+    queue_end(/*all_reduced=*/false);
+  }
+
+  // NOTE [the end of a backward]: the engine's final callback of a graph
+  // task completes the reductions and frees every unit. A backward may run
+  // nested graph tasks (CheckpointedSequential's stage backwards run inside a
+  // node of the outer one), whose end is not the backward's: a callback that
+  // runs inside a node (get_current_node) only ends the backward once every
+  // unit's gradient is reduced, so the last reduction queues one on its own
+  // task. Otherwise the callback of the outermost task ends it, reducing
+  // what got no gradient as zeros.
+  void queue_end(bool all_reduced) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    if (!all_reduced && !queued_tasks.insert(task).second) return;
     std::weak_ptr<Impl> weak = weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto self = weak.lock()) self->end_backward();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak, all_reduced] {
+      if (auto self = weak.lock()) self->end_backward(all_reduced);
     });
   }
 
+  /** Gathers unit i and the units inside it, in a fixed order, so that
+   *  every rank issues the same collectives whatever each recomputes. */
   void pre_backward(size_t i) {
     begin_backward();
     Unit& u = units[i];
-    if (!u.gathered) gather(i, /*backward=*/true);
+    start_gather(i, /*backward=*/true);
+    for (size_t d : u.descendants) start_gather(d, /*backward=*/true);
+    finish_gather(i);
     u.for_backward = true;
+    for (size_t d : u.descendants) {
+      finish_gather(d);
+      units[d].for_backward = true;
+    }
     prefetch(i, /*backward=*/true);
   }
 
@@ -280,6 +307,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     std::fill(u.posted.begin(), u.posted.end(), 0);
     u.n_posted = 0;
     reshard(i);
+    if (u.n_grad_params > 0 && ++reduced_units == grad_units) queue_end(/*all_reduced=*/true);
   }
 
   void complete_reductions() {
@@ -300,33 +328,52 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     pending.clear();
   }
 
-  /** The engine's final callback: reduces what is left (parameters that got
-   *  no gradient count as zero), waits for every reduction, frees every unit. */
-  void end_backward() {
+  /** A graph task's final callback (NOTE [the end of a backward]): reduces
+   *  what is left (parameters that got no gradient count as zero), waits for
+   *  every reduction, frees every unit no forward is running. */
+  void end_backward(bool all_reduced) {
+    if (!in_backward) return;  // ended already
+    if (!all_reduced && torch::autograd::get_current_node() != nullptr) {
+      queued_tasks.erase(torch::autograd::get_current_graph_task_id());  // a nested task: the backward goes on
+      return;
+    }
     for (size_t i = 0; i < units.size(); ++i) {
       if (units[i].grad_flat.defined()) reduce(i);
     }
     complete_reductions();
+    bool forward_running = false;  // this backward ran inside a unit's forward (auto's isolated runs)
+    for (const auto& u : units) forward_running |= u.active > 0;
+    // A backward that reduced nothing ran inside the step's forward (a
+    // profiler's isolated run through autograd::grad): the forward still
+    // needs the root, gathered by forward(), and the units running.
+    const bool step_backward = reduced_units > 0;
     for (size_t i = 0; i < units.size(); ++i) {
       Unit& u = units[i];
       std::fill(u.posted.begin(), u.posted.end(), 0);
       u.n_posted = 0;
-      reshard(i);
+      if (u.active == 0 && (i != 0 || step_backward)) reshard(i);
     }
     in_backward = false;
-    callback_queued = false;
-    if (!order.empty()) order_known = true;
+    queued_tasks.clear();
+    reduced_units = 0;
+    // An isolated run's backward inside a forward (auto's profile) does not
+    // end the step's forward.
+    if (!order.empty() && !forward_running) order_known = true;
   }
 
   // --- forward -------------------------------------------------------------
 
   void before_forward(size_t i) {
-    if (detail::unit_observer() != nullptr) {
-      throw Error("[remat::parallel] FullyShard: unit '" + units[i].name +
-                  "' ran under auto_checkpoint's profiled step, which FullyShard does not support yet; plan the "
-                  "checkpointing by hand (enable_checkpointing, CheckpointedSequential) inside sharded units.");
-    }
     Unit& u = units[i];
+    if (u.nested && detail::unit_observer() != nullptr) {
+      // auto's isolated runs of the module around it would gather it a
+      // number of times that depends on each rank's measurements.
+      throw Error("[remat::parallel] FullyShard: unit '" + u.name +
+                  "' lies inside another checkpointable module, and auto_checkpoint is profiling the step; under "
+                  "auto_checkpoint, shard by the outermost checkpointable modules (FullyShardOptions::units, e.g. "
+                  "select::type<Block>()).");
+    }
+    ++u.active;
     if (in_backward) {  // a recompute: gathered once for this backward
       if (!u.gathered) gather(i, /*backward=*/true);
       u.for_backward = true;
@@ -338,6 +385,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   }
 
   void after_forward(size_t i, const std::vector<at::Tensor>& outputs) {
+    --units[i].active;
     if (in_backward) return;
     bool armed = false;
     if (torch::autograd::GradMode::is_enabled()) {
@@ -447,6 +495,21 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
     if (i == 0 || !m.units[i].params.empty()) kept.push_back(std::move(m.units[i]));
   }
   m.units = std::move(kept);
+  // Units inside units, by name; and units inside any checkpointable module.
+  std::vector<std::string> checkpointable_names;
+  for (const auto& item : module->named_modules("", true)) {
+    if (dynamic_cast<const Checkpointable*>(item.value().get()) != nullptr) checkpointable_names.push_back(item.key());
+  }
+  for (size_t i = 1; i < m.units.size(); ++i) {
+    for (size_t j = 1; j < m.units.size(); ++j) {
+      if (j != i && m.units[i].name != "(root)" && under(m.units[j].name, m.units[i].name)) {
+        m.units[i].descendants.push_back(j);
+      }
+    }
+    for (const auto& n : checkpointable_names) {
+      m.units[i].nested |= n != m.units[i].name && m.units[i].name != "(root)" && under(m.units[i].name, n);
+    }
+  }
   for (const auto& u : m.units) {  // before anything changes
     if (u.module != nullptr && u.module->unit_hook() != nullptr) {
       throw Error("[remat::parallel] FullyShard: unit '" + u.name +
@@ -498,7 +561,7 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
     std::weak_ptr<Impl> weak = impl_;
     for (size_t k = 0; k < u.params.size(); ++k) {
       if (!u.params[k].requires_grad()) continue;
-      ++u.n_grad_params;
+      if (u.n_grad_params++ == 0) ++m.grad_units;
       auto acc = torch::autograd::impl::grad_accumulator(u.params[k]);
       const uintptr_t key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
           [weak, i, k](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {

@@ -27,11 +27,14 @@
 #include <torch/serialize.h>
 #include <torch/types.h>
 
+#include <remat/auto.h>
 #include <remat/checkpointable.h>
 #include <remat/error.h>
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
+#include <remat/offload.h>
 #include <remat/parallel/fully_shard.h>
+#include <remat/sequential.h>
 
 namespace {
 
@@ -83,7 +86,11 @@ int main(int argc, char** argv) {
                                   remat::CheckpointOptions().policy(remat::models::megatron_policy()));
     } else if (strategy == "inner") {  // the blocks' attention and MLP, each checkpointed
       remat::enable_checkpointing(gpt, remat::select::name("blocks.*.*"));
-    } else if (strategy != "none") {
+    } else if (strategy == "offload") {  // what the blocks save goes to files (--offload-dir)
+      remat::enable_offloading(
+          gpt, remat::select::type<Block>(),
+          remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(arg(argc, argv, "offload-dir", "")));
+    } else if (strategy != "none" && strategy != "auto" && strategy != "chain") {
       throw remat::Error("fsdp_worker: unknown --strategy " + strategy);
     }
     std::unique_ptr<remat::parallel::FullyShard> fsdp;
@@ -101,6 +108,16 @@ int main(int argc, char** argv) {
       fsdp = std::make_unique<remat::parallel::FullyShard>(gpt.ptr(), group, o);
     }
     const auto params = plain ? gpt->parameters() : fsdp->parameters();
+    // chain: the blocks as a CheckpointedSequential of 2 segments (the
+    // blocks, FullyShard's units, are its stages).
+    std::optional<remat::CheckpointedSequential> chain;
+    if (strategy == "chain")
+      chain.emplace(std::vector<torch::nn::Sequential>{gpt->blocks}, remat::SequentialOptions().segments(2));
+    // auto: the whole step planned (step 1 warm-up, step 2 profiled, then
+    // each rank's leanest plan: the most recompute).
+    std::optional<remat::AutoCheckpoint> planner;
+    if (strategy == "auto")
+      planner.emplace(remat::auto_checkpoint(gpt, remat::AutoOptions().memory_budget_fraction(1.0)));
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
     if (!plain && !arg(argc, argv, "load-sharded", "").empty()) fsdp->load_sharded(arg(argc, argv, "load-sharded", ""));
     double norm = 0;
@@ -113,11 +130,23 @@ int main(int argc, char** argv) {
         auto tok = torch::randint(cfg.vocab, {world * batch, cfg.seq_len + 1}, gen, torch::kLong)
                        .slice(0, rank * batch, (rank + 1) * batch);
         auto x = tok.slice(1, 0, cfg.seq_len), y = tok.slice(1, 1, cfg.seq_len + 1);
-        auto run = [&] { return gpt->loss(gpt->blocks->forward(gpt->embed(x)), y) / static_cast<double>(accum); };
-        auto loss = fsdp ? fsdp->forward(run) : run();
-        if (die_at > 0 && rank == world - 1 && step + 1 == die_at) std::_Exit(7);
-        loss.backward();
+        auto run = [&] {
+          auto h = gpt->embed(x);
+          h = chain ? (*chain)->forward(h) : gpt->blocks->forward(h);
+          return gpt->loss(h, y) / static_cast<double>(accum);
+        };
+        auto micro_step = [&] {
+          auto loss = fsdp ? fsdp->forward(run) : run();
+          if (die_at > 0 && rank == world - 1 && step + 1 == die_at) std::_Exit(7);
+          loss.backward();
+        };
+        if (planner) {
+          planner->step(micro_step);
+        } else {
+          micro_step();
+        }
       }
+      if (planner && step == 1) planner->replan(planner->leanest_peak_bytes());
       if (clip > 0) {
         norm = fsdp ? fsdp->clip_grad_norm(clip) : torch::nn::utils::clip_grad_norm_(gpt->parameters(), clip);
       }
@@ -125,6 +154,11 @@ int main(int argc, char** argv) {
       if (fsdp) last = fsdp->stats();
     }
     const int64_t state_bytes = remat::memory::current_bytes() - before_model;
+    if (planner) {  // the planned step must have recomputed something, or the run shows nothing
+      int changed = 0;
+      for (const auto& u : planner->units()) changed += u.choice != 0;
+      if (changed == 0) throw remat::Error("fsdp_worker: the leanest auto plan keeps every unit");
+    }
     if (!plain && !arg(argc, argv, "save-sharded", "").empty()) fsdp->save_sharded(arg(argc, argv, "save-sharded", ""));
     if (!out.empty()) {
       if (fsdp) {

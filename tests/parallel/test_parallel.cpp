@@ -30,6 +30,7 @@
 #include <torch/serialize.h>
 #include <torch/utils.h>
 
+#include <remat/auto.h>
 #include <remat/checkpoint.h>
 #include <remat/error.h>
 #include <remat/models/gpt.h>
@@ -618,6 +619,15 @@ TEST(FullyShardProcesses, TwoRanksEqualOneSelective) { expect_sharded_equals_pla
 // Units inside units: the blocks, their attention and MLP each a unit, the
 // attention and MLP checkpointed inside them.
 TEST(FullyShardProcesses, TwoRanksEqualOneNestedUnits) { expect_sharded_equals_plain(2, "inner", {"--units", "all"}); }
+// auto_checkpoint plans the whole step of each rank (blocks as units).
+TEST(FullyShardProcesses, TwoRanksEqualOneAuto) { expect_sharded_equals_plain(2, "auto"); }
+// The blocks as stages of a CheckpointedSequential, whose stage backwards
+// run inside the outer backward.
+TEST(FullyShardProcesses, TwoRanksEqualOneChain) { expect_sharded_equals_plain(2, "chain"); }
+TEST(FullyShardProcesses, TwoRanksEqualOneOffloadToDisk) {
+  Dir scratch;
+  expect_sharded_equals_plain(2, "offload", {"--offload-dir", scratch.path().string()});
+}
 TEST(FullyShardProcesses, FourRanksEqualOnePerBlock) { expect_sharded_equals_plain(4, "block"); }
 TEST(FullyShardProcesses, FourRanksEqualOneNestedUnitsCheckpointed) {
   expect_sharded_equals_plain(4, "block", {"--units", "all"});
@@ -808,6 +818,21 @@ TEST(FullyShard, BadUseIsAClearError) {
               remat::parallel::FullyShard f(mixed.ptr(), group);
             }).find("[remat::parallel] FullyShard: unit 'blocks.0' holds parameters of two dtypes ("),
             std::string::npos);
+  {  // auto_checkpoint's profile with units inside units: refused by name.
+    auto nested = worker_gpt();
+    remat::parallel::FullyShard f(nested.ptr(), group);
+    auto planner = remat::auto_checkpoint(nested, remat::AutoOptions().memory_budget_fraction(1.0));
+    auto tok = torch::randint(64, {2, 33}, torch::kLong);
+    auto x = tok.slice(1, 0, 32), y = tok.slice(1, 1, 33);
+    auto step = [&] {
+      f.forward([&] { return nested->loss(nested->blocks->forward(nested->embed(x)), y); }).backward();
+    };
+    planner.step(step);  // warm-up: plain
+    EXPECT_EQ(message_of([&] { planner.step(step); }),
+              "[remat::parallel] FullyShard: unit 'blocks.0.attn' lies inside another checkpointable module, and "
+              "auto_checkpoint is profiling the step; under auto_checkpoint, shard by the outermost checkpointable "
+              "modules (FullyShardOptions::units, e.g. select::type<Block>()).");
+  }
   remat::parallel::FullyShard fsdp(gpt.ptr(), group);
   EXPECT_EQ(message_of([&] { remat::parallel::FullyShard again(gpt.ptr(), group); }),
             "[remat::parallel] FullyShard: unit 'blocks.0' already has hooks (another FullyShard on the same "
