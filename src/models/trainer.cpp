@@ -419,12 +419,7 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     }
   }
   for (auto& p : m.module->parameters()) m.params += p.numel();
-  if (c.optimizer == "sgd") {
-    m.optimizer = std::make_unique<torch::optim::SGD>(m.module->parameters(), torch::optim::SGDOptions(c.lr));
-  } else {
-    m.optimizer = std::make_unique<torch::optim::AdamW>(m.module->parameters(),
-                                                        torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
-  }
+  use_optimizer_parameters(m.module->parameters());
   if (c.checkpoint == Strategy::kAuto) {
     // Step 1 plain (warm-up: gradients and AdamW state appear), step 2
     // profiled (plain), then replanned for --memory-budget above step 2's
@@ -449,6 +444,32 @@ Trainer::~Trainer() = default;
 
 void Trainer::set_step_hooks(StepHooks hooks) { impl_->hooks = std::move(hooks); }
 
+void Trainer::use_optimizer_parameters(std::vector<at::Tensor> parameters) {
+  auto& m = *impl_;
+  const auto& c = m.cfg;
+  if (c.optimizer == "sgd") {
+    m.optimizer = std::make_unique<torch::optim::SGD>(std::move(parameters), torch::optim::SGDOptions(c.lr));
+  } else {
+    m.optimizer = std::make_unique<torch::optim::AdamW>(std::move(parameters),
+                                                        torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
+  }
+}
+
+int64_t Trainer::optimizer_state_bytes() const {
+  int64_t bytes = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  };
+  for (const auto& [key, state] : impl_->optimizer->state()) {
+    if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      add(s->exp_avg());
+      add(s->exp_avg_sq());
+      add(s->max_exp_avg_sq());
+    }
+  }
+  return bytes;
+}
+
 StepStats Trainer::step(memory::Timeline* timeline) {
   auto& m = *impl_;
   m.module->train();
@@ -464,6 +485,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
         auto [x, y] = m.batch();
         const bool sync = k + 1 == m.cfg.grad_accum;
         const double f0 = timeline ? timeline->now_us() : 0.0;
+        if (m.hooks.before_every_forward) m.hooks.before_every_forward();
         if (sync && m.hooks.before_forward) m.hooks.before_forward();
         auto l = m.loss_of(x, y);
         if (m.hooks.before_backward) m.hooks.before_backward(l, sync);
@@ -478,7 +500,13 @@ StepStats Trainer::step(memory::Timeline* timeline) {
       peak_bytes = probe.peak_bytes();
     }
     const double o0 = timeline ? timeline->now_us() : 0.0;
-    if (m.cfg.clip_norm > 0.0) torch::nn::utils::clip_grad_norm_(m.module->parameters(), m.cfg.clip_norm);
+    if (m.cfg.clip_norm > 0.0) {
+      if (m.hooks.clip) {
+        m.hooks.clip(m.cfg.clip_norm);
+      } else {
+        torch::nn::utils::clip_grad_norm_(m.module->parameters(), m.cfg.clip_norm);
+      }
+    }
     m.optimizer->step();
     if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
   };

@@ -383,8 +383,58 @@ TEST(RematTrainNproc, TwoRanksTrainAsOneAtDoubleBatch) {
   EXPECT_GT(max_abs_diff(one, init), 1e-4) << "three SGD steps at lr 0.05 moved the parameters";
 }
 
+// --shard: FullyShard over the blocks, the optimizer on the shards, the
+// norm clipped over both ranks; --save writes the full model.
+TEST(RematTrainNproc, ShardedTwoRanksTrainAsOneAtDoubleBatch) {
+  Dir dir;
+  const std::string model =
+      " --layers 2 --d-model 32 --heads 2 --seq-len 32 --steps 3 --optimizer sgd --lr 0.05"
+      " --checkpoint block --clip-norm 0.05 --threads 1";
+  auto [rc2, out2] = train(dir, "--nproc 2 --shard --master-port " + std::to_string(free_port()) + " --batch 2" +
+                                    model + " --save " + (dir.path() / "two.pt").string());
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("sharded data parallel over 2 processes (Gloo), 2 units + root, global batch 4"),
+            std::string::npos)
+      << out2;
+  for (const char* line : {"[rank 0/2] step 3/3", "[rank 1/2] step 3/3", "[rank 0/2] saved the full model (step 3)",
+                           "held: params ", "all-gather ", "(5), reduce-scatter "}) {
+    EXPECT_NE(out2.find(line), std::string::npos) << line << "\n" << out2;
+  }
+  auto [rc1, out1] = train(dir, "--batch 4" + model + " --save " + (dir.path() / "one.pt").string());
+  ASSERT_EQ(rc1, 0) << out1;
+  remat::models::TrainConfig c;
+  c.layers = 2;
+  c.d_model = 32;
+  c.heads = 2;
+  c.seq_len = 32;
+  c.optimizer = "sgd";
+  c.threads = 1;
+  const auto one = trained_params(c, dir.path() / "one.pt");
+  remat::models::Trainer sharded(c);
+  std::vector<at::Tensor> init, two;
+  for (const auto& p : sharded.module()->parameters()) init.push_back(p.detach().clone());
+  torch::serialize::InputArchive archive;
+  archive.load_from((dir.path() / "two.pt").string());
+  sharded.module()->load(archive);
+  for (const auto& p : sharded.module()->parameters()) two.push_back(p.detach().clone());
+  EXPECT_LE(max_abs_diff(two, one), 1e-6);
+  EXPECT_GT(max_abs_diff(one, init), 1e-4) << "three SGD steps at lr 0.05 moved the parameters";
+}
+
 TEST(RematTrainNproc, BadFlagsAreClearErrors) {
   Dir dir;
+  {
+    auto [rc, out] = train(dir, "--shard --steps 1");
+    EXPECT_EQ(rc, 2);
+    EXPECT_EQ(out,
+              "remat-train: error: [remat::train] --shard shards across processes: add --nproc N (or --rank and "
+              "--world-size).\n");
+    std::tie(rc, out) = train(dir, "--shard --rank 0 --world-size 1 --resume nowhere.pt --steps 1");
+    EXPECT_EQ(rc, 2);
+    EXPECT_EQ(out,
+              "remat-train: error: [remat::train] --resume does not combine with --shard (--save writes the full "
+              "model only, without the optimizer's state); resume without --shard.\n");
+  }
   auto [rc, out] = train(dir, "--nproc 2 --master-port 70000 --steps 1");
   EXPECT_EQ(rc, 2);
   EXPECT_EQ(out,

@@ -24,8 +24,12 @@
 #include <torch/nn/module.h>
 
 #include <remat/error.h>
+#include <remat/memory.h>
+#include <remat/models/gpt.h>
+#include <remat/models/resnet.h>
 #include <remat/models/trainer.h>
 #include <remat/parallel/data_parallel.h>
+#include <remat/parallel/fully_shard.h>
 #include <remat/plan/error.h>
 
 extern char** environ;
@@ -150,6 +154,62 @@ void run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions
   }
 }
 
+/** One rank of a sharded run (--shard): remat::parallel::FullyShard over the
+ *  model's blocks, the optimizer over this rank's shards; prints a line per
+ *  step with the bytes this rank holds and the step's collectives. --save
+ *  writes the full model (torch::save of the module, loadable unsharded). */
+void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init) {
+  if (!cfg.resume_path.empty()) {
+    throw remat::Error(
+        "[remat::train] --resume does not combine with --shard (--save writes the full model only, without the "
+        "optimizer's state); resume without --shard.");
+  }
+  cfg.data_rank = init.rank();
+  cfg.data_world = init.world_size();
+  const std::string save = cfg.save_path;
+  cfg.save_path.clear();
+  remat::models::Trainer trainer(cfg);
+  const std::string tag = "[rank " + std::to_string(init.rank()) + "/" + std::to_string(init.world_size()) + "] ";
+  auto group = remat::parallel::init_process_group(init);
+  const auto units = cfg.model == "gpt" ? remat::select::type<remat::models::GptBlockImpl>()
+                                        : remat::select::type<remat::models::ResBlockImpl>();
+  remat::parallel::FullyShard fsdp(trainer.module(), group, remat::parallel::FullyShardOptions().units(units));
+  trainer.use_optimizer_parameters(fsdp.parameters());
+  remat::models::StepHooks hooks;
+  hooks.before_every_forward = [&] { fsdp.begin_forward(); };
+  hooks.clip = [&](double max_norm) { fsdp.clip_grad_norm(max_norm); };
+  trainer.set_step_hooks(hooks);
+  if (init.rank() == 0) {
+    say(trainer.summary() + "; sharded data parallel over " + std::to_string(init.world_size()) +
+        " processes (Gloo), " + std::to_string(fsdp.units().size() - 1) + " units + root, global batch " +
+        std::to_string(cfg.batch * init.world_size()));
+  }
+  const char* unit = cfg.model == "gpt" ? "tok" : "img";
+  while (trainer.steps_done() < cfg.steps) {
+    fsdp.reset_stats();
+    const auto s = trainer.step();
+    const auto c = fsdp.stats();
+    const auto mem = fsdp.memory();
+    const double comm = c.allgather_ms + c.reduce_scatter_ms;
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "  held: params %s, grads %s, optimizer %s  all-gather %.1f ms (%lld), reduce-scatter %.1f ms "
+                  "(%lld), %.1f ms exposed, %.0f%% overlapped",
+                  remat::format_bytes(mem.shard_parameter_bytes).c_str(),
+                  remat::format_bytes(mem.shard_gradient_bytes).c_str(),
+                  remat::format_bytes(trainer.optimizer_state_bytes()).c_str(), c.allgather_ms,
+                  static_cast<long long>(c.forward_allgathers + c.backward_allgathers), c.reduce_scatter_ms,
+                  static_cast<long long>(c.reduce_scatters), c.exposed_ms,
+                  comm > 0 ? 100.0 * std::max(0.0, 1.0 - c.exposed_ms / comm) : 0.0);
+    say(tag + remat::models::format_step(s, cfg.steps, unit) + line);
+  }
+  if (!save.empty()) {
+    fsdp.save_full(save);
+    if (init.rank() == 0)
+      say(tag + "saved the full model (step " + std::to_string(trainer.steps_done()) + ") to " + save);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -226,6 +286,10 @@ int main(int argc, char** argv) {
   app.add_option("--master-addr", master_addr, "address of rank 0's store (every rank the same)")
       ->capture_default_str();
   app.add_option("--master-port", master_port, "port of rank 0's store (every rank the same)")->capture_default_str();
+  bool shard = false;
+  app.add_flag("--shard", shard,
+               "with --nproc or --rank: shard parameters, gradients and optimizer state across the ranks "
+               "(FullyShard, one unit per block) instead of replicating them");
   app.add_option("--dist-timeout", dist_timeout_s,
                  "seconds a rank waits for its peers (store, all-reduce) before failing")
       ->capture_default_str();
@@ -266,13 +330,21 @@ int main(int argc, char** argv) {
       }
       return launch(argc, argv, extra, nproc, master_port, dist_timeout_s + 10.0);
     }
+    if (shard && !distributed) {
+      return fail("[remat::train] --shard shards across processes: add --nproc N (or --rank and --world-size).");
+    }
     if (distributed) {
       if (rank < 0) return fail("[remat::train] --world-size " + std::to_string(world_size) + " needs --rank.");
       if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
-      run_rank(cfg, remat::parallel::InitOptions(rank, world_size)
-                        .master_addr(master_addr)
-                        .master_port(master_port)
-                        .timeout(std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1e3))));
+      const auto init = remat::parallel::InitOptions(rank, world_size)
+                            .master_addr(master_addr)
+                            .master_port(master_port)
+                            .timeout(std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1e3)));
+      if (shard) {
+        run_shard_rank(cfg, init);
+      } else {
+        run_rank(cfg, init);
+      }
       return 0;
     }
     if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);

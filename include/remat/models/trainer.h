@@ -154,6 +154,13 @@ struct StepHooks {
    *  this backward synchronises (false for the earlier micro-batches of a
    *  grad_accum step, whose gradients accumulate locally). */
   std::function<void(const at::Tensor& loss, bool sync)> before_backward;
+  /** Before the forward of every micro-batch (remat-train --shard gathers
+   *  the parameters outside FullyShard's units there). */
+  std::function<void()> before_every_forward;
+  /** Clips the gradients to TrainConfig::clip_norm instead of
+   *  torch::nn::utils::clip_grad_norm_ over the module's parameters (a
+   *  sharded run: the norm over every rank's shards). */
+  std::function<void(double max_norm)> clip;
 };
 
 /** What Trainer::predict_step() expects one step to peak at. */
@@ -270,6 +277,11 @@ class Trainer {
 
   /** Hooks run by every later step() (see StepHooks). */
   void set_step_hooks(StepHooks hooks);
+  /** Makes a new optimizer (the same kind and options, fresh state) over
+   *  `parameters` instead of the module's (a sharded run's shards). */
+  void use_optimizer_parameters(std::vector<at::Tensor> parameters);
+  /** Bytes of the optimizer's state tensors (AdamW's moments; none for sgd). */
+  int64_t optimizer_state_bytes() const;
   /** One optimizer step (grad_accum micro-batches). With a timeline, adds
    *  "forward", "backward" and "optimizer" spans to it. */
   StepStats step(memory::Timeline* timeline = nullptr);
