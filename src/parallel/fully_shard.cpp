@@ -78,6 +78,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     int active = 0;                   // forwards of it running now (an isolated run inside one included)
     std::vector<size_t> descendants;  // units inside its module, in tree order: gathered with it for backward
     bool nested = false;              // its module lies inside another checkpointable module
+    bool keep_gathered = false;       // not freed between its forward and its backward
     int64_t bytes() const { return padded * static_cast<int64_t>(flat.element_size()); }
   };
   struct PendingReduce {
@@ -398,7 +399,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
         armed = true;
       }
     }
-    if (options.reshard_after_forward() || !armed) reshard(i);
+    if ((options.reshard_after_forward() && !units[i].keep_gathered) || !armed) reshard(i);
   }
 };
 
@@ -508,6 +509,23 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
     }
     for (const auto& n : checkpointable_names) {
       m.units[i].nested |= n != m.units[i].name && m.units[i].name != "(root)" && under(m.units[i].name, n);
+    }
+  }
+  if (options.keep_gathered()) {
+    std::vector<SelectorInput> keep;
+    if (any_checkpointable) keep = selected_checkpointables(*module, *options.keep_gathered(), "parallel::FullyShard");
+    for (const auto& k : keep) {
+      bool found = false;
+      for (auto& u : m.units) {
+        if (u.module != nullptr && dynamic_cast<const torch::nn::Module*>(u.module) == k.module) {
+          u.keep_gathered = found = true;
+        }
+      }
+      if (!found) {
+        throw Error("[remat::parallel] FullyShard: keep_gathered chose '" + k.name +
+                    "', which is not a unit (FullyShardOptions::units did not choose it, or it owns no parameter); "
+                    "choose among the units.");
+      }
     }
   }
   for (const auto& u : m.units) {  // before anything changes

@@ -104,6 +104,10 @@ int main(int argc, char** argv) {
       auto o = remat::parallel::FullyShardOptions()
                    .units(units == "all" ? remat::select::all() : remat::select::type<Block>())
                    .reshard_after_forward(!flag(argc, argv, "no-reshard"))
+                   .keep_gathered(
+                       arg(argc, argv, "keep-gathered", "").empty()
+                           ? std::nullopt
+                           : std::optional<remat::Selector>(remat::select::name(arg(argc, argv, "keep-gathered", ""))))
                    .prefetch_bytes(std::stoll(arg(argc, argv, "prefetch", "67108864")));
       fsdp = std::make_unique<remat::parallel::FullyShard>(gpt.ptr(), group, o);
     }

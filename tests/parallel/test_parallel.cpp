@@ -653,6 +653,17 @@ void expect_sharded_equals_plain(int world, const std::string& strategy, std::ve
   const double d = max_abs_diff(a, b);
   EXPECT_LE(d, 1e-6) << world << " ranks, " << strategy;
   EXPECT_GT(max_abs_diff(b, init), 1e-3) << "three AdamW steps at lr 1e-2 moved the parameters";
+  {  // The full model save_full wrote, loaded into a plain model, gives the plain run's loss.
+    auto sharded_gpt = worker_gpt(), plain_gpt = worker_gpt();
+    torch::load(sharded_gpt, (dir.path() / "sharded.pt").string());
+    torch::load(plain_gpt, (dir.path() / "plain.pt").string());
+    torch::NoGradGuard no_grad;
+    auto tok = torch::randint(64, {4, 33}, torch::kLong);
+    auto x = tok.slice(1, 0, 32), y = tok.slice(1, 1, 33);
+    const double ls = sharded_gpt->loss(sharded_gpt->blocks->forward(sharded_gpt->embed(x)), y).item<double>();
+    const double lp = plain_gpt->loss(plain_gpt->blocks->forward(plain_gpt->embed(x)), y).item<double>();
+    EXPECT_NEAR(ls, lp, 1e-5) << world << " ranks, " << strategy;
+  }
   const auto s = read_stats(dir.path() / "sharded.pt.rank0.stats");
   const auto p = read_stats(dir.path() / "plain.pt.rank0.stats");
   std::cout << "[" << strategy << "] " << world << " ranks vs 1: max |param diff| " << d << "; last step "
@@ -742,6 +753,10 @@ TEST(FullyShardProcesses, OneForwardAndOneBackwardAllGatherPerUnit) {
   const auto kept = two_rank_stats({"--strategy", "block", "--no-reshard"});
   EXPECT_EQ(kept.forward_allgathers, kept.units + 1);
   EXPECT_EQ(kept.backward_allgathers, 0);
+  // The last block only: its backward comes first, right after its forward.
+  const auto last = two_rank_stats({"--strategy", "block", "--keep-gathered", "blocks.3"});
+  EXPECT_EQ(last.forward_allgathers, last.units + 1);
+  EXPECT_EQ(last.backward_allgathers, last.units - 1);
 }
 
 // Parameters, gradients and AdamW's moments: about 1/N of one process's
@@ -883,6 +898,14 @@ TEST(FullyShard, BadUseIsAClearError) {
               "auto_checkpoint is profiling the step; under auto_checkpoint, shard by the outermost checkpointable "
               "modules (FullyShardOptions::units, e.g. select::type<Block>()).");
   }
+  EXPECT_EQ(message_of([&] {
+              remat::parallel::FullyShard f(gpt.ptr(), group,
+                                            remat::parallel::FullyShardOptions()
+                                                .units(remat::select::type<remat::models::GptBlockImpl>())
+                                                .keep_gathered(remat::select::name("blocks.3.mlp")));
+            }),
+            "[remat::parallel] FullyShard: keep_gathered chose 'blocks.3.mlp', which is not a unit "
+            "(FullyShardOptions::units did not choose it, or it owns no parameter); choose among the units.");
   remat::parallel::FullyShard fsdp(gpt.ptr(), group);
   EXPECT_EQ(message_of([&] { remat::parallel::FullyShard again(gpt.ptr(), group); }),
             "[remat::parallel] FullyShard: unit 'blocks.0' already has hooks (another FullyShard on the same "

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -58,6 +59,10 @@ struct FullyShardOptions {
    *  backward). false keeps every unit gathered from its forward to its
    *  backward: fewer gathers, more memory. Default true. */
   TORCH_ARG(bool, reshard_after_forward) = true;
+  /** Units (of those `units` chose) that stay gathered from their forward
+   *  to their backward even with reshard_after_forward on: the last ones,
+   *  whose backward comes first, gain most. nullopt (default): none. */
+  TORCH_ARG(std::optional<Selector>, keep_gathered) = std::nullopt;
   /** Gathers started ahead of use (the next unit in forward order, the
    *  previous one in backward) while the current unit runs, bytes: a
    *  unit is prefetched only while the gathered bytes that are not in use
