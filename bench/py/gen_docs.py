@@ -12,7 +12,8 @@ for longctx.json with longctx-py.json: `longctx`; long_context_fits.fragments
 for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
 gpu-h200.json: `gpu-blocks`, `gpu-longctx`; auto_results.fragments for
 auto.json, auto-resnet.json, auto-py.json and step_solve.json: `auto-frontier`, `auto-targets`,
-`auto-compile`, `auto-frontier-resnet`, `auto-targets-resnet`, `auto-solver`; headline.fragments:
+`auto-compile`, `auto-frontier-resnet`, `auto-targets-resnet`, `auto-solver`; shard_results.fragments for
+shard.json: `shard-reference`; headline.fragments:
 `readme-headline` from all of them. In the docs a fragment stands between
     <!-- generated: NAME -->
     ...
@@ -89,6 +90,8 @@ def fragments(quick):
     frags.update(longctx.fragments(quick))
     import auto_results  # JSON lines: auto.json (remat_auto) and step_solve.json (remat_step_solve)
     frags.update(auto_results.fragments(quick))
+    import shard_results  # JSON lines: shard.json (remat_shard)
+    frags.update(shard_results.fragments(quick))
     return frags, images
 
 
