@@ -694,15 +694,19 @@ TEST(FullyShardProcesses, FourRanksEqualOneNestedUnitsCheckpointed) {
   expect_sharded_equals_plain(4, "block", {"--units", "all"});
 }
 
-// Two micro-batches per step, and the global norm clipped over the shards.
-TEST(FullyShardProcesses, GradAccumulationAndClippingEqualOne) {
+TEST(FullyShardProcesses, FourRanksEqualOneSelective) { expect_sharded_equals_plain(4, "selective"); }
+TEST(FullyShardProcesses, FourRanksEqualOneAuto) { expect_sharded_equals_plain(4, "auto"); }
+
+/** Two micro-batches per step, and the global norm clipped over the
+ *  shards: `world` ranks at batch 1 against one process at batch world. */
+void expect_accumulation_and_clipping_equal_one(int world) {
   Dir dir;
   const std::vector<std::string> common{"--strategy", "block", "--steps", "3", "--grad-accum", "2", "--clip", "0.05"};
   auto sharded_args = common;
   sharded_args.insert(sharded_args.end(), {"--batch", "1"});
   auto plain_args = common;
-  plain_args.insert(plain_args.end(), {"--batch", "2", "--plain"});
-  auto sharded = run_fsdp(dir, "sharded", 2, sharded_args);
+  plain_args.insert(plain_args.end(), {"--batch", std::to_string(world), "--plain"});
+  auto sharded = run_fsdp(dir, "sharded", world, sharded_args);
   auto plain = run_fsdp(dir, "plain", 1, plain_args);
   for (const auto& p : sharded) ASSERT_EQ(p.status, 0) << read_file(p.err);
   ASSERT_EQ(plain[0].status, 0) << read_file(plain[0].err);
@@ -717,6 +721,13 @@ TEST(FullyShardProcesses, GradAccumulationAndClippingEqualOne) {
   EXPECT_EQ(s.reduce_scatters, 2 * (s.units + 1));
   EXPECT_EQ(s.forward_allgathers, 2 * (s.units + 1));
   EXPECT_EQ(s.backward_allgathers, 2 * s.units);
+}
+
+TEST(FullyShardProcesses, GradAccumulationAndClippingEqualOneTwoRanks) {
+  expect_accumulation_and_clipping_equal_one(2);
+}
+TEST(FullyShardProcesses, GradAccumulationAndClippingEqualOneFourRanks) {
+  expect_accumulation_and_clipping_equal_one(4);
 }
 
 /** Collectives of the last step on 2 ranks: forward all-gathers,
