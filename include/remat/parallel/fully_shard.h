@@ -121,6 +121,9 @@ struct ShardUnit {
  *  (refused with remat::Error). */
 class FullyShard {
  public:
+  /** Shards module over group (see the class comment). Bad options or
+   *  parameters throw remat::Error before anything changes; a failed
+   *  collective throws it naming the rank and the collective. */
   FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, FullyShardOptions options = {});
   /** Removes the hooks; the module's parameters then hold no data (save
    *  first with save_full()). */
@@ -159,6 +162,7 @@ class FullyShard {
 
   /** Collectives since construction or reset_stats(). */
   ShardStats stats() const;
+  /** Zeroes stats() (e.g. at a step's start, for per-step figures). */
   void reset_stats();
   /** This rank's parameter memory now. */
   ShardMemory memory() const;
@@ -167,7 +171,7 @@ class FullyShard {
   /** The group it shards over. */
   const ProcessGroup& group() const;
 
-  struct Impl;
+  struct Impl;  ///< internal (the units' state, shared with their hooks)
 
  private:
   std::shared_ptr<Impl> impl_;
