@@ -32,21 +32,12 @@
 #include <remat/models/trainer.h>
 #include <remat/parallel/data_parallel.h>
 
+#include "worker_args.h"
+
 namespace {
 
-std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == "--" + name) return argv[i + 1];
-  }
-  return fallback;
-}
-
-bool flag(int argc, char** argv, const std::string& name) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == "--" + name) return true;
-  }
-  return false;
-}
+using worker::arg;
+using worker::flag;
 
 /** x -> frozen (no grad) -> tanh -> trunk -> tanh -> head, plus, on the
  *  steps that take it, extra's output added to the head's. */

@@ -36,21 +36,12 @@
 #include <remat/parallel/fully_shard.h>
 #include <remat/sequential.h>
 
+#include "worker_args.h"
+
 namespace {
 
-std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == "--" + name) return argv[i + 1];
-  }
-  return fallback;
-}
-
-bool flag(int argc, char** argv, const std::string& name) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == "--" + name) return true;
-  }
-  return false;
-}
+using worker::arg;
+using worker::flag;
 
 }  // namespace
 
