@@ -67,10 +67,8 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     at::Tensor flat;   // padded elements; its storage is freed while sharded
     at::Tensor shard;  // this rank's slice: a leaf, the optimizer's parameter
     bool gathered = false;
-    bool for_backward = false;  // gathered by (or during) this backward: kept until its gradients are reduced
     c10::intrusive_ptr<c10d::Work> gather_work;
     Clock::time_point gather_start;
-    bool gather_in_backward = false;
     at::Tensor grad_flat;  // this backward's full gradient, until reduced
     std::vector<char> posted;
     int64_t n_posted = 0, n_grad_params = 0;
@@ -96,6 +94,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   std::vector<size_t> order;  // units in first-forward order (root excluded)
   bool order_known = false;
   bool in_backward = false;
+  bool ending = false;                   // end_backward runs
   std::unordered_set<int> queued_tasks;  // graph tasks of this backward that have our callback
   int64_t grad_units = 0;                // units with a parameter that requires grad
   int64_t reduced_units = 0;             // of those, reduced in this backward
@@ -152,7 +151,6 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       collective_failed("all-gather of unit '" + u.name + "'", e);
     }
     u.gather_start = Clock::now();
-    u.gather_in_backward = backward;
     (backward ? stats.backward_allgathers : stats.forward_allgathers) += 1;
     int64_t now = 0;
     for (const auto& v : units) {
@@ -182,7 +180,6 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     if (!u.gathered) return;
     release(u);
     u.gathered = false;
-    u.for_backward = false;
   }
 
   /** Starts gathering the unit after (forward) or before (backward) unit i
@@ -243,11 +240,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     start_gather(i, /*backward=*/true);
     for (size_t d : u.descendants) start_gather(d, /*backward=*/true);
     finish_gather(i);
-    u.for_backward = true;
-    for (size_t d : u.descendants) {
-      finish_gather(d);
-      units[d].for_backward = true;
-    }
+    for (size_t d : u.descendants) finish_gather(d);
     prefetch(i, /*backward=*/true);
   }
 
@@ -308,7 +301,8 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     std::fill(u.posted.begin(), u.posted.end(), 0);
     u.n_posted = 0;
     reshard(i);
-    if (u.n_grad_params > 0 && ++reduced_units == grad_units) queue_end(/*all_reduced=*/true);
+    // From end_backward itself (what was left), the backward is ending already.
+    if (u.n_grad_params > 0 && ++reduced_units == grad_units && !ending) queue_end(/*all_reduced=*/true);
   }
 
   void complete_reductions() {
@@ -338,9 +332,11 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       queued_tasks.erase(torch::autograd::get_current_graph_task_id());  // a nested task: the backward goes on
       return;
     }
+    ending = true;
     for (size_t i = 0; i < units.size(); ++i) {
       if (units[i].grad_flat.defined()) reduce(i);
     }
+    ending = false;
     complete_reductions();
     bool forward_running = false;  // this backward ran inside a unit's forward (auto's isolated runs)
     for (const auto& u : units) forward_running |= u.active > 0;
@@ -377,7 +373,6 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     ++u.active;
     if (in_backward) {  // a recompute: gathered once for this backward
       if (!u.gathered) gather(i, /*backward=*/true);
-      u.for_backward = true;
       return;
     }
     if (!order_known && std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
@@ -611,8 +606,8 @@ void FullyShard::begin_forward() {
   Impl& m = *impl_;
   if (m.in_backward) {
     throw Error(
-        "[remat::parallel] FullyShard::forward ran while a backward of it was still running; finish the "
-        "backward first.");
+        "[remat::parallel] FullyShard::forward ran before the last backward through it ended (it is still "
+        "running, or an error stopped it); finish the backward first, or shard the model again after an error.");
   }
   if (!m.units[0].params.empty()) m.gather(0, /*backward=*/false);
   // The first unit's gather overlaps whatever runs before it (the embedding).
