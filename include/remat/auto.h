@@ -109,6 +109,13 @@ struct AutoOptions {
    *  kMemory without a codec (nothing saved) are refused. Default none: a
    *  disk needs a directory only the user can name. */
   TORCH_ARG(std::vector<OffloadOptions>, offload);
+  /** A compressing store (a codec, on kMemory or kHost) holds as many bytes
+   *  as the data compresses to, which changes from batch to batch: its
+   *  options are charged the bytes the profiled step's data took times
+   *  1 + compression_margin. Mostly-zero activations whose zeros move can
+   *  take a quarter more on another batch. 0 trusts the profiled batch.
+   *  Default 0.5. */
+  TORCH_ARG(double, compression_margin) = 0.5;
   /** Plan the checkpointable modules called inside other units as units of
    *  their own, and offer units with inner units "recompute, inner units
    *  too". Each inner unit's calls are measured under its whole menu, so

@@ -922,6 +922,9 @@ TEST(Auto, ErrorsNameTheValueAndTheRemedy) {
             "[remat::auto] selective_levels 3, warmup_steps 1, profile_repeats 0, solver_time_limit_s 30.000000: the "
             "first two must be >= 0, profile_repeats >= 1 and the time limit > 0.");
   const auto budget = remat::AutoOptions().memory_budget_bytes(1 << 20);
+  EXPECT_EQ(message(remat::AutoOptions(budget).compression_margin(-0.1)),
+            "[remat::auto] compression_margin -0.100000 must be a finite number >= 0 (the share added to what a "
+            "compressing store held in the profiled step; default 0.5).");
   EXPECT_EQ(message(remat::AutoOptions(budget).offload({remat::OffloadOptions(remat::OffloadTarget::kHost)})),
             "[remat::auto] offload option 0 (kHost, codec kNone): kHost moves accelerator tensors to pinned host "
             "memory and keeps CPU tensors where they are, so it saves nothing here; use kDisk with a directory, or "
