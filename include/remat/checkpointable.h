@@ -100,6 +100,8 @@ class UnitHook {
   /** After it returned, with its output tensors flattened (not called when
    *  it throws). */
   virtual void after_forward(const std::vector<at::Tensor>& outputs) = 0;
+  /** Instead of after_forward when the call threw (the exception goes on). */
+  virtual void forward_failed() {}
 };
 
 /** This thread's observer, or nullptr (the common case). */
@@ -183,10 +185,23 @@ class Checkpointable {
     using R = decltype(detail::call(fn, std::forward<Args>(args)...));
     hook->before_forward();
     if constexpr (std::is_void_v<R>) {
-      switched(fn, std::forward<Args>(args)...);
+      try {
+        switched(fn, std::forward<Args>(args)...);
+      } catch (...) {
+        hook->forward_failed();
+        throw;
+      }
       hook->after_forward({});
     } else {
-      R r = switched(fn, std::forward<Args>(args)...);
+      auto run = [&]() -> R {
+        try {
+          return switched(fn, std::forward<Args>(args)...);
+        } catch (...) {
+          hook->forward_failed();
+          throw;
+        }
+      };
+      R r = run();
       std::vector<at::Tensor> outputs;
       detail::flatten_outputs(r, outputs);
       hook->after_forward(outputs);

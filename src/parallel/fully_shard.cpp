@@ -77,6 +77,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     std::vector<size_t> descendants;  // units inside its module, in tree order: gathered with it for backward
     bool nested = false;              // its module lies inside another checkpointable module
     bool keep_gathered = false;       // not freed between its forward and its backward
+    bool reduced = false;             // its gradient was reduced in this backward
     int64_t bytes() const { return padded * static_cast<int64_t>(flat.element_size()); }
   };
   struct PendingReduce {
@@ -296,6 +297,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       }
     }
     stats.reduce_scatters += 1;
+    u.reduced = true;
     stats.reduce_scatter_bytes += u.bytes();
     pending.push_back(std::move(r));
     std::fill(u.posted.begin(), u.posted.end(), 0);
@@ -336,6 +338,17 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     for (size_t i = 0; i < units.size(); ++i) {
       if (units[i].grad_flat.defined()) reduce(i);
     }
+    // In the step's backward, a unit that got no gradient on this rank is
+    // reduced as zeros: another rank's may have got one, and the ranks' lists
+    // of collectives must match.
+    if (reduced_units > 0) {
+      for (size_t i = 0; i < units.size(); ++i) {
+        Unit& u = units[i];
+        if (u.n_grad_params == 0 || u.reduced) continue;
+        u.grad_flat = at::zeros({u.padded}, u.flat.options());
+        reduce(i);
+      }
+    }
     ending = false;
     complete_reductions();
     bool forward_running = false;  // this backward ran inside a unit's forward (auto's isolated runs)
@@ -348,6 +361,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       Unit& u = units[i];
       std::fill(u.posted.begin(), u.posted.end(), 0);
       u.n_posted = 0;
+      u.reduced = false;
       if (u.active == 0 && (i != 0 || step_backward)) reshard(i);
     }
     in_backward = false;
@@ -370,14 +384,25 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
                   "auto_checkpoint, shard by the outermost checkpointable modules (FullyShardOptions::units, e.g. "
                   "select::type<Block>()).");
     }
-    ++u.active;
+    // A forward inside a graph task is a recompute (a checkpoint's, a
+    // chain's re-run), even before any hook of ours marked the backward.
+    if (!in_backward && torch::autograd::get_current_graph_task_id() != -1) begin_backward();
     if (in_backward) {  // a recompute: gathered once for this backward
       if (!u.gathered) gather(i, /*backward=*/true);
+      ++u.active;
       return;
     }
     if (!order_known && std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
     gather(i, /*backward=*/false);
+    ++u.active;
     prefetch(i, /*backward=*/false);
+  }
+
+  /** The unit's forward threw: it no longer runs, and outside a backward
+   *  nothing will need it gathered. */
+  void forward_failed(size_t i) {
+    --units[i].active;
+    if (!in_backward) reshard(i);
   }
 
   void after_forward(size_t i, const std::vector<at::Tensor>& outputs) {
@@ -409,6 +434,9 @@ class ShardHook : public detail::UnitHook {
   }
   void after_forward(const std::vector<at::Tensor>& outputs) override {
     if (auto p = impl_.lock()) p->after_forward(unit_, outputs);
+  }
+  void forward_failed() override {
+    if (auto p = impl_.lock()) p->forward_failed(unit_);
   }
 
  private:
@@ -484,6 +512,25 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
     }
     u.params.push_back(p);
     u.param_names.push_back(item.key());
+  }
+  // A unit's parameter used by a module outside the unit (a layer shared
+  // with another unit or with the root's code) would be read while freed.
+  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> owner_of;  // unit, parameter
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    for (size_t k = 0; k < m.units[i].params.size(); ++k) owner_of[m.units[i].params[k].unsafeGetTensorImpl()] = {i, k};
+  }
+  for (const auto& item : module->named_modules("", true)) {
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      const auto at = owner_of.find(p.value().unsafeGetTensorImpl());
+      if (at == owner_of.end() || at->second.first == 0) continue;
+      const auto& u = m.units[at->second.first];
+      const std::string unit_name = u.module == nullptr ? "" : u.name == "(root)" ? "" : u.name;
+      if (item.key() == unit_name || under(item.key(), unit_name)) continue;
+      throw Error("[remat::parallel] FullyShard: parameter '" + u.param_names[at->second.second] + "' of unit '" +
+                  u.name + "' is also used by '" + (item.key().empty() ? "(root)" : item.key()) +
+                  "', outside the unit; choose units (FullyShardOptions::units) that hold every module using their "
+                  "parameters.");
+    }
   }
   // Drop units that own nothing (the root stays, maybe empty).
   std::vector<Impl::Unit> kept;
@@ -648,6 +695,10 @@ void FullyShard::save_full(const std::string& path) {
   Impl& m = *impl_;
   if (m.in_backward)
     throw Error("[remat::parallel] FullyShard::save_full ran during a backward; call it between steps.");
+  // Units gathered already (the root between forward() and backward, kept
+  // ones) stay so: a backward may still need them.
+  std::vector<char> was_gathered;
+  for (auto& u : m.units) was_gathered.push_back(u.gathered || u.gather_work);
   for (size_t i = 0; i < m.units.size(); ++i) {
     if (!m.units[i].params.empty()) m.gather(i, /*backward=*/false);
   }
@@ -664,18 +715,33 @@ void FullyShard::save_full(const std::string& path) {
               ". Give a path in a writable folder.";
     }
   }
-  for (size_t i = 0; i < m.units.size(); ++i) m.reshard(i);
-  m.group.barrier();
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    if (!was_gathered[i]) m.reshard(i);
+  }
+  // Every rank learns whether rank 0 wrote the file, and throws alike.
+  std::vector<at::Tensor> failed{at::full({1}, error.empty() ? 0.0 : 1.0, at::TensorOptions().dtype(at::kFloat))};
+  try {
+    m.group.c10d()->allreduce(failed)->wait(m.group.timeout());
+  } catch (const std::exception& e) {
+    m.collective_failed("all-reduce after save_full", e);
+  }
   if (!error.empty()) throw Error(error);
+  if (failed[0].item<float>() > 0) {
+    throw Error("[remat::parallel] FullyShard::save_full: rank 0 could not write '" + path +
+                "' (its error says why); nothing was saved.");
+  }
 }
 
 void FullyShard::save_sharded(const std::string& prefix) const {
   const Impl& m = *impl_;
   const std::string path = prefix + ".rank" + std::to_string(m.rank) + "-of-" + std::to_string(m.world);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  std::vector<at::Tensor> shards;
+  std::vector<at::Tensor> shards;  // the shards, then the module's buffers (BatchNorm statistics)
   for (const auto& u : m.units) {
     if (u.shard.defined()) shards.push_back(u.shard.detach());
+  }
+  for (const auto& b : m.module->buffers()) {
+    if (b.defined()) shards.push_back(b.detach());
   }
   try {
     torch::save(shards, tmp);
@@ -686,6 +752,7 @@ void FullyShard::save_sharded(const std::string& prefix) const {
     throw Error("[remat::parallel] FullyShard::save_sharded could not write '" + path + "': " + message_of(e) +
                 ". Give a prefix in a writable folder.");
   }
+  m.group.barrier();  // every rank's file of this step exists when any returns
 }
 
 void FullyShard::load_sharded(const std::string& prefix) {
@@ -706,11 +773,21 @@ void FullyShard::load_sharded(const std::string& prefix) {
   for (auto& u : m.units) {
     if (u.shard.defined()) mine.push_back(&u);
   }
-  if (shards.size() != mine.size()) {
+  std::vector<at::Tensor> buffers;
+  for (const auto& b : m.module->buffers()) {
+    if (b.defined()) buffers.push_back(b);
+  }
+  if (shards.size() != mine.size() + buffers.size()) {
     throw Error("[remat::parallel] FullyShard::load_sharded: '" + path + "' holds " + std::to_string(shards.size()) +
-                " shards, this model has " + std::to_string(mine.size()) +
-                " units; load into the model and units "
-                "it was saved from.");
+                " tensors, this model has " + std::to_string(mine.size()) + " units and " +
+                std::to_string(buffers.size()) + " buffers; load into the model and units it was saved from.");
+  }
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    const at::Tensor& saved = shards[mine.size() + k];
+    if (!saved.sizes().equals(buffers[k].sizes()) || saved.scalar_type() != buffers[k].scalar_type()) {
+      throw Error("[remat::parallel] FullyShard::load_sharded: buffer " + std::to_string(k) + " of '" + path +
+                  "' does not match this model's; load into the model and units it was saved from.");
+    }
   }
   for (size_t k = 0; k < mine.size(); ++k) {
     if (shards[k].numel() != mine[k]->shard_numel || shards[k].scalar_type() != mine[k]->shard.scalar_type()) {
@@ -721,6 +798,7 @@ void FullyShard::load_sharded(const std::string& prefix) {
   }
   torch::NoGradGuard no_grad;
   for (size_t k = 0; k < mine.size(); ++k) mine[k]->shard.copy_(shards[k]);
+  for (size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(shards[mine.size() + k]);
 }
 
 ShardStats FullyShard::stats() const { return impl_->stats; }

@@ -744,8 +744,11 @@ FsdpStats two_rank_stats(std::vector<std::string> extra) {
 // micro-batch, checkpointing or not; the recompute of a checkpointed unit
 // (and of the units inside it) reuses the backward's gather.
 TEST(FullyShardProcesses, OneForwardAndOneBackwardAllGatherPerUnit) {
-  for (const std::string strategy : {"none", "block", "selective"}) {
-    const auto s = two_rank_stats({"--strategy", strategy});
+  Dir scratch;
+  // auto: the last of 3 steps is planned; chain: the blocks' re-runs run in
+  // the chain's own graph tasks, inside the backward.
+  for (const std::string strategy : {"none", "block", "selective", "auto", "chain", "offload"}) {
+    const auto s = two_rank_stats({"--strategy", strategy, "--steps", "3", "--offload-dir", scratch.path().string()});
     EXPECT_EQ(s.units, 4) << strategy;
     EXPECT_EQ(s.forward_allgathers, s.units + 1) << strategy << ": each block, and the root in forward()";
     EXPECT_EQ(s.backward_allgathers, s.units) << strategy << ": the root stays gathered until its gradients";
@@ -873,6 +876,77 @@ TEST(FullyShard, OneRankIsBitwisePlain) {
   ASSERT_EQ(pp.size(), bp.size());
   for (size_t i = 0; i < pp.size(); ++i) EXPECT_TRUE(torch::equal(pp[i], bp[i])) << "parameter " << i;
   EXPECT_FALSE(fs::exists(path + ".tmp." + std::to_string(::getpid())));
+}
+
+/** A checkpointable unit whose forward throws while `fail` is set. */
+struct FlakyImpl : torch::nn::Module, remat::Checkpointable {
+  explicit FlakyImpl(torch::nn::Linear shared) : fc(register_module("fc", std::move(shared))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return checkpointed(
+        [this](const at::Tensor& h) {
+          if (fail) throw std::runtime_error("flaky forward");
+          return torch::tanh(fc(h));
+        },
+        x);
+  }
+  torch::nn::Linear fc;
+  bool fail = false;
+};
+TORCH_MODULE(Flaky);
+
+struct TwoFlakyImpl : torch::nn::Module {
+  TwoFlakyImpl(torch::nn::Linear a, torch::nn::Linear b)
+      : first(register_module("first", Flaky(std::move(a)))), second(register_module("second", Flaky(std::move(b)))) {}
+  at::Tensor forward(const at::Tensor& x) { return second(first(x)); }
+  Flaky first, second;
+};
+TORCH_MODULE(TwoFlaky);
+
+// A unit whose forward throws is freed, and the next step runs as usual; a
+// save between forward and backward keeps what the backward needs.
+TEST(FullyShard, AFailedForwardAndASaveMidStepLeaveTheStepWhole) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  torch::manual_seed(3);
+  TwoFlaky net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8));
+  TwoFlaky plain(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8));
+  for (size_t i = 0; i < net->parameters().size(); ++i) {
+    torch::NoGradGuard g;
+    plain->parameters()[i].copy_(net->parameters()[i]);
+  }
+  remat::parallel::FullyShard fsdp(net.ptr(), group);
+  ASSERT_EQ(fsdp.units().size(), 3u);
+  auto x = torch::randn({4, 8});
+  net->second->fail = true;
+  EXPECT_THROW(fsdp.forward([&] { return net->forward(x).sum(); }), std::runtime_error);
+  EXPECT_EQ(fsdp.memory().gathered_bytes, 0) << "the failed unit is freed (the first one after its forward)";
+  net->second->fail = false;
+  auto loss = fsdp.forward([&] { return net->forward(x).sum(); });
+  fsdp.save_full((dir.path() / "mid.pt").string());  // between forward and backward
+  loss.backward();
+  plain->forward(x).sum().backward();
+  EXPECT_EQ(fsdp.memory().gathered_bytes, 0);
+  const auto shards = fsdp.parameters();
+  ASSERT_EQ(shards.size(), 2u);
+  // One rank: each unit's shard gradient is its parameters' gradients, flattened in order.
+  EXPECT_TRUE(torch::equal(shards[0].grad().narrow(0, 0, 64), plain->first->fc->weight.grad().reshape({-1})));
+  EXPECT_TRUE(torch::equal(shards[1].grad().narrow(0, 0, 64), plain->second->fc->weight.grad().reshape({-1})));
+}
+
+TEST(FullyShard, UnitsSharingAParameterAreRefused) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  torch::nn::Linear shared(8, 8);
+  TwoFlaky net(shared, shared);
+  EXPECT_EQ(message_of([&] { remat::parallel::FullyShard f(net.ptr(), group); }),
+            "[remat::parallel] FullyShard: parameter 'first.fc.weight' of unit 'first' is also used by "
+            "'second.fc', outside the unit; choose units (FullyShardOptions::units) that hold every module using "
+            "their parameters.");
+  // Nothing changed: the model still trains plainly.
+  net->forward(torch::randn({2, 8})).sum().backward();
+  EXPECT_TRUE(shared->weight.grad().defined());
 }
 
 TEST(FullyShard, BadUseIsAClearError) {

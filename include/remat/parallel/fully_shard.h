@@ -117,8 +117,11 @@ struct ShardUnit {
  *  forward(). Parameters must be dense, on the group's device, and share a
  *  dtype within a unit. Gradients are averaged over the ranks; every rank
  *  must run the same units in the same order (as c10d requires of
- *  collectives). Not yet combined with auto_checkpoint's profiled step
- *  (refused with remat::Error). */
+ *  collectives), and every parameter that requires grad gets a gradient in
+ *  each backward (a unit that gets none is reduced as zeros). Under
+ *  auto_checkpoint, units must be outermost checkpointable modules (a nested
+ *  one is refused while it profiles). One thread drives the forward and
+ *  backward, and every unit's outputs are on the group's device. */
 class FullyShard {
  public:
   /** Shards module over group (see the class comment). Bad options or
@@ -152,8 +155,9 @@ class FullyShard {
    *  temporary file renamed into place. A collective: every unit is
    *  gathered once, then freed. */
   void save_full(const std::string& path);
-  /** Each rank writes its shards to prefix + ".rank<r>-of-<world>"
-   *  (temporary file, renamed). */
+  /** Each rank writes its shards and the module's buffers to prefix +
+   *  ".rank<r>-of-<world>" (temporary file, renamed); a collective that ends
+   *  with a barrier, so every rank's file exists when it returns. */
   void save_sharded(const std::string& prefix) const;
   /** Loads what save_sharded(prefix) wrote with the same world size and
    *  units; throws remat::Error naming the file or the mismatch, changing
