@@ -470,10 +470,11 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
   // Units: the selected checkpointable modules that own parameters; each
   // parameter goes to the deepest selected module whose name prefixes its own.
   std::vector<SelectorInput> chosen;
-  bool any_checkpointable = false;
+  std::vector<std::string> checkpointable_names;  // every checkpointable module's, units or not
   for (const auto& item : module->named_modules("", true)) {
-    any_checkpointable |= dynamic_cast<const Checkpointable*>(item.value().get()) != nullptr;
+    if (dynamic_cast<const Checkpointable*>(item.value().get()) != nullptr) checkpointable_names.push_back(item.key());
   }
+  const bool any_checkpointable = !checkpointable_names.empty();
   if (any_checkpointable) chosen = selected_checkpointables(*module, options.units(), "parallel::FullyShard");
   m.units.emplace_back();
   m.units[0].name = "(root)";
@@ -539,10 +540,6 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
   }
   m.units = std::move(kept);
   // Units inside units, by name; and units inside any checkpointable module.
-  std::vector<std::string> checkpointable_names;
-  for (const auto& item : module->named_modules("", true)) {
-    if (dynamic_cast<const Checkpointable*>(item.value().get()) != nullptr) checkpointable_names.push_back(item.key());
-  }
   for (size_t i = 1; i < m.units.size(); ++i) {
     for (size_t j = 1; j < m.units.size(); ++j) {
       if (j != i && m.units[i].name != "(root)" && under(m.units[j].name, m.units[i].name)) {

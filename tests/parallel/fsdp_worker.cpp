@@ -36,6 +36,7 @@
 #include <remat/parallel/fully_shard.h>
 #include <remat/sequential.h>
 
+#include "fsdp_model.h"
 #include "worker_args.h"
 
 namespace {
@@ -61,14 +62,8 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     remat::memory::enable_tracking();
     const int64_t before_model = remat::memory::current_bytes();
-    torch::manual_seed(1);
-    remat::models::GptConfig cfg;
-    cfg.vocab = 64;
-    cfg.seq_len = 32;
-    cfg.d_model = 64;
-    cfg.heads = 4;
-    cfg.layers = 4;
-    remat::models::Gpt gpt(cfg);
+    remat::models::Gpt gpt = worker::fsdp_gpt();
+    const remat::models::GptConfig& cfg = gpt->config();
     using Block = remat::models::GptBlockImpl;
     if (strategy == "block") {
       remat::enable_checkpointing(gpt, remat::select::type<Block>());

@@ -39,6 +39,8 @@
 #include <remat/parallel/fully_shard.h>
 #include <remat/sequential.h>
 
+#include "fsdp_model.h"
+
 extern char** environ;
 
 namespace {
@@ -350,6 +352,19 @@ std::vector<at::Tensor> trained_params(const remat::models::TrainConfig& base, c
   return v;
 }
 
+/** The TrainConfig of the remat-train runs below (--layers 2 --d-model 32
+ *  --heads 2 --seq-len 32 --optimizer sgd --threads 1). */
+remat::models::TrainConfig small_sgd_gpt() {
+  remat::models::TrainConfig c;
+  c.layers = 2;
+  c.d_model = 32;
+  c.heads = 2;
+  c.seq_len = 32;
+  c.optimizer = "sgd";
+  c.threads = 1;
+  return c;
+}
+
 TEST(RematTrainNproc, TwoRanksTrainAsOneAtDoubleBatch) {
   Dir dir;
   const std::string model =
@@ -367,13 +382,7 @@ TEST(RematTrainNproc, TwoRanksTrainAsOneAtDoubleBatch) {
   EXPECT_EQ(out2.find("[rank 1/2] saved"), std::string::npos) << "only rank 0 saves";
   auto [rc1, out1] = train(dir, "--batch 4" + model + " --save " + (dir.path() / "one.pt").string());
   ASSERT_EQ(rc1, 0) << out1;
-  remat::models::TrainConfig c;
-  c.layers = 2;
-  c.d_model = 32;
-  c.heads = 2;
-  c.seq_len = 32;
-  c.optimizer = "sgd";
-  c.threads = 1;
+  const remat::models::TrainConfig c = small_sgd_gpt();
   const auto two = trained_params(c, dir.path() / "two.pt");
   const auto one = trained_params(c, dir.path() / "one.pt");
   remat::models::Trainer fresh(c);
@@ -402,13 +411,7 @@ TEST(RematTrainNproc, ShardedTwoRanksTrainAsOneAtDoubleBatch) {
   }
   auto [rc1, out1] = train(dir, "--batch 4" + model + " --save " + (dir.path() / "one.pt").string());
   ASSERT_EQ(rc1, 0) << out1;
-  remat::models::TrainConfig c;
-  c.layers = 2;
-  c.d_model = 32;
-  c.heads = 2;
-  c.seq_len = 32;
-  c.optimizer = "sgd";
-  c.threads = 1;
+  const remat::models::TrainConfig c = small_sgd_gpt();
   const auto one = trained_params(c, dir.path() / "one.pt");
   remat::models::Trainer sharded(c);
   std::vector<at::Tensor> init, two;
@@ -574,16 +577,7 @@ TEST(DataParallel, BadModulesAreClearErrors) {
 // --- FullyShard: sharded data parallel ------------------------------------
 
 /** The GPT fsdp_worker trains (4 blocks of d_model 64), as initialised. */
-remat::models::Gpt worker_gpt() {
-  torch::manual_seed(1);
-  remat::models::GptConfig cfg;
-  cfg.vocab = 64;
-  cfg.seq_len = 32;
-  cfg.d_model = 64;
-  cfg.heads = 4;
-  cfg.layers = 4;
-  return remat::models::Gpt(cfg);
-}
+remat::models::Gpt worker_gpt() { return worker::fsdp_gpt(); }
 
 std::vector<at::Tensor> loaded_params(const fs::path& p) {
   auto gpt = worker_gpt();
