@@ -1,0 +1,663 @@
+// remat::parallel::Pipeline: a stage per rank, micro-batches run in the
+// order of GPipe or 1F1B, boundary tensors sent with c10d send/recv.
+//
+// Each message between neighbours is a fixed-size header (an int64 tensor of
+// kHeaderLen) followed by its tensors: the header says what follows (kind,
+// count, per tensor dtype, requires_grad, shape), so a receiver allocates
+// without knowing the shapes ahead and can check a gradient against the
+// activation it sent. An abort (NOTE [a failing stage] in pipeline.h) is a
+// header of kind kAbort and the message's bytes. Sends are asynchronous and
+// waited for at the step's end; receives block (with the group's timeout).
+// Activations flow rank r -> r + 1 and gradients r + 1 -> r, each in
+// micro-batch order on both sides, so one tag serves both directions.
+#include <remat/parallel/pipeline.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <unordered_set>
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/autograd.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <remat/auto.h>
+#include <remat/error.h>
+#include <remat/memory.h>
+
+namespace remat::parallel {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return first_line(c->what_without_backtrace());
+  return first_line(e.what());
+}
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + str(t.size(d));
+  return s + "] " + std::string(c10::toString(t.scalar_type()));
+}
+
+std::string shapes_of(const std::vector<at::Tensor>& ts) {
+  std::string s;
+  for (size_t i = 0; i < ts.size(); ++i) s += (i ? ", " : "") + (ts[i].defined() ? shape_of(ts[i]) : "undefined");
+  return s.empty() ? "none" : s;
+}
+
+constexpr int64_t kHeaderLen = 64;
+constexpr int64_t kData = 1;
+constexpr int64_t kAbort = 2;
+constexpr int kTag = 0;
+
+/** An abort received from a neighbour: the failing stage's message. */
+struct Aborted : std::runtime_error {
+  Aborted(const std::string& m, int from) : std::runtime_error(m), from_rank(from) {}
+  int from_rank;
+};
+
+/** A step's op: forward or backward of micro-batch m. */
+struct Op {
+  bool forward;
+  int m;
+};
+
+std::vector<Op> schedule_ops(PipelineSchedule s, int rank, int P, int M) {
+  std::vector<Op> ops;
+  if (s == PipelineSchedule::kGPipe) {
+    for (int m = 0; m < M; ++m) ops.push_back({true, m});
+    for (int m = 0; m < M; ++m) ops.push_back({false, m});
+    return ops;
+  }
+  const int warmup = std::min(P - rank - 1, M);
+  for (int m = 0; m < warmup; ++m) ops.push_back({true, m});
+  for (int i = 0; i < M - warmup; ++i) {
+    ops.push_back({true, warmup + i});
+    ops.push_back({false, i});
+  }
+  for (int m = M - warmup; m < M; ++m) ops.push_back({false, m});
+  return ops;
+}
+
+bool same_impl(const at::Tensor& a, const at::Tensor& b) { return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl(); }
+
+}  // namespace
+
+const char* to_string(PipelineSchedule s) { return s == PipelineSchedule::kGPipe ? "gpipe" : "1f1b"; }
+
+PipelineSchedule parse_pipeline_schedule(const std::string& name) {
+  std::string n = name;
+  for (auto& c : n) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (n == "gpipe") return PipelineSchedule::kGPipe;
+  if (n == "1f1b") return PipelineSchedule::k1F1B;
+  throw Error("[remat::parallel] pipeline schedule '" + name + "' is not one of gpipe, 1f1b.");
+}
+
+torch::nn::Sequential pipeline_part(const torch::nn::Sequential& model, const std::vector<int64_t>& cuts, int rank) {
+  const int64_t n = static_cast<int64_t>(model->size());
+  const int P = static_cast<int>(cuts.size()) + 1;
+  int64_t prev = 0;
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    if (cuts[i] <= prev || cuts[i] >= n) {
+      throw Error("[remat::parallel] pipeline cut " + str(cuts[i]) + " (cuts[" + str(static_cast<int64_t>(i)) +
+                  "]) must be greater than " + str(prev) + " and less than the model's " + str(n) +
+                  " modules: give P - 1 increasing indices, each stage at least one module.");
+    }
+    prev = cuts[i];
+  }
+  if (rank < 0 || rank >= P) {
+    throw Error("[remat::parallel] rank " + str(rank) + " has no stage: " + str(static_cast<int64_t>(cuts.size())) +
+                " cuts make " + str(P) + " stages (give world_size - 1 cuts).");
+  }
+  const int64_t lo = rank == 0 ? 0 : cuts[rank - 1];
+  const int64_t hi = rank == P - 1 ? n : cuts[rank];
+  torch::nn::Sequential part;
+  torch::nn::Sequential whole = model;  // shares the modules
+  const auto names = whole->named_children();
+  for (int64_t i = lo; i < hi; ++i) part->push_back(names[i].key(), *(whole->begin() + i));
+  return part;
+}
+
+StageFn sequential_stage(torch::nn::Sequential part) {
+  return [part](const std::vector<at::Tensor>& in) mutable -> std::vector<at::Tensor> {
+    if (in.size() != 1) {
+      throw Error("[remat::parallel] a Sequential stage takes one tensor, got " + str(static_cast<int64_t>(in.size())) +
+                  " (" + shapes_of(in) + "); give a StageFn of your own for several.");
+    }
+    return {part->forward(in[0])};
+  };
+}
+
+struct Pipeline::Impl {
+  ProcessGroup group;
+  StageFn fn;
+  PipelineOptions options;
+  int rank = 0, P = 1, M = 1;
+  PipelineStats stats;
+
+  struct Pending {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor keep;  // the buffer, alive until the send is done
+  };
+  std::vector<Pending> pending;
+
+  struct Micro {
+    std::vector<at::Tensor> inputs;   // received (leaves) or rank 0's slice
+    std::vector<at::Tensor> outputs;  // what forward returned (sent on, or the loss's input)
+    at::Tensor loss;                  // last stage: loss / M
+  };
+
+  std::string where() const { return "pipeline stage " + str(rank) + " of " + str(P); }
+
+  [[noreturn]] void comm_failed(const std::string& what, const std::exception& e) const {
+    throw Error("[remat::parallel] " + where() + ": " + what + " failed: " + message_of(e) +
+                ". A peer process probably exited or stopped answering (timeout " +
+                str(group.timeout().count() / 1000) + " s).");
+  }
+
+  void isend(const at::Tensor& t, int dst) {
+    std::vector<at::Tensor> ts{t};
+    pending.push_back({group.c10d()->send(ts, dst, kTag), t});
+  }
+
+  void send_message(int dst, const std::vector<at::Tensor>& ts, const std::string& what) {
+    auto header = at::zeros({kHeaderLen}, at::kLong);
+    auto* h = header.data_ptr<int64_t>();
+    int64_t k = 0;
+    h[k++] = kData;
+    h[k++] = static_cast<int64_t>(ts.size());
+    for (const auto& t : ts) {
+      if (!t.defined() || t.device().type() != c10::kCPU) {
+        throw Error("[remat::parallel] " + where() + ": " + what + " has " + (t.defined() ? shape_of(t) : "undefined") +
+                    " on " + (t.defined() ? t.device().str() : std::string("no device")) +
+                    "; a stage sends defined CPU tensors (this group is Gloo).");
+      }
+      if (k + 3 + t.dim() > kHeaderLen) {
+        throw Error("[remat::parallel] " + where() + ": " + what + " (" + shapes_of(ts) +
+                    ") does not fit a message header of " + str(kHeaderLen) +
+                    " values; pass fewer tensors (concatenate them) at a stage boundary.");
+      }
+      h[k++] = static_cast<int64_t>(t.scalar_type());
+      h[k++] = t.requires_grad() ? 1 : 0;
+      h[k++] = t.dim();
+      for (int64_t d = 0; d < t.dim(); ++d) h[k++] = t.size(d);
+    }
+    try {
+      isend(header, dst);
+      for (const auto& t : ts) {
+        if (t.numel() == 0) continue;
+        auto c = t.detach().contiguous();
+        stats.sent_bytes += static_cast<int64_t>(c.nbytes());
+        isend(c, dst);
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      comm_failed("sending " + what + " to stage " + str(dst), e);
+    }
+  }
+
+  void wait_recv(std::vector<at::Tensor>& ts, int src, const std::string& what) {
+    const auto t0 = Clock::now();
+    try {
+      group.c10d()->recv(ts, src, kTag)->wait(group.timeout());
+    } catch (const std::exception& e) {
+      comm_failed("receiving " + what + " from stage " + str(src), e);
+    }
+    stats.recv_ms += ms_between(t0, Clock::now());
+  }
+
+  /** The next message from src: its tensors and their requires_grad flags.
+   *  Throws Aborted for an abort. */
+  std::vector<at::Tensor> recv_message(int src, const std::string& what, std::vector<bool>* flags) {
+    std::vector<at::Tensor> header{at::empty({kHeaderLen}, at::kLong)};
+    wait_recv(header, src, what);
+    const auto* h = header[0].data_ptr<int64_t>();
+    if (h[0] == kAbort) {
+      std::vector<at::Tensor> text{at::empty({std::max<int64_t>(h[1], 1)}, at::kByte)};
+      wait_recv(text, src, "the message of a failed stage");
+      std::string msg(reinterpret_cast<const char*>(text[0].data_ptr<uint8_t>()), static_cast<size_t>(h[1]));
+      throw Aborted(msg, src);
+    }
+    if (h[0] != kData || h[1] < 0 || h[1] > kHeaderLen) {
+      throw Error("[remat::parallel] " + where() + ": " + what + " from stage " + str(src) +
+                  " began with an unknown header; every rank must run the same remat version and schedule.");
+    }
+    std::vector<at::Tensor> out;
+    int64_t k = 2;
+    for (int64_t i = 0; i < h[1]; ++i) {
+      const auto dtype = static_cast<c10::ScalarType>(h[k++]);
+      const bool rg = h[k++] != 0;
+      const int64_t ndim = h[k++];
+      std::vector<int64_t> sizes(h + k, h + k + ndim);
+      k += ndim;
+      out.push_back(at::empty(sizes, at::TensorOptions().dtype(dtype)));
+      if (flags) flags->push_back(rg);
+    }
+    for (auto& t : out) {
+      if (t.numel() == 0) continue;
+      std::vector<at::Tensor> one{t};
+      wait_recv(one, src, what);
+      stats.received_bytes += static_cast<int64_t>(t.nbytes());
+    }
+    return out;
+  }
+
+  /** Best effort: tells neighbour dst that this step failed with msg. */
+  void send_abort(int dst, const std::string& msg) {
+    try {
+      auto header = at::zeros({kHeaderLen}, at::kLong);
+      header.data_ptr<int64_t>()[0] = kAbort;
+      header.data_ptr<int64_t>()[1] = static_cast<int64_t>(msg.size());
+      auto text = at::empty({std::max<int64_t>(static_cast<int64_t>(msg.size()), 1)}, at::kByte);
+      std::memcpy(text.data_ptr<uint8_t>(), msg.data(), msg.size());
+      std::vector<at::Tensor> a{header}, b{text};
+      auto w1 = group.c10d()->send(a, dst, kTag);
+      auto w2 = group.c10d()->send(b, dst, kTag);
+      // A live neighbour reads it at its next receive from us; a dead one
+      // fails the send. Either way within the group's timeout.
+      w1->wait(group.timeout());
+      w2->wait(group.timeout());
+    } catch (const std::exception&) {
+      // The neighbour is gone or stuck; it fails on its own.
+    }
+  }
+
+  void abort_pending() {
+    for (auto& p : pending) {
+      try {
+        if (!p.work->isCompleted()) p.work->abort();
+      } catch (const std::exception&) {
+      }
+    }
+    pending.clear();
+  }
+
+  void wait_pending() {
+    const auto t0 = Clock::now();
+    for (auto& p : pending) {
+      try {
+        p.work->wait(group.timeout());
+      } catch (const std::exception& e) {
+        comm_failed("a send to a neighbour", e);
+      }
+    }
+    pending.clear();
+    stats.send_ms += ms_between(t0, Clock::now());
+  }
+
+  std::vector<std::vector<at::Tensor>> split(const std::vector<at::Tensor>& ts, const char* what) const {
+    std::vector<std::vector<at::Tensor>> out(M);
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const auto& t = ts[i];
+      if (!t.defined() || t.dim() == 0 || t.size(0) % M != 0) {
+        throw Error("[remat::parallel] " + where() + ": " + what + "[" + str(static_cast<int64_t>(i)) + "] (" +
+                    (t.defined() ? shape_of(t) : "undefined") + ") does not split into " + str(M) +
+                    " micro-batches along dim 0; give a batch that is a multiple of PipelineOptions::microbatches.");
+      }
+      auto parts = t.chunk(M, 0);
+      for (int m = 0; m < M; ++m) out[m].push_back(parts[m]);
+    }
+    return out;
+  }
+
+  void forward(int m, Micro& mb, const std::vector<std::vector<at::Tensor>>& in,
+               const std::vector<std::vector<at::Tensor>>& tg, const LossFn& loss) {
+    if (rank == 0) {
+      mb.inputs = in[m];
+    } else {
+      std::vector<bool> rg;
+      mb.inputs = recv_message(rank - 1, "the activations of micro-batch " + str(m), &rg);
+      for (size_t i = 0; i < mb.inputs.size(); ++i) {
+        if (rg[i]) mb.inputs[i].requires_grad_(true);
+      }
+    }
+    const auto t0 = Clock::now();
+    try {
+      mb.outputs = fn(mb.inputs);
+      if (rank == P - 1) {
+        if (!loss) throw Error("[remat::parallel] the last stage needs a LossFn; pass one to step() on every rank.");
+        auto l = loss(mb.outputs, tg.empty() ? std::vector<at::Tensor>{} : tg[m]);
+        if (!l.defined() || l.numel() != 1) {
+          throw Error("[remat::parallel] the loss of micro-batch " + str(m) + " is " +
+                      (l.defined() ? shape_of(l) : "undefined") + "; return a scalar (the micro-batch's mean).");
+        }
+        mb.loss = l.reshape({}) / static_cast<double>(M);
+      }
+    } catch (const Error& e) {
+      throw Error("[remat::parallel] " + where() + ": the forward of micro-batch " + str(m) + " on inputs (" +
+                  shapes_of(mb.inputs) + ") failed: " + message_of(e));
+    } catch (const std::exception& e) {
+      throw Error("[remat::parallel] " + where() + ": the forward of micro-batch " + str(m) + " on inputs (" +
+                  shapes_of(mb.inputs) + ") failed: " + message_of(e));
+    }
+    stats.forward_ms += ms_between(t0, Clock::now());
+    if (rank < P - 1) send_message(rank + 1, mb.outputs, "the activations of micro-batch " + str(m));
+  }
+
+  void backward(int m, Micro& mb) {
+    std::vector<at::Tensor> roots, grads;
+    if (rank == P - 1) {
+      roots.push_back(mb.loss);
+    } else {
+      std::vector<bool> rg;
+      const std::string what = "the gradients of micro-batch " + str(m);
+      auto got = recv_message(rank + 1, what, &rg);
+      std::vector<at::Tensor> expect;
+      for (const auto& o : mb.outputs) {
+        if (o.requires_grad() && o.is_floating_point()) expect.push_back(o);
+      }
+      bool ok = got.size() == expect.size();
+      for (size_t i = 0; ok && i < got.size(); ++i) {
+        ok = got[i].sizes() == expect[i].sizes() && got[i].scalar_type() == expect[i].scalar_type();
+      }
+      if (!ok) {
+        throw Error("[remat::parallel] " + where() + ": " + what + " from stage " + str(rank + 1) + " are (" +
+                    shapes_of(got) + "), but the activations sent that need them are (" + shapes_of(expect) +
+                    "); every stage must return a gradient for each floating input that requires grad.");
+      }
+      roots = std::move(expect);
+      grads = std::move(got);
+    }
+    const auto t0 = Clock::now();
+    try {
+      if (!roots.empty()) torch::autograd::backward(roots, grads);
+    } catch (const std::exception& e) {
+      throw Error("[remat::parallel] " + where() + ": the backward of micro-batch " + str(m) +
+                  " failed: " + message_of(e));
+    }
+    stats.backward_ms += ms_between(t0, Clock::now());
+    if (rank > 0) {
+      std::vector<at::Tensor> gin;
+      for (const auto& x : mb.inputs) {
+        if (!x.requires_grad() || !x.is_floating_point()) continue;
+        gin.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
+      }
+      send_message(rank - 1, gin, "the gradients of micro-batch " + str(m));
+    }
+    mb = Micro{};  // its activations and boundary tensors go
+  }
+
+  /** Tied parameters' gradients from before the step, set aside so that
+   *  the all-reduce sums only this step's: a rank whose optimizer does not
+   *  hold a tied parameter never zeroes its copy's gradient. */
+  std::vector<at::Tensor> tied_before;
+
+  void set_tied_aside() {
+    tied_before.clear();
+    if (P == 1) return;
+    for (const auto& p : options.tied()) {
+      tied_before.push_back(p.grad());
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+
+  /** After a failed step: the tied gradients as they were before it. */
+  void put_tied_back() {
+    for (size_t i = 0; i < tied_before.size(); ++i) options.tied()[i].mutable_grad() = tied_before[i];
+    tied_before.clear();
+  }
+
+  void sum_tied() {
+    const auto& tied = options.tied();
+    if (tied.empty() || P == 1) return;
+    const auto t0 = Clock::now();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : tied) {
+      auto g = p.grad();
+      grads.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
+    }
+    auto flat = at::cat(grads);
+    std::vector<at::Tensor> ts{flat};
+    try {
+      group.c10d()->allreduce(ts)->wait(group.timeout());
+    } catch (const std::exception& e) {
+      comm_failed("the all-reduce of the tied parameters' gradients", e);
+    }
+    int64_t off = 0;
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < tied.size(); ++i) {
+      const auto& p = tied[i];
+      const int64_t n = p.numel();
+      auto sum = flat.slice(0, off, off + n).view(p.sizes());
+      off += n;
+      if (tied_before[i].defined()) {
+        p.mutable_grad() = tied_before[i].add_(sum);  // accumulates over steps, as autograd would
+      } else {
+        p.mutable_grad() = sum.clone();
+      }
+    }
+    tied_before.clear();
+    stats.send_ms += ms_between(t0, Clock::now());
+  }
+};
+
+Pipeline::Pipeline(ProcessGroup group, StageFn stage, PipelineOptions options) : impl_(std::make_unique<Impl>()) {
+  auto& m = *impl_;
+  if (!group.defined()) {
+    throw Error("[remat::parallel] Pipeline needs a joined process group; call init_process_group() first.");
+  }
+  if (!stage) throw Error("[remat::parallel] Pipeline needs a stage function (an empty StageFn was given).");
+  if (options.microbatches() < 1) {
+    throw Error("[remat::parallel] PipelineOptions::microbatches " + str(options.microbatches()) +
+                " must be at least 1.");
+  }
+  if (group.device() != c10::kCPU) {
+    throw Error(
+        "[remat::parallel] Pipeline runs on Gloo (CPU) groups; this group is CUDA (NCCL). Create the group with "
+        "InitOptions::device(kCPU).");
+  }
+  m.group = std::move(group);
+  m.fn = std::move(stage);
+  m.options = std::move(options);
+  m.rank = m.group.rank();
+  m.P = m.group.world_size();
+  m.M = m.options.microbatches();
+  for (size_t i = 0; i < m.options.tied().size(); ++i) {
+    const auto& p = m.options.tied()[i];
+    if (!p.defined() || !p.is_floating_point()) {
+      throw Error("[remat::parallel] PipelineOptions::tied[" + str(static_cast<int64_t>(i)) +
+                  "] is not a floating parameter; tie parameters only.");
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (same_impl(p, m.options.tied()[j])) {
+        throw Error("[remat::parallel] PipelineOptions::tied lists one parameter twice (at " +
+                    str(static_cast<int64_t>(j)) + " and " + str(static_cast<int64_t>(i)) + ").");
+      }
+    }
+  }
+  if (!m.options.tied().empty() && m.P > 1) {
+    // Every rank starts from rank 0's values.
+    at::NoGradGuard no_grad;
+    for (const auto& p : m.options.tied()) {
+      auto buf = p.detach().contiguous();
+      std::vector<at::Tensor> ts{buf};
+      try {
+        m.group.c10d()->broadcast(ts)->wait(m.group.timeout());
+      } catch (const std::exception& e) {
+        m.comm_failed("the broadcast of rank 0's tied parameters", e);
+      }
+      if (!same_impl(buf, p)) p.detach().copy_(buf);
+    }
+  }
+}
+
+Pipeline::~Pipeline() {
+  if (impl_) impl_->abort_pending();
+}
+
+at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                          const LossFn& loss) {
+  auto& m = *impl_;
+  m.stats = PipelineStats{};
+  const auto t0 = Clock::now();
+  std::optional<memory::Probe> probe;
+  if (memory::tracking_enabled()) probe.emplace();
+  std::vector<std::vector<at::Tensor>> in, tg;
+  if (m.rank == 0) {
+    if (inputs.empty()) {
+      throw Error("[remat::parallel] " + m.where() + ": step() got no inputs; the first stage splits them into " +
+                  str(m.M) + " micro-batches.");
+    }
+    in = m.split(inputs, "inputs");
+  }
+  if (m.rank == m.P - 1 && !targets.empty()) tg = m.split(targets, "targets");
+  const auto ops = schedule_ops(m.options.schedule(), m.rank, m.P, m.M);
+  std::vector<Impl::Micro> mbs(m.M);
+  double total = 0.0;
+  m.set_tied_aside();
+  try {
+    int in_flight = 0;
+    for (const auto& op : ops) {
+      if (op.forward) {
+        m.forward(op.m, mbs[op.m], in, tg, loss);
+        m.stats.max_in_flight = std::max(m.stats.max_in_flight, ++in_flight);
+        if (m.rank == m.P - 1) total += mbs[op.m].loss.detach().item<double>();
+      } else {
+        m.backward(op.m, mbs[op.m]);
+        --in_flight;
+      }
+    }
+    m.wait_pending();
+    m.sum_tied();
+  } catch (const Aborted& a) {
+    // Another stage failed: pass it on, away from where it came from.
+    mbs.clear();
+    m.abort_pending();
+    m.put_tied_back();
+    for (int n : {m.rank - 1, m.rank + 1}) {
+      if (n >= 0 && n < m.P && n != a.from_rank) m.send_abort(n, a.what());
+    }
+    throw Error(a.what());
+  } catch (const std::exception& e) {
+    mbs.clear();
+    m.abort_pending();
+    m.put_tied_back();
+    const std::string msg = dynamic_cast<const Error*>(&e) ? std::string(e.what())
+                                                           : "[remat::parallel] " + m.where() + ": " + message_of(e);
+    for (int n : {m.rank - 1, m.rank + 1}) {
+      if (n >= 0 && n < m.P) m.send_abort(n, msg);
+    }
+    throw Error(msg);
+  }
+  // The loss, from the last stage to every rank.
+  auto l = at::full({1}, total, at::kDouble);
+  if (m.P > 1) {
+    std::vector<at::Tensor> ts{l};
+    c10d::BroadcastOptions o;
+    o.rootRank = m.P - 1;
+    try {
+      m.group.c10d()->broadcast(ts, o)->wait(m.group.timeout());
+    } catch (const std::exception& e) {
+      m.comm_failed("the broadcast of the step's loss", e);
+    }
+  }
+  m.stats.step_ms = ms_between(t0, Clock::now());
+  if (m.stats.step_ms > 0) {
+    m.stats.bubble = std::max(0.0, 1.0 - (m.stats.forward_ms + m.stats.backward_ms) / m.stats.step_ms);
+  }
+  if (probe) m.stats.peak_bytes = probe->peak_bytes();
+  return l.reshape({});
+}
+
+double Pipeline::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
+  auto& m = *impl_;
+  if (!(max_norm > 0.0) || !std::isfinite(max_norm)) {
+    throw Error("[remat::parallel] clip_grad_norm: max_norm " + std::to_string(max_norm) +
+                " must be a positive finite number.");
+  }
+  auto is_tied = [&](const at::Tensor& p) {
+    return std::any_of(m.options.tied().begin(), m.options.tied().end(),
+                       [&](const at::Tensor& t) { return same_impl(t, p); });
+  };
+  // Tied parameters hold the same summed gradient on every rank: rank 0
+  // counts them, once.
+  auto sq = at::zeros({1}, at::kDouble);
+  for (const auto& p : parameters) {
+    if (!p.grad().defined() || is_tied(p)) continue;
+    sq += p.grad().detach().to(at::kDouble).pow(2).sum();
+  }
+  if (m.rank == 0) {
+    for (const auto& p : m.options.tied()) {
+      if (p.grad().defined()) sq += p.grad().detach().to(at::kDouble).pow(2).sum();
+    }
+  }
+  if (m.P > 1) {
+    std::vector<at::Tensor> ts{sq};
+    try {
+      m.group.c10d()->allreduce(ts)->wait(m.group.timeout());
+    } catch (const std::exception& e) {
+      m.comm_failed("the all-reduce of the gradient norm", e);
+    }
+  }
+  const double norm = std::sqrt(sq.item<double>());
+  const double coef = std::min(1.0, max_norm / (norm + 1e-6));
+  at::NoGradGuard no_grad;
+  for (const auto& p : parameters) {
+    if (p.grad().defined()) p.grad().mul_(coef);
+  }
+  return norm;
+}
+
+int Pipeline::stage() const { return impl_->rank; }
+int Pipeline::stages() const { return impl_->P; }
+const PipelineOptions& Pipeline::options() const { return impl_->options; }
+
+int Pipeline::planned_in_flight() const {
+  const auto& m = *impl_;
+  return m.options.schedule() == PipelineSchedule::kGPipe ? m.M : std::min(m.P - m.rank, m.M);
+}
+
+PipelineStats Pipeline::stats() const { return impl_->stats; }
+
+std::string Pipeline::explain(const AutoCheckpoint* planner) const {
+  const auto& m = *impl_;
+  const auto& s = m.stats;
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "stage %d of %d (%s, %d micro-batches): holds at most %d at once (last step %d); step %.1f ms: "
+                "forward %.1f, backward %.1f, waiting for neighbours %.1f, sends and tied %.1f; bubble %.0f%%; "
+                "peak %s above the step's start\n",
+                m.rank, m.P, to_string(m.options.schedule()), m.M, planned_in_flight(), s.max_in_flight, s.step_ms,
+                s.forward_ms, s.backward_ms, s.recv_ms, s.send_ms, 100.0 * s.bubble,
+                format_bytes(s.peak_bytes).c_str());
+  std::string out = line;
+  if (planner != nullptr) {
+    if (!planner->planned()) {
+      out += "  planner: not planned yet (it profiles a step first)\n";
+    } else {
+      std::snprintf(line, sizeof line, "  planner: budget %s, predicted peak %s, measured %s (last planned step)\n",
+                    format_bytes(planner->budget_bytes()).c_str(),
+                    format_bytes(planner->plan().prediction.peak_bytes).c_str(),
+                    format_bytes(planner->measured_peak_bytes()).c_str());
+      out += line;
+      for (const auto& u : planner->units()) {
+        if (u.calls == 0) continue;
+        std::snprintf(line, sizeof line, "    %-20s %2lld calls  %-40s kept %s  %+.1f ms\n", u.name.c_str(),
+                      static_cast<long long>(u.calls),
+                      u.runs_in.empty() ? u.options[u.choice].c_str() : ("part of " + u.runs_in).c_str(),
+                      format_bytes(u.kept_bytes).c_str(), u.time_added_ms);
+        out += line;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace remat::parallel
