@@ -544,7 +544,10 @@ at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vect
     for (int n : {m.rank - 1, m.rank + 1}) {
       if (n >= 0 && n < m.P && n != a.from_rank) m.send_abort(n, a.what());
     }
-    throw Error(a.what());
+    std::string origin = a.what();
+    const std::string prefix = "[remat::parallel] ";
+    if (origin.rfind(prefix, 0) == 0) origin = origin.substr(prefix.size());
+    throw Error("[remat::parallel] " + m.where() + ": stopped because another stage failed: " + origin);
   } catch (const std::exception& e) {
     mbs.clear();
     m.abort_pending();

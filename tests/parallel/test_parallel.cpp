@@ -1132,3 +1132,190 @@ TEST(PipelineProcesses, FourStages1F1BEqualOnePlanned) { expect_pipeline_equals_
 TEST(PipelineProcesses, ClippingOverTheStagesEqualsOne) {
   expect_pipeline_equals_plain(2, 4, "1f1b", "none", {"--clip", "0.05"});
 }
+
+// What a stage holds: 1F1B's first stage at most P micro-batches' kept
+// activations, GPipe's all M. The bound on 1F1B's peak is those P, the
+// stage's parameter gradients (allocated in the step) and one more
+// micro-batch for the backward's working set; GPipe's peak is at least M.
+TEST(PipelineProcesses, OneF1BFirstStageHoldsPMicroBatchesGPipeHoldsM) {
+  for (int world : {2, 4}) {
+    Dir dir;
+    const std::vector<std::string> common{"--steps", "2", "--batch", "8", "--micro", "8"};
+    auto a = common, b = common;
+    a.insert(a.end(), {"--schedule", "1f1b"});
+    b.insert(b.end(), {"--schedule", "gpipe"});
+    auto f = run_pipe(dir, "f", world, a);
+    auto g = run_pipe(dir, "g", world, b);
+    for (const auto& p : f) ASSERT_EQ(p.status, 0) << read_file(p.err);
+    for (const auto& p : g) ASSERT_EQ(p.status, 0) << read_file(p.err);
+    const auto sf = read_pipe_stats(dir.path() / "f.rank0.stats");
+    const auto sg = read_pipe_stats(dir.path() / "g.rank0.stats");
+    ASSERT_GT(sf.kept_per_micro, 0);
+    EXPECT_EQ(sf.max_in_flight, world);
+    EXPECT_EQ(sg.max_in_flight, 8);
+    EXPECT_LE(sf.peak, (world + 1) * sf.kept_per_micro + sf.grad_bytes) << world << " stages";
+    EXPECT_GE(sg.peak, 8 * sg.kept_per_micro) << world << " stages";
+    std::cout << "[" << world << " stages, 8 micro-batches] stage 0 peaks: 1F1B " << sf.peak << " B, GPipe " << sg.peak
+              << " B; one micro-batch keeps " << sf.kept_per_micro << " B, gradients " << sf.grad_bytes << " B\n";
+  }
+}
+
+// A stage that dies: its neighbours' receives fail (Gloo sees the closed
+// connection), and the stage beyond gets the abort passed on.
+TEST(PipelineProcesses, AStageThatDiesFailsEveryOtherStageWithAClearError) {
+  Dir dir;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ps = run_pipe(dir, "die", 4, {"--steps", "3", "--die-at-step", "2", "--timeout-ms", "20000"},
+                     std::chrono::seconds(120));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(ps[1].status, 7);
+  for (int r : {0, 2, 3})
+    ASSERT_EQ(ps[r].status, 3) << "stage " << r << " must fail, not hang: " << read_file(ps[r].err);
+  const std::string e0 = read_file(ps[0].err), e2 = read_file(ps[2].err), e3 = read_file(ps[3].err);
+  EXPECT_NE(e0.find("[remat::parallel] pipeline stage 0 of 4: receiving the gradients of micro-batch 0 from stage 1 "
+                    "failed: "),
+            std::string::npos)
+      << e0;
+  EXPECT_NE(e2.find("[remat::parallel] pipeline stage 2 of 4: receiving the activations of micro-batch 0 from stage "
+                    "1 failed: "),
+            std::string::npos)
+      << e2;
+  EXPECT_NE(e3.find("[remat::parallel] pipeline stage 3 of 4: stopped because another stage failed: pipeline stage 2 "
+                    "of 4: receiving the activations of micro-batch 0 from stage 1 failed: "),
+            std::string::npos)
+      << e3;
+  for (const auto* e : {&e0, &e2, &e3}) {
+    EXPECT_NE(e->find("A peer process probably exited or stopped answering (timeout 20 s)."), std::string::npos) << *e;
+  }
+  EXPECT_LT(s, 60.0) << "within the 20 s timeout plus start-up";
+}
+
+// Stage 0 sends half its width: stage 1's forward fails, and every stage
+// says so.
+TEST(PipelineProcesses, AShapeMismatchBetweenStagesIsAClearErrorOnEveryStage) {
+  for (int world : {2, 4}) {
+    Dir dir;
+    auto ps = run_pipe(dir, "mismatch", world, {"--steps", "1", "--mismatch", "--timeout-ms", "20000"},
+                       std::chrono::seconds(120));
+    const std::string what =
+        "pipeline stage 1 of " + std::to_string(world) +
+        ": the forward of micro-batch 0 on inputs ([2, 32, 32] Float) failed: Given normalized_shape=[64], expected "
+        "input with shape [*, 64], but got input of size[2, 32, 32]";
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(ps[r].status, 3) << "stage " << r << ": " << read_file(ps[r].err);
+      const std::string want = r == 1 ? "pipe_worker rank 1: [remat::parallel] " + what
+                                      : "pipe_worker rank " + std::to_string(r) +
+                                            ": [remat::parallel] pipeline stage " + std::to_string(r) + " of " +
+                                            std::to_string(world) + ": stopped because another stage failed: " + what;
+      EXPECT_EQ(read_file(ps[r].err), want + "\n") << world << " stages";
+    }
+  }
+}
+
+// One stage: M micro-batches are gradient accumulation, bitwise.
+TEST(Pipeline, OneStageIsBitwiseGradientAccumulation) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  torch::manual_seed(3);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::GELU(), torch::nn::Linear(16, 4));
+  torch::nn::Sequential twin(torch::nn::Linear(8, 16), torch::nn::GELU(), torch::nn::Linear(16, 4));
+  {
+    torch::NoGradGuard g;
+    for (size_t i = 0; i < model->parameters().size(); ++i) twin->parameters()[i].copy_(model->parameters()[i]);
+  }
+  remat::parallel::Pipeline pipe(group, remat::parallel::sequential_stage(model),
+                                 remat::parallel::PipelineOptions().microbatches(3));
+  auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+  auto mse = [](const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& t) {
+    return torch::mse_loss(o[0], t[0]);
+  };
+  const double loss = pipe.step({x}, {y}, mse).item<double>();
+  double want = 0;
+  for (int m = 0; m < 3; ++m) {
+    auto l = torch::mse_loss(twin->forward(x.chunk(3)[m]), y.chunk(3)[m]) / 3.0;
+    l.backward();
+    want += l.item<double>();
+  }
+  EXPECT_EQ(loss, want);
+  for (size_t i = 0; i < model->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::equal(model->parameters()[i].grad(), twin->parameters()[i].grad())) << i;
+  }
+  EXPECT_EQ(pipe.stats().max_in_flight, 1);
+  EXPECT_EQ(pipe.planned_in_flight(), 1);
+}
+
+TEST(Pipeline, BadValuesAreClearErrors) {
+  Dir dir;
+  auto group = remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store((dir.path() / "store").string()).timeout(std::chrono::milliseconds(10000)));
+  torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4), torch::nn::ReLU(),
+                              torch::nn::Linear(4, 2));
+  using remat::parallel::Pipeline;
+  using remat::parallel::PipelineOptions;
+  EXPECT_EQ(message_of([&] { remat::parallel::parse_pipeline_schedule("zb"); }),
+            "[remat::parallel] pipeline schedule 'zb' is not one of gpipe, 1f1b.");
+  EXPECT_EQ(remat::parallel::parse_pipeline_schedule("GPipe"), remat::parallel::PipelineSchedule::kGPipe);
+  EXPECT_EQ(message_of([&] {
+              remat::parallel::pipeline_part(model, {2, 2}, 0);
+            }),
+            "[remat::parallel] pipeline cut 2 (cuts[1]) must be greater than 2 and less than the model's 5 modules: "
+            "give P - 1 increasing indices, each stage at least one module.");
+  EXPECT_EQ(message_of([&] { remat::parallel::pipeline_part(model, {5}, 0); }),
+            "[remat::parallel] pipeline cut 5 (cuts[0]) must be greater than 0 and less than the model's 5 modules: "
+            "give P - 1 increasing indices, each stage at least one module.");
+  EXPECT_EQ(message_of([&] {
+              remat::parallel::pipeline_part(model, {2, 4}, 3);
+            }),
+            "[remat::parallel] rank 3 has no stage: 2 cuts make 3 stages (give world_size - 1 cuts).");
+  {  // The parts share the model's modules.
+    auto p0 = remat::parallel::pipeline_part(model, {2, 4}, 0), p2 = remat::parallel::pipeline_part(model, {2, 4}, 2);
+    EXPECT_EQ(p0->size(), 2u);
+    EXPECT_EQ(p2->size(), 1u);
+    EXPECT_EQ(p0->ptr(1).get(), model->ptr(1).get());
+    EXPECT_EQ(p2->ptr(0).get(), model->ptr(4).get());
+  }
+  auto stage = remat::parallel::sequential_stage(model);
+  EXPECT_EQ(message_of([&] { Pipeline p(remat::parallel::ProcessGroup(), stage); }),
+            "[remat::parallel] Pipeline needs a joined process group; call init_process_group() first.");
+  EXPECT_EQ(message_of([&] { Pipeline p(group, remat::parallel::StageFn()); }),
+            "[remat::parallel] Pipeline needs a stage function (an empty StageFn was given).");
+  EXPECT_EQ(message_of([&] { Pipeline p(group, stage, PipelineOptions().microbatches(0)); }),
+            "[remat::parallel] PipelineOptions::microbatches 0 must be at least 1.");
+  const auto w = model->parameters()[0];
+  EXPECT_EQ(message_of([&] {
+              Pipeline p(group, stage, PipelineOptions().tied({w, w}));
+            }),
+            "[remat::parallel] PipelineOptions::tied lists one parameter twice (at 0 and 1).");
+  EXPECT_EQ(message_of([&] { Pipeline p(group, stage, PipelineOptions().tied({torch::zeros({2}, torch::kLong)})); }),
+            "[remat::parallel] PipelineOptions::tied[0] is not a floating parameter; tie parameters only.");
+  Pipeline pipe(group, stage, PipelineOptions().microbatches(4));
+  auto mse = [](const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& t) {
+    return torch::mse_loss(o[0], t[0]);
+  };
+  EXPECT_EQ(message_of([&] {
+              pipe.step({torch::randn({6, 4})}, {torch::randn({6, 2})}, mse);
+            }),
+            "[remat::parallel] pipeline stage 0 of 1: inputs[0] ([6, 4] Float) does not split into 4 micro-batches "
+            "along dim 0; give a batch that is a multiple of PipelineOptions::microbatches.");
+  EXPECT_EQ(message_of([&] { pipe.step({}, {}, mse); }),
+            "[remat::parallel] pipeline stage 0 of 1: step() got no inputs; the first stage splits them into 4 "
+            "micro-batches.");
+  EXPECT_EQ(message_of([&] {
+              pipe.step({torch::randn({8, 4})}, {}, remat::parallel::LossFn());
+            }),
+            "[remat::parallel] pipeline stage 0 of 1: the forward of micro-batch 0 on inputs ([2, 4] Float) failed: "
+            "[remat::parallel] the last stage needs a LossFn; pass one to step() on every rank.");
+  EXPECT_EQ(message_of([&] {
+              pipe.step({torch::randn({8, 4})}, {torch::randn({8, 2})},
+                        [](const std::vector<at::Tensor>& o, const std::vector<at::Tensor>&) { return o[0]; });
+            }),
+            "[remat::parallel] pipeline stage 0 of 1: the forward of micro-batch 0 on inputs ([2, 4] Float) failed: "
+            "[remat::parallel] the loss of micro-batch 0 is [2, 2] Float; return a scalar (the micro-batch's mean).");
+  EXPECT_EQ(message_of([&] { pipe.clip_grad_norm(model->parameters(), 0.0); }),
+            "[remat::parallel] clip_grad_norm: max_norm 0.000000 must be a positive finite number.");
+  // After the errors, a good step runs and leaves gradients.
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  pipe.step({torch::randn({8, 4})}, {torch::randn({8, 2})}, mse);
+  for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined());
+}
