@@ -224,16 +224,26 @@ struct Trainer::Impl {
     return {x, y};
   }
 
-  torch::Tensor run_blocks(torch::Tensor h) {
+  /** Blocks [lo, hi) (hi < 0: to the end) under the strategy. */
+  torch::Tensor run_blocks(torch::Tensor h, int64_t lo = 0, int64_t hi = -1) {
+    const bool all = lo == 0 && (hi < 0 || hi == static_cast<int64_t>(blocks->size()));
+    if (hi < 0) hi = static_cast<int64_t>(blocks->size());
     switch (cfg.checkpoint) {
       case Strategy::kNone:
       case Strategy::kAuto:       // auto_ck sets the blocks' switches (and the other units')
       case Strategy::kSelective:  // the blocks are switched on (enable_checkpointing)
-        return blocks->forward(h);
+        if (all) return blocks->forward(h);
+        for (int64_t i = lo; i < hi; ++i) h = (blocks->begin() + i)->forward(h);
+        return h;
       case Strategy::kBlock:
-        for (size_t i = 0; i < blocks->size(); ++i) h = remat::checkpoint(SequentialEntry(blocks, i), h);
+        for (int64_t i = lo; i < hi; ++i) h = remat::checkpoint(SequentialEntry(blocks, i), h);
         return h;
       case Strategy::kSqrt: {
+        if (!all) {
+          throw Error(
+              "[remat::train] --checkpoint sqrt segments the whole block stack, and a pipeline stage runs part of "
+              "it; use block, selective, auto or offload.");
+        }
         const auto n = static_cast<double>(blocks->size());
         const auto segments = std::clamp<int64_t>(std::llround(std::sqrt(n)), 1, static_cast<int64_t>(n));
         return remat::checkpoint_sequential(blocks, segments, h);
@@ -242,7 +252,7 @@ struct Trainer::Impl {
         // Backward reads the files back after the scope ends (the saved
         // tensors' hooks keep the store alive); only the blocks offload.
         OffloadScope scope(*offload);
-        h = blocks->forward(h);
+        for (int64_t i = lo; i < hi; ++i) h = (blocks->begin() + i)->forward(h);
         offloaded_bytes += scope.stats().bytes_raw;  // counted at save time, before any write
         return h;
       }
@@ -487,6 +497,13 @@ StepStats Trainer::step(memory::Timeline* timeline) {
         const double f0 = timeline ? timeline->now_us() : 0.0;
         if (m.hooks.before_every_forward) m.hooks.before_every_forward();
         if (sync && m.hooks.before_forward) m.hooks.before_forward();
+        if (m.hooks.forward_backward) {
+          // A pipeline: its step runs every stage's forwards and backwards.
+          loss += m.hooks.forward_backward(x, y, 1.0 / static_cast<double>(m.cfg.grad_accum)).item<double>() /
+                  static_cast<double>(m.cfg.grad_accum);
+          if (timeline) timeline->add_span("forward and backward", f0, timeline->now_us());
+          continue;
+        }
         auto l = m.loss_of(x, y);
         if (m.hooks.before_backward) m.hooks.before_backward(l, sync);
         const double b0 = timeline ? timeline->now_us() : 0.0;
@@ -616,6 +633,83 @@ void Trainer::load(const std::string& path) {
 int64_t Trainer::steps_done() const { return impl_->steps_done; }
 const Tokenizer* Trainer::tokenizer() const { return impl_->tok ? &*impl_->tok : nullptr; }
 std::shared_ptr<torch::nn::Module> Trainer::module() const { return impl_->module; }
+
+namespace {
+
+/** Blocks [lo, hi) of stage s of P over L blocks: an even cut, the extra
+ *  blocks on the first stages. */
+std::pair<int64_t, int64_t> stage_blocks(int64_t L, int s, int P) {
+  const int64_t base = L / P, extra = L % P;
+  const int64_t lo = s * base + std::min<int64_t>(s, extra);
+  return {lo, lo + base + (s < extra ? 1 : 0)};
+}
+
+void check_stage(const TrainConfig& c, bool gpt, int64_t L, int stage, int stages) {
+  if (!gpt) {
+    throw Error(
+        "[remat::train] pipeline stages cut the GPT's blocks; the ResNet is not cut into stages (use --model gpt).");
+  }
+  if (stages < 1 || stage < 0 || stage >= stages) {
+    throw Error("[remat::train] pipeline stage " + str(stage) + " of " + str(stages) + " does not exist.");
+  }
+  if (stages > L) {
+    throw Error("[remat::train] --pipeline " + str(stages) + " is more stages than the GPT's " + str(L) +
+                " blocks; give at most " + str(L) + " (or more --layers).");
+  }
+  (void)c;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> Trainer::pipeline_stage(int stage, int stages, const std::vector<at::Tensor>& inputs) {
+  auto& m = *impl_;
+  const int64_t L = static_cast<int64_t>(m.blocks->size());
+  check_stage(m.cfg, m.gpt, L, stage, stages);
+  const auto [lo, hi] = stage_blocks(L, stage, stages);
+  Bf16Autocast autocast(m.cfg.bf16);
+  auto h = stage == 0 ? m.embed(inputs.at(0)) : inputs.at(0);
+  h = m.run_blocks(h, lo, hi);
+  // Under autocast the blocks' output may be bfloat16: stages pass float.
+  return {h.to(torch::kFloat)};
+}
+
+at::Tensor Trainer::pipeline_loss(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& targets) {
+  auto& m = *impl_;
+  Bf16Autocast autocast(m.cfg.bf16);
+  return m.loss(outputs.at(0), targets.at(0));
+}
+
+std::vector<at::Tensor> Trainer::pipeline_parameters(int stage, int stages) const {
+  const auto& m = *impl_;
+  const int64_t L = static_cast<int64_t>(m.blocks->size());
+  check_stage(m.cfg, m.gpt, L, stage, stages);
+  const auto [lo, hi] = stage_blocks(L, stage, stages);
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.module->named_parameters()) {
+    const std::string& n = p.key();
+    bool mine = false;
+    if (n.rfind("blocks.", 0) == 0) {
+      const int64_t b = std::stoll(n.substr(7, n.find('.', 7) - 7));
+      mine = b >= lo && b < hi;
+    } else if (n.rfind("wte.", 0) == 0) {
+      mine = stage == 0 || stage == stages - 1;  // the embedding, tied to the head
+    } else if (n.rfind("wpe.", 0) == 0) {
+      mine = stage == 0;
+    } else {
+      mine = stage == stages - 1;  // ln_f
+    }
+    if (mine) out.push_back(p.value());
+  }
+  return out;
+}
+
+const AutoCheckpoint* Trainer::planner() const { return impl_->auto_ck ? &*impl_->auto_ck : nullptr; }
+
+at::Tensor Trainer::tied_embedding() const {
+  const auto& m = *impl_;
+  if (!m.gpt) return {};
+  return m.module->named_parameters()["wte.weight"];
+}
 const TrainConfig& Trainer::config() const { return impl_->cfg; }
 
 std::vector<int> Trainer::auto_forwards_per_block() const {

@@ -1319,3 +1319,94 @@ TEST(Pipeline, BadValuesAreClearErrors) {
   pipe.step({torch::randn({8, 4})}, {torch::randn({8, 2})}, mse);
   for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined());
 }
+
+// --- remat-train --pipeline -------------------------------------------------
+
+namespace {
+
+/** The loss printed on the line of `step` ("step 3/3  loss 4.01"), after `prefix`. */
+double printed_loss(const std::string& out, const std::string& prefix, int step, int steps) {
+  const std::string key = prefix + "step " + std::to_string(step) + "/" + std::to_string(steps) + "  loss ";
+  const auto at = out.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stod(out.substr(at + key.size(), 12));
+}
+
+}  // namespace
+
+// Two stages of 4 micro-batches of 2 train as one process at batch 8: the
+// same loss at every step (the third sees two updates), with the stages'
+// figures printed; under auto, each stage's plan.
+TEST(RematTrainPipeline, TwoStagesTrainAsOneAtTheWholeBatch) {
+  Dir dir;
+  const std::string model =
+      " --layers 4 --d-model 32 --heads 2 --seq-len 32 --steps 3 --optimizer sgd --lr 0.05 --threads 1"
+      " --clip-norm 0.05";
+  for (const char* schedule : {"1f1b", "gpipe"}) {
+    auto [rc2, out2] =
+        train(dir, std::string("--pipeline 2 --microbatches 4 --batch 2 --checkpoint block --schedule ") + schedule +
+                       " --master-port " + std::to_string(free_port()) + model);
+    ASSERT_EQ(rc2, 0) << out2;
+    EXPECT_NE(
+        out2.find(std::string("pipeline of 2 stages (Gloo), 4 micro-batches of 2 (") + schedule + "), global batch 8"),
+        std::string::npos)
+        << out2;
+    for (const char* line : {"[stage 0/2] step 3/3", "[stage 1/2] step 3/3", " bubble ", " waiting "}) {
+      EXPECT_NE(out2.find(line), std::string::npos) << line << "\n" << out2;
+    }
+    auto [rc1, out1] = train(dir, "--batch 8 --checkpoint block" + model);
+    ASSERT_EQ(rc1, 0) << out1;
+    for (int s = 1; s <= 3; ++s) {
+      const double one = printed_loss(out1, "", s, 3);
+      ASSERT_GT(one, 0) << out1;
+      for (const char* stage : {"[stage 0/2] ", "[stage 1/2] "}) {
+        EXPECT_NEAR(printed_loss(out2, stage, s, 3), one, 2e-6) << schedule << " step " << s << "\n" << out2;
+      }
+    }
+  }
+  auto [rc, out] = train(dir,
+                         "--pipeline 2 --microbatches 4 --batch 2 --checkpoint auto --memory-budget 1MiB "
+                         "--layers 4 --d-model 32 --heads 2 --seq-len 32 --steps 4 --threads 1 --master-port " +
+                             std::to_string(free_port()));
+  ASSERT_EQ(rc, 0) << out;
+  for (const char* line : {"[stage 0/2] stage 0 of 2 (1f1b, 4 micro-batches): holds at most 2 at once",
+                           "[stage 1/2] stage 1 of 2 (1f1b, 4 micro-batches): holds at most 1 at once",
+                           "  planner: budget ", "    blocks.0 ", "    blocks.3 "}) {
+    EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
+  }
+}
+
+TEST(RematTrainPipeline, BadFlagsAreClearErrors) {
+  Dir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--pipeline 2 --nproc 2",
+       "--pipeline runs one stage per process; it does not combine with --nproc or --shard (data parallel across "
+       "pipelines is not supported). Use --pipeline P alone."},
+      {"--pipeline 2 --model resnet", "--pipeline cuts the GPT's blocks into stages; use --model gpt."},
+      {"--pipeline 2 --checkpoint sqrt",
+       "--checkpoint sqrt segments the whole block stack, and a pipeline stage runs part of it; use block, "
+       "selective, auto or offload."},
+      {"--pipeline 2 --save x.pt",
+       "--save and --resume write and read one process's whole model; a pipeline's stages each hold a part. Drop "
+       "them with --pipeline."},
+      {"--pipeline 2 --grad-accum 2",
+       "--grad-accum with --pipeline: the pipeline accumulates its micro-batches; use --microbatches."},
+      {"--pipeline 2 --microbatches 0", "--microbatches must be at least 1, got 0."},
+      {"--pipeline -1", "--pipeline must be at least 1 stage, got -1."},
+      {"--pipeline 2 --rank 0 --world-size 3", "--pipeline 2 needs --world-size 2 (one process per stage), got 3."},
+      {"--pipeline 2 --explain-memory", "--max-*-under and --explain-memory run in one process; drop --pipeline."},
+  };
+  for (const auto& [args, msg] : cases) {
+    auto [rc, out] = train(dir, args + " --steps 1");
+    EXPECT_EQ(rc, 2) << args;
+    EXPECT_EQ(out, "remat-train: error: [remat::train] " + msg + "\n") << args;
+  }
+  // More stages than blocks: every stage says so.
+  auto [rc, out] = train(dir, "--pipeline 3 --layers 2 --d-model 16 --heads 2 --seq-len 16 --steps 1 --master-port " +
+                                  std::to_string(free_port()));
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("remat-train: error: [remat::train] --pipeline 3 is more stages than the GPT's 2 blocks; give at "
+                     "most 2 (or more --layers)."),
+            std::string::npos)
+      << out;
+}

@@ -30,6 +30,7 @@
 #include <remat/models/trainer.h>
 #include <remat/parallel/data_parallel.h>
 #include <remat/parallel/fully_shard.h>
+#include <remat/parallel/pipeline.h>
 #include <remat/plan/error.h>
 
 extern char** environ;
@@ -210,6 +211,67 @@ void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitO
   }
 }
 
+/** One stage of a pipeline (--pipeline P): the GPT's blocks cut into P
+ *  stages, this rank's the stage of its rank; each step runs
+ *  --microbatches micro-batches of --batch sequences under --schedule. The
+ *  rank keeps only its stage's parameters (and the embedding, tied to the
+ *  head); prints a line per step with the stage's figures and, under
+ *  --checkpoint auto, its plan at the end. */
+void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init, int microbatches,
+                       const std::string& schedule) {
+  const int stage = init.rank(), stages = init.world_size();
+  const int64_t per_micro = cfg.batch;
+  cfg.batch *= microbatches;  // the Trainer draws the whole step's batch; rank 0 splits it
+  remat::models::Trainer trainer(cfg);
+  const auto mine = trainer.pipeline_parameters(stage, stages);
+  const auto tied = trainer.tied_embedding();
+  {  // Release what other stages run: each rank holds its stage only.
+    torch::NoGradGuard no_grad;
+    for (auto& p : trainer.module()->parameters()) {
+      const bool keep =
+          std::any_of(mine.begin(), mine.end(), [&](const at::Tensor& t) { return t.is_same(p); }) || p.is_same(tied);
+      if (!keep) p.set_data(torch::empty({0}, p.options()));
+    }
+  }
+  trainer.use_optimizer_parameters(mine);
+  auto group = remat::parallel::init_process_group(init);
+  remat::parallel::Pipeline pipe(
+      group, [&](const std::vector<at::Tensor>& in) { return trainer.pipeline_stage(stage, stages, in); },
+      remat::parallel::PipelineOptions()
+          .microbatches(microbatches)
+          .schedule(remat::parallel::parse_pipeline_schedule(schedule))
+          .tied({tied}));
+  remat::models::StepHooks hooks;
+  hooks.forward_backward = [&](const at::Tensor& x, const at::Tensor& y, double scale) {
+    auto loss = [&](const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& t) {
+      return trainer.pipeline_loss(o, t) * scale;
+    };
+    return pipe.step({x}, {y}, loss) / scale;
+  };
+  hooks.clip = [&](double max_norm) { pipe.clip_grad_norm(mine, max_norm); };
+  trainer.set_step_hooks(hooks);
+  const std::string tag = "[stage " + std::to_string(stage) + "/" + std::to_string(stages) + "] ";
+  if (stage == 0) {
+    say(trainer.summary() + "; pipeline of " + std::to_string(stages) + " stages (Gloo), " +
+        std::to_string(microbatches) + " micro-batches of " + std::to_string(per_micro) + " (" + schedule +
+        "), global batch " + std::to_string(cfg.batch));
+  }
+  int64_t params = 0;
+  for (const auto& p : mine) params += p.numel();
+  say(tag + std::to_string(params) + " parameters; holds at most " + std::to_string(pipe.planned_in_flight()) +
+      " micro-batches at once");
+  while (trainer.steps_done() < cfg.steps) {
+    const auto s = trainer.step();
+    const auto p = pipe.stats();
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "  forward %.1f ms, backward %.1f ms, waiting %.1f ms, sends %.1f ms, bubble %.0f%%, %d in flight",
+                  p.forward_ms, p.backward_ms, p.recv_ms, p.send_ms, 100.0 * p.bubble, p.max_in_flight);
+    say(tag + remat::models::format_step(s, cfg.steps, "tok") + line);
+  }
+  if (trainer.planner() != nullptr) say(tag + pipe.explain(trainer.planner()));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -290,6 +352,17 @@ int main(int argc, char** argv) {
   app.add_flag("--shard", shard,
                "with --nproc or --rank: shard parameters, gradients and optimizer state across the ranks "
                "(FullyShard, one unit per block) instead of replicating them");
+  int pipeline = 0, microbatches = 4;
+  std::string schedule = "1f1b";
+  app.add_option("--pipeline", pipeline,
+                 "pipeline parallel: run the GPT's blocks as P stages, one process each (ranks on 127.0.0.1 like "
+                 "--nproc; or --rank with --world-size P across hosts)")
+      ->capture_default_str();
+  app.add_option("--microbatches", microbatches, "with --pipeline: micro-batches of --batch sequences per step")
+      ->capture_default_str();
+  app.add_option("--schedule", schedule, "with --pipeline: 1f1b (less memory) or gpipe")
+      ->check(CLI::IsMember({"1f1b", "gpipe"}))
+      ->capture_default_str();
   app.add_option("--dist-timeout", dist_timeout_s,
                  "seconds a rank waits for its peers (store, all-reduce) before failing")
       ->capture_default_str();
@@ -317,7 +390,45 @@ int main(int argc, char** argv) {
     if (!(dist_timeout_s > 0.0)) {
       return fail("[remat::train] --dist-timeout must be positive, got " + std::to_string(dist_timeout_s) + ".");
     }
-    if (nproc > 1) {
+    if (pipeline != 0) {
+      if (pipeline < 1)
+        return fail("[remat::train] --pipeline must be at least 1 stage, got " + std::to_string(pipeline) + ".");
+      if (nproc > 1 || shard) {
+        return fail(
+            "[remat::train] --pipeline runs one stage per process; it does not combine with --nproc or --shard (data "
+            "parallel across pipelines is not supported). Use --pipeline P alone.");
+      }
+      if (microbatches < 1) {
+        return fail("[remat::train] --microbatches must be at least 1, got " + std::to_string(microbatches) + ".");
+      }
+      if (cfg.model != "gpt")
+        return fail("[remat::train] --pipeline cuts the GPT's blocks into stages; use --model gpt.");
+      if (cfg.checkpoint == remat::models::Strategy::kSqrt) {
+        return fail(
+            "[remat::train] --checkpoint sqrt segments the whole block stack, and a pipeline stage runs part of it; "
+            "use block, selective, auto or offload.");
+      }
+      if (!cfg.save_path.empty() || !cfg.resume_path.empty()) {
+        return fail(
+            "[remat::train] --save and --resume write and read one process's whole model; a pipeline's stages each "
+            "hold a part. Drop them with --pipeline.");
+      }
+      if (cfg.grad_accum != 1) {
+        return fail(
+            "[remat::train] --grad-accum with --pipeline: the pipeline accumulates its micro-batches; use "
+            "--microbatches.");
+      }
+      if (!seq_cap.empty() || !batch_cap.empty() || explain_memory) {
+        return fail("[remat::train] --max-*-under and --explain-memory run in one process; drop --pipeline.");
+      }
+      if (rank < 0) {
+        nproc = pipeline;
+      } else if (world_size != pipeline) {
+        return fail("[remat::train] --pipeline " + std::to_string(pipeline) + " needs --world-size " +
+                    std::to_string(pipeline) + " (one process per stage), got " + std::to_string(world_size) + ".");
+      }
+    }
+    if (nproc > 1 || (pipeline > 0 && rank < 0)) {
       if (master_port < 1 || master_port > 65535) {
         return fail("[remat::parallel] master_port " + std::to_string(master_port) +
                     " is not a TCP port; pick one in 1..65535 that is free on the master (e.g. 29500).");
@@ -340,7 +451,9 @@ int main(int argc, char** argv) {
                             .master_addr(master_addr)
                             .master_port(master_port)
                             .timeout(std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1e3)));
-      if (shard) {
+      if (pipeline > 0) {
+        run_pipeline_rank(cfg, init, microbatches, schedule);
+      } else if (shard) {
         run_shard_rank(cfg, init);
       } else {
         run_rank(cfg, init);

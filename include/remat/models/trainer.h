@@ -21,6 +21,9 @@
 namespace at {
 class Tensor;
 }  // namespace at
+namespace remat {
+class AutoCheckpoint;
+}  // namespace remat
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
@@ -161,6 +164,10 @@ struct StepHooks {
    *  torch::nn::utils::clip_grad_norm_ over the module's parameters (a
    *  sharded run: the norm over every rank's shards). */
   std::function<void(double max_norm)> clip;
+  /** Replaces a micro-batch's forward and backward (remat-train --pipeline
+   *  runs the pipeline's step there): the batch, the scale of its loss
+   *  (1 / grad_accum), and it returns the loss (unscaled, detached). */
+  std::function<at::Tensor(const at::Tensor& x, const at::Tensor& y, double scale)> forward_backward;
 };
 
 /** What Trainer::predict_step() expects one step to peak at. */
@@ -312,6 +319,25 @@ class Trainer {
    *  run a third time). Empty before the plan and for the other
    *  strategies. */
   std::vector<int> auto_forwards_per_block() const;
+  /** A pipeline's stage `stage` of `stages` (GPT only): blocks cut evenly
+   *  (the first stages take the extra ones), stage 0 with the embedding, the
+   *  last with the head and loss. pipeline_stage runs it on its inputs
+   *  (the tokens on stage 0, else the previous stage's output) under the
+   *  config's strategy and autocast, and returns float activations;
+   *  pipeline_loss is the last stage's loss of its outputs and targets;
+   *  pipeline_parameters the parameters the stage uses (the embedding on
+   *  the first and last, tied to the head: tied_embedding()). Throw
+   *  remat::Error for the ResNet, a stage that does not exist, more stages
+   *  than blocks, or --checkpoint sqrt (which segments the whole stack). */
+  ///@{
+  std::vector<at::Tensor> pipeline_stage(int stage, int stages, const std::vector<at::Tensor>& inputs);
+  at::Tensor pipeline_loss(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& targets);
+  std::vector<at::Tensor> pipeline_parameters(int stage, int stages) const;
+  at::Tensor tied_embedding() const;
+  ///@}
+  /** Strategy::kAuto: the whole-step planner (its explain(), plan and
+   *  figures); nullptr for the other strategies. */
+  const AutoCheckpoint* planner() const;
   /** The config, with defaults resolved (e.g. layers 0 -> 6 for the GPT). */
   const TrainConfig& config() const;
   /** Allocates the parameter gradients (zeros) and, with Strategy::kAuto,
