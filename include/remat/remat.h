@@ -2,7 +2,8 @@
 // the whole public API of remat::remat (checkpoint, hooks, memory, profile,
 // CheckpointedSequential, the planner). The models and trainer behind
 // remat-train are a separate library (remat::models, <remat/models/*.h>), and
-// so is data parallel on c10d (remat::parallel, <remat/parallel/data_parallel.h>).
+// so is distributed training on c10d (remat::parallel: <remat/parallel/data_parallel.h>,
+// fully_shard.h, pipeline.h).
 #pragma once
 
 #include <remat/auto.h>

@@ -258,8 +258,9 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
   }
   int64_t params = 0;
   for (const auto& p : mine) params += p.numel();
-  say(tag + std::to_string(params) + " parameters; holds at most " + std::to_string(pipe.planned_in_flight()) +
-      " micro-batches at once");
+  const int holds = pipe.planned_in_flight();
+  say(tag + std::to_string(params) + " parameters; holds at most " + std::to_string(holds) +
+      (holds == 1 ? " micro-batch" : " micro-batches") + " at once");
   while (trainer.steps_done() < cfg.steps) {
     const auto s = trainer.step();
     const auto p = pipe.stats();

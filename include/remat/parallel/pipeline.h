@@ -133,6 +133,9 @@ StageFn sequential_stage(torch::nn::Sequential part);
  *  parameters are given; step() is a collective on every rank. */
 class Pipeline {
  public:
+  /** Rank group.rank()'s stage; throws remat::Error for an empty group or
+   *  stage, microbatches < 1, a CUDA group, or tied entries that are not
+   *  floating tensors or repeat one. */
   Pipeline(ProcessGroup group, StageFn stage, PipelineOptions options = {});
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
@@ -154,9 +157,11 @@ class Pipeline {
    *  parameters counted once). A collective. Returns the total norm. */
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm);
 
-  /** This rank's stage, and the number of stages. */
+  /** This rank's stage (its rank). */
   int stage() const;
+  /** The number of stages (the group's world size). */
   int stages() const;
+  /** As given to the constructor. */
   const PipelineOptions& options() const;
   /** Micro-batches this stage holds at most at once under the schedule:
    *  1F1B min(P - stage, M), GPipe M. */
