@@ -33,28 +33,17 @@
 
 #include <remat/error.h>
 
+#include "common.h"
+
 // _allgather_base and _reduce_scatter_base are deprecated from torch 2.13 on
 // (all_gather_single, reduce_scatter_single), which older LibTorch lacks.
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 namespace remat::parallel {
 
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double ms_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return first_line(c->what_without_backtrace());
-  return first_line(e.what());
-}
-
-}  // namespace
+using util::Clock;
+using util::message_of;
+using util::ms_between;
 
 struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   struct Unit {

@@ -24,24 +24,19 @@
 #include <remat/error.h>
 
 #include "backends.h"
+#include "common.h"
 
 namespace remat::parallel {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using util::Clock;
+using util::message_of;
 
 std::string seconds(std::chrono::milliseconds t) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f s", static_cast<double>(t.count()) / 1e3);
   return buf;
-}
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return first_line(c->what_without_backtrace());
-  return first_line(e.what());
 }
 
 void validate(const InitOptions& o) {
@@ -262,7 +257,7 @@ class TimedAllReduce final : public c10d::CommHookInterface {
           if (f.hasError()) {
             throw Error("[remat::parallel] rank " + std::to_string(rank) + " of " + std::to_string(size) +
                         ": the all-reduce of gradient bucket " + std::to_string(index) +
-                        " failed: " + first_line(f.tryRetrieveErrorMessage()) +
+                        " failed: " + util::first_line(f.tryRetrieveErrorMessage()) +
                         ". A peer process probably exited or stopped answering (timeout " + seconds(timeout) +
                         "); look at the other ranks' output.");
           }

@@ -30,22 +30,15 @@
 #include <remat/error.h>
 #include <remat/memory.h>
 
+#include "common.h"
+
 namespace remat::parallel {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double ms_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return first_line(c->what_without_backtrace());
-  return first_line(e.what());
-}
+using util::Clock;
+using util::message_of;
+using util::ms_between;
 
 std::string str(int64_t v) { return std::to_string(v); }
 

@@ -605,13 +605,13 @@ FsdpStats read_stats(const fs::path& p) {
   return s;
 }
 
-/** Runs fsdp_worker on `world` ranks (--plain: one process, no FullyShard),
- *  each writing TAG.pt.rankR.stats; rank 0 the full model to TAG.pt. */
-std::vector<Proc> run_fsdp(const Dir& dir, const std::string& tag, int world, std::vector<std::string> extra,
-                           std::chrono::seconds limit = std::chrono::seconds(240)) {
+/** Runs `world` ranks of worker `exe` over a FileStore in dir, each with
+ *  --out dir/OUT and its stderr in TAG.rankR.err; waits for all. */
+std::vector<Proc> run_workers(const char* exe, const Dir& dir, const std::string& tag, const std::string& out,
+                              int world, const std::vector<std::string>& extra, std::chrono::seconds limit) {
   std::vector<Proc> ps;
   for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args{REMAT_FSDP_WORKER,
+    std::vector<std::string> args{exe,
                                   "--rank",
                                   std::to_string(r),
                                   "--world",
@@ -619,12 +619,19 @@ std::vector<Proc> run_fsdp(const Dir& dir, const std::string& tag, int world, st
                                   "--file-store",
                                   (dir.path() / (tag + ".store")).string(),
                                   "--out",
-                                  (dir.path() / (tag + ".pt")).string()};
+                                  (dir.path() / out).string()};
     args.insert(args.end(), extra.begin(), extra.end());
     ps.push_back(spawn(args, dir.path() / (tag + ".rank" + std::to_string(r) + ".err")));
   }
   wait_all(ps, limit);
   return ps;
+}
+
+/** Runs fsdp_worker on `world` ranks (--plain: one process, no FullyShard),
+ *  each writing TAG.pt.rankR.stats; rank 0 the full model to TAG.pt. */
+std::vector<Proc> run_fsdp(const Dir& dir, const std::string& tag, int world, std::vector<std::string> extra,
+                           std::chrono::seconds limit = std::chrono::seconds(240)) {
+  return run_workers(REMAT_FSDP_WORKER, dir, tag, tag + ".pt", world, extra, limit);
 }
 
 /** `world` sharded ranks at batch 4 / world against one plain process at
@@ -1007,22 +1014,7 @@ namespace {
  *  TAG.rankR.pt (the parameters it owns) and TAG.rankR.stats. */
 std::vector<Proc> run_pipe(const Dir& dir, const std::string& tag, int world, std::vector<std::string> extra,
                            std::chrono::seconds limit = std::chrono::seconds(240)) {
-  std::vector<Proc> ps;
-  for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args{REMAT_PIPE_WORKER,
-                                  "--rank",
-                                  std::to_string(r),
-                                  "--world",
-                                  std::to_string(world),
-                                  "--file-store",
-                                  (dir.path() / (tag + ".store")).string(),
-                                  "--out",
-                                  (dir.path() / tag).string()};
-    args.insert(args.end(), extra.begin(), extra.end());
-    ps.push_back(spawn(args, dir.path() / (tag + ".rank" + std::to_string(r) + ".err")));
-  }
-  wait_all(ps, limit);
-  return ps;
+  return run_workers(REMAT_PIPE_WORKER, dir, tag, tag, world, extra, limit);
 }
 
 /** One line of pipe_worker's figures (see its header). */
