@@ -252,23 +252,38 @@ struct Pipeline::Impl {
     return out;
   }
 
-  /** Best effort: tells neighbour dst that this step failed with msg. */
-  void send_abort(int dst, const std::string& msg) {
-    try {
-      auto header = at::zeros({kHeaderLen}, at::kLong);
-      header.data_ptr<int64_t>()[0] = kAbort;
-      header.data_ptr<int64_t>()[1] = static_cast<int64_t>(msg.size());
-      auto text = at::empty({std::max<int64_t>(static_cast<int64_t>(msg.size()), 1)}, at::kByte);
-      std::memcpy(text.data_ptr<uint8_t>(), msg.data(), msg.size());
-      std::vector<at::Tensor> a{header}, b{text};
-      auto w1 = group.c10d()->send(a, dst, kTag);
-      auto w2 = group.c10d()->send(b, dst, kTag);
-      // A live neighbour reads it at its next receive from us; a dead one
-      // fails the send. Either way within the group's timeout.
-      w1->wait(group.timeout());
-      w2->wait(group.timeout());
-    } catch (const std::exception&) {
-      // The neighbour is gone or stuck; it fails on its own.
+  /** Best effort: tells the neighbours in dsts that this step failed with
+   *  msg. Both are sent before either is waited for, so the failing rank
+   *  throws within one timeout. */
+  void send_abort(const std::vector<int>& dsts, const std::string& msg) {
+    auto header = at::zeros({kHeaderLen}, at::kLong);
+    header.data_ptr<int64_t>()[0] = kAbort;
+    header.data_ptr<int64_t>()[1] = static_cast<int64_t>(msg.size());
+    auto text = at::empty({std::max<int64_t>(static_cast<int64_t>(msg.size()), 1)}, at::kByte);
+    std::memcpy(text.data_ptr<uint8_t>(), msg.data(), msg.size());
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int dst : dsts) {
+      try {
+        std::vector<at::Tensor> a{header}, b{text};
+        works.push_back(group.c10d()->send(a, dst, kTag));
+        works.push_back(group.c10d()->send(b, dst, kTag));
+      } catch (const std::exception&) {
+        // That neighbour is gone; it fails on its own.
+      }
+    }
+    // A live neighbour reads it at its next receive from us; a dead one
+    // fails the send; one stuck elsewhere (a collective) times out there.
+    const auto deadline = Clock::now() + group.timeout();
+    for (auto& w : works) {
+      try {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        if (left.count() <= 0 || !w->wait(left)) w->abort();
+      } catch (const std::exception&) {
+        try {
+          w->abort();
+        } catch (const std::exception&) {
+        }
+      }
     }
   }
 
@@ -534,9 +549,11 @@ at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vect
     mbs.clear();
     m.abort_pending();
     m.put_tied_back();
+    std::vector<int> to;
     for (int n : {m.rank - 1, m.rank + 1}) {
-      if (n >= 0 && n < m.P && n != a.from_rank) m.send_abort(n, a.what());
+      if (n >= 0 && n < m.P && n != a.from_rank) to.push_back(n);
     }
+    m.send_abort(to, a.what());
     std::string origin = a.what();
     const std::string prefix = "[remat::parallel] ";
     if (origin.rfind(prefix, 0) == 0) origin = origin.substr(prefix.size());
@@ -547,9 +564,11 @@ at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vect
     m.put_tied_back();
     const std::string msg = dynamic_cast<const Error*>(&e) ? std::string(e.what())
                                                            : "[remat::parallel] " + m.where() + ": " + message_of(e);
+    std::vector<int> to;
     for (int n : {m.rank - 1, m.rank + 1}) {
-      if (n >= 0 && n < m.P) m.send_abort(n, msg);
+      if (n >= 0 && n < m.P) to.push_back(n);
     }
+    m.send_abort(to, msg);
     throw Error(msg);
   }
   // The loss, from the last stage to every rank.
