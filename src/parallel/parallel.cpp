@@ -13,6 +13,8 @@
 #include <string>
 #include <unordered_map>
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
 #include <torch/nn/module.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -171,7 +173,106 @@ ProcessGroup init_process_group(const InitOptions& options) {
   }
   pg->setGroupName("0");
   g.pg_ = std::move(pg);
+  g.store_ = store;
+  g.master_addr_ = options.file_store().empty() ? options.master_addr() : std::string();
+  g.name_ = "remat/0";
+  g.groups_made_ = std::make_shared<int>(0);
   return g;
+}
+
+ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) const {
+  if (!pg_) throw Error("[remat::parallel] new_group on a ProcessGroup that was not joined; use init_process_group().");
+  const int me = rank(), n = world_size();
+  int mine = -1;
+  std::string list;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 0 || ranks[i] >= n) {
+      throw Error("[remat::parallel] new_group: rank " + std::to_string(ranks[i]) + " is outside [0, " +
+                  std::to_string(n) + ").");
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (ranks[j] == ranks[i]) {
+        throw Error("[remat::parallel] new_group: rank " + std::to_string(ranks[i]) + " is listed twice.");
+      }
+    }
+    if (ranks[i] == me) mine = static_cast<int>(i);
+    list += (i ? "," : "") + std::to_string(ranks[i]);
+  }
+  if (mine < 0) {
+    throw Error("[remat::parallel] new_group: rank " + std::to_string(me) + " is not in [" + list +
+                "]; only the ranks listed call new_group.");
+  }
+  // The key prefix every member computes alike: the parent's, the call's
+  // index (members call in the same order) and the list.
+  const std::string name = name_ + "/" + std::to_string((*groups_made_)++) + "[" + list + "]";
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store_);
+  const int size = static_cast<int>(ranks.size());
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(prefixed, mine, size);
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  try {
+    gloo = detail::make_gloo(prefixed, mine, size, timeout_, master_addr_);
+  } catch (const std::exception& e) {
+    throw Error("[remat::parallel] rank " + std::to_string(me) + " could not connect the group of ranks [" + list +
+                "] within " + seconds(timeout_) + ": " + message_of(e) +
+                ". Every rank listed must call new_group with the same list.");
+  }
+  pg->setBackend(c10::kCPU, c10d::ProcessGroup::GLOO, gloo);
+  pg->setDefaultBackend(c10d::ProcessGroup::GLOO);
+  if (device_ == c10::kCUDA) {
+    pg->setBackend(c10::kCUDA, c10d::ProcessGroup::NCCL, detail::make_nccl(prefixed, mine, size, timeout_));
+    pg->setDefaultBackend(c10d::ProcessGroup::NCCL);
+  }
+  pg->setGroupName(name);
+  ProcessGroup g;
+  g.pg_ = std::move(pg);
+  g.device_ = device_;
+  g.timeout_ = timeout_;
+  g.store_ = store_;
+  g.master_addr_ = master_addr_;
+  g.name_ = name;
+  g.groups_made_ = std::make_shared<int>(0);
+  return g;
+}
+
+void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& parameters) {
+  if (!group.defined()) {
+    throw Error("[remat::parallel] average_gradients on a ProcessGroup that was not joined; use init_process_group().");
+  }
+  if (group.world_size() == 1 || parameters.empty()) return;
+  at::NoGradGuard no_grad;
+  // One flat buffer per dtype, in the parameters' order.
+  std::vector<c10::ScalarType> dtypes;
+  for (const auto& p : parameters) {
+    if (std::find(dtypes.begin(), dtypes.end(), p.scalar_type()) == dtypes.end()) dtypes.push_back(p.scalar_type());
+  }
+  for (auto dt : dtypes) {
+    std::vector<at::Tensor> flat;
+    for (const auto& p : parameters) {
+      if (p.scalar_type() != dt) continue;
+      flat.push_back(p.grad().defined() ? p.grad().reshape(-1) : at::zeros({p.numel()}, p.options()));
+    }
+    auto buf = at::cat(flat);
+    std::vector<at::Tensor> ts{buf};
+    try {
+      group.c10d()->allreduce(ts)->wait(group.timeout());
+    } catch (const std::exception& e) {
+      throw Error("[remat::parallel] rank " + std::to_string(group.rank()) + " of " +
+                  std::to_string(group.world_size()) + ": the all-reduce of the gradients failed: " + message_of(e) +
+                  ". A peer process probably exited or stopped answering (timeout " + seconds(group.timeout()) + ").");
+    }
+    buf.div_(group.world_size());
+    int64_t off = 0;
+    for (const auto& p : parameters) {
+      if (p.scalar_type() != dt) continue;
+      auto avg = buf.slice(0, off, off + p.numel()).view(p.sizes());
+      off += p.numel();
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(avg);
+      } else {
+        p.mutable_grad() = avg.clone();
+      }
+    }
+  }
 }
 
 // --- DataParallel ----------------------------------------------------------

@@ -10,6 +10,9 @@
 //   --mismatch: rank 0 sends half its width (the next stage cannot run it)
 //   --die-at-step K: rank 1 exits at step K's start (exit code 7)
 //   --clip N: gradients clipped to a global norm of N before each step
+//   --replicas D: --world / D stages, each replicated D times (rank =
+//     replica x stages + stage); replicas split the batch and average their
+//     gradients over a group of their own (ProcessGroup::new_group)
 // Writes the parameters it owns (named as in the GPT) to --out.rankR.pt and
 // a line of figures to --out.rankR.stats: max_in_flight planned_in_flight
 // peak_bytes kept_bytes_per_micro budget measured_peak units_changed loss
@@ -64,6 +67,7 @@ int main(int argc, char** argv) {
   const bool plain = flag(argc, argv, "plain");
   const bool mismatch = flag(argc, argv, "mismatch");
   const double clip = std::stod(arg(argc, argv, "clip", "0"));
+  const int replicas = std::stoi(arg(argc, argv, "replicas", "1"));
   try {
     torch::set_num_threads(1);
     remat::memory::enable_tracking();
@@ -75,11 +79,15 @@ int main(int argc, char** argv) {
     } else if (strategy != "none" && strategy != "auto") {
       throw remat::Error("pipe_worker: unknown --strategy " + strategy);
     }
-    const int P = plain ? 1 : world;
+    // --replicas D: world = P stages x D replicas; rank = replica * P + stage.
+    const int D = plain ? 1 : replicas;
+    const int P = plain ? 1 : world / D;
+    if (!plain && P * D != world) throw remat::Error("pipe_worker: --replicas must divide --world");
+    const int stage_of = rank % P, replica = rank / P;
     const int64_t L = cfg.layers;
-    if (L % P != 0) throw remat::Error("pipe_worker: --world must divide the GPT's blocks");
-    const int64_t lo = rank * L / P, hi = (rank + 1) * L / P;
-    const bool first = rank == 0, last = rank == P - 1;
+    if (L % P != 0) throw remat::Error("pipe_worker: the stages must divide the GPT's blocks");
+    const int64_t lo = stage_of * L / P, hi = (stage_of + 1) * L / P;
+    const bool first = stage_of == 0, last = stage_of == P - 1;
     // The parameters this rank owns, by name.
     std::vector<std::pair<std::string, torch::Tensor>> owned;
     for (const auto& p : gpt->named_parameters()) {
@@ -105,20 +113,28 @@ int main(int argc, char** argv) {
       planner.emplace(remat::auto_checkpoint(gpt, remat::AutoOptions().memory_budget_fraction(1.0)));
     }
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
-    remat::parallel::ProcessGroup group;
+    remat::parallel::ProcessGroup group, stages_group, data_group;
     std::optional<remat::parallel::Pipeline> pipe;
     if (!plain) {
       group = remat::parallel::init_process_group(
           remat::parallel::InitOptions(rank, world)
               .file_store(arg(argc, argv, "file-store", ""))
               .timeout(std::chrono::milliseconds(std::stoi(arg(argc, argv, "timeout-ms", "60000")))));
+      stages_group = group;
+      if (D > 1) {  // this replica's stages, then this stage's replicas
+        std::vector<int> stages_ranks, replica_ranks;
+        for (int s = 0; s < P; ++s) stages_ranks.push_back(replica * P + s);
+        for (int d = 0; d < D; ++d) replica_ranks.push_back(d * P + stage_of);
+        stages_group = group.new_group(stages_ranks);
+        data_group = group.new_group(replica_ranks);
+      }
       auto stage = [&](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
         auto h = first ? gpt->embed(in[0]) : in[0];
         h = run_blocks(h);
         if (mismatch && first) h = h.narrow(-1, 0, h.size(-1) / 2).contiguous();
         return {h};
       };
-      pipe.emplace(group, stage,
+      pipe.emplace(stages_group, stage,
                    remat::parallel::PipelineOptions()
                        .microbatches(micro)
                        .schedule(remat::parallel::parse_pipeline_schedule(schedule))
@@ -129,9 +145,9 @@ int main(int argc, char** argv) {
     int64_t kept_per_micro = 0, grad_bytes = 0;
     for (const auto& p : params) grad_bytes += static_cast<int64_t>(p.nbytes());
     if (!plain && strategy != "auto") {
-      auto tok = torch::randint(cfg.vocab, {batch / micro, cfg.seq_len}, torch::kLong);
-      torch::Tensor h =
-          first ? torch::Tensor() : torch::randn({batch / micro, cfg.seq_len, cfg.d_model}).requires_grad_();
+      const int64_t mb = batch / D / micro;
+      auto tok = torch::randint(cfg.vocab, {mb, cfg.seq_len}, torch::kLong);
+      torch::Tensor h = first ? torch::Tensor() : torch::randn({mb, cfg.seq_len, cfg.d_model}).requires_grad_();
       const int64_t before = remat::memory::current_bytes();
       auto o = run_blocks(first ? gpt->embed(tok) : h);
       kept_per_micro = remat::memory::current_bytes() - before;
@@ -140,7 +156,9 @@ int main(int argc, char** argv) {
     for (int step = 0; step < steps; ++step) {
       if (die_at > 0 && rank == 1 && step + 1 == die_at) std::_Exit(7);
       auto gen = at::detail::createCPUGenerator(1000 + step);
-      auto tok = torch::randint(cfg.vocab, {batch, cfg.seq_len + 1}, gen, torch::kLong);
+      // Each replica takes its rows of the global batch.
+      auto tok = torch::randint(cfg.vocab, {batch, cfg.seq_len + 1}, gen, torch::kLong)
+                     .slice(0, replica * batch / D, (replica + 1) * batch / D);
       auto x = tok.slice(1, 0, cfg.seq_len), y = tok.slice(1, 1, cfg.seq_len + 1);
       auto body = [&] {
         opt.zero_grad();
@@ -149,6 +167,12 @@ int main(int argc, char** argv) {
             return gpt->loss(o[0], t[0]);
           });
           loss_value = l.item<double>();
+          if (D > 1) {
+            remat::parallel::average_gradients(data_group, params);
+            auto mean = l.reshape({1}).clone();
+            data_group.all_reduce_sum(mean);
+            loss_value = mean.item<double>() / D;
+          }
           if (clip > 0) pipe->clip_grad_norm(params, clip);
         } else {
           auto l = gpt->loss(run_blocks(gpt->embed(x)), y);

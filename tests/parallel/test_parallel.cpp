@@ -1053,8 +1053,10 @@ std::map<std::string, at::Tensor> read_named(const fs::path& p) {
  *  within 1e-6 of the plain run's, the tied embedding equal on the first
  *  and last stage, the loss within 1e-6. */
 void expect_pipeline_equals_plain(int world, int micro, const std::string& schedule, const std::string& strategy,
-                                  std::vector<std::string> extra = {}) {
+                                  std::vector<std::string> extra = {}, int replicas = 1) {
   Dir dir;
+  const int stages = world / replicas;
+  if (replicas > 1) extra.insert(extra.end(), {"--replicas", std::to_string(replicas)});
   std::vector<std::string> common{"--strategy", strategy, "--steps", strategy == "auto" ? "4" : "3", "--batch", "8"};
   common.insert(common.end(), extra.begin(), extra.end());
   auto pipe_args = common;
@@ -1080,14 +1082,15 @@ void expect_pipeline_equals_plain(int world, int micro, const std::string& sched
     }
   }
   EXPECT_EQ(seen.size(), want.size()) << "every parameter lives on some stage";
-  EXPECT_EQ(seen["wte.weight"], world > 1 ? 2 : 1) << "the tied embedding lives on the first and last stage";
+  EXPECT_EQ(seen["wte.weight"], (stages > 1 ? 2 : 1) * replicas)
+      << "the tied embedding lives on the first and last stage of each replica";
   EXPECT_GT(moved, 1e-3) << "the steps moved the parameters";
   const auto s0 = read_pipe_stats(dir.path() / "pipe.rank0.stats");
   const auto sp = read_pipe_stats(dir.path() / "plain.rank0.stats");
   EXPECT_NEAR(s0.loss, sp.loss, 1e-6);
   for (int r = 0; r < world; ++r) {
     const auto s = read_pipe_stats(dir.path() / ("pipe.rank" + std::to_string(r) + ".stats"));
-    const int holds = schedule == "gpipe" ? micro : std::min(world - r, micro);
+    const int holds = schedule == "gpipe" ? micro : std::min(stages - r % stages, micro);
     EXPECT_EQ(s.planned_in_flight, holds) << "stage " << r;
     EXPECT_EQ(s.max_in_flight, holds) << "stage " << r << " held that many micro-batches at once";
     if (strategy == "auto") {
@@ -1095,8 +1098,9 @@ void expect_pipeline_equals_plain(int world, int micro, const std::string& sched
       EXPECT_LE(static_cast<double>(s.measured_peak), 1.02 * static_cast<double>(s.budget)) << "stage " << r;
     }
   }
-  std::cout << "[" << world << " stages, " << micro << " micro-batches, " << schedule << ", " << strategy
-            << "] max |param diff| " << worst << ", loss " << s0.loss << " (plain " << sp.loss << ")\n";
+  std::cout << "[" << stages << " stages x " << replicas << " replicas, " << micro << " micro-batches, " << schedule
+            << ", " << strategy << "] max |param diff| " << worst << ", loss " << s0.loss << " (plain " << sp.loss
+            << ")\n";
 }
 
 }  // namespace
@@ -1123,6 +1127,14 @@ TEST(PipelineProcesses, FourStages1F1BEqualOnePlanned) { expect_pipeline_equals_
 // The global norm over the stages (the tied embedding counted once).
 TEST(PipelineProcesses, ClippingOverTheStagesEqualsOne) {
   expect_pipeline_equals_plain(2, 4, "1f1b", "none", {"--clip", "0.05"});
+}
+// Pipeline x data: 2 stages, each replicated twice (4 processes; the
+// replicas split the batch and average_gradients over a new_group), clipped.
+TEST(PipelineProcesses, TwoStagesTimesTwoReplicasEqualOne) {
+  expect_pipeline_equals_plain(4, 2, "1f1b", "block", {"--clip", "0.05"}, 2);
+}
+TEST(PipelineProcesses, TwoStagesTimesTwoReplicasPlannedEqualOne) {
+  expect_pipeline_equals_plain(4, 4, "gpipe", "auto", {}, 2);
 }
 
 // What a stage holds: 1F1B's first stage at most P micro-batches' kept
@@ -1401,4 +1413,43 @@ TEST(RematTrainPipeline, BadFlagsAreClearErrors) {
                      "most 2 (or more --layers)."),
             std::string::npos)
       << out;
+}
+
+// new_group and average_gradients, two ranks as two threads of this process.
+TEST(ProcessGroup, NewGroupAndAverageGradients) {
+  Dir dir;
+  const std::string store = (dir.path() / "store").string();
+  std::vector<std::string> errors(2);
+  std::vector<at::Tensor> grads(2);
+  auto rank_body = [&](int r) {
+    auto g = remat::parallel::init_process_group(
+        InitOptions(r, 2).file_store(store).timeout(std::chrono::milliseconds(20000)));
+    EXPECT_EQ(message_of([&] { g.new_group({0, 2}); }), "[remat::parallel] new_group: rank 2 is outside [0, 2).");
+    EXPECT_EQ(message_of([&] { g.new_group({1, 1}); }), "[remat::parallel] new_group: rank 1 is listed twice.");
+    const int other = 1 - r;
+    errors[r] = message_of([&] { g.new_group({other}); });
+    // Both ranks, reversed: rank 1 is rank 0 of the new group.
+    auto sub = g.new_group({1, 0});
+    EXPECT_EQ(sub.rank(), 1 - r);
+    EXPECT_EQ(sub.world_size(), 2);
+    // A parameter with a gradient on rank 0 only: the average is half of it on both.
+    auto p = torch::zeros({3}, torch::requires_grad());
+    auto q = torch::zeros({2}, torch::TensorOptions().dtype(torch::kDouble).requires_grad(true));
+    if (r == 0) p.mutable_grad() = torch::tensor({2.0f, 4.0f, 6.0f});
+    q.mutable_grad() = torch::full({2}, static_cast<double>(r + 1), torch::kDouble);
+    remat::parallel::average_gradients(sub, {p, q});
+    grads[r] = torch::cat({p.grad().to(torch::kDouble), q.grad()});
+  };
+  std::thread t0(rank_body, 0), t1(rank_body, 1);
+  t0.join();
+  t1.join();
+  EXPECT_EQ(errors[0], "[remat::parallel] new_group: rank 0 is not in [1]; only the ranks listed call new_group.");
+  EXPECT_EQ(errors[1], "[remat::parallel] new_group: rank 1 is not in [0]; only the ranks listed call new_group.");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(torch::equal(grads[r], torch::tensor({1.0, 2.0, 3.0, 1.5, 1.5}, torch::kDouble))) << grads[r];
+  }
+  EXPECT_EQ(message_of([&] { remat::parallel::average_gradients(remat::parallel::ProcessGroup(), {}); }),
+            "[remat::parallel] average_gradients on a ProcessGroup that was not joined; use init_process_group().");
+  EXPECT_EQ(message_of([&] { remat::parallel::ProcessGroup().new_group({0}); }),
+            "[remat::parallel] new_group on a ProcessGroup that was not joined; use init_process_group().");
 }

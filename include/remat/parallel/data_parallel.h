@@ -28,6 +28,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace torch::nn {
 class Module;
@@ -80,13 +81,33 @@ class ProcessGroup {
   void all_reduce_sum(at::Tensor& t) const;
   /** False for a default-constructed group. */
   bool defined() const { return static_cast<bool>(pg_); }
+  /** A group of some of this group's ranks (their order gives the new
+   *  ranks: ranks[i] is rank i there), on the same store and backend, for a
+   *  2-D layout (pipeline stages x data-parallel replicas). A collective of
+   *  the ranks listed only: each calls it with the same list, and calls for
+   *  several groups come in the same order on every rank. Throws
+   *  remat::Error for a rank listed twice or out of range, or when this
+   *  rank is not listed. */
+  ProcessGroup new_group(const std::vector<int>& ranks) const;
 
  private:
   friend ProcessGroup init_process_group(const InitOptions& options);
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   c10::DeviceType device_ = c10::kCPU;
   std::chrono::milliseconds timeout_{0};
+  c10::intrusive_ptr<c10d::Store> store_;  // the rendezvous store, for new_group
+  std::string master_addr_;                // "" for a FileStore (Gloo's device choice)
+  std::string name_;                       // prefix of this group's keys in the store
+  std::shared_ptr<int> groups_made_;       // new_group calls so far, shared by copies
 };
+
+/** Averages the gradients of `parameters` over the group's ranks, in place
+ *  (one all-reduce per dtype; a parameter without a gradient on a rank adds
+ *  zeros and gets the average too). For data parallel outside
+ *  DataParallel's Reducer: replicas of a pipeline stage after each step. A
+ *  collective: every rank gives its parameters in the same order, of the
+ *  same shapes. */
+void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& parameters);
 
 /** Joins the group: rendezvous through the store (rank 0 serves the
  *  TCPStore), then the backend. Blocks until every rank has joined or the
