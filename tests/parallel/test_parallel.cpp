@@ -1368,6 +1368,21 @@ TEST(RematTrainPipeline, TwoStagesTrainAsOneAtTheWholeBatch) {
       }
     }
   }
+  {  // 2 replicas of the pipeline: 4 processes, each replica 4 micro-batches of 1.
+    auto [rc4, out4] =
+        train(dir, "--pipeline 2 --nproc 4 --microbatches 4 --batch 1 --checkpoint block --master-port " +
+                       std::to_string(free_port()) + model);
+    ASSERT_EQ(rc4, 0) << out4;
+    EXPECT_NE(out4.find("4 micro-batches of 1 (1f1b), 2 data-parallel replicas, global batch 8"), std::string::npos)
+        << out4;
+    auto [rc1, out1] = train(dir, "--batch 8 --checkpoint block" + model);
+    ASSERT_EQ(rc1, 0) << out1;
+    for (int s = 1; s <= 3; ++s) {
+      for (const char* who : {"[stage 0/2, replica 0/2] ", "[stage 1/2, replica 1/2] "}) {
+        EXPECT_NEAR(printed_loss(out4, who, s, 3), printed_loss(out1, "", s, 3), 2e-6) << who << s << "\n" << out4;
+      }
+    }
+  }
   auto [rc, out] = train(dir,
                          "--pipeline 2 --microbatches 4 --batch 2 --checkpoint auto --memory-budget 1MiB "
                          "--layers 4 --d-model 32 --heads 2 --seq-len 32 --steps 4 --threads 1 --master-port " +
@@ -1383,9 +1398,12 @@ TEST(RematTrainPipeline, TwoStagesTrainAsOneAtTheWholeBatch) {
 TEST(RematTrainPipeline, BadFlagsAreClearErrors) {
   Dir dir;
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--pipeline 2 --nproc 2",
-       "--pipeline runs one stage per process; it does not combine with --nproc or --shard (data parallel across "
-       "pipelines is not supported). Use --pipeline P alone."},
+      {"--pipeline 2 --shard",
+       "--pipeline does not combine with --shard (each stage's parameters are whole on its process); replicate the "
+       "stages with --nproc instead."},
+      {"--pipeline 2 --nproc 3",
+       "--nproc 3 with --pipeline 2: give a multiple of the stages (each replica of the pipeline takes --pipeline "
+       "processes)."},
       {"--pipeline 2 --model resnet", "--pipeline cuts the GPT's blocks into stages; use --model gpt."},
       {"--pipeline 2 --checkpoint sqrt",
        "--checkpoint sqrt segments the whole block stack, and a pipeline stage runs part of it; use block, "
@@ -1397,7 +1415,8 @@ TEST(RematTrainPipeline, BadFlagsAreClearErrors) {
        "--grad-accum with --pipeline: the pipeline accumulates its micro-batches; use --microbatches."},
       {"--pipeline 2 --microbatches 0", "--microbatches must be at least 1, got 0."},
       {"--pipeline -1", "--pipeline must be at least 1 stage, got -1."},
-      {"--pipeline 2 --rank 0 --world-size 3", "--pipeline 2 needs --world-size 2 (one process per stage), got 3."},
+      {"--pipeline 2 --rank 0 --world-size 3",
+       "--pipeline 2 needs a --world-size that is a multiple of it (one process per stage and replica), got 3."},
       {"--pipeline 2 --explain-memory", "--max-*-under and --explain-memory run in one process; drop --pipeline."},
   };
   for (const auto& [args, msg] : cases) {

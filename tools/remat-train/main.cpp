@@ -217,11 +217,15 @@ void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitO
  *  rank keeps only its stage's parameters (and the embedding, tied to the
  *  head); prints a line per step with the stage's figures and, under
  *  --checkpoint auto, its plan at the end. */
-void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init, int microbatches,
-                       const std::string& schedule) {
-  const int stage = init.rank(), stages = init.world_size();
+void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init, int stages,
+                       int microbatches, const std::string& schedule) {
+  // Ranks are replica x stages + stage; replicas split the global batch.
+  const int replicas = init.world_size() / stages;
+  const int stage = init.rank() % stages, replica = init.rank() / stages;
   const int64_t per_micro = cfg.batch;
-  cfg.batch *= microbatches;  // the Trainer draws the whole step's batch; rank 0 splits it
+  cfg.batch *= microbatches;  // the Trainer draws the replica's batch; its stage 0 splits it
+  cfg.data_rank = replica;
+  cfg.data_world = replicas;
   remat::models::Trainer trainer(cfg);
   const auto mine = trainer.pipeline_parameters(stage, stages);
   const auto tied = trainer.tied_embedding();
@@ -234,7 +238,15 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
     }
   }
   trainer.use_optimizer_parameters(mine);
-  auto group = remat::parallel::init_process_group(init);
+  auto world = remat::parallel::init_process_group(init);
+  remat::parallel::ProcessGroup group = world, data;
+  if (replicas > 1) {  // this replica's stages, then this stage's replicas
+    std::vector<int> stage_ranks, replica_ranks;
+    for (int s = 0; s < stages; ++s) stage_ranks.push_back(replica * stages + s);
+    for (int d = 0; d < replicas; ++d) replica_ranks.push_back(d * stages + stage);
+    group = world.new_group(stage_ranks);
+    data = world.new_group(replica_ranks);
+  }
   remat::parallel::Pipeline pipe(
       group, [&](const std::vector<at::Tensor>& in) { return trainer.pipeline_stage(stage, stages, in); },
       remat::parallel::PipelineOptions()
@@ -246,15 +258,25 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
     auto loss = [&](const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& t) {
       return trainer.pipeline_loss(o, t) * scale;
     };
-    return pipe.step({x}, {y}, loss) / scale;
+    auto l = pipe.step({x}, {y}, loss) / scale;
+    if (replicas > 1) {  // gradients and the printed loss: the mean over the replicas
+      remat::parallel::average_gradients(data, mine);
+      auto sum = l.reshape({1}).clone();
+      data.all_reduce_sum(sum);
+      l = sum.reshape({}) / static_cast<double>(replicas);
+    }
+    return l;
   };
   hooks.clip = [&](double max_norm) { pipe.clip_grad_norm(mine, max_norm); };
   trainer.set_step_hooks(hooks);
-  const std::string tag = "[stage " + std::to_string(stage) + "/" + std::to_string(stages) + "] ";
-  if (stage == 0) {
+  const std::string tag =
+      "[stage " + std::to_string(stage) + "/" + std::to_string(stages) +
+      (replicas > 1 ? ", replica " + std::to_string(replica) + "/" + std::to_string(replicas) : "") + "] ";
+  if (init.rank() == 0) {
     say(trainer.summary() + "; pipeline of " + std::to_string(stages) + " stages (Gloo), " +
-        std::to_string(microbatches) + " micro-batches of " + std::to_string(per_micro) + " (" + schedule +
-        "), global batch " + std::to_string(cfg.batch));
+        std::to_string(microbatches) + " micro-batches of " + std::to_string(per_micro) + " (" + schedule + ")" +
+        (replicas > 1 ? ", " + std::to_string(replicas) + " data-parallel replicas" : "") + ", global batch " +
+        std::to_string(cfg.batch * replicas));
   }
   int64_t params = 0;
   for (const auto& p : mine) params += p.numel();
@@ -357,7 +379,8 @@ int main(int argc, char** argv) {
   std::string schedule = "1f1b";
   app.add_option("--pipeline", pipeline,
                  "pipeline parallel: run the GPT's blocks as P stages, one process each (ranks on 127.0.0.1 like "
-                 "--nproc; or --rank with --world-size P across hosts)")
+                 "--nproc; or --rank with --world-size P across hosts); with --nproc N (a multiple of P), N / P "
+                 "data-parallel replicas of the pipeline")
       ->capture_default_str();
   app.add_option("--microbatches", microbatches, "with --pipeline: micro-batches of --batch sequences per step")
       ->capture_default_str();
@@ -394,10 +417,14 @@ int main(int argc, char** argv) {
     if (pipeline != 0) {
       if (pipeline < 1)
         return fail("[remat::train] --pipeline must be at least 1 stage, got " + std::to_string(pipeline) + ".");
-      if (nproc > 1 || shard) {
+      if (shard) {
         return fail(
-            "[remat::train] --pipeline runs one stage per process; it does not combine with --nproc or --shard (data "
-            "parallel across pipelines is not supported). Use --pipeline P alone.");
+            "[remat::train] --pipeline does not combine with --shard (each stage's parameters are whole on its "
+            "process); replicate the stages with --nproc instead.");
+      }
+      if (nproc > 1 && nproc % pipeline != 0) {
+        return fail("[remat::train] --nproc " + std::to_string(nproc) + " with --pipeline " + std::to_string(pipeline) +
+                    ": give a multiple of the stages (each replica of the pipeline takes --pipeline processes).");
       }
       if (microbatches < 1) {
         return fail("[remat::train] --microbatches must be at least 1, got " + std::to_string(microbatches) + ".");
@@ -423,10 +450,12 @@ int main(int argc, char** argv) {
         return fail("[remat::train] --max-*-under and --explain-memory run in one process; drop --pipeline.");
       }
       if (rank < 0) {
-        nproc = pipeline;
-      } else if (world_size != pipeline) {
-        return fail("[remat::train] --pipeline " + std::to_string(pipeline) + " needs --world-size " +
-                    std::to_string(pipeline) + " (one process per stage), got " + std::to_string(world_size) + ".");
+        nproc = std::max(nproc, pipeline);
+      } else if (world_size % pipeline != 0) {
+        return fail("[remat::train] --pipeline " + std::to_string(pipeline) +
+                    " needs a --world-size that is a multiple "
+                    "of it (one process per stage and replica), got " +
+                    std::to_string(world_size) + ".");
       }
     }
     if (nproc > 1 || (pipeline > 0 && rank < 0)) {
@@ -453,7 +482,7 @@ int main(int argc, char** argv) {
                             .master_port(master_port)
                             .timeout(std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1e3)));
       if (pipeline > 0) {
-        run_pipeline_rank(cfg, init, microbatches, schedule);
+        run_pipeline_rank(cfg, init, pipeline, microbatches, schedule);
       } else if (shard) {
         run_shard_rank(cfg, init);
       } else {
