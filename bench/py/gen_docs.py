@@ -13,8 +13,8 @@ for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
 gpu-h200.json: `gpu-blocks`, `gpu-longctx`; auto_results.fragments for
 auto.json, auto-resnet.json, auto-py.json and step_solve.json: `auto-frontier`, `auto-targets`,
 `auto-compile`, `auto-frontier-resnet`, `auto-targets-resnet`, `auto-solver`; shard_results.fragments for
-shard.json: `shard-reference`; headline.fragments:
-`readme-headline` from all of them. In the docs a fragment stands between
+shard.json: `shard-reference`; pipeline_results.fragments for pipeline.json: `pipeline-reference`;
+headline.fragments: `readme-headline` from all of them. In the docs a fragment stands between
     <!-- generated: NAME -->
     ...
     <!-- /generated -->
@@ -92,6 +92,8 @@ def fragments(quick):
     frags.update(auto_results.fragments(quick))
     import shard_results  # JSON lines: shard.json (remat_shard)
     frags.update(shard_results.fragments(quick))
+    import pipeline_results  # JSON lines: pipeline.json (remat_pipeline)
+    frags.update(pipeline_results.fragments(quick))
     return frags, images
 
 
