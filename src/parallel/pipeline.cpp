@@ -58,6 +58,12 @@ constexpr int64_t kHeaderLen = 64;
 constexpr int64_t kData = 1;
 constexpr int64_t kAbort = 2;
 constexpr int kTag = 0;
+constexpr int64_t kMaxAbortBytes = int64_t{1} << 20;
+
+/** Gets a gradient back across a boundary: floating or complex, requiring grad. */
+bool differentiable(const at::Tensor& t) {
+  return t.defined() && t.requires_grad() && (t.is_floating_point() || t.is_complex());
+}
 
 /** An abort received from a neighbour: the failing stage's message. */
 struct Aborted : std::runtime_error {
@@ -187,15 +193,19 @@ struct Pipeline::Impl {
                     " values; pass fewer tensors (concatenate them) at a stage boundary.");
       }
       h[k++] = static_cast<int64_t>(t.scalar_type());
-      h[k++] = t.requires_grad() ? 1 : 0;
+      h[k++] = differentiable(t) ? 1 : 0;
       h[k++] = t.dim();
       for (int64_t d = 0; d < t.dim(); ++d) h[k++] = t.size(d);
     }
+    // Every buffer ready before anything is queued: a failure here leaves
+    // the stream between messages, where an abort can follow.
+    std::vector<at::Tensor> bufs;
+    for (const auto& t : ts) {
+      if (t.numel() > 0) bufs.push_back(t.detach().contiguous());
+    }
     try {
       isend(header, dst);
-      for (const auto& t : ts) {
-        if (t.numel() == 0) continue;
-        auto c = t.detach().contiguous();
+      for (const auto& c : bufs) {
         stats.sent_bytes += static_cast<int64_t>(c.nbytes());
         isend(c, dst);
       }
@@ -209,7 +219,9 @@ struct Pipeline::Impl {
   void wait_recv(std::vector<at::Tensor>& ts, int src, const std::string& what) {
     const auto t0 = Clock::now();
     try {
-      group.c10d()->recv(ts, src, kTag)->wait(group.timeout());
+      if (!group.c10d()->recv(ts, src, kTag)->wait(group.timeout())) {
+        throw std::runtime_error("the receive was aborted");
+      }
     } catch (const std::exception& e) {
       comm_failed("receiving " + what + " from stage " + str(src), e);
     }
@@ -222,24 +234,32 @@ struct Pipeline::Impl {
     std::vector<at::Tensor> header{at::empty({kHeaderLen}, at::kLong)};
     wait_recv(header, src, what);
     const auto* h = header[0].data_ptr<int64_t>();
+    auto malformed = [&]() {
+      return Error("[remat::parallel] " + where() + ": " + what + " from stage " + str(src) +
+                   " began with a malformed header; every rank must run the same remat version and schedule.");
+    };
     if (h[0] == kAbort) {
+      if (h[1] < 0 || h[1] > kMaxAbortBytes) throw malformed();
       std::vector<at::Tensor> text{at::empty({std::max<int64_t>(h[1], 1)}, at::kByte)};
       wait_recv(text, src, "the message of a failed stage");
       std::string msg(reinterpret_cast<const char*>(text[0].data_ptr<uint8_t>()), static_cast<size_t>(h[1]));
       throw Aborted(msg, src);
     }
-    if (h[0] != kData || h[1] < 0 || h[1] > kHeaderLen) {
-      throw Error("[remat::parallel] " + where() + ": " + what + " from stage " + str(src) +
-                  " began with an unknown header; every rank must run the same remat version and schedule.");
-    }
+    if (h[0] != kData || h[1] < 0 || 2 + 3 * h[1] > kHeaderLen) throw malformed();
     std::vector<at::Tensor> out;
     int64_t k = 2;
     for (int64_t i = 0; i < h[1]; ++i) {
-      const auto dtype = static_cast<c10::ScalarType>(h[k++]);
+      if (k + 3 > kHeaderLen) throw malformed();
+      const int64_t code = h[k++];
       const bool rg = h[k++] != 0;
       const int64_t ndim = h[k++];
+      if (code < 0 || code >= static_cast<int64_t>(c10::ScalarType::NumOptions) || ndim < 0 || k + ndim > kHeaderLen) {
+        throw malformed();
+      }
+      const auto dtype = static_cast<c10::ScalarType>(code);
       std::vector<int64_t> sizes(h + k, h + k + ndim);
       k += ndim;
+      if (std::any_of(sizes.begin(), sizes.end(), [](int64_t s) { return s < 0; })) throw malformed();
       out.push_back(at::empty(sizes, at::TensorOptions().dtype(dtype)));
       if (flags) flags->push_back(rg);
     }
@@ -261,40 +281,37 @@ struct Pipeline::Impl {
     header.data_ptr<int64_t>()[1] = static_cast<int64_t>(msg.size());
     auto text = at::empty({std::max<int64_t>(static_cast<int64_t>(msg.size()), 1)}, at::kByte);
     std::memcpy(text.data_ptr<uint8_t>(), msg.data(), msg.size());
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
     for (int dst : dsts) {
       try {
         std::vector<at::Tensor> a{header}, b{text};
-        works.push_back(group.c10d()->send(a, dst, kTag));
-        works.push_back(group.c10d()->send(b, dst, kTag));
+        orphaned.push_back({group.c10d()->send(a, dst, kTag), header});
+        orphaned.push_back({group.c10d()->send(b, dst, kTag), text});
       } catch (const std::exception&) {
         // That neighbour is gone; it fails on its own.
       }
     }
-    // A live neighbour reads it at its next receive from us; a dead one
-    // fails the send; one stuck elsewhere (a collective) times out there.
-    const auto deadline = Clock::now() + group.timeout();
-    for (auto& w : works) {
-      try {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-        if (left.count() <= 0 || !w->wait(left)) w->abort();
-      } catch (const std::exception&) {
-        try {
-          w->abort();
-        } catch (const std::exception&) {
-        }
-      }
-    }
+    // Not waited for: a neighbour blocked on a receive from us reads it
+    // there; one that has finished its schedule learns of the failure from
+    // the step's status all-reduce (NOTE [a failing stage]).
   }
 
-  void abort_pending() {
+  /** Sends a failed step left queued: a live neighbour may still receive
+   *  them (in order, before an abort queued behind them), so their buffers
+   *  stay alive; Gloo would spin on a queued write whose buffer is gone. */
+  std::vector<Pending> orphaned;
+
+  void keep_pending_after_failure() {
     for (auto& p : pending) {
-      try {
-        if (!p.work->isCompleted()) p.work->abort();
-      } catch (const std::exception&) {
-      }
+      if (!p.work->isCompleted()) orphaned.push_back(std::move(p));
     }
     pending.clear();
+  }
+
+  /** Drops the sends that completed: the boundary tensors they held go. */
+  void prune_pending() {
+    pending.erase(
+        std::remove_if(pending.begin(), pending.end(), [](const Pending& p) { return p.work->isCompleted(); }),
+        pending.end());
   }
 
   void wait_pending() {
@@ -369,7 +386,7 @@ struct Pipeline::Impl {
       auto got = recv_message(rank + 1, what, &rg);
       std::vector<at::Tensor> expect;
       for (const auto& o : mb.outputs) {
-        if (o.requires_grad() && o.is_floating_point()) expect.push_back(o);
+        if (differentiable(o)) expect.push_back(o);
       }
       bool ok = got.size() == expect.size();
       for (size_t i = 0; ok && i < got.size(); ++i) {
@@ -394,7 +411,7 @@ struct Pipeline::Impl {
     if (rank > 0) {
       std::vector<at::Tensor> gin;
       for (const auto& x : mb.inputs) {
-        if (!x.requires_grad() || !x.is_floating_point()) continue;
+        if (!differentiable(x)) continue;
         gin.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
       }
       send_message(rank - 1, gin, "the gradients of micro-batch " + str(m));
@@ -426,29 +443,21 @@ struct Pipeline::Impl {
     const auto& tied = options.tied();
     if (tied.empty() || P == 1) return;
     const auto t0 = Clock::now();
-    std::vector<at::Tensor> grads;
-    for (const auto& p : tied) {
-      auto g = p.grad();
-      grads.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
-    }
-    auto flat = at::cat(grads);
-    std::vector<at::Tensor> ts{flat};
-    try {
-      group.c10d()->allreduce(ts)->wait(group.timeout());
-    } catch (const std::exception& e) {
-      comm_failed("the all-reduce of the tied parameters' gradients", e);
-    }
-    int64_t off = 0;
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < tied.size(); ++i) {
       const auto& p = tied[i];
-      const int64_t n = p.numel();
-      auto sum = flat.slice(0, off, off + n).view(p.sizes());
-      off += n;
+      // One all-reduce per parameter: each keeps its own dtype.
+      auto sum = p.grad().defined() ? p.grad().contiguous() : at::zeros_like(p);
+      std::vector<at::Tensor> ts{sum};
+      try {
+        group.c10d()->allreduce(ts)->wait(group.timeout());
+      } catch (const std::exception& e) {
+        comm_failed("the all-reduce of the tied parameters' gradients", e);
+      }
       if (tied_before[i].defined()) {
         p.mutable_grad() = tied_before[i].add_(sum);  // accumulates over steps, as autograd would
       } else {
-        p.mutable_grad() = sum.clone();
+        p.mutable_grad() = sum;
       }
     }
     tied_before.clear();
@@ -490,6 +499,37 @@ Pipeline::Pipeline(ProcessGroup group, StageFn stage, PipelineOptions options) :
       }
     }
   }
+  if (m.P > 1) {
+    // Every rank must run the same schedule on the same number of
+    // micro-batches and tie as many elements, or the messages would not
+    // match (a hang until the timeout): compare them once, here.
+    int64_t tied_numel = 0;
+    for (const auto& p : m.options.tied()) tied_numel += p.numel();
+    const std::vector<int64_t> mine{m.M, static_cast<int64_t>(m.options.schedule()),
+                                    static_cast<int64_t>(m.options.tied().size()), tied_numel};
+    auto v = at::empty({8}, at::kLong);
+    for (int i = 0; i < 4; ++i) {
+      v.data_ptr<int64_t>()[i] = mine[i];
+      v.data_ptr<int64_t>()[4 + i] = -mine[i];
+    }
+    std::vector<at::Tensor> ts{v};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    try {
+      m.group.c10d()->allreduce(ts, o)->wait(m.group.timeout());
+    } catch (const std::exception& e) {
+      m.comm_failed("the comparison of every rank's PipelineOptions", e);
+    }
+    const auto* x = v.data_ptr<int64_t>();
+    const char* names[] = {"microbatches", "schedule (0 gpipe, 1 1f1b)", "tied parameters", "tied elements"};
+    for (int i = 0; i < 4; ++i) {
+      if (x[i] != -x[4 + i]) {
+        throw Error("[remat::parallel] " + m.where() + ": the ranks' PipelineOptions differ: " + names[i] +
+                    " ranges over " + str(-x[4 + i]) + ".." + str(x[i]) + " (this rank " + str(mine[i]) +
+                    "); give every rank the same microbatches, schedule and tied list.");
+      }
+    }
+  }
   if (!m.options.tied().empty() && m.P > 1) {
     // Every rank starts from rank 0's values.
     at::NoGradGuard no_grad;
@@ -501,13 +541,23 @@ Pipeline::Pipeline(ProcessGroup group, StageFn stage, PipelineOptions options) :
       } catch (const std::exception& e) {
         m.comm_failed("the broadcast of rank 0's tied parameters", e);
       }
-      if (!same_impl(buf, p)) p.detach().copy_(buf);
+      if (buf.data_ptr() != p.data_ptr()) p.detach().copy_(buf);
     }
   }
 }
 
 Pipeline::~Pipeline() {
-  if (impl_) impl_->abort_pending();
+  if (!impl_) return;
+  // A send still queued in Gloo must keep its buffer (NOTE [a failing
+  // stage]): leak what has not completed rather than free it under Gloo.
+  for (auto* list : {&impl_->pending, &impl_->orphaned}) {
+    for (auto& p : *list) {
+      if (!p.work->isCompleted()) {
+        (void)p.work.release();
+        (void)new at::Tensor(p.keep);
+      }
+    }
+  }
 }
 
 at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
@@ -518,21 +568,22 @@ at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vect
   std::optional<memory::Probe> probe;
   if (memory::tracking_enabled()) probe.emplace();
   std::vector<std::vector<at::Tensor>> in, tg;
-  if (m.rank == 0) {
-    if (inputs.empty()) {
-      throw Error("[remat::parallel] " + m.where() + ": step() got no inputs; the first stage splits them into " +
-                  str(m.M) + " micro-batches.");
-    }
-    in = m.split(inputs, "inputs");
-  }
-  if (m.rank == m.P - 1 && !targets.empty()) tg = m.split(targets, "targets");
-  const auto ops = schedule_ops(m.options.schedule(), m.rank, m.P, m.M);
   std::vector<Impl::Micro> mbs(m.M);
   double total = 0.0;
   m.set_tied_aside();
+  std::string failure;  // this rank's error, if its part of the step failed
+  bool failed_here = false;
   try {
+    if (m.rank == 0) {
+      if (inputs.empty()) {
+        throw Error("[remat::parallel] " + m.where() + ": step() got no inputs; the first stage splits them into " +
+                    str(m.M) + " micro-batches.");
+      }
+      in = m.split(inputs, "inputs");
+    }
+    if (m.rank == m.P - 1 && !targets.empty()) tg = m.split(targets, "targets");
     int in_flight = 0;
-    for (const auto& op : ops) {
+    for (const auto& op : schedule_ops(m.options.schedule(), m.rank, m.P, m.M)) {
       if (op.forward) {
         m.forward(op.m, mbs[op.m], in, tg, loss);
         m.stats.max_in_flight = std::max(m.stats.max_in_flight, ++in_flight);
@@ -541,14 +592,10 @@ at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vect
         m.backward(op.m, mbs[op.m]);
         --in_flight;
       }
+      m.prune_pending();
     }
-    m.wait_pending();
-    m.sum_tied();
   } catch (const Aborted& a) {
     // Another stage failed: pass it on, away from where it came from.
-    mbs.clear();
-    m.abort_pending();
-    m.put_tied_back();
     std::vector<int> to;
     for (int n : {m.rank - 1, m.rank + 1}) {
       if (n >= 0 && n < m.P && n != a.from_rank) to.push_back(n);
@@ -557,19 +604,58 @@ at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vect
     std::string origin = a.what();
     const std::string prefix = "[remat::parallel] ";
     if (origin.rfind(prefix, 0) == 0) origin = origin.substr(prefix.size());
-    throw Error("[remat::parallel] " + m.where() + ": stopped because another stage failed: " + origin);
+    failure = "[remat::parallel] " + m.where() + ": stopped because another stage failed: " + origin;
   } catch (const std::exception& e) {
-    mbs.clear();
-    m.abort_pending();
-    m.put_tied_back();
-    const std::string msg = dynamic_cast<const Error*>(&e) ? std::string(e.what())
-                                                           : "[remat::parallel] " + m.where() + ": " + message_of(e);
+    failure = dynamic_cast<const Error*>(&e) ? std::string(e.what())
+                                             : "[remat::parallel] " + m.where() + ": " + message_of(e);
+    failed_here = true;
     std::vector<int> to;
     for (int n : {m.rank - 1, m.rank + 1}) {
       if (n >= 0 && n < m.P) to.push_back(n);
     }
-    m.send_abort(to, msg);
-    throw Error(msg);
+    m.send_abort(to, failure);
+  }
+  // NOTE [a failing stage]: every rank ends its schedule in one status
+  // all-reduce (entry r: 1 if stage r failed, 2 if it stopped for another's
+  // failure), so a stage that had nothing more to receive from the failed
+  // one learns of it here instead of waiting in a later collective.
+  std::vector<int64_t> status(m.P, 0);
+  if (m.P > 1) {
+    auto st = at::zeros({m.P}, at::kLong);
+    if (!failure.empty()) st.data_ptr<int64_t>()[m.rank] = failed_here ? 1 : 2;
+    std::vector<at::Tensor> ts{st};
+    try {
+      if (!m.group.c10d()->allreduce(ts)->wait(m.group.timeout())) throw std::runtime_error("aborted");
+    } catch (const std::exception& e) {
+      if (failure.empty()) {
+        try {
+          m.comm_failed("the status all-reduce at the step's end", e);
+        } catch (const Error& err) {
+          failure = err.what();
+        }
+      }
+      status[m.rank] = 1;
+    }
+    if (status[m.rank] == 0) std::copy(st.data_ptr<int64_t>(), st.data_ptr<int64_t>() + m.P, status.begin());
+  } else if (!failure.empty()) {
+    status[0] = 1;
+  }
+  const auto origin = std::find(status.begin(), status.end(), 1);
+  if (!failure.empty() || origin != status.end()) {
+    mbs.clear();
+    m.keep_pending_after_failure();
+    m.put_tied_back();
+    if (!failure.empty()) throw Error(failure);
+    throw Error("[remat::parallel] " + m.where() + ": stopped because stage " +
+                str(static_cast<int64_t>(origin - status.begin())) + " failed (its error is reported on that rank).");
+  }
+  try {
+    m.wait_pending();
+    m.sum_tied();
+  } catch (const std::exception&) {
+    m.keep_pending_after_failure();
+    m.put_tied_back();
+    throw;
   }
   // The loss, from the last stage to every rank.
   auto l = at::full({1}, total, at::kDouble);
@@ -597,21 +683,35 @@ double Pipeline::clip_grad_norm(const std::vector<at::Tensor>& parameters, doubl
     throw Error("[remat::parallel] clip_grad_norm: max_norm " + std::to_string(max_norm) +
                 " must be a positive finite number.");
   }
-  auto is_tied = [&](const at::Tensor& p) {
-    return std::any_of(m.options.tied().begin(), m.options.tied().end(),
-                       [&](const at::Tensor& t) { return same_impl(t, p); });
-  };
-  // Tied parameters hold the same summed gradient on every rank: rank 0
-  // counts them, once.
+  // A tied parameter's gradient is the same sum on every rank that steps
+  // it; it is counted once, by the lowest rank whose `parameters` list it
+  // (a rank that does not step it may hold an older sum).
+  const auto& tied = m.options.tied();
+  std::vector<int> owner(tied.size(), m.rank);
+  if (!tied.empty() && m.P > 1) {
+    auto lowest = at::full({static_cast<int64_t>(tied.size())}, m.P, at::kLong);
+    for (size_t i = 0; i < tied.size(); ++i) {
+      if (std::any_of(parameters.begin(), parameters.end(), [&](const at::Tensor& p) { return same_impl(p, tied[i]); }))
+        lowest.data_ptr<int64_t>()[i] = m.rank;
+    }
+    std::vector<at::Tensor> ts{lowest};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MIN;
+    try {
+      m.group.c10d()->allreduce(ts, o)->wait(m.group.timeout());
+    } catch (const std::exception& e) {
+      m.comm_failed("the all-reduce of the tied parameters' owners", e);
+    }
+    for (size_t i = 0; i < tied.size(); ++i) owner[i] = static_cast<int>(lowest.data_ptr<int64_t>()[i]);
+  }
   auto sq = at::zeros({1}, at::kDouble);
   for (const auto& p : parameters) {
-    if (!p.grad().defined() || is_tied(p)) continue;
-    sq += p.grad().detach().to(at::kDouble).pow(2).sum();
-  }
-  if (m.rank == 0) {
-    for (const auto& p : m.options.tied()) {
-      if (p.grad().defined()) sq += p.grad().detach().to(at::kDouble).pow(2).sum();
+    if (!p.grad().defined()) continue;
+    bool counted = true;
+    for (size_t i = 0; i < tied.size(); ++i) {
+      if (same_impl(p, tied[i])) counted = owner[i] == m.rank;
     }
+    if (counted) sq += p.grad().detach().to(at::kDouble).pow(2).sum();
   }
   if (m.P > 1) {
     std::vector<at::Tensor> ts{sq};
@@ -644,7 +744,7 @@ PipelineStats Pipeline::stats() const { return impl_->stats; }
 std::string Pipeline::explain(const AutoCheckpoint* planner) const {
   const auto& m = *impl_;
   const auto& s = m.stats;
-  char line[512];
+  char line[2048];
   std::snprintf(line, sizeof line,
                 "stage %d of %d (%s, %d micro-batches): holds at most %d at once (last step %d); step %.1f ms: "
                 "forward %.1f, backward %.1f, waiting for neighbours %.1f, sends and tied %.1f; bubble %.0f%%; "

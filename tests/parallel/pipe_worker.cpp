@@ -8,6 +8,10 @@
 //     step planned by auto_checkpoint; --budget-between B: the budget is
 //     the leanest plan's peak + B x (the plain step's peak - that))
 //   --mismatch: rank 0 sends half its width (the next stage cannot run it)
+//   --extras: each stage but the last also sends an int64 tensor, an empty
+//     one and one that needs no gradient; the next checks them
+//   --fail-backward: rank 0's first micro-batch's backward throws
+//   --other-micro-on-rank-1: rank 1 asks for twice the micro-batches
 //   --die-at-step K: rank 1 exits at step K's start (exit code 7)
 //   --clip N: gradients clipped to a global norm of N before each step
 //   --replicas D: --world / D stages, each replicated D times (rank =
@@ -68,6 +72,8 @@ int main(int argc, char** argv) {
   const bool mismatch = flag(argc, argv, "mismatch");
   const double clip = std::stod(arg(argc, argv, "clip", "0"));
   const int replicas = std::stoi(arg(argc, argv, "replicas", "1"));
+  const bool extras = flag(argc, argv, "extras");
+  const bool fail_backward = flag(argc, argv, "fail-backward");
   try {
     torch::set_num_threads(1);
     remat::memory::enable_tracking();
@@ -115,6 +121,7 @@ int main(int argc, char** argv) {
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
     remat::parallel::ProcessGroup group, stages_group, data_group;
     std::optional<remat::parallel::Pipeline> pipe;
+    int calls = 0;  // of the stage function (outlives the Pipeline that calls it)
     if (!plain) {
       group = remat::parallel::init_process_group(
           remat::parallel::InitOptions(rank, world)
@@ -129,14 +136,30 @@ int main(int argc, char** argv) {
         data_group = group.new_group(replica_ranks);
       }
       auto stage = [&](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+        if (extras && !first) {  // what the previous stage added, as it sent it
+          const bool ok = in.size() == 4 && in[1].scalar_type() == torch::kLong &&
+                          torch::equal(in[1], torch::arange(cfg.seq_len)) && in[2].numel() == 0 &&
+                          !in[3].requires_grad() && torch::equal(in[3], in[0].detach() * 2);
+          if (!ok) throw remat::Error("pipe_worker: the boundary's extra tensors arrived wrong");
+        }
         auto h = first ? gpt->embed(in[0]) : in[0];
         h = run_blocks(h);
         if (mismatch && first) h = h.narrow(-1, 0, h.size(-1) / 2).contiguous();
+        if (fail_backward && first && calls++ == 0) {
+          h.register_hook([](const torch::Tensor& g) -> torch::Tensor {
+            throw remat::Error("pipe_worker: a backward that throws");
+          });
+          h = h * 1.0;  // the hook on a tensor inside the stage's graph
+        }
+        if (extras && !last) {
+          // An int64 tensor, an empty one, and one without a gradient.
+          return {h, torch::arange(cfg.seq_len), torch::empty({0, 3}), h.detach() * 2};
+        }
         return {h};
       };
       pipe.emplace(stages_group, stage,
                    remat::parallel::PipelineOptions()
-                       .microbatches(micro)
+                       .microbatches(rank == 1 && flag(argc, argv, "other-micro-on-rank-1") ? micro * 2 : micro)
                        .schedule(remat::parallel::parse_pipeline_schedule(schedule))
                        .tied({gpt->wte->weight}));
     }

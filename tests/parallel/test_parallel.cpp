@@ -1127,6 +1127,12 @@ TEST(PipelineProcesses, FourStages1F1BEqualOnePlanned) { expect_pipeline_equals_
 // The global norm over the stages (the tied embedding counted once).
 TEST(PipelineProcesses, ClippingOverTheStagesEqualsOne) {
   expect_pipeline_equals_plain(2, 4, "1f1b", "none", {"--clip", "0.05"});
+  expect_pipeline_equals_plain(4, 4, "gpipe", "none", {"--clip", "0.05"});
+}
+// Several tensors of several dtypes at each boundary (int64, empty, one
+// that needs no gradient): only the differentiable one gets a gradient back.
+TEST(PipelineProcesses, SeveralTensorsAtEachBoundaryEqualOne) {
+  expect_pipeline_equals_plain(4, 4, "1f1b", "block", {"--extras"});
 }
 // Pipeline x data: 2 stages, each replicated twice (4 processes; the
 // replicas split the batch and average_gradients over a new_group), clipped.
@@ -1213,6 +1219,41 @@ TEST(PipelineProcesses, AShapeMismatchBetweenStagesIsAClearErrorOnEveryStage) {
                                             std::to_string(world) + ": stopped because another stage failed: " + what;
       EXPECT_EQ(read_file(ps[r].err), want + "\n") << world << " stages";
     }
+  }
+}
+
+// A backward that throws on stage 0 under GPipe: stage 1 has nothing more
+// to receive from it, and learns of it from the step's status all-reduce,
+// well within the timeout.
+TEST(PipelineProcesses, AFailedBackwardStopsEveryStageWithoutWaitingForTheTimeout) {
+  Dir dir;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ps = run_pipe(dir, "bwd", 2, {"--steps", "1", "--schedule", "gpipe", "--fail-backward", "--timeout-ms", "30000"},
+                     std::chrono::seconds(120));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(ps[0].status, 3) << read_file(ps[0].err);
+  ASSERT_EQ(ps[1].status, 3) << read_file(ps[1].err);
+  EXPECT_EQ(read_file(ps[0].err),
+            "pipe_worker rank 0: [remat::parallel] pipeline stage 0 of 2: the backward of micro-batch 0 failed: "
+            "pipe_worker: a backward that throws\n");
+  EXPECT_EQ(read_file(ps[1].err),
+            "pipe_worker rank 1: [remat::parallel] pipeline stage 1 of 2: stopped because stage 0 failed (its error is "
+            "reported on that rank).\n");
+  EXPECT_LT(s, 20.0) << "not at the 30 s timeout";
+}
+
+// Ranks that disagree on the micro-batches are refused when the Pipeline is made.
+TEST(PipelineProcesses, RanksWithOtherOptionsAreRefusedAtConstruction) {
+  Dir dir;
+  auto ps = run_pipe(dir, "opts", 2, {"--steps", "1", "--other-micro-on-rank-1", "--timeout-ms", "30000"},
+                     std::chrono::seconds(120));
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(ps[r].status, 3) << read_file(ps[r].err);
+    EXPECT_EQ(read_file(ps[r].err),
+              "pipe_worker rank " + std::to_string(r) + ": [remat::parallel] pipeline stage " + std::to_string(r) +
+                  " of 2: the ranks' PipelineOptions differ: microbatches ranges over 4..8 "
+                  "(this rank " +
+                  (r == 0 ? "4" : "8") + "); give every rank the same microbatches, schedule and tied list.\n");
   }
 }
 

@@ -22,14 +22,18 @@
 // shows it per stage.
 //
 // NOTE [a failing stage]: a stage whose forward, loss or backward throws, or
-// whose neighbour's message is not what it sent for, sends an abort carrying
-// its message to each neighbour instead of the next message; a neighbour
-// that receives one passes it on and throws it. Every rank then throws
-// remat::Error naming the stage that failed. A rank that dies is seen by its
-// neighbours as a failed receive (Gloo reports the closed connection), then
-// passed on in the same way. A rank that stops answering fails its
-// neighbours at the group's timeout. After such an error the group is not
-// usable for further steps.
+// whose neighbour's message is not what it sent for, queues an abort
+// carrying its message to each neighbour after what it already sent; a
+// neighbour that receives one passes it on. Every rank ends its schedule in
+// a small status all-reduce, so a stage that had nothing more to receive
+// learns of the failure there. Every rank then throws remat::Error: its own
+// message, the one passed to it, or "stopped because stage S failed". A
+// rank that dies is seen by its neighbours as a failed receive (Gloo reports
+// the closed connection) or fails the status all-reduce. A rank that stops
+// answering fails the others at the group's timeout. The stage's gradients
+// hold what ran before the failure (tied ones are as before the step). After
+// such an error the group is not usable for further steps: sends the
+// failed step left queued stay alive with the Pipeline (and past it).
 #pragma once
 
 #include <cstdint>
@@ -129,8 +133,10 @@ torch::nn::Sequential pipeline_part(const torch::nn::Sequential& model, const st
 StageFn sequential_stage(torch::nn::Sequential part);
 
 /** One stage of a pipeline over `group` (rank r runs stage r of P =
- *  group.world_size()). The constructor is a collective when tied
- *  parameters are given; step() is a collective on every rank. */
+ *  group.world_size()). The constructor is a collective: it checks that
+ *  every rank gave the same microbatches, schedule and tied sizes (else
+ *  remat::Error on every rank) and broadcasts rank 0's tied values; step()
+ *  and clip_grad_norm() are collectives too. */
 class Pipeline {
  public:
   /** Rank group.rank()'s stage; throws remat::Error for an empty group or
