@@ -1459,6 +1459,9 @@ TEST(RematTrainPipeline, BadFlagsAreClearErrors) {
       {"--pipeline 2 --rank 0 --world-size 3",
        "--pipeline 2 needs a --world-size that is a multiple of it (one process per stage and replica), got 3."},
       {"--pipeline 2 --explain-memory", "--max-*-under and --explain-memory run in one process; drop --pipeline."},
+      {"--microbatches 4", "--microbatches and --schedule set up a pipeline; add --pipeline P."},
+      {"--schedule gpipe", "--microbatches and --schedule set up a pipeline; add --pipeline P."},
+      {"--pipeline 2 --world-size 4", "--world-size 4 needs --rank."},
   };
   for (const auto& [args, msg] : cases) {
     auto [rc, out] = train(dir, args + " --steps 1");

@@ -414,7 +414,13 @@ int main(int argc, char** argv) {
     if (!(dist_timeout_s > 0.0)) {
       return fail("[remat::train] --dist-timeout must be positive, got " + std::to_string(dist_timeout_s) + ".");
     }
+    if (pipeline == 0 && (app.count("--microbatches") > 0 || app.count("--schedule") > 0)) {
+      return fail("[remat::train] --microbatches and --schedule set up a pipeline; add --pipeline P.");
+    }
     if (pipeline != 0) {
+      if (world_size > 1 && rank < 0) {
+        return fail("[remat::train] --world-size " + std::to_string(world_size) + " needs --rank.");
+      }
       if (pipeline < 1)
         return fail("[remat::train] --pipeline must be at least 1 stage, got " + std::to_string(pipeline) + ".");
       if (shard) {
