@@ -10,6 +10,7 @@
 #pragma once
 
 #include <dlfcn.h>
+#include <spawn.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -28,6 +29,8 @@
 #include <torch/torch.h>
 
 #include <remat/memory.h>
+
+extern char** environ;  // the process's environment, for spawn()
 
 namespace bench {
 
@@ -125,6 +128,20 @@ inline std::string json_list(const std::vector<std::string>& v) {
 
 // --- timing ------------------------------------------------------------------
 using Clock = std::chrono::steady_clock;
+/** Starts exe with args (argv[0] included) and this process's environment;
+ *  returns its pid, or -1 (with perror naming `who`). */
+inline pid_t spawn(const char* exe, std::vector<std::string> args, const char* who) {
+  std::vector<char*> cargv;
+  for (auto& s : args) cargv.push_back(s.data());
+  cargv.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, exe, nullptr, nullptr, cargv.data(), environ) != 0) {
+    std::perror((std::string(who) + ": posix_spawn").c_str());
+    return -1;
+  }
+  return pid;
+}
+
 inline double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }

@@ -305,14 +305,8 @@ int main(int argc, char** argv) {
                                      tag + ".rank" + std::to_string(r) + ".json"};
           a.insert(a.end(), size.begin(), size.end());
           if (config.find("+plan") != std::string::npos) a.insert(a.end(), {"--budget", std::to_string(budget)});
-          std::vector<char*> cargv;
-          for (auto& s : a) cargv.push_back(s.data());
-          cargv.push_back(nullptr);
-          pid_t pid = -1;
-          if (posix_spawn(&pid, argv[0], nullptr, nullptr, cargv.data(), environ) != 0) {
-            std::perror("remat_pipeline: posix_spawn");
-            return 1;
-          }
+          const pid_t pid = bench::spawn(argv[0], a, "remat_pipeline");
+          if (pid < 0) return 1;
           pids.push_back(pid);
         }
         bool failed = false;

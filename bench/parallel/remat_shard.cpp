@@ -155,14 +155,8 @@ int main(int argc, char** argv) {
             const std::string v = arg(argc, argv, k, "");
             if (!v.empty()) a.insert(a.end(), {k, v});
           }
-          std::vector<char*> cargv;
-          for (auto& s : a) cargv.push_back(s.data());
-          cargv.push_back(nullptr);
-          pid_t pid = -1;
-          if (posix_spawn(&pid, argv[0], nullptr, nullptr, cargv.data(), environ) != 0) {
-            std::perror("remat_shard: posix_spawn");
-            return 1;
-          }
+          const pid_t pid = bench::spawn(argv[0], a, "remat_shard");
+          if (pid < 0) return 1;
           pids.push_back(pid);
         }
         for (pid_t pid : pids) {
