@@ -69,8 +69,6 @@ const std::vector<std::string> kConfigs = {"one", "gpipe", "1f1b", "gpipe+plan",
 constexpr int kStages = 2;
 constexpr int kMicro = 4;
 
-bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
-
 /** `s` as a JSON string, newlines kept (as \n). */
 std::string json_text(const std::string& s) {
   std::string o = "\"";
@@ -113,23 +111,18 @@ int run_rank(int argc, char** argv) {
   cfg.dropout = 0.0;
   remat::models::Gpt gpt(cfg);
   const int64_t L = cfg.layers;
-  const int64_t lo = pipeline ? rank * L / world : 0, hi = pipeline ? (rank + 1) * L / world : L;
-  const bool first = rank == 0, last = rank == world - 1;
+  const auto stage_cut = remat::models::gpt_stage(L, rank, world);
+  const bool first = stage_cut.embeds;
   // The parameters this rank runs; the others' storage is released.
   std::vector<torch::Tensor> params;
-  for (const auto& p : gpt->named_parameters()) {
-    const std::string& n = p.key();
-    bool mine = true;
-    if (starts_with(n, "wpe.")) mine = first;
-    if (starts_with(n, "ln_f.")) mine = last;
-    if (starts_with(n, "blocks.")) {
-      const int64_t b = std::stoll(n.substr(7, n.find('.', 7) - 7));
-      mine = b >= lo && b < hi;
-    }
-    if (mine) {
-      params.push_back(p.value());
-    } else {
-      p.value().set_data(torch::empty({0}));
+  {
+    const auto mine = remat::models::gpt_stage_parameters(*gpt, stage_cut);
+    for (const auto& p : gpt->parameters()) {
+      if (std::any_of(mine.begin(), mine.end(), [&](const auto& m) { return m.second.is_same(p); })) {
+        params.push_back(p);
+      } else {
+        p.set_data(torch::empty({0}));
+      }
     }
   }
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-4));
@@ -210,10 +203,10 @@ int run_rank(int argc, char** argv) {
   for (const auto& p : params) param_bytes += static_cast<int64_t>(p.nbytes());
   std::ostringstream o;
   o << "{\"config\": " << bench::quoted(config) << ", \"rank\": " << rank << ", \"stages\": " << world
-    << ", \"blocks\": [" << lo << ", " << hi << "], \"ms\": " << bench::json_list(ms)
-    << ", \"peak\": " << int_list(peak) << ", \"peak_max\": " << *std::max_element(peak.begin(), peak.end())
-    << ", \"model_state\": " << state << ", \"param_bytes\": " << param_bytes
-    << ", \"loss\": " << bench::json_list(loss, 6);
+    << ", \"blocks\": [" << stage_cut.first_block << ", " << stage_cut.end_block
+    << "], \"ms\": " << bench::json_list(ms) << ", \"peak\": " << int_list(peak)
+    << ", \"peak_max\": " << *std::max_element(peak.begin(), peak.end()) << ", \"model_state\": " << state
+    << ", \"param_bytes\": " << param_bytes << ", \"loss\": " << bench::json_list(loss, 6);
   if (pipe) {
     o << ", \"microbatches\": " << kMicro << ", \"planned_in_flight\": " << pipe->planned_in_flight()
       << ", \"max_in_flight\": " << int_list(in_flight) << ", \"bubble\": " << bench::json_list(bubble)

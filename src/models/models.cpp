@@ -173,6 +173,36 @@ torch::Tensor GptImpl::loss(const torch::Tensor& h, const torch::Tensor& targets
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) { return head(blocks->forward(embed(idx))); }
 
+GptStage gpt_stage(int64_t layers, int stage, int stages) {
+  const int64_t base = layers / stages, extra = layers % stages;
+  GptStage s;
+  s.first_block = stage * base + std::min<int64_t>(stage, extra);
+  s.end_block = s.first_block + base + (stage < extra ? 1 : 0);
+  s.embeds = stage == 0;
+  s.heads = stage == stages - 1;
+  return s;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> gpt_stage_parameters(GptImpl& gpt, const GptStage& s) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : gpt.named_parameters()) {
+    const std::string& n = p.key();
+    bool mine = false;
+    if (n.rfind("blocks.", 0) == 0) {
+      const int64_t b = std::stoll(n.substr(7, n.find('.', 7) - 7));
+      mine = b >= s.first_block && b < s.end_block;
+    } else if (n.rfind("wte.", 0) == 0) {
+      mine = s.embeds || s.heads;  // the embedding, tied to the head
+    } else if (n.rfind("wpe.", 0) == 0) {
+      mine = s.embeds;
+    } else {
+      mine = s.heads;  // ln_f
+    }
+    if (mine) out.emplace_back(n, p.value());
+  }
+  return out;
+}
+
 // --- ResNet ------------------------------------------------------------------
 
 ConvBnReluImpl::ConvBnReluImpl(int64_t in, int64_t out, int64_t kernel, int64_t stride)

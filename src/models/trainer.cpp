@@ -636,15 +636,7 @@ std::shared_ptr<torch::nn::Module> Trainer::module() const { return impl_->modul
 
 namespace {
 
-/** Blocks [lo, hi) of stage s of P over L blocks: an even cut, the extra
- *  blocks on the first stages. */
-std::pair<int64_t, int64_t> stage_blocks(int64_t L, int s, int P) {
-  const int64_t base = L / P, extra = L % P;
-  const int64_t lo = s * base + std::min<int64_t>(s, extra);
-  return {lo, lo + base + (s < extra ? 1 : 0)};
-}
-
-void check_stage(const TrainConfig& c, bool gpt, int64_t L, int stage, int stages) {
+void check_stage(bool gpt, int64_t L, int stage, int stages) {
   if (!gpt) {
     throw Error(
         "[remat::train] pipeline stages cut the GPT's blocks; the ResNet is not cut into stages (use --model gpt).");
@@ -656,7 +648,6 @@ void check_stage(const TrainConfig& c, bool gpt, int64_t L, int stage, int stage
     throw Error("[remat::train] --pipeline " + str(stages) + " is more stages than the GPT's " + str(L) +
                 " blocks; give at most " + str(L) + " (or more --layers).");
   }
-  (void)c;
 }
 
 }  // namespace
@@ -664,11 +655,11 @@ void check_stage(const TrainConfig& c, bool gpt, int64_t L, int stage, int stage
 std::vector<at::Tensor> Trainer::pipeline_stage(int stage, int stages, const std::vector<at::Tensor>& inputs) {
   auto& m = *impl_;
   const int64_t L = static_cast<int64_t>(m.blocks->size());
-  check_stage(m.cfg, m.gpt, L, stage, stages);
-  const auto [lo, hi] = stage_blocks(L, stage, stages);
+  check_stage(m.gpt, L, stage, stages);
+  const auto s = gpt_stage(L, stage, stages);
   Bf16Autocast autocast(m.cfg.bf16);
-  auto h = stage == 0 ? m.embed(inputs.at(0)) : inputs.at(0);
-  h = m.run_blocks(h, lo, hi);
+  auto h = s.embeds ? m.embed(inputs.at(0)) : inputs.at(0);
+  h = m.run_blocks(h, s.first_block, s.end_block);
   // Under autocast the blocks' output may be bfloat16: stages pass float.
   return {h.to(torch::kFloat)};
 }
@@ -682,23 +673,10 @@ at::Tensor Trainer::pipeline_loss(const std::vector<at::Tensor>& outputs, const 
 std::vector<at::Tensor> Trainer::pipeline_parameters(int stage, int stages) const {
   const auto& m = *impl_;
   const int64_t L = static_cast<int64_t>(m.blocks->size());
-  check_stage(m.cfg, m.gpt, L, stage, stages);
-  const auto [lo, hi] = stage_blocks(L, stage, stages);
+  check_stage(m.gpt, L, stage, stages);
   std::vector<at::Tensor> out;
-  for (const auto& p : m.module->named_parameters()) {
-    const std::string& n = p.key();
-    bool mine = false;
-    if (n.rfind("blocks.", 0) == 0) {
-      const int64_t b = std::stoll(n.substr(7, n.find('.', 7) - 7));
-      mine = b >= lo && b < hi;
-    } else if (n.rfind("wte.", 0) == 0) {
-      mine = stage == 0 || stage == stages - 1;  // the embedding, tied to the head
-    } else if (n.rfind("wpe.", 0) == 0) {
-      mine = stage == 0;
-    } else {
-      mine = stage == stages - 1;  // ln_f
-    }
-    if (mine) out.push_back(p.value());
+  for (auto& [name, p] : gpt_stage_parameters(*m.module->as<GptImpl>(), gpt_stage(L, stage, stages))) {
+    out.push_back(p);
   }
   return out;
 }

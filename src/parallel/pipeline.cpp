@@ -20,7 +20,6 @@
 #include <optional>
 #include <unordered_set>
 
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/autograd.h>

@@ -51,8 +51,6 @@ namespace {
 using worker::arg;
 using worker::flag;
 
-bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -92,22 +90,11 @@ int main(int argc, char** argv) {
     const int stage_of = rank % P, replica = rank / P;
     const int64_t L = cfg.layers;
     if (L % P != 0) throw remat::Error("pipe_worker: the stages must divide the GPT's blocks");
-    const int64_t lo = stage_of * L / P, hi = (stage_of + 1) * L / P;
-    const bool first = stage_of == 0, last = stage_of == P - 1;
+    const auto cut = remat::models::gpt_stage(L, stage_of, P);
+    const int64_t lo = cut.first_block, hi = cut.end_block;
+    const bool first = cut.embeds, last = cut.heads;
     // The parameters this rank owns, by name.
-    std::vector<std::pair<std::string, torch::Tensor>> owned;
-    for (const auto& p : gpt->named_parameters()) {
-      const std::string& n = p.key();
-      bool mine = false;
-      if (starts_with(n, "wte.")) mine = first || last;
-      if (starts_with(n, "wpe.")) mine = first;
-      if (starts_with(n, "ln_f.")) mine = last;
-      if (starts_with(n, "blocks.")) {
-        const int64_t b = std::stoll(n.substr(7, n.find('.', 7) - 7));
-        mine = b >= lo && b < hi;
-      }
-      if (mine) owned.emplace_back(n, p.value());
-    }
+    const auto owned = remat::models::gpt_stage_parameters(*gpt, cut);
     std::vector<torch::Tensor> params;
     for (auto& [n, t] : owned) params.push_back(t);
     auto run_blocks = [&](torch::Tensor h) {
@@ -146,9 +133,8 @@ int main(int argc, char** argv) {
         h = run_blocks(h);
         if (mismatch && first) h = h.narrow(-1, 0, h.size(-1) / 2).contiguous();
         if (fail_backward && first && calls++ == 0) {
-          h.register_hook([](const torch::Tensor& g) -> torch::Tensor {
-            throw remat::Error("pipe_worker: a backward that throws");
-          });
+          h.register_hook(
+              [](const torch::Tensor&) -> torch::Tensor { throw remat::Error("pipe_worker: a backward that throws"); });
           h = h * 1.0;  // the hook on a tensor inside the stage's graph
         }
         if (extras && !last) {

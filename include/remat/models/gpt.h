@@ -11,6 +11,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -172,5 +175,20 @@ class GptImpl : public torch::nn::Module {
 };
 /** The module holder of GptImpl (a shared_ptr to it, as TORCH_MODULE makes). */
 TORCH_MODULE(Gpt);
+
+/** Stage `stage` of a GPT of `layers` blocks cut into `stages` pipeline
+ *  stages: blocks [first_block, end_block) of an even cut (the first stages
+ *  take the extra blocks); stage 0 also embeds (wte, wpe), the last stage
+ *  has the final norm and the head, whose weight is wte (tied). Requires
+ *  0 <= stage < stages <= layers. */
+struct GptStage {
+  int64_t first_block = 0, end_block = 0;
+  bool embeds = false, heads = false;
+};
+GptStage gpt_stage(int64_t layers, int stage, int stages);
+
+/** The parameters of `gpt` that stage `s` uses, by name: its blocks', wpe
+ *  on the embedding stage, ln_f on the head stage, wte on both. */
+std::vector<std::pair<std::string, torch::Tensor>> gpt_stage_parameters(GptImpl& gpt, const GptStage& s);
 
 }  // namespace remat::models
