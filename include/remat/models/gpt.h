@@ -182,8 +182,10 @@ TORCH_MODULE(Gpt);
  *  has the final norm and the head, whose weight is wte (tied). Requires
  *  0 <= stage < stages <= layers. */
 struct GptStage {
-  int64_t first_block = 0, end_block = 0;
-  bool embeds = false, heads = false;
+  int64_t first_block = 0;  ///< the stage's first block
+  int64_t end_block = 0;    ///< one past its last block
+  bool embeds = false;      ///< runs the embeddings (stage 0)
+  bool heads = false;       ///< runs the final norm, head and loss (the last stage)
 };
 GptStage gpt_stage(int64_t layers, int stage, int stages);
 
