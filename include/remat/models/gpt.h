@@ -187,6 +187,7 @@ struct GptStage {
   bool embeds = false;      ///< runs the embeddings (stage 0)
   bool heads = false;       ///< runs the final norm, head and loss (the last stage)
 };
+/** The cut of stage `stage` of `stages` over `layers` blocks (see GptStage). */
 GptStage gpt_stage(int64_t layers, int stage, int stages);
 
 /** The parameters of `gpt` that stage `s` uses, by name: its blocks', wpe
