@@ -66,7 +66,9 @@ class Workload {
       auto chain = remat::profile(seq_, torch::randn(shape_, gen_));
       const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
       const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
-      net_.emplace(seq_, remat::SequentialOptions().memory_budget_bytes(low + (top - low) / 4));
+      // A budget of the activations (the profile's), parameter gradients left out.
+      net_.emplace(
+          seq_, remat::SequentialOptions().memory_budget_bytes(low + (top - low) / 4).count_parameter_gradients(false));
     }
   }
 

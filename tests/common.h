@@ -100,6 +100,14 @@ inline void zero_grads(torch::nn::Module& m, torch::Tensor& x) {
   if (x.grad().defined()) x.mutable_grad() = torch::Tensor();
 }
 
+/** SequentialOptions for a budget taken from remat::profile(), which
+ *  measures the chain's activations only: the plan leaves out the parameter
+ *  gradients that these tests' backwards allocate (zero_grads sets them to
+ *  none), as the profile does. */
+inline remat::SequentialOptions activations_only() {
+  return remat::SequentialOptions().count_parameter_gradients(false);
+}
+
 /** Asserts two gradient lists are bitwise equal, naming the first mismatch. */
 inline void expect_bitwise_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   ASSERT_EQ(a.size(), b.size());

@@ -58,7 +58,7 @@ TEST(CheckpointedSequential, EveryAlgorithmBitwiseWithDropout) {
   };
   bool saw_multilevel = false;
   for (auto& opts : all) {
-    remat::CheckpointedSequential net(seq, opts);
+    remat::CheckpointedSequential net(seq, opts.count_parameter_gradients(false));  // budgets from the profile
     torch::manual_seed(5);
     auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
     const auto& plan = net->plan();
@@ -78,7 +78,7 @@ TEST(CheckpointedSequential, MultiLevelScheduleCreatesCheckpointsDuringRecompute
   auto plain = plain_step_grads(seq, x, 0);
   auto chain = remat::profile(seq, x);
   remat::CheckpointedSequential net(
-      seq, remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 11 / 10));
+      seq, activations_only().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 11 / 10));
   auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
   expect_bitwise_equal(plain, got);
   const auto& ops = net->plan().schedule.ops;
@@ -344,7 +344,7 @@ TEST(CheckpointedSequential, GptStackBitwiseAtTightBudget) {
   auto plain = plain_step_grads(seq, x, 9);
   auto chain = remat::profile(seq, x);
   remat::CheckpointedSequential net(
-      seq, remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain)));
+      seq, activations_only().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain)));
   torch::manual_seed(9);
   auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
   expect_bitwise_equal(plain, got);
@@ -433,7 +433,7 @@ TEST(CheckpointedSequential, ParameterHooksFireOnceWithTheWholeGradient) {
     auto chain = remat::profile(seq, x);
     const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
     // Auto mode profiles inside the logged step: profiling must not fire hooks.
-    remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(low * 11 / 10));
+    remat::CheckpointedSequential net(seq, activations_only().memory_budget_bytes(low * 11 / 10));
     HookLog log(*seq, clamp);
     torch::manual_seed(5);
     auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
@@ -531,7 +531,7 @@ TEST(CheckpointedSequential, RetainGraphBackwardTwice) {
   auto chain = remat::profile(seq, x);
   for (int64_t budget :
        {remat::plan::store_all(chain).prediction.peak_bytes, remat::plan::min_feasible_peak_bytes(chain) * 11 / 10}) {
-    remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget));
+    remat::CheckpointedSequential net(seq, activations_only().memory_budget_bytes(budget));
     auto got = twice([&](torch::Tensor h) { return net->forward(h); });
     expect_bitwise_equal(plain, got);
   }
@@ -812,7 +812,7 @@ TEST(CheckpointedSequential, BudgetAsAFractionOfThePlainPeak) {
 TEST(CheckpointedSequentialErrors, BudgetBelowMinimum) {
   auto seq = make_mlp(4, 16);
   auto x = torch::randn({8, 16}, torch::requires_grad());
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(1024));
+  remat::CheckpointedSequential net(seq, activations_only().memory_budget_bytes(1024));
   try {
     net->forward(x);
     FAIL();
@@ -821,6 +821,47 @@ TEST(CheckpointedSequentialErrors, BudgetBelowMinimum) {
     EXPECT_EQ(std::string(e.what()), "[remat::plan] no schedule fits in 1.00 KiB; the smallest feasible peak is " +
                                          min + ". Raise memory_budget_bytes.");
   }
+}
+
+// By default a step whose backward allocates the parameter gradients is
+// planned with them; a budget that fits the activations only then fails on
+// the first step, naming the gradients' bytes and both remedies, and
+// leaves nothing half done (the next call with the remedy works).
+TEST(CheckpointedSequentialErrors, BudgetBelowTheParameterGradientsNamesThem) {
+  auto seq = make_mlp(4, 16);
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  const auto bare = remat::profile(seq, x);
+  const int64_t low = remat::plan::min_feasible_peak_bytes(bare);
+  int64_t grads = 0;
+  for (const auto& p : seq->parameters()) grads += p.numel() * p.element_size();
+  // The chain as planned with the gradients (a probe whose budget is its plain peak).
+  remat::CheckpointedSequential probe(seq, remat::SequentialOptions().memory_budget_fraction(1.0));
+  probe->plan(x);
+  const int64_t low_with = remat::plan::min_feasible_peak_bytes(probe->chain());
+  ASSERT_GT(low_with, low);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(low));
+  EXPECT_EQ(error_of([&] { net->forward(x); }),
+            "[remat::plan] no schedule fits in " + remat::format_bytes(low) + "; the smallest feasible peak is " +
+                remat::format_bytes(low_with) + ". Raise memory_budget_bytes. The plan counts the " +
+                remat::format_bytes(grads) +
+                " of parameter gradients that this step's backward allocates (their .grad is undefined when the "
+                "step starts: the first step, or zero_grad() setting them to none); allocate them before the first "
+                "step and zero them with zero_grad(false) to keep them out of the chain's peak, or set "
+                "count_parameter_gradients(false) for a budget of the chain's activations only.");
+  // The first remedy: gradients allocated before the step and kept.
+  for (auto& p : seq->parameters()) p.mutable_grad() = torch::zeros_like(p);
+  const auto want = [&] {
+    for (auto& p : seq->parameters()) p.mutable_grad().zero_();
+    seq->forward(x).square().sum().backward();
+    std::vector<torch::Tensor> g;
+    for (auto& p : seq->parameters()) g.push_back(p.grad().clone());
+    return g;
+  }();
+  for (auto& p : seq->parameters()) p.mutable_grad().zero_();
+  net->forward(x).square().sum().backward();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(torch::equal(seq->parameters()[i].grad(), want[i])) << i;
+  EXPECT_LE(net->plan().prediction.peak_bytes, low);
+  EXPECT_LE(net->last_step().chain_peak_bytes, low + 4096);
 }
 
 TEST(CheckpointedSequentialErrors, BackwardTwiceAndBadOptions) {
@@ -924,7 +965,8 @@ TEST(CheckpointedSequential, BatchNormsOwnedElsewhereMoveAsInAPlainStep) {
          {remat::SequentialOptions().memory_budget_fraction(0.6), remat::SequentialOptions().segments(4),
           remat::SequentialOptions().algorithm("revolve:2"), remat::SequentialOptions().memory_budget_bytes(low)}) {
       ForeignBn plain(1), ck(1);
-      remat::CheckpointedSequential net(ck.seq, opts.early_stop(early));
+      // Budgets of the activations: parameter gradients outweigh them here.
+      remat::CheckpointedSequential net(ck.seq, opts.early_stop(early).count_parameter_gradients(false));
       torch::manual_seed(2);
       for (int step = 0; step < 3; ++step) {
         auto x = torch::randn({8, 16}, torch::requires_grad());
@@ -986,7 +1028,7 @@ TEST(CheckpointedSequential, StagesThatWriteTheirInputInPlaceBitwise) {
   bool saw_multilevel = false;
   for (auto opts : {remat::SequentialOptions().algorithm("store-all"), remat::SequentialOptions().segments(3),
                     remat::SequentialOptions().segments(7), remat::SequentialOptions().algorithm("revolve:2"),
-                    remat::SequentialOptions().memory_budget_bytes(low)}) {
+                    activations_only().memory_budget_bytes(low)}) {
     remat::CheckpointedSequential net(seq, opts);
     for (int step = 0; step < 2; ++step) {
       auto got = run([&](torch::Tensor h) { return net->forward(h); });
@@ -1041,7 +1083,7 @@ TEST(CheckpointedSequentialErrors, InfeasibleBudgetFractionNamesTheFraction) {
   const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
   char need[32];
   std::snprintf(need, sizeof need, "%.3f", std::ceil(1000.0 * static_cast<double>(low) / plain) / 1000.0);
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_fraction(0.05));
+  remat::CheckpointedSequential net(seq, activations_only().memory_budget_fraction(0.05));
   EXPECT_EQ(error_of([&] { net->forward(x); }),
             "[remat::CheckpointedSequential] no schedule fits in memory_budget_fraction 0.05 (a budget of " +
                 remat::format_bytes(static_cast<int64_t>(0.05 * static_cast<double>(plain))) +
@@ -1049,7 +1091,7 @@ TEST(CheckpointedSequentialErrors, InfeasibleBudgetFractionNamesTheFraction) {
                 remat::format_bytes(low) + ". Raise memory_budget_fraction to at least " + need + ".");
   // What the planner says for another algorithm names the fraction too.
   const double f = (static_cast<double>(low) + 1) / static_cast<double>(plain);
-  remat::CheckpointedSequential greedy(seq, remat::SequentialOptions().memory_budget_fraction(f).algorithm("sqrt"));
+  remat::CheckpointedSequential greedy(seq, activations_only().memory_budget_fraction(f).algorithm("sqrt"));
   const std::string e = error_of([&] { greedy->forward(x); });
   if (!e.empty()) {
     EXPECT_NE(e.find("memory_budget_fraction"), std::string::npos) << e;

@@ -131,7 +131,7 @@ TEST(SequentialMenu, PlansMixLevelsAndOffloadBitwiseWithinBudget) {
          {floor_menu, floor_bare + (top - floor_bare) / 4, floor_bare + (top - floor_bare) / 2}) {
       const std::string where = std::string(c.name) + " at " + remat::format_bytes(budget);
       torch::nn::Sequential seq = c.make(1);
-      remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget).profile(popts));
+      remat::CheckpointedSequential net(seq, activations_only().memory_budget_bytes(budget).profile(popts));
       std::vector<remat::StepReport> reports;
       const std::vector<Tensor> got = train(
           seq, [&](const Tensor& x) { return net->forward(x); }, xs, &reports, &net);
@@ -286,7 +286,7 @@ TEST(SequentialMenu, SlowDiskRepricesOffloadFromTheMeasuredStep) {
   const remat::plan::Chain chain = remat::profile(probe_seq, xs[0], popts);
   const int64_t budget = remat::plan::min_feasible_peak_bytes(chain) + (128 << 10);
   torch::nn::Sequential seq = six_gpt_blocks(1, 0.1);
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget).profile(popts));
+  remat::CheckpointedSequential net(seq, activations_only().memory_budget_bytes(budget).profile(popts));
   std::vector<double> predicted, measured;
   const std::vector<Tensor> got = train(
       seq,
@@ -315,5 +315,13 @@ TEST(SequentialMenu, SlowDiskRepricesOffloadFromTheMeasuredStep) {
   EXPECT_NE(how.find("disk offload repriced 1x from measured steps"), std::string::npos) << how;
   EXPECT_EQ(after, predicted[3]) << how;
   EXPECT_GE(net->last_step().chain_ms, 150.0);
+  // The disk recovers: two steps in a row well under the repriced
+  // prediction give the surcharge back, never below the profile's prices.
+  for (int k = 0; k < 2; ++k) net->forward(xs[static_cast<size_t>(k)]).pow(2).mean().backward();
+  const double recovered = net->plan(xs[0]).prediction.time_ms;
+  const std::string how2 = net->explain();
+  EXPECT_LT(recovered, after) << how2;
+  EXPECT_GE(recovered, predicted[0] * (1 - 1e-9)) << how2;
+  EXPECT_NE(how2.find("disk offload repriced 2x from measured steps"), std::string::npos) << how2;
   EXPECT_EQ(files_in(dir), 0u);
 }

@@ -24,7 +24,7 @@ std::vector<remat::SequentialOptions> schedules(const remat::plan::Chain& chain)
   const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
   return {remat::SequentialOptions().algorithm("store-all"), remat::SequentialOptions().algorithm("sqrt"),
           remat::SequentialOptions().segments(3), remat::SequentialOptions().algorithm("revolve:2"),
-          remat::SequentialOptions().memory_budget_bytes(low + (top - low) / 4)};
+          activations_only().memory_budget_bytes(low + (top - low) / 4)};
 }
 
 // ---- several Sequentials ----
@@ -248,7 +248,7 @@ TEST(CheckpointedSequentialValues, PlannerCountsEveryTensorAtABoundary) {
   EXPECT_EQ(chain.stages[4].output_bytes, 2 * h);
   EXPECT_EQ(chain.stages[6].output_bytes, h);
   // The same through the wrapper, which also measures the step.
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().algorithm("store-all"));
+  remat::CheckpointedSequential net(seq, activations_only().algorithm("store-all"));
   auto loss = net->forward_values({in.x, in.mask})[0].square().mean();  // the output dies here, as modeled
   loss.backward();
   EXPECT_EQ(net->chain().stages[3].output_bytes, 2 * h);
@@ -522,6 +522,7 @@ TEST(CheckpointedSequentialStepBudget, Errors) {
   }
   std::string msg;
   {
+    for (auto& p : seq->parameters()) p.mutable_grad() = Tensor();  // zero_grad(): as the measured step
     auto step = tight->begin_step();
     msg = error_of([&] { tight->forward(x); });
   }

@@ -93,10 +93,11 @@ struct SequentialOptions {
    *  until the optimizer step. On: the chain is planned with them (charged
    *  to the gradients at the boundaries), so the budget bounds them too; a
    *  step with every .grad kept (zero_grad(false)) gets a plan without
-   *  them, solved from the same profile. Off (the default): the plan leaves
-   *  parameter gradients out, and a step that allocates them peaks up to
-   *  their bytes above the budget. Default false. */
-  TORCH_ARG(bool, count_parameter_gradients) = false;
+   *  them, solved from the same profile. Off: the plan leaves parameter
+   *  gradients out, and a step that allocates them peaks up to their bytes
+   *  above the budget (for a chain whose budget covers its activations
+   *  only). Default true. */
+  TORCH_ARG(bool, count_parameter_gradients) = true;
   /** Measure the peak of each step with remat::memory (allocations are
    *  counted from forward to the end of backward). Default true. */
   TORCH_ARG(bool, measure_memory) = true;
@@ -238,8 +239,9 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   friend struct detail::Execution;
   friend struct detail::ChainAccess;
   struct Entry {
-    plan::Chain profiled;  // as measured
-    plan::Chain chain;     // as planned: profiled, or with parameter gradients charged (sequential.cpp)
+    plan::Chain profiled;          // as measured
+    plan::Chain chain;             // as planned: profiled, or with parameter gradients charged (sequential.cpp)
+    int64_t param_grad_bytes = 0;  // the parameter gradients charged in `chain`, bytes (0: none)
     plan::Plan plan;
     std::shared_ptr<const detail::Values> result;  // kind and size of the last stage's result
     std::shared_ptr<detail::StopRecords> stops;    // early stop's per-stage records
@@ -259,6 +261,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     double offload_ms_per_gib = 0;
     int reprices = 0;
     int slow_steps = 0;
+    int fast_steps = 0;  // consecutive steps well under the prediction with a surcharge in force
     double pending_ms_per_byte = 0;
   };
   // NOTE [chain offload priced by the step]; both with mu_ held.
@@ -270,7 +273,8 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   // With mu_ held. forced: the whole-step planner's schedule runs, so the
   // options' plan is not solved (solve_own does, on a later call without).
   const Entry& entry_for(const detail::Values& x, bool forced = false);
-  void solve_own(Entry& e);  // the options' plan into e.plan; throws when the options cannot be met
+  void solve_own(Entry& e);         // the options' plan into e.plan; throws when the options cannot be met
+  void solve_own_budget(Entry& e);  // solve_own without the parameter gradients' remedy
   const Entry& last_entry() const;
   detail::Values run(const detail::Values& x, bool want_tensor);
   /** The whole-step planner's options for x (src/chain/observe.h's ChainMenu). */

@@ -41,6 +41,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -317,7 +318,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   int64_t budget = 0;
   int replans = 0;
   int reprices = 0;               // NOTE [offload priced by the step]
-  double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent
+  double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent (largest store)
+  std::vector<double> surcharge_ms_per_byte;  // per store of options.offload(): what repricing added in force
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
@@ -890,6 +892,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       m.units.push_back(std::move(su));
     }
     step_model = std::move(m);
+    surcharge_ms_per_byte.assign(options.offload().size(), 0.0);  // fresh prices: nothing added
+    offload_ms_per_gib = 0;
     modeled = std::move(now_modeled);
     input_bytes_of = std::move(now_input_bytes);
   }
@@ -1064,11 +1068,16 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  charged to the offload options the plan uses, per byte they send (what
    *  keep would have kept less what the option keeps), on every call of
    *  every unit, and the plan is solved again: the step measures the transfer
-   *  bandwidth that the isolated runs could not. Returns true when it
-   *  repriced. */
+   *  bandwidth that the isolated runs could not. A step that offloads and
+   *  runs more than 10% under its prediction gives back what it measured
+   *  (per byte), down to no surcharge at most: a slow disk that recovers,
+   *  or a one-off stall, does not price offload out for good. The isolated
+   *  runs' own prices (no overlap assumed: upper ones) are never lowered.
+   *  Returns true when it repriced. */
   bool reprice_offload(double step_ms) {
     const plan::StepPrediction& p = step_plan.prediction;
-    if (options.offload().empty() || !(step_ms > 1.10 * p.time_ms)) return false;
+    const bool over = step_ms > 1.10 * p.time_ms, under = step_ms < 0.90 * p.time_ms;
+    if (options.offload().empty() || !(over || under)) return false;
     const std::vector<size_t> mu = model_units();
     // Bytes option k of unit j sends per call: its inputs when it recomputes
     // (each storage once), else what keep would keep less what it keeps.
@@ -1090,8 +1099,16 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       for (size_t ci = 0; ci < step_model.units[j].calls.size(); ++ci) sent += sent_by(j, ci, k);
     }
     if (sent <= 0) return false;
-    const double per_byte = (step_ms - p.time_ms) / sent;
-    offload_ms_per_gib += per_byte * static_cast<double>(int64_t{1} << 30);
+    double per_byte = (step_ms - p.time_ms) / sent;
+    if (under) {
+      // Give back no more than every store in use was charged.
+      double room = std::numeric_limits<double>::infinity();
+      for (size_t s = 0; s < used.size(); ++s) {
+        if (used[s]) room = std::min(room, surcharge_ms_per_byte[s]);
+      }
+      if (!(room > 0)) return false;
+      per_byte = std::max(per_byte, -room);
+    }
     for (size_t j = 0; j < step_model.units.size(); ++j) {
       plan::StepUnit& su = step_model.units[j];
       for (size_t k = 1; k < su.options.size(); ++k) {
@@ -1100,6 +1117,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         for (size_t ci = 0; ci < su.calls.size(); ++ci) su.calls[ci].costs[k].time_ms += per_byte * sent_by(j, ci, k);
       }
     }
+    for (size_t s = 0; s < used.size(); ++s) {
+      if (used[s]) surcharge_ms_per_byte[s] = std::max(0.0, surcharge_ms_per_byte[s] + per_byte);
+    }
+    offload_ms_per_gib = *std::max_element(surcharge_ms_per_byte.begin(), surcharge_ms_per_byte.end()) *
+                         static_cast<double>(int64_t{1} << 30);
     ++reprices;
     return true;
   }

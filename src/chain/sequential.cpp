@@ -44,6 +44,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -1104,7 +1105,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   auto it = plans_.find(key);
   if (it != plans_.end()) {
     if (!forced && !it->second.own_plan) solve_own(it->second);  // profiled under the whole-step planner
-    if (it->second.pending_ms_per_byte > 0) apply_reprice(it->second);
+    if (it->second.pending_ms_per_byte != 0) apply_reprice(it->second);
     return it->second;
   }
   Entry e;
@@ -1130,6 +1131,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
     ++profiles_;
   }
   e.chain = allocates ? detail::with_param_grads(e.profiled, grad_bytes) : e.profiled;
+  e.param_grad_bytes = allocates ? std::accumulate(grad_bytes.begin(), grad_bytes.end(), int64_t{0}) : 0;
   if (forced) {
     // The whole-step planner runs its own schedule: the options' plan is
     // solved later, when a call runs without it (and may throw then).
@@ -1142,6 +1144,30 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
 }
 
 void CheckpointedSequentialImpl::solve_own(Entry& e) {
+  try {
+    solve_own_budget(e);
+  } catch (const Error& err) {
+    if (e.param_grad_bytes <= 0) throw;
+    // NOTE [parameter gradients in the plan]: where the same options fit
+    // without the gradients, say what the budget counts and the two ways
+    // to leave the gradients out of it.
+    Entry bare = e;
+    bare.chain = e.profiled;
+    bare.param_grad_bytes = 0;
+    try {
+      solve_own_budget(bare);
+    } catch (const Error&) {
+      throw err;
+    }
+    throw Error(std::string(err.what()) + " The plan counts the " + format_bytes(e.param_grad_bytes) +
+                " of parameter gradients that this step's backward allocates (their .grad is undefined when the "
+                "step starts: the first step, or zero_grad() setting them to none); allocate them before the "
+                "first step and zero them with zero_grad(false) to keep them out of the chain's peak, or set "
+                "count_parameter_gradients(false) for a budget of the chain's activations only.");
+  }
+}
+
+void CheckpointedSequentialImpl::solve_own_budget(Entry& e) {
   int64_t budget = options_.memory_budget_bytes();
   const double fraction = options_.memory_budget_fraction();
   int64_t plain = -1;
@@ -1534,30 +1560,37 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
  *  the second one's excess is charged to the disk options per byte they
  *  send (what keeping everything would keep less what the option keeps),
  *  on every stage, and the next forward solves again (on the caller's
- *  thread; the prices change only with a plan solved for them). */
+ *  thread; the prices change only with a plan solved for them). Two steps
+ *  in a row more than 10% under the prediction give back what the second
+ *  one measured, down to no surcharge at most: a disk that recovers, or a
+ *  one-off stall, does not price offload out for good. The profile's own
+ *  prices are never lowered. */
 void CheckpointedSequentialImpl::note_step_time(Entry& e, const plan::Schedule& ran, double predicted_ms,
                                                 double chain_ms) {
-  const bool slow = e.levers && e.solve && chain_ms > 0 && e.plan.schedule == ran && e.levers->uses_disk(ran) &&
-                    chain_ms > 1.10 * predicted_ms;
-  if (!slow) {
-    e.slow_steps = 0;
-    return;
-  }
-  if (++e.slow_steps < 2) return;
-  e.slow_steps = 0;
+  const bool offloading = e.levers && e.solve && chain_ms > 0 && e.plan.schedule == ran && e.levers->uses_disk(ran);
+  const bool slow = offloading && chain_ms > 1.10 * predicted_ms;
+  const bool fast = offloading && e.offload_ms_per_gib > 0 && chain_ms < 0.90 * predicted_ms;
+  if (!slow) e.slow_steps = 0;
+  if (!fast) e.fast_steps = 0;
+  if (!slow && !fast) return;
+  int& run = slow ? e.slow_steps : e.fast_steps;
+  if (++run < 2) return;
+  run = 0;
   double sent = 0;
   for (const plan::Op& op : ran.ops) {
     if (op.option <= 0 || !e.levers->stages[op.stage][op.option - 1].disk()) continue;
     const plan::Stage& st = e.chain.stages[op.stage];
     sent += static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[op.option - 1].saved_bytes));
   }
-  if (sent > 0) e.pending_ms_per_byte = (chain_ms - predicted_ms) / sent;
+  if (!(sent > 0)) return;
+  e.pending_ms_per_byte = (chain_ms - predicted_ms) / sent;
+  if (fast) e.pending_ms_per_byte = std::max(e.pending_ms_per_byte, -e.offload_ms_per_gib / double(int64_t{1} << 30));
 }
 
 void CheckpointedSequentialImpl::apply_reprice(Entry& e) {
   const double per_byte = e.pending_ms_per_byte;
   e.pending_ms_per_byte = 0;
-  if (!(per_byte > 0) || !e.levers || !e.solve) return;
+  if (per_byte == 0 || !e.levers || !e.solve) return;
   plan::Chain chain = e.chain, profiled = e.profiled;
   for (plan::Chain* c : {&profiled, &chain}) {
     for (size_t i = 0; i < c->stages.size() && i < e.levers->stages.size(); ++i) {
@@ -1574,7 +1607,7 @@ void CheckpointedSequentialImpl::apply_reprice(Entry& e) {
     e.chain = std::move(chain);
     e.profiled = std::move(profiled);
     e.plan = std::move(p);
-    e.offload_ms_per_gib += per_byte * static_cast<double>(int64_t{1} << 30);
+    e.offload_ms_per_gib = std::max(0.0, e.offload_ms_per_gib + per_byte * static_cast<double>(int64_t{1} << 30));
     ++e.reprices;
   } catch (const std::exception&) {
     // The plan in force stays, at its prices.

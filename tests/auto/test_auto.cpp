@@ -753,6 +753,19 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   for (; k < 2; ++k) planner.step([&] { w.step(k); });
   ASSERT_TRUE(planner.planned());
   const int64_t leanest = planner.leanest_peak_bytes();
+  auto sends = [](const std::string& option) {
+    return option.rfind("offload", 0) == 0 || option.rfind("recompute, inputs to ", 0) == 0;
+  };
+  auto offload_ms = [&] {  // the offload options' time over every unit and call
+    double t = 0;
+    for (const auto& u : planner.step_model().units) {
+      for (size_t o = 0; o < u.options.size(); ++o) {
+        for (const auto& c : u.calls) t += sends(u.options[o]) ? c.costs[o].time_ms : 0;
+      }
+    }
+    return t;
+  };
+  const double isolated = offload_ms();  // as the isolated runs priced them: nothing offloaded yet
   // The leanest of three tiers, each with its margin for writes in flight
   // (max_inflight_bytes, 64 KiB, or the largest tensor sent, which the
   // store lets go alone): no option that sends (no margin); recompute with
@@ -791,9 +804,6 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   }
   planner.replan(leanest);
   std::printf("%s", planner.explain().c_str());
-  auto sends = [](const std::string& option) {
-    return option.rfind("offload", 0) == 0 || option.rfind("recompute, inputs to ", 0) == 0;
-  };
   bool offloaded = false;
   for (const auto& u : planner.units()) offloaded |= sends(u.options[u.choice]);
   EXPECT_TRUE(offloaded) << planner.explain();
@@ -805,27 +815,24 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
   // A step that offloads and runs well over its prediction (here slowed by
   // a sleep) reprices the offload options and solves again.
-  double before = 0, after = 0;
-  auto offload_ms = [&] {
-    double t = 0;
-    for (const auto& u : planner.step_model().units) {
-      for (size_t o = 0; o < u.options.size(); ++o) {
-        for (const auto& c : u.calls) t += sends(u.options[o]) ? c.costs[o].time_ms : 0;
-      }
-    }
-    return t;
-  };
-  before = offload_ms();
+  const double before = offload_ms();
   const double predicted = planner.plan().prediction.time_ms;
   planner.step([&] {
     w.step(k++);
     std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(2000 * predicted)));
   });
-  after = offload_ms();
+  const double after = offload_ms();
   EXPECT_GT(after, before);
   // (The earlier planned steps may have repriced already: a real step's disk is slower than an isolated run's.)
   EXPECT_NE(planner.explain().find("x from measured steps: +"), std::string::npos) << planner.explain();
   EXPECT_LE(planner.plan().prediction.peak_bytes, planner.budget_bytes());
+  // The stall is over: a step well under the repriced prediction gives the
+  // surcharge back, never below the isolated runs' prices.
+  for (int n = 0; n < 2; ++n) planner.step([&] { w.step(n); });  // batches seen before: kSteps + 1 exist
+  EXPECT_LT(offload_ms(), after) << planner.explain();
+  EXPECT_GE(offload_ms(), isolated * (1 - 1e-9)) << planner.explain();
+  EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(leanest))
+      << planner.explain();
 }
 
 TEST(Auto, ExplainAndTraceDescribeThePlan) {

@@ -241,9 +241,10 @@ TEST(Models, SplitBlocksShareTheBlocksAndGiveBitwiseEqualGradients) {
     // Planned at its smallest feasible peak (recomputing most halves): still
     // bitwise, and the model's parameters are neither renamed nor doubled.
     const auto chain = remat::profile(split, x);
-    remat::CheckpointedSequential ck(
-        std::vector<torch::nn::Sequential>{split},
-        remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 101 / 100));
+    remat::CheckpointedSequential ck(std::vector<torch::nn::Sequential>{split},
+                                     remat::SequentialOptions()
+                                         .memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 101 / 100)
+                                         .count_parameter_gradients(false));  // the profile's budget: activations only
     got = grads_of(*net->blocks, x, [&](const torch::Tensor& h) { return ck->forward(h); });
     expect_same_state(got, want, "split chain under CheckpointedSequential");
     const auto& runs = ck->last_step().forwards_per_stage;
