@@ -43,7 +43,9 @@
 // step of the same round (median, min, max over rounds).
 // Writes JSON lines to bench/results/auto.json (--quick: a toy size,
 // auto-quick.json; --out elsewhere): {"kind": "meta"} with the run-metadata
-// record and the settings, {"kind": "profile"} (profile and solver figures),
+// record and the settings, {"kind": "profile"} (profile and solver figures;
+// state_bytes: the tracked bytes between two steps, which every plan holds
+// throughout; leanest_where: where the leanest plan's predicted peak is),
 // then one {"kind": "strategy"} per strategy. Prints a table.
 // The offload store: OffloadTarget::kDisk in --offload-dir (default: a new
 // directory under /tmp, removed at the end), max_inflight_bytes 16 MiB (what
@@ -176,6 +178,10 @@ int main(int argc, char** argv) {
   planner.step(step);  // warm-up
   planner.step(step);  // profiled
   const double profile_s = secs_since(p0);
+  // What every step holds from its start to its end, whatever the plan:
+  // parameters, gradients (kept: zero_grad(false)), optimizer state and
+  // buffers, all of the tracked bytes between two steps.
+  const int64_t state_bytes = remat::memory::current_bytes();
   // Calibration: two measured steps under the plan of the leanest budget
   // (of 8 evenly spaced ones) that offloads what units save ("offload
   // disk"), so that auto prices offload by what a real step pays for it
@@ -195,6 +201,11 @@ int main(int argc, char** argv) {
   const auto l0 = Clock::now();
   const int64_t low = planner.leanest_peak_bytes(), high = planner.profiled_peak_bytes();
   const double leanest_ms = ms_since(l0);
+  planner.replan(low);  // where the leanest plan peaks: what sets the floor of the menu
+  const std::string leanest_where = remat::plan::describe_segment(model, planner.plan().prediction.peak_segment);
+  std::printf("the leanest plan:\n%s", planner.explain().c_str());
+  std::printf("between steps (parameters, gradients, optimizer state): %s (%.3f of the profiled peak)\n",
+              remat::format_bytes(state_bytes).c_str(), static_cast<double>(state_bytes) / static_cast<double>(high));
   std::fflush(stdout);
   std::printf("profile: %.1f s (2 steps), profiled peak %s, leanest plan %s (%.3f of it), %zu units\n", profile_s,
               remat::format_bytes(high).c_str(), remat::format_bytes(low).c_str(),
@@ -290,7 +301,8 @@ int main(int argc, char** argv) {
   out << "{\"kind\": \"profile\", \"profile_s\": " << num(profile_s) << ", \"calibration_steps\": " << calibration_steps
       << ", \"units\": " << model.units.size() << ", \"segments\": " << model.segment_peak_bytes.size()
       << ", \"profiled_peak\": " << high << ", \"profiled_ms\": " << num(planner.profiled_time_ms())
-      << ", \"leanest_peak\": " << low << ", \"leanest_solve_ms\": " << num(leanest_ms) << "}\n";
+      << ", \"leanest_peak\": " << low << ", \"leanest_solve_ms\": " << num(leanest_ms)
+      << ", \"leanest_where\": " << quoted(leanest_where) << ", \"state_bytes\": " << state_bytes << "}\n";
   std::printf("\n%-14s %10s %8s %14s %10s %10s\n", "strategy", "step ms", "x plain", "peak", "x plain", "budget");
   for (auto& r : recs) {
     for (int i = 0; i < rounds; ++i) r.time_ratios.push_back(r.ms[i] / plain.ms[i]);
