@@ -32,6 +32,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
@@ -308,6 +309,10 @@ Held held_elsewhere(const std::vector<at::Tensor>& in, const std::vector<at::Ten
 }  // namespace
 
 struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
+  /** The planner whose step this thread is profiling (its backward ops are
+   *  events: NOTE [released inputs]), or nullptr. */
+  static inline thread_local Impl* t_profiling = nullptr;
+
   torch::nn::Module& model;
   AutoOptions options;
   std::vector<Unit> units;
@@ -383,11 +388,25 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   /** NOTE [released inputs]: at an event of the profiled step, every call
    *  between its forward's end and its backward. */
   void note_exclusive(double now) {
+    ++unit_events;
     for (const auto& c : calls) {
       std::lock_guard<std::mutex> lock(c->mu);
       if (c->forward_end_us >= 0 && c->first_unpack_us < 0) c->note_exclusive(now);
     }
   }
+
+  /** NOTE [released inputs]: a backward op of the profiled step, outside
+   *  the isolated runs: the first since the last unit event checks every
+   *  call, so that a step whose last unit is followed by no other (a GPT's
+   *  last block, then the head and the loss) sees its inputs freed by the
+   *  time the backward starts, where the head's backward may peak. */
+  void note_backward_op() {
+    if (timeline == nullptr || in_trial || outside_noted == unit_events) return;
+    note_exclusive(timeline->now_us());
+    outside_noted = unit_events;
+  }
+  int64_t unit_events = 0;     // unit calls' starts and forward ends, and backward ops checked
+  int64_t outside_noted = -1;  // unit_events as of the last backward-op check
 
   /** True when a call starting now is observed: the profiled step is
    *  running, outside the isolated runs and recomputes, and not inside a
@@ -728,6 +747,23 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         self->timeline_owner.reset();
       }
     } reset{this, previous, previous_chain};
+    // NOTE [released inputs]: the backward ops of the step (on this
+    // thread: CPU graphs run backward on the caller's thread) are events too.
+    t_profiling = this;
+    const at::CallbackHandle backward_ops = at::addThreadLocalCallback(
+        at::RecordFunctionCallback([](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+          if (t_profiling != nullptr) t_profiling->note_backward_op();
+          return nullptr;
+        })
+            .scopes({at::RecordScope::BACKWARD_FUNCTION})
+            .needsInputs(false));
+    struct Unhook {
+      at::CallbackHandle handle;
+      ~Unhook() {
+        at::removeCallback(handle);
+        t_profiling = nullptr;
+      }
+    } unhook{backward_ops};
     const double begin_us = tl.now_us();
     fn();
     const double end_us = tl.now_us();
@@ -1099,6 +1135,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       for (size_t ci = 0; ci < step_model.units[j].calls.size(); ++ci) sent += sent_by(j, ci, k);
     }
     if (sent <= 0) return false;
+    surcharge_ms_per_byte.resize(used.size(), 0.0);
     double per_byte = (step_ms - p.time_ms) / sent;
     if (under) {
       // Give back no more than every store in use was charged.
