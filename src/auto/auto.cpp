@@ -325,6 +325,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   int reprices = 0;               // NOTE [offload priced by the step]
   double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent (largest store)
   std::vector<double> surcharge_ms_per_byte;  // per store of options.offload(): what repricing added in force
+  int fast_steps = 0;                         // planned steps in a row more than 10% under the prediction
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
@@ -1104,15 +1105,20 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  charged to the offload options the plan uses, per byte they send (what
    *  keep would have kept less what the option keeps), on every call of
    *  every unit, and the plan is solved again: the step measures the transfer
-   *  bandwidth that the isolated runs could not. A step that offloads and
-   *  runs more than 10% under its prediction gives back what it measured
-   *  (per byte), down to no surcharge at most: a slow disk that recovers,
-   *  or a one-off stall, does not price offload out for good. The isolated
-   *  runs' own prices (no overlap assumed: upper ones) are never lowered.
-   *  Returns true when it repriced. */
+   *  bandwidth that the isolated runs could not. Two steps in a row that
+   *  offload and run more than 10% under the prediction give back what the
+   *  second one measured (per byte), down to no surcharge at most: a slow
+   *  disk that recovers, or a one-off stall, does not price offload out for
+   *  good, and one fast step (a page cache still warm) does not undo what
+   *  slow steps measured. The isolated runs' own prices (no overlap
+   *  assumed: upper ones) are never lowered. Returns true when it
+   *  repriced. */
   bool reprice_offload(double step_ms) {
     const plan::StepPrediction& p = step_plan.prediction;
     const bool over = step_ms > 1.10 * p.time_ms, under = step_ms < 0.90 * p.time_ms;
+    fast_steps = under ? fast_steps + 1 : 0;
+    if (under && fast_steps < 2) return false;
+    if (under) fast_steps = 0;
     if (options.offload().empty() || !(over || under)) return false;
     const std::vector<size_t> mu = model_units();
     // Bytes option k of unit j sends per call: its inputs when it recomputes
