@@ -54,7 +54,7 @@ def frontier(recs, py=None):
     out = [f"{what}; 1 intra-op thread; {meta['rounds']} rounds, "
            f"strategies interleaved step by step; time ratios are medians of per-round ratios to plain "
            f"[min-max]; peaks are the step's tracked CPU bytes, everything counted (parameters, gradients, "
-           f"AdamW state, activations). Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}. "
+           f"{'AdamW' if meta['model'] == 'gpt' else 'momentum'} state, activations). Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}. "
            f"Profile: {prof['profile_s']:.0f} s for the warm-up and the profiled step, {prof['units']} units.",
            "",
            "| strategy | step time x plain | peak | x plain | budget | predicted peak | predicted time x plain |",
