@@ -325,7 +325,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   int reprices = 0;               // NOTE [offload priced by the step]
   double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent (largest store)
   std::vector<double> surcharge_ms_per_byte;  // per store of options.offload(): what repricing added in force
-  int fast_steps = 0;                         // planned steps in a row more than 10% under the prediction
+  int fast_steps = 0;  // planned steps in a row more than 10% under the prediction, with a surcharge in force
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
@@ -1115,7 +1115,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  repriced. */
   bool reprice_offload(double step_ms) {
     const plan::StepPrediction& p = step_plan.prediction;
-    const bool over = step_ms > 1.10 * p.time_ms, under = step_ms < 0.90 * p.time_ms;
+    const bool over = step_ms > 1.10 * p.time_ms, under = offload_ms_per_gib > 0 && step_ms < 0.90 * p.time_ms;
     fast_steps = under ? fast_steps + 1 : 0;
     if (under && fast_steps < 2) return false;
     if (under) fast_steps = 0;

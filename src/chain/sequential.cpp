@@ -44,6 +44,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <numeric>
 #include <sstream>
 #include <unordered_map>
@@ -1151,13 +1152,14 @@ void CheckpointedSequentialImpl::solve_own(Entry& e) {
     // NOTE [parameter gradients in the plan]: where the same options fit
     // without the gradients, say what the budget counts and the two ways
     // to leave the gradients out of it.
+    const std::exception_ptr original = std::current_exception();
     Entry bare = e;
     bare.chain = e.profiled;
     bare.param_grad_bytes = 0;
     try {
       solve_own_budget(bare);
     } catch (const Error&) {
-      throw err;
+      std::rethrow_exception(original);  // they are not the reason: the error as it was
     }
     throw Error(std::string(err.what()) + " The plan counts the " + format_bytes(e.param_grad_bytes) +
                 " of parameter gradients that this step's backward allocates (their .grad is undefined when the "
