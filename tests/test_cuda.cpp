@@ -326,7 +326,7 @@ TEST(CudaSequential, AutoModePlansUnderACudaBudget) {
   const int64_t top = remat::plan::store_all(chain).prediction.peak_bytes;
   const int64_t low = remat::plan::min_feasible_peak_bytes(chain);
   const int64_t budget = low + (top - low) / 3;
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget));
+  remat::CheckpointedSequential net(seq, activations_only().memory_budget_bytes(budget));  // the profile's budget
   auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
   expect_bitwise_equal(plain, got);
   const auto& plan = net->plan();

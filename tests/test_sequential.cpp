@@ -839,6 +839,12 @@ TEST(CheckpointedSequentialErrors, BudgetBelowTheParameterGradientsNamesThem) {
   probe->plan(x);
   const int64_t low_with = remat::plan::min_feasible_peak_bytes(probe->chain());
   ASSERT_GT(low_with, low);
+  // Too small with or without the gradients: the error as it is, no remedy.
+  remat::CheckpointedSequential tiny(seq, remat::SequentialOptions().memory_budget_bytes(1024));
+  EXPECT_EQ(error_of([&] { tiny->forward(x); }),
+            "[remat::plan] no schedule fits in 1.00 KiB; the smallest feasible "
+            "peak is " +
+                remat::format_bytes(low_with) + ". Raise memory_budget_bytes.");
   remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(low));
   EXPECT_EQ(error_of([&] { net->forward(x); }),
             "[remat::plan] no schedule fits in " + remat::format_bytes(low) + "; the smallest feasible peak is " +

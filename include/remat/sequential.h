@@ -261,7 +261,8 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     double offload_ms_per_gib = 0;
     int reprices = 0;
     int slow_steps = 0;
-    int fast_steps = 0;  // consecutive steps well under the prediction with a surcharge in force
+    int fast_steps = 0;       // consecutive steps well under the prediction with a surcharge in force
+    double charged_sent = 0;  // bytes the schedule whose steps last charged the disk options sends
     double pending_ms_per_byte = 0;
   };
   // NOTE [chain offload priced by the step]; both with mu_ held.

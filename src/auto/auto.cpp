@@ -325,7 +325,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   int reprices = 0;               // NOTE [offload priced by the step]
   double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent (largest store)
   std::vector<double> surcharge_ms_per_byte;  // per store of options.offload(): what repricing added in force
-  int fast_steps = 0;  // planned steps in a row more than 10% under the prediction, with a surcharge in force
+  int fast_steps = 0;       // planned steps in a row more than 10% under the prediction, with a surcharge in force
+  double charged_sent = 0;  // bytes sent by the plan whose step last charged offload
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
@@ -931,6 +932,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     step_model = std::move(m);
     surcharge_ms_per_byte.assign(options.offload().size(), 0.0);  // fresh prices: nothing added
     offload_ms_per_gib = 0;
+    fast_steps = 0;
+    charged_sent = 0;
     modeled = std::move(now_modeled);
     input_bytes_of = std::move(now_input_bytes);
   }
@@ -1056,6 +1059,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   }
 
   void solve_and_apply(int64_t target) {
+    fast_steps = 0;  // a new plan: its own steps count
     step_plan = solve(target);
     planned = true;
     apply();
@@ -1110,16 +1114,14 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  second one measured (per byte), down to no surcharge at most: a slow
    *  disk that recovers, or a one-off stall, does not price offload out for
    *  good, and one fast step (a page cache still warm) does not undo what
-   *  slow steps measured. The isolated runs' own prices (no overlap
-   *  assumed: upper ones) are never lowered. Returns true when it
+   *  slow steps measured. The give-back is spread over at least the bytes
+   *  the charged plan sent: a plan the surcharge moved to offload less gives
+   *  back in proportion. The isolated runs'
+   *  own prices (no overlap assumed: upper ones) are never lowered. Returns true when it
    *  repriced. */
   bool reprice_offload(double step_ms) {
     const plan::StepPrediction& p = step_plan.prediction;
-    const bool over = step_ms > 1.10 * p.time_ms, under = offload_ms_per_gib > 0 && step_ms < 0.90 * p.time_ms;
-    fast_steps = under ? fast_steps + 1 : 0;
-    if (under && fast_steps < 2) return false;
-    if (under) fast_steps = 0;
-    if (options.offload().empty() || !(over || under)) return false;
+    if (options.offload().empty()) return false;
     const std::vector<size_t> mu = model_units();
     // Bytes option k of unit j sends per call: its inputs when it recomputes
     // (each storage once), else what keep would keep less what it keeps.
@@ -1140,10 +1142,20 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       used[static_cast<size_t>(store)] = true;
       for (size_t ci = 0; ci < step_model.units[j].calls.size(); ++ci) sent += sent_by(j, ci, k);
     }
+    const bool over = step_ms > 1.10 * p.time_ms;
+    const bool under = offload_ms_per_gib > 0 && sent > 0 && step_ms < 0.90 * p.time_ms;
+    fast_steps = under ? fast_steps + 1 : 0;
+    if (under && fast_steps < 2) return false;
+    if (under) fast_steps = 0;
+    if (!(over || under)) return false;
     if (sent <= 0) return false;
     surcharge_ms_per_byte.resize(used.size(), 0.0);
     double per_byte = (step_ms - p.time_ms) / sent;
     if (under) {
+      // Spread over at least the bytes that were charged: a lighter plan
+      // (the one the charge moved to) gives back less, so that it does not
+      // undo the charge at once and bring the heavier plan back.
+      per_byte = (step_ms - p.time_ms) / std::max(sent, charged_sent);
       // Give back no more than every store in use was charged.
       double room = std::numeric_limits<double>::infinity();
       for (size_t s = 0; s < used.size(); ++s) {
@@ -1163,6 +1175,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     for (size_t s = 0; s < used.size(); ++s) {
       if (used[s]) surcharge_ms_per_byte[s] = std::max(0.0, surcharge_ms_per_byte[s] + per_byte);
     }
+    if (over) charged_sent = sent;
     offload_ms_per_gib = *std::max_element(surcharge_ms_per_byte.begin(), surcharge_ms_per_byte.end()) *
                          static_cast<double>(int64_t{1} << 30);
     ++reprices;
@@ -1177,6 +1190,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     measured_ms = ms_since(t0);
     measured_peak = memory::peak_bytes();
     const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
+    if (overrun) fast_steps = 0;
     if (!overrun && reprice_offload(measured_ms)) {
       try {
         solve_and_apply(step_plan.budget_bytes);

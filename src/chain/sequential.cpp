@@ -1158,7 +1158,7 @@ void CheckpointedSequentialImpl::solve_own(Entry& e) {
     bare.param_grad_bytes = 0;
     try {
       solve_own_budget(bare);
-    } catch (const Error&) {
+    } catch (...) {
       std::rethrow_exception(original);  // they are not the reason: the error as it was
     }
     throw Error(std::string(err.what()) + " The plan counts the " + format_bytes(e.param_grad_bytes) +
@@ -1565,8 +1565,10 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
  *  thread; the prices change only with a plan solved for them). Two steps
  *  in a row more than 10% under the prediction give back what the second
  *  one measured, down to no surcharge at most: a disk that recovers, or a
- *  one-off stall, does not price offload out for good. The profile's own
- *  prices are never lowered. */
+ *  one-off stall, does not price offload out for good; what is given back
+ *  is spread over at least the bytes the charged schedule sent, so one the
+ *  surcharge moved to offload less gives back in proportion. The profile's
+ *  own prices are never lowered. */
 void CheckpointedSequentialImpl::note_step_time(Entry& e, const plan::Schedule& ran, double predicted_ms,
                                                 double chain_ms) {
   const bool offloading = e.levers && e.solve && chain_ms > 0 && e.plan.schedule == ran && e.levers->uses_disk(ran);
@@ -1585,7 +1587,11 @@ void CheckpointedSequentialImpl::note_step_time(Entry& e, const plan::Schedule& 
     sent += static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[op.option - 1].saved_bytes));
   }
   if (!(sent > 0)) return;
-  e.pending_ms_per_byte = (chain_ms - predicted_ms) / sent;
+  // A give-back is spread over at least the bytes that were charged: a
+  // lighter schedule (the one the charge moved to) gives back less, so that
+  // it does not undo the charge at once and bring the heavier one back.
+  e.pending_ms_per_byte = (chain_ms - predicted_ms) / (fast ? std::max(sent, e.charged_sent) : sent);
+  if (slow) e.charged_sent = sent;
   if (fast) e.pending_ms_per_byte = std::max(e.pending_ms_per_byte, -e.offload_ms_per_gib / double(int64_t{1} << 30));
 }
 
