@@ -1116,9 +1116,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  good, and one fast step (a page cache still warm) does not undo what
    *  slow steps measured. The give-back is spread over at least the bytes
    *  the charged plan sent: a plan the surcharge moved to offload less gives
-   *  back in proportion. The isolated runs'
-   *  own prices (no overlap assumed: upper ones) are never lowered. Returns true when it
-   *  repriced. */
+   *  back in proportion. The isolated runs' own prices (no overlap assumed:
+   *  upper ones) are never lowered. Returns true when it repriced. */
   bool reprice_offload(double step_ms) {
     const plan::StepPrediction& p = step_plan.prediction;
     if (options.offload().empty()) return false;
@@ -1149,13 +1148,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     if (under) fast_steps = 0;
     if (!(over || under)) return false;
     if (sent <= 0) return false;
-    surcharge_ms_per_byte.resize(used.size(), 0.0);
-    double per_byte = (step_ms - p.time_ms) / sent;
+    // A give-back is spread over at least the bytes that were charged: a
+    // lighter plan (the one the charge moved to) gives back less, so that it
+    // does not undo the charge at once and bring the heavier plan back.
+    double per_byte = (step_ms - p.time_ms) / (under ? std::max(sent, charged_sent) : sent);
     if (under) {
-      // Spread over at least the bytes that were charged: a lighter plan
-      // (the one the charge moved to) gives back less, so that it does not
-      // undo the charge at once and bring the heavier plan back.
-      per_byte = (step_ms - p.time_ms) / std::max(sent, charged_sent);
       // Give back no more than every store in use was charged.
       double room = std::numeric_limits<double>::infinity();
       for (size_t s = 0; s < used.size(); ++s) {
