@@ -1605,8 +1605,11 @@ void CheckpointedSequentialImpl::apply_reprice(Entry& e) {
       plan::Stage& st = c->stages[i];
       for (size_t k = 0; k < st.options.size() && k < e.levers->stages[i].size(); ++k) {
         if (!e.levers->stages[i][k].disk()) continue;
-        st.options[k].forward_ms +=
-            per_byte * static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[k].saved_bytes));
+        // Floored at the stage's own: a give-back of the whole surcharge
+        // lands a rounding error below an option the profiler raised to the
+        // stage's price, which the chain would refuse.
+        const double sent = static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[k].saved_bytes));
+        st.options[k].forward_ms = std::max(st.forward_ms, st.options[k].forward_ms + per_byte * sent);
       }
     }
   }
