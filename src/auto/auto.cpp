@@ -138,6 +138,25 @@ struct CallRecord {
   int64_t largest_pack = 0;          // bytes of the largest storage its saves (or an inner call's) packed
   std::vector<std::pair<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>> packs;
 
+  // NOTE [inputs two calls hold]: an input that an earlier call's saves
+  // hold too (its output, which it saved: a ResNet block's ReLU) is free to
+  // go once only the packs of the two hold it, if both let go of it.
+  std::vector<std::pair<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>> out_packs;
+  std::vector<const c10::StorageImpl*> output_ids;  // per output slot: its storage (nullptr: none)
+  std::shared_ptr<CallRecord> pair;                 // that earlier call, or null
+  size_t pair_slot = 0, pair_out = 0;               // the input's slot here, the output's slot there
+  double pair_us = -1;                              // when seen held only by the two calls' packs
+  std::vector<std::vector<char>> out_lets_go;       // per menu option, per output slot
+
+  /** Live tensors packed (per `list`) on storage `st`. */
+  static size_t live_on(
+      const std::vector<std::pair<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>>& list,
+      const c10::StorageImpl* st) {
+    size_t live = 0;
+    for (const auto& [impl, weak] : list) live += impl == st && !weak.expired() ? 1 : 0;
+    return live;
+  }
+
   /** A tensor this call's saves (or an inner call's) packed: noted where
    *  it shares an input's storage. */
   void packed(const at::Tensor& t) {
@@ -146,6 +165,9 @@ struct CallRecord {
     for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
       std::lock_guard<std::mutex> lock(r->mu);
       r->largest_pack = std::max(r->largest_pack, static_cast<int64_t>(t.storage().nbytes()));
+      // Until its forward ends (then kept for its outputs only).
+      if (r->forward_end_us < 0)
+        r->out_packs.emplace_back(st, c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
       if (std::find(r->input_ids.begin(), r->input_ids.end(), st) == r->input_ids.end()) continue;
       r->packs.emplace_back(st, c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
     }
@@ -156,10 +178,17 @@ struct CallRecord {
       if (exclusive_us[i] >= 0) continue;
       c10::intrusive_ptr<c10::StorageImpl> st = inputs[i].lock();
       if (!st) continue;
-      size_t live = 0;
-      for (const auto& [impl, weak] : packs) live += impl == st.get() && !weak.expired() ? 1 : 0;
+      const size_t live = live_on(packs, st.get());
       // Each live packed tensor holds one reference, and `st` one.
       if (live > 0 && st.use_count() == live + 1) exclusive_us[i] = now;
+    }
+    if (pair && pair_us < 0 && exclusive_us[pair_slot] < 0) {
+      c10::intrusive_ptr<c10::StorageImpl> st = inputs[pair_slot].lock();
+      if (!st) return;
+      const size_t here = live_on(packs, st.get());
+      std::lock_guard<std::mutex> lock(pair->mu);  // the earlier call's forward is over: it packs no more
+      const size_t there = live_on(pair->out_packs, st.get());
+      if (here > 0 && there > 0 && st.use_count() == here + there + 1) pair_us = now;
     }
   }
   /** An unpack of this call's saves: part of its backward and of every
@@ -376,8 +405,23 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       impl_.active.push_back(rec_);
     }
     ~ObservedCall() override { impl_.active.pop_back(); }
-    void finish(const std::vector<at::Tensor>&) override {
-      rec_->forward_end_us = impl_.timeline->now_us();
+    void finish(const std::vector<at::Tensor>& outputs) override {
+      {
+        // NOTE [inputs two calls hold]: its outputs' storages, and the
+        // packs on them (the rest are not needed).
+        std::lock_guard<std::mutex> lock(rec_->mu);
+        for (const auto& y : outputs) {
+          rec_->output_ids.push_back(y.defined() && y.has_storage() ? y.storage().unsafeGetStorageImpl() : nullptr);
+        }
+        auto& op = rec_->out_packs;
+        op.erase(std::remove_if(op.begin(), op.end(),
+                                [&](const auto& p) {
+                                  return std::find(rec_->output_ids.begin(), rec_->output_ids.end(), p.first) ==
+                                         rec_->output_ids.end();
+                                }),
+                 op.end());
+        rec_->forward_end_us = impl_.timeline->now_us();
+      }
       impl_.note_exclusive(rec_->forward_end_us);
     }
 
@@ -386,6 +430,29 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     std::shared_ptr<CallRecord> rec_;
     ScopedHooks hooks_;
   };
+
+  /** NOTE [inputs two calls hold]: the input of `rec` (the largest) that
+   *  is the output of the latest earlier call whose forward is over and
+   *  whose saves hold it. */
+  void find_pair(CallRecord& rec) {
+    int64_t best = 0;
+    for (size_t i = 0; i < rec.input_ids.size(); ++i) {
+      const c10::StorageImpl* st = rec.input_ids[i];
+      if (st == nullptr || rec.input_bytes[i] <= best) continue;
+      for (auto it = calls.rbegin(); it != calls.rend(); ++it) {
+        CallRecord& a = **it;
+        std::lock_guard<std::mutex> lock(a.mu);
+        if (a.forward_end_us < 0) continue;  // encloses this call
+        const auto o = std::find(a.output_ids.begin(), a.output_ids.end(), st);
+        if (o == a.output_ids.end() || CallRecord::live_on(a.out_packs, st) == 0) continue;
+        rec.pair = *it;
+        rec.pair_slot = i;
+        rec.pair_out = static_cast<size_t>(o - a.output_ids.begin());
+        best = rec.input_bytes[i];
+        break;
+      }
+    }
+  }
 
   /** NOTE [released inputs]: at an event of the profiled step, every call
    *  between its forward's end and its backward. */
@@ -468,6 +535,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     if (u.parent == kNotSeen) u.parent = parent;
     if (u.parent != parent) u.parent = kDisagree;
     if (!active.empty()) rec->enclosing = active.back();
+    find_pair(*rec);
     const double t0 = timeline->now_us();
     note_exclusive(t0);
     in_trial = true;
@@ -540,6 +608,14 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     for (size_t k = 1; k < u.menu.size(); ++k) {
       for (size_t s = 0; s < inputs.size() && s < io_kept[k].held.size() && s < io_kept[0].held.size(); ++s) {
         rec.lets_go[k][s] = io_kept[0].held[s] && !io_kept[k].held[s] ? 1 : 0;
+      }
+    }
+    // NOTE [inputs two calls hold]: and which outputs.
+    const size_t outs = io_kept[0].held.size() > inputs.size() ? io_kept[0].held.size() - inputs.size() : 0;
+    rec.out_lets_go.assign(u.menu.size(), std::vector<char>(outs, 0));
+    for (size_t k = 1; k < u.menu.size(); ++k) {
+      for (size_t o = 0; o < outs && inputs.size() + o < io_kept[k].held.size(); ++o) {
+        rec.out_lets_go[k][o] = io_kept[0].held[inputs.size() + o] && !io_kept[k].held[inputs.size() + o] ? 1 : 0;
       }
     }
     for (size_t k = 1; k < u.menu.size(); ++k) {
@@ -819,7 +895,15 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       } else {
         c->release_us = c->release_end_us = -1;
       }
+      // NOTE [inputs two calls hold]: from when only the two hold it.
+      if (c->pair && c->pair_us >= 0 && c->exclusive_us[c->pair_slot] < 0 && c->forward_end_us <= c->first_unpack_us) {
+        c->pair_us = std::clamp(c->pair_us, c->forward_end_us, c->first_unpack_us);
+        points_us.push_back(c->pair_us);
+      } else {
+        c->pair_us = -1;
+      }
       c->packs.clear();  // the weak references are needed no more
+      c->out_packs.clear();
       // The largest tensor a unit that may send to a store saves or takes in.
       bool sends = false, sends_inputs = false;
       for (const Option& o : units[c->unit].menu) {
@@ -925,9 +1009,36 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
           sc.release_begin = at(c.release_us);
           sc.release_end = at(c.release_end_us);
         }
+        if (c.pair_us >= 0 && model_index[c.pair->unit] >= 0) {
+          const Unit& a = units[c.pair->unit];
+          const auto pos = std::find_if(a.calls.begin(), a.calls.end(),
+                                        [&](size_t ci2) { return calls[ci2].get() == c.pair.get(); });
+          if (pos != a.calls.end() && c.pair->out_lets_go.size() == a.menu.size()) {
+            sc.pair_unit = model_index[c.pair->unit];
+            sc.pair_call = pos - a.calls.begin();
+            sc.pair_bytes = c.input_bytes[c.pair_slot];
+            sc.pair_begin = at(c.pair_us);
+            for (size_t k : u.offered) sc.pair_lets_go.push_back(c.lets_go[k][c.pair_slot] != 0);
+            // Per option of the earlier unit's menu (its offered ones below).
+            for (size_t k = 0; k < a.menu.size(); ++k) {
+              sc.pair_other_lets_go.push_back(c.pair_out < c.pair->out_lets_go[k].size() &&
+                                              c.pair->out_lets_go[k][c.pair_out] != 0);
+            }
+          }
+        }
         su.calls.push_back(std::move(sc));
       }
       m.units.push_back(std::move(su));
+    }
+    // The earlier calls' flags, from their unit's menu to its offered options.
+    for (auto& su : m.units) {
+      for (auto& sc : su.calls) {
+        if (sc.pair_unit < 0) continue;
+        const Unit& a = units[now_modeled[static_cast<size_t>(sc.pair_unit)]];
+        std::vector<bool> flags;
+        for (size_t k : a.offered) flags.push_back(sc.pair_other_lets_go[k]);
+        sc.pair_other_lets_go = std::move(flags);
+      }
     }
     step_model = std::move(m);
     surcharge_ms_per_byte.assign(options.offload().size(), 0.0);  // fresh prices: nothing added
@@ -1009,6 +1120,13 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       while (n > 1 && (plain_only ? unit.menu[unit.offered[n - 1]].offload.has_value() : store_of(j, n - 1) >= 0)) --n;
       u.options.resize(n);
       for (auto& c : u.calls) c.costs.resize(n);
+    }
+    for (auto& u : m.units) {  // NOTE [inputs two calls hold]: the flags of the options left
+      for (auto& c : u.calls) {
+        if (c.pair_unit < 0) continue;
+        c.pair_lets_go.resize(u.options.size());
+        c.pair_other_lets_go.resize(m.units[static_cast<size_t>(c.pair_unit)].options.size());
+      }
     }
     return m;
   }

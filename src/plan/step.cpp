@@ -58,6 +58,27 @@ double added_ms(const StepUnit& u, int k) {
   return t;
 }
 
+// NOTE [inputs two calls hold]: a call's credit for an input it shares with
+// an earlier call, in force in [pair_begin, backward_begin) when both
+// units' options let go of it.
+bool has_pair(const StepCall& c) {
+  return c.pair_unit >= 0 && c.pair_bytes > 0 &&
+         std::find(c.pair_lets_go.begin(), c.pair_lets_go.end(), true) != c.pair_lets_go.end() &&
+         std::find(c.pair_other_lets_go.begin(), c.pair_other_lets_go.end(), true) != c.pair_other_lets_go.end();
+}
+bool in_pair_window(const StepCall& c, int64_t s) { return s >= c.pair_begin && s < c.backward_begin; }
+
+// The calls with a pair credit some choice can earn: (unit, call).
+std::vector<std::pair<size_t, size_t>> pairs_of(const StepModel& m) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (size_t c = 0; c < m.units[u].calls.size(); ++c) {
+      if (has_pair(m.units[u].calls[c])) out.emplace_back(u, c);
+    }
+  }
+  return out;
+}
+
 // The first unit given an option other than 0 inside an ancestor that runs
 // one, and that ancestor; {-1, -1} when the choice respects the nesting.
 std::pair<int64_t, int64_t> nesting_violation(const StepModel& m, const std::vector<int>& choice) {
@@ -89,6 +110,7 @@ struct Row {
   int64_t peak_bytes;                                          // the profiled segment's peak
   int64_t segment;                                             // a segment reaching it
   std::vector<std::pair<std::vector<int64_t>, size_t>> units;  // (delta per option >= 1, unit index)
+  std::vector<std::pair<size_t, int64_t>> pairs;               // (index in pairs_of, bytes credited)
 };
 
 // Distinct constraints: segments touched by the same (call, class) set
@@ -97,6 +119,7 @@ std::vector<Row> rows_of(const StepModel& m) {
   const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
   std::map<std::vector<int64_t>, size_t> seen;
   std::vector<Row> rows;
+  const std::vector<std::pair<size_t, size_t>> pairs = pairs_of(m);
   for (int64_t s = 0; s < n; ++s) {
     std::vector<int64_t> key;
     for (size_t u = 0; u < m.units.size(); ++u) {
@@ -108,6 +131,11 @@ std::vector<Row> rows_of(const StepModel& m) {
         }
       }
     }
+    const size_t unit_keys = key.size();
+    for (size_t i = 0; i < pairs.size(); ++i) {  // pair credits in force: negative entries
+      if (in_pair_window(m.units[pairs[i].first].calls[pairs[i].second], s))
+        key.push_back(-1 - static_cast<int64_t>(i));
+    }
     auto it = seen.find(key);
     if (it != seen.end()) {
       Row& r = rows[it->second];
@@ -117,8 +145,12 @@ std::vector<Row> rows_of(const StepModel& m) {
       }
       continue;
     }
-    Row r{m.segment_peak_bytes[s], s, {}};
-    for (size_t i = 0; i < key.size(); i += 2) {
+    Row r{m.segment_peak_bytes[s], s, {}, {}};
+    for (size_t i = unit_keys; i < key.size(); ++i) {
+      const size_t p = static_cast<size_t>(-1 - key[i]);
+      r.pairs.emplace_back(p, m.units[pairs[p].first].calls[pairs[p].second].pair_bytes);
+    }
+    for (size_t i = 0; i < unit_keys; i += 2) {
       const size_t u = static_cast<size_t>(key[i]);
       const StepCall& c = m.units[u].calls[key[i + 1] / kClasses];
       const int cls = static_cast<int>(key[i + 1] % kClasses);
@@ -173,8 +205,17 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
   }
   const int peak_col = min_peak ? cols + 1 : 0;
   if (min_peak) ++cols;
+  // Pair credits (NOTE [inputs two calls hold]): z in [0, 1], at most each
+  // unit's sum over the options that let go, so z is 0 unless both do.
+  const std::vector<std::pair<size_t, size_t>> pairs = pairs_of(m);
+  const int first_pair_col = cols + 1;
+  cols += static_cast<int>(pairs.size());
   if (cols == 0) return false;
   glp_add_cols(p, cols);
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    glp_set_col_kind(p, first_pair_col + static_cast<int>(i), GLP_CV);
+    glp_set_col_bnds(p, first_pair_col + static_cast<int>(i), GLP_DB, 0, 1);
+  }
   for (size_t u = 0; u < m.units.size(); ++u) {
     for (size_t k = 1; k < m.units[u].options.size(); ++k) {
       const int j = first_col[u] + static_cast<int>(k) - 1;
@@ -221,9 +262,33 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
       }
     }
   }
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const StepCall& c = m.units[pairs[i].first].calls[pairs[i].second];
+    const std::pair<size_t, const std::vector<bool>*> sides[] = {
+        {pairs[i].first, &c.pair_lets_go}, {static_cast<size_t>(c.pair_unit), &c.pair_other_lets_go}};
+    for (const auto& [u, lets_go] : sides) {
+      glp_add_rows(p, 1);
+      ++row;
+      glp_set_row_bnds(p, row, GLP_UP, 0, 0);
+      ia.push_back(row);
+      ja.push_back(first_pair_col + static_cast<int>(i));
+      ar.push_back(1);
+      for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+        if (!(*lets_go)[k]) continue;
+        ia.push_back(row);
+        ja.push_back(first_col[u] + static_cast<int>(k) - 1);
+        ar.push_back(-1);
+      }
+    }
+  }
   for (const Row& r : rows) {
     glp_add_rows(p, 1);
     ++row;
+    for (const auto& [i, bytes] : r.pairs) {
+      ia.push_back(row);
+      ja.push_back(first_pair_col + static_cast<int>(i));
+      ar.push_back(-static_cast<double>(bytes) / kMiB);
+    }
     if (min_peak) {
       glp_set_row_bnds(p, row, GLP_UP, 0, -static_cast<double>(r.peak_bytes) / kMiB);
       ia.push_back(row);
@@ -323,6 +388,13 @@ struct BlockOption {
   // Highest segment of its forward window, of its backward window, and of
   // its kept interval before its release point (min: no such segment).
   int64_t fwd = 0, bwd = 0, early = 0;
+  // Its outer unit's pair credit (NOTE [inputs two calls hold]): whether
+  // it lets go of the input it shares with the block before (then `credit`
+  // bytes, if that block lets go too), whether it lets go of the output it
+  // shares with the block after, and the highest early segment from the
+  // credit's start on (before the credit).
+  bool in = false, out = false;
+  int64_t credit = 0, early_pair = 0;
   double ms = 0;  // time added
 };
 struct ChainCaps {
@@ -331,8 +403,9 @@ struct ChainCaps {
   std::vector<std::vector<BlockOption>> options;  // per block
   std::vector<int64_t> between;                   // per prefix length q = 0..n: max peak of segments with no window
   // Per block: where its members' kept deltas become final (the latest
-  // release point of a member, or the outer unit's forward end). The
-  // segments before it in the block's kept interval are its `early` need.
+  // release point of a member or its pair credit's start, or the outer
+  // unit's forward end). The segments before it in the block's kept
+  // interval are its `early` need.
   std::vector<int64_t> settled;
 };
 
@@ -381,10 +454,20 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
   // later block or a between segment sees it, so a block's last release
   // must come before the next block's forward; the segments before it are
   // the block's own `early` need.
+  // A pair credit (NOTE [inputs two calls hold]) is the DP's only between
+  // an outer unit and the one before it; its start settles the block too.
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const StepCall& call = m.units[u].calls[0];
+    if (!has_pair(call)) continue;
+    if (static_cast<size_t>(block_of[u]) != u || position[u] == 0 ||
+        static_cast<size_t>(call.pair_unit) != c.order[position[u] - 1] || call.pair_call != 0) {
+      return std::nullopt;
+    }
+  }
   c.settled.assign(n, 0);
   for (size_t j = 0; j < n; ++j) {
     const StepCall& outer = m.units[c.order[j]].calls[0];
-    int64_t r = outer.forward_end;
+    int64_t r = has_pair(outer) ? std::max(outer.forward_end, outer.pair_begin) : outer.forward_end;
     for (size_t u : c.members[j]) {
       const StepCall& call = m.units[u].calls[0];
       if (call.release_begin >= 0) r = std::max(r, call.release_begin);
@@ -419,6 +502,9 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
       if (combos > kMaxBlockOptions) return std::nullopt;
     }
     const StepCall& outer = m.units[mem[0]].calls[0];
+    const bool paired = has_pair(outer);
+    const StepCall* after =
+        j + 1 < n && has_pair(m.units[c.order[j + 1]].calls[0]) ? &m.units[c.order[j + 1]].calls[0] : nullptr;
     std::vector<int> pick(mem.size(), 0), full(m.units.size(), 0);
     for (size_t x = 0; x < combos; ++x) {
       size_t r = x;
@@ -430,7 +516,10 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
       if (nesting_violation(m, full).first >= 0) continue;
       BlockOption o;
       o.choice = pick;
-      o.fwd = o.bwd = o.early = none;
+      o.fwd = o.bwd = o.early = o.early_pair = none;
+      o.in = paired && outer.pair_lets_go[pick[0]];
+      o.credit = o.in ? outer.pair_bytes : 0;
+      o.out = after != nullptr && after->pair_other_lets_go[pick[0]];
       for (size_t i = 0; i < mem.size(); ++i) {
         const StepCall& call = m.units[mem[i]].calls[0];
         o.ms += call.costs[pick[i]].time_ms - call.costs[0].time_ms;
@@ -446,7 +535,7 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
         int64_t bytes = m.segment_peak_bytes[s];
         for (size_t i = 0; i < mem.size(); ++i)
           bytes += delta(m.units[mem[i]].calls[0], klass(m.units[mem[i]].calls[0], s), pick[i]);
-        int64_t& need = early ? o.early : w == 1 ? o.fwd : o.bwd;
+        int64_t& need = early ? (paired && s >= outer.pair_begin ? o.early_pair : o.early) : w == 1 ? o.fwd : o.bwd;
         need = std::max(need, bytes);
       }
       c.options[j].push_back(std::move(o));
@@ -466,12 +555,13 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
     double t;
     int32_t prev;
     int32_t option;
+    bool out;  // its last block lets go of the output the next block's pair credit shares
   };
   const size_t n = c.order.size();
   const int64_t none = std::numeric_limits<int64_t>::min();
   if (c.between[0] != none && c.between[0] > budget) return false;
   std::vector<std::vector<Entry>> levels;
-  levels.push_back({{0, 0.0, -1, -1}});
+  levels.push_back({{0, 0.0, -1, -1, false}});
   for (size_t j = 0; j < n; ++j) {
     std::vector<Entry> next;
     const auto& front = levels.back();
@@ -486,19 +576,24 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
         if (o.fwd != none && o.fwd + p > budget) continue;
         if (o.bwd != none && o.bwd + p > budget) continue;
         if (o.early != none && o.early + p > budget) continue;
-        const int64_t q = p + o.kept;
+        const int64_t credit = front[e].out && o.in ? o.credit : 0;
+        if (o.early_pair != none && o.early_pair - credit + p > budget) continue;
+        const int64_t q = p + o.kept - credit;
         if (c.between[j + 1] != none && c.between[j + 1] + q > budget) continue;
-        next.push_back({q, front[e].t + o.ms, static_cast<int32_t>(e), static_cast<int32_t>(k)});
+        next.push_back({q, front[e].t + o.ms, static_cast<int32_t>(e), static_cast<int32_t>(k), o.out});
       }
     }
     if (next.empty()) return false;
     // Pareto front: by kept bytes, then time; keep an entry only if it is
-    // faster than every entry with fewer or equal bytes.
-    std::sort(next.begin(), next.end(),
-              [](const Entry& a, const Entry& b) { return a.p < b.p || (a.p == b.p && a.t < b.t); });
+    // faster than every entry with fewer or equal bytes (among those that
+    // agree on `out`: letting go of the shared output may pay later).
+    std::sort(next.begin(), next.end(), [](const Entry& a, const Entry& b) {
+      return a.out != b.out ? a.out < b.out : a.p < b.p || (a.p == b.p && a.t < b.t);
+    });
     std::vector<Entry> pruned;
-    for (const Entry& x : next) {
-      if (pruned.empty() || x.t < pruned.back().t) pruned.push_back(x);
+    for (size_t x = 0; x < next.size(); ++x) {
+      const bool fresh = x == 0 || next[x].out != next[x - 1].out;
+      if (fresh || next[x].t < pruned.back().t) pruned.push_back(next[x]);
     }
     if (pruned.size() > kMaxFront) {
       *too_big = true;
@@ -584,6 +679,27 @@ void validate(const StepModel& m) {
                     ", outside its backward [" + std::to_string(call.backward_begin) + ", " +
                     std::to_string(call.backward_end) + "]; give -1 (the backward's end) or a segment in it.");
       }
+      if (call.pair_unit != -1) {
+        if (call.pair_unit < 0 || call.pair_unit >= units || call.pair_unit == static_cast<int64_t>(u) ||
+            call.pair_call < 0 || call.pair_call >= static_cast<int64_t>(m.units[call.pair_unit].calls.size())) {
+          throw Error("[remat::plan] " + where + " shares its inputs with unit " + std::to_string(call.pair_unit) +
+                      " call " + std::to_string(call.pair_call) +
+                      "; give a call of another unit, or pair_unit -1 for none.");
+        }
+        if (!(call.forward_end <= call.pair_begin && call.pair_begin <= call.backward_begin) || call.pair_bytes < 0) {
+          throw Error("[remat::plan] " + where + " has its shared inputs' credit of " +
+                      std::to_string(call.pair_bytes) + " bytes from segment " + std::to_string(call.pair_begin) +
+                      "; give bytes >= 0 from a segment in its kept interval [" + std::to_string(call.forward_end) +
+                      ", " + std::to_string(call.backward_begin) + "].");
+        }
+        if (call.pair_lets_go.size() != unit.options.size() ||
+            call.pair_other_lets_go.size() != m.units[call.pair_unit].options.size() || call.pair_lets_go[0] ||
+            call.pair_other_lets_go[0]) {
+          throw Error("[remat::plan] " + where +
+                      " gives which options let go of its shared inputs for the wrong number of options, or says "
+                      "option 0 does; give one flag per option of each unit, false for option 0.");
+        }
+      }
       if (call.costs.size() != unit.options.size()) {
         throw Error("[remat::plan] " + where + " has " + std::to_string(call.costs.size()) + " costs for " +
                     std::to_string(unit.options.size()) + " options; give one per option.");
@@ -630,6 +746,11 @@ StepPrediction simulate_step(const StepModel& m, const std::vector<int>& choice)
     for (const StepCall& c : m.units[u].calls) {
       for (int64_t s = c.forward_begin; s < c.backward_end; ++s) out.segment_bytes[s] += delta(c, klass(c, s), k);
     }
+  }
+  for (const auto& [u, ci] : pairs_of(m)) {
+    const StepCall& c = m.units[u].calls[ci];
+    if (!c.pair_lets_go[choice[u]] || !c.pair_other_lets_go[choice[c.pair_unit]]) continue;
+    for (int64_t s = c.pair_begin; s < c.backward_begin; ++s) out.segment_bytes[s] -= c.pair_bytes;
   }
   out.peak_bytes = 0;
   for (size_t s = 0; s < out.segment_bytes.size(); ++s) {

@@ -679,17 +679,109 @@ TEST(Auto, GptWithTwoMicroBatchesPerStepBitwiseAndWithinBudget) {
       "GPT, 2 micro-batches");
 }
 
+Make resnet_workload() {
+  return [](bool set_to_none) {
+    remat::models::ResNetConfig c;
+    c.depth = 10;
+    c.width = 8;
+    auto net = remat::models::ResNet(c);
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    return classifier(net, opt, batches(kSteps, {16, 3, 32, 32}), batches(kSteps, {16}, true, 10), set_to_none);
+  };
+}
+
 TEST(Auto, ResNetWithBatchNormBitwiseAndWithinBudget) {
-  check_workload(
-      [](bool set_to_none) {
-        remat::models::ResNetConfig c;
-        c.depth = 10;
-        c.width = 8;
-        auto net = remat::models::ResNet(c);
-        auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-        return classifier(net, opt, batches(kSteps, {16, 3, 32, 32}), batches(kSteps, {16}, true, 10), set_to_none);
-      },
-      "ResNet", remat::AutoOptions(), true);
+  check_workload(resnet_workload(), "ResNet", remat::AutoOptions(), true);
+}
+
+// NOTE [inputs two calls hold]: a ResNet block's input is the output its
+// previous block's ReLU saves; offloading one of the two frees nothing of
+// it, offloading both does. The step model pairs each block with the one
+// before, and plans that offload neighbours are credited, bitwise and
+// within budget.
+TEST(Auto, ResNetBlocksShareTheirInputWithTheBlockBefore) {
+  const std::string dir = remat_test::fresh_dir("auto_pairs");
+  const auto base = remat::AutoOptions().offload(
+      {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(64 << 10)});
+  check_workload(resnet_workload(), "ResNet with disk offload", base);
+  EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
+  torch::manual_seed(0);
+  Workload w = resnet_workload()(true);
+  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions(base).memory_budget_fraction(1.0));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  const remat::plan::StepModel& m = planner.step_model();
+  std::vector<size_t> top;  // the stem and the blocks, in forward order
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    if (m.units[u].parent < 0) top.push_back(u);
+  }
+  std::sort(top.begin(), top.end(),
+            [&](size_t a, size_t b) { return m.units[a].calls[0].forward_begin < m.units[b].calls[0].forward_begin; });
+  ASSERT_GE(top.size(), 4u);
+  int paired = 0;
+  for (size_t i = 1; i < top.size(); ++i) {
+    const remat::plan::StepUnit& u = m.units[top[i]];
+    const remat::plan::StepCall& c = u.calls[0];
+    if (c.pair_unit < 0) continue;
+    ++paired;
+    EXPECT_EQ(c.pair_unit, static_cast<int64_t>(top[i - 1])) << u.name;
+    EXPECT_GE(c.pair_begin, c.forward_end) << u.name;
+    if (i + 1 < top.size()) {
+      EXPECT_LE(c.pair_begin, m.units[top[i + 1]].calls[0].forward_begin) << u.name;
+    }
+    // Offloading lets go of the input here and of the output there; keep holds both.
+    const auto off = [](const remat::plan::StepUnit& x) {
+      return static_cast<size_t>(std::find(x.options.begin(), x.options.end(), "offload disk") - x.options.begin());
+    };
+    ASSERT_LT(off(u), u.options.size()) << u.name;
+    EXPECT_TRUE(c.pair_lets_go[off(u)]) << u.name;
+    EXPECT_FALSE(c.pair_lets_go[0]) << u.name;
+    const remat::plan::StepUnit& before = m.units[top[i - 1]];
+    ASSERT_LT(off(before), before.options.size()) << before.name;
+    EXPECT_TRUE(c.pair_other_lets_go[off(before)]) << u.name;
+    EXPECT_GT(c.pair_bytes, 0) << u.name;
+  }
+  EXPECT_GE(paired, static_cast<int>(top.size()) - 2) << "every block after the first pairs with the one before";
+  // Every block offloaded: each pair's input is credited from its start to
+  // its block's backward; without the pairs, the model would not see it.
+  remat::plan::StepModel unpaired = m;
+  for (auto& u : unpaired.units) {
+    for (auto& c : u.calls) c.pair_unit = -1;
+  }
+  std::vector<int> all_off(m.units.size(), 0);
+  for (size_t u : top) {
+    const auto& o = m.units[u].options;
+    all_off[u] = static_cast<int>(std::find(o.begin(), o.end(), "offload disk") - o.begin());
+  }
+  const remat::plan::StepPrediction with = remat::plan::simulate_step(m, all_off);
+  const remat::plan::StepPrediction without = remat::plan::simulate_step(unpaired, all_off);
+  std::vector<int64_t> credit(m.segment_peak_bytes.size(), 0);
+  for (size_t u : top) {
+    const remat::plan::StepCall& c = m.units[u].calls[0];
+    if (c.pair_unit < 0) continue;
+    for (int64_t s = c.pair_begin; s < c.backward_begin; ++s) credit[static_cast<size_t>(s)] += c.pair_bytes;
+  }
+  for (size_t s = 0; s < credit.size(); ++s) EXPECT_EQ(with.segment_bytes[s], without.segment_bytes[s] - credit[s]);
+  EXPECT_LT(with.peak_bytes, without.peak_bytes);
+  // The credit is real: at the leanest plan, and at the peak of every
+  // block offloaded, the measured step stays within the budget.
+  const int64_t leanest = planner.leanest_peak_bytes();
+  planner.replan(leanest);
+  std::printf("%s", planner.explain().c_str());
+  for (int k = 2; k < 4; ++k) {
+    planner.step([&] { w.step(k); });
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(leanest))
+        << planner.explain();
+  }
+  const int64_t offloaded = std::max(with.peak_bytes, leanest);
+  planner.replan(offloaded);
+  std::printf("%s", planner.explain().c_str());
+  for (int k = 0; k < 2; ++k) {
+    planner.step([&] { w.step(k); });
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(offloaded))
+        << planner.explain();
+  }
+  EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
 }
 
 TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
@@ -782,6 +874,13 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
       }
       u.options.resize(n);
       for (auto& c : u.calls) c.costs.resize(n);
+    }
+    for (auto& u : m.units) {  // the flags of shared inputs, for the options left
+      for (auto& c : u.calls) {
+        if (c.pair_unit < 0) continue;
+        c.pair_lets_go.resize(u.options.size());
+        c.pair_other_lets_go.resize(m.units[static_cast<size_t>(c.pair_unit)].options.size());
+      }
     }
     return remat::plan::min_peak_step(m).prediction.peak_bytes;
   };

@@ -31,9 +31,32 @@ int64_t brute_segment(const rp::StepModel& m, const std::vector<int>& choice, in
       if (c.release_begin >= 0 && c.release_begin <= s && s < credit_end) {
         bytes -= a.released_bytes - b.released_bytes;
       }
+      // Inputs shared with an earlier call: credited while both let go.
+      if (c.pair_unit >= 0 && c.pair_begin <= s && s < c.backward_begin && c.pair_lets_go[choice[u]] &&
+          c.pair_other_lets_go[choice[c.pair_unit]]) {
+        bytes -= c.pair_bytes;
+      }
     }
   }
   return bytes;
+}
+
+// Gives call `c` of unit u a shared input with call 0 of unit `other`, from
+// a random segment in [forward_end, min(hi, backward_begin)], each
+// non-profiled option of both letting go of it at random.
+void add_pair(std::mt19937& rng, rp::StepModel& m, size_t u, size_t c, size_t other, int64_t hi) {
+  std::uniform_int_distribution<int> coin(0, 1);
+  rp::StepCall& call = m.units[u].calls[c];
+  call.pair_unit = static_cast<int64_t>(other);
+  call.pair_call = 0;
+  call.pair_bytes = std::uniform_int_distribution<int64_t>(1, 48)(rng) << 20;
+  call.pair_begin = std::uniform_int_distribution<int64_t>(call.forward_end, std::min(hi, call.backward_begin))(rng);
+  call.pair_lets_go.assign(m.units[u].options.size(), false);
+  call.pair_other_lets_go.assign(m.units[other].options.size(), false);
+  for (size_t k = 1; k < call.pair_lets_go.size(); ++k) call.pair_lets_go[k] = coin(rng);
+  for (size_t k = 1; k < call.pair_other_lets_go.size(); ++k) call.pair_other_lets_go[k] = coin(rng);
+  // The profiled step held the shared input in both: it is in the peaks.
+  for (int64_t s = call.pair_begin; s < call.backward_begin; ++s) m.segment_peak_bytes[s] += call.pair_bytes;
 }
 
 struct Brute {
@@ -294,6 +317,107 @@ TEST(StepSolve, ReleasedInputsAreCreditedFromTheReleasePointOnly) {
   EXPECT_NE(late.solver, "chain DP");
   EXPECT_EQ(late.prediction.peak_bytes, 40 * MiB);
   EXPECT_EQ(late.prediction.peak_bytes, brute(m, std::numeric_limits<int64_t>::max()).min_peak);
+}
+
+// NOTE [inputs two calls hold]: chains whose units share their inputs
+// with the unit before (a ResNet's blocks) stay chains for the DP, which
+// carries whether the last block lets go of its output; anywhere else (a
+// unit called twice) GLPK pairs them through a variable per credit.
+TEST(StepSolve, InputsTwoCallsHoldMatchBruteForce) {
+  std::mt19937 rng(29);
+  int credited = 0;  // plans that earn a pair credit
+  auto earned = [](const rp::StepModel& m, const std::vector<int>& choice) {
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      const rp::StepCall& c = m.units[u].calls[0];
+      if (c.pair_unit >= 0 && c.pair_lets_go[choice[u]] && c.pair_other_lets_go[choice[c.pair_unit]]) return 1;
+    }
+    return 0;
+  };
+  for (int trial = 0; trial < 30; ++trial) {
+    rp::StepModel m = random_chain(rng, 2 + trial % 6, 3 + trial % 2);
+    for (size_t u = 1; u < m.units.size(); ++u) {
+      if (m.units[u].options.size() > 1 && m.units[u - 1].options.size() > 1 && rng() % 4 != 0) {
+        add_pair(rng, m, u, 0, u - 1, m.units[u].calls[0].forward_end + (u + 1 < m.units.size() ? 1 : 0));
+      }
+    }
+    check_against_brute(m, "paired chain trial " + std::to_string(trial));
+    credited += earned(m, rp::min_peak_step(m).prediction.choice);
+  }
+  for (int trial = 0; trial < 12; ++trial) {
+    rp::StepModel m = random_nested(rng, 2 + trial % 2, 1, 3);
+    for (size_t u = 2; u < m.units.size(); u += 2) {  // each block with the one before (inner units between)
+      if (m.units[u].options.size() > 1 && m.units[u - 2].options.size() > 1) {
+        add_pair(rng, m, u, 0, u - 2, m.units[u].calls[0].forward_end);
+      }
+    }
+    check_against_brute(m, "paired nested trial " + std::to_string(trial));
+    credited += earned(m, rp::min_peak_step(m).prediction.choice);
+  }
+  for (int trial = 0; trial < 20; ++trial) {
+    rp::StepModel m = random_gan(rng, 4);
+    add_pair(rng, m, 1, 0, 0, 6);  // D's first call shares G's output
+    check_against_brute(m, "gan paired trial " + std::to_string(trial));
+  }
+  EXPECT_GT(credited, 0);
+}
+
+TEST(StepSolve, ACreditForInputsTwoCallsHoldNeedsBothToLetGo) {
+  // b's input (40 MiB) is a's output, which a also saves: from segment 2
+  // only the two hold it. Offloading b alone, or a alone, frees nothing of
+  // it; both free it until b's backward.
+  const int64_t MiB = 1 << 20;
+  rp::StepModel m;
+  m.step_time_ms = 10;
+  m.segment_peak_bytes = {50 * MiB, 100 * MiB, 100 * MiB, 100 * MiB, 60 * MiB, 50 * MiB};
+  rp::StepCall a{0, 1, 4, 5, {{1, 20 * MiB, 20 * MiB, 30 * MiB}, {3, 20 * MiB, 0, 30 * MiB}}};
+  rp::StepCall b{1, 2, 3, 4, {{1, 20 * MiB, 20 * MiB, 30 * MiB}, {3, 20 * MiB, 0, 30 * MiB}}};
+  b.pair_unit = 0;
+  b.pair_bytes = 40 * MiB;
+  b.pair_begin = 2;
+  b.pair_lets_go = {false, true};
+  b.pair_other_lets_go = {false, true};
+  m.units.push_back({"a", {"keep", "offload"}, {a}});
+  m.units.push_back({"b", {"keep", "offload"}, {b}});
+  EXPECT_EQ(rp::simulate_step(m, {1, 0}).segment_bytes,
+            (std::vector<int64_t>{50 * MiB, 80 * MiB, 80 * MiB, 80 * MiB, 60 * MiB, 50 * MiB}));
+  EXPECT_EQ(rp::simulate_step(m, {0, 1}).segment_bytes,
+            (std::vector<int64_t>{50 * MiB, 100 * MiB, 80 * MiB, 100 * MiB, 60 * MiB, 50 * MiB}));
+  EXPECT_EQ(rp::simulate_step(m, {1, 1}).segment_bytes,
+            (std::vector<int64_t>{50 * MiB, 80 * MiB, 20 * MiB, 80 * MiB, 60 * MiB, 50 * MiB}));
+  const rp::StepPlan dp = rp::solve_step(m, 80 * MiB);
+  EXPECT_EQ(dp.solver, "chain DP");
+  EXPECT_EQ(dp.prediction.choice, (std::vector<int>{1, 0}));  // the fastest at 80 MiB
+  // The credit cannot start before b's forward ends.
+  m.units[1].calls[0].pair_begin = 1;
+  try {
+    rp::validate(m);
+    FAIL() << "a credit before the forward's end";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 1 ('b') call 0 has its shared inputs' credit of 41943040 bytes from segment 1; "
+                 "give bytes >= 0 from a segment in its kept interval [2, 3].");
+  }
+  m.units[1].calls[0].pair_begin = 2;
+  m.units[1].calls[0].pair_unit = 1;
+  try {
+    rp::validate(m);
+    FAIL() << "a unit paired with itself";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 1 ('b') call 0 shares its inputs with unit 1 call 0; give a call of another "
+                 "unit, or pair_unit -1 for none.");
+  }
+  m.units[1].calls[0].pair_unit = 0;
+  m.units[1].calls[0].pair_other_lets_go = {true, true};
+  try {
+    rp::validate(m);
+    FAIL() << "option 0 letting go";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::plan] unit 1 ('b') call 0 gives which options let go of its shared inputs for the wrong "
+                 "number of options, or says option 0 does; give one flag per option of each unit, false for "
+                 "option 0.");
+  }
 }
 
 TEST(StepSolve, TenUnitChainsMatchBruteForce) {

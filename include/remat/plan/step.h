@@ -26,6 +26,14 @@
 // (from r, when the profiled step saw the caller let them go). Time: the profiled
 // step's time plus, per call, time(k) - time(0).
 //
+// Inputs two calls hold (pair_unit >= 0): an input that an earlier call
+// also saves (a ResNet block's input is the output its previous block's
+// ReLU saves) is freed only while both let go of it: the call's segments
+// in [pair_begin, backward_begin) are pair_bytes less when its option and
+// the earlier call's unit's option both do (pair_lets_go,
+// pair_other_lets_go). The backward's reload of it is in each call's
+// backward_peak_bytes.
+//
 // Units inside units: a unit whose calls run inside another unit's names it
 // as its parent. Inside a recomputed or offloaded unit it runs as part of
 // that unit (whose options were measured with it inside, plain), so it may
@@ -80,6 +88,21 @@ struct StepCall {
    *  the inputs go in its backward (backward_begin <= release_end <=
    *  backward_end), or -1: the backward's end. */
   int64_t release_end = -1;
+  /** Inputs this call shares with an earlier call that saves them too: that
+   *  call's unit (an index into StepModel::units; -1: none) and call index. */
+  ///@{
+  int64_t pair_unit = -1, pair_call = 0;
+  ///@}
+  /** Bytes freed when both let go of them. */
+  int64_t pair_bytes = 0;
+  /** The segment from which only the two calls hold them (forward_end <=
+   *  pair_begin <= backward_begin); the credit ends at backward_begin. */
+  int64_t pair_begin = -1;
+  /** Per option of this call's unit, and per option of the earlier call's
+   *  unit: whether it lets go of them (never option 0, which holds them). */
+  ///@{
+  std::vector<bool> pair_lets_go{}, pair_other_lets_go{};
+  ///@}
 };
 
 /** A unit: one decision (the same option for all its calls). */
