@@ -3,7 +3,8 @@
 // called once each, forwards in order, backwards in reverse, a head between;
 // each unit with 6 options (keep, recompute, 3 selective levels, offload)
 // whose kept bytes fall as their added time rises, costs drawn at random
-// (seed 1). A second shape nests units: U/3 blocks, each with two inner
+// (seed 1). A second shape shares each unit's input with the unit before
+// (as a ResNet's blocks do). A third shape nests units: U/3 blocks, each with two inner
 // units (attention, MLP) inside it, as auto_checkpoint sees remat's GPT;
 // the blocks get a seventh option (recompute with the inner units
 // checkpointed), the inner units five; the solver takes GLPK there. For each
@@ -130,6 +131,24 @@ rp::StepModel transformer_nested(int units, std::mt19937& rng) {
   return m;
 }
 
+// The chain with each unit's input shared with the unit before, which
+// saves it too (a ResNet block's input, its previous block's ReLU output):
+// freed while the later unit offloads and the earlier one recomputes or
+// offloads (NOTE [inputs two calls hold] in step.h). The DP carries it.
+rp::StepModel resnet_like(int units, std::mt19937& rng) {
+  rp::StepModel m = transformer_like(units, rng);
+  for (size_t u = 1; u < m.units.size(); ++u) {
+    rp::StepCall& c = m.units[u].calls[0];
+    c.pair_unit = static_cast<int64_t>(u - 1);
+    c.pair_bytes = c.costs[0].kept_bytes / 8;
+    c.pair_begin = c.forward_end;
+    c.pair_lets_go = {false, false, false, false, false, true};
+    c.pair_other_lets_go = {false, true, false, false, false, true};
+    for (int64_t s = c.pair_begin; s < c.backward_begin; ++s) m.segment_peak_bytes[s] += c.pair_bytes;
+  }
+  return m;
+}
+
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -145,10 +164,12 @@ int main(int argc, char** argv) {
   out << "{\"kind\": \"meta\", \"program\": \"remat_step_solve\", \"options_per_unit\": 6, \"seed\": 1}\n";
   std::printf("%7s %6s %8s %10s %8s %8s %10s %s\n", "shape", "units", "budget", "solve ms", "rows", "cols", "time ms",
               "solver status");
-  for (const std::string shape : {"chain", "nested"}) {
+  for (const std::string shape : {"chain", "paired", "nested"}) {
     for (int units : {10, 25, 50, 100, 200, 400}) {
       std::mt19937 rng(1);
-      const rp::StepModel m = shape == "chain" ? transformer_like(units, rng) : transformer_nested(units, rng);
+      const rp::StepModel m = shape == "chain"    ? transformer_like(units, rng)
+                              : shape == "paired" ? resnet_like(units, rng)
+                                                  : transformer_nested(units, rng);
       const int u_count = static_cast<int>(m.units.size());
       const auto t0 = std::chrono::steady_clock::now();
       const rp::StepPlan lean = rp::min_peak_step(m);

@@ -242,7 +242,8 @@ def targets(recs, py=None):
     return "\n".join(rows) + "\n"
 
 
-SHAPES = {"chain": "a chain of blocks", "nested": "blocks with attention and MLP units inside"}
+SHAPES = {"chain": "a chain of blocks", "paired": "a chain of blocks, each sharing its input with the one before",
+          "nested": "blocks with attention and MLP units inside"}
 
 
 def solver(recs):

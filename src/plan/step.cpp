@@ -595,6 +595,20 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
       const bool fresh = x == 0 || next[x].out != next[x - 1].out;
       if (fresh || next[x].t < pruned.back().t) pruned.push_back(next[x]);
     }
+    // An entry that lets go is as good as one that does not, with no more
+    // bytes or time: drop those it dominates (both groups sorted by bytes,
+    // times falling).
+    const auto lets_go = std::find_if(pruned.begin(), pruned.end(), [](const Entry& x) { return x.out; });
+    if (lets_go != pruned.begin() && lets_go != pruned.end()) {
+      std::vector<Entry> kept;
+      auto y = lets_go;  // the last entry that lets go with bytes <= x's
+      for (auto x = pruned.begin(); x != lets_go; ++x) {
+        while (y + 1 != pruned.end() && (y + 1)->p <= x->p) ++y;
+        if (!(y->p <= x->p && y->t <= x->t)) kept.push_back(*x);
+      }
+      kept.insert(kept.end(), lets_go, pruned.end());
+      pruned = std::move(kept);
+    }
     if (pruned.size() > kMaxFront) {
       *too_big = true;
       return false;
