@@ -94,6 +94,7 @@ struct Record {
   std::string name, label;
   int64_t budget = 0;          // auto only
   int64_t predicted_peak = 0;  // auto only
+  int64_t inflight = 0;        // auto only: room kept above the prediction for disk writes and reads in flight
   double predicted_ms = 0;     // auto only (profiled plain step + the plan's added time)
   std::string plan;            // auto only: option per unit
   std::vector<double> ms;
@@ -241,6 +242,7 @@ int main(int argc, char** argv) {
     if (r.budget > 0) {
       planner.replan(r.budget);
       r.predicted_peak = planner.plan().prediction.peak_bytes;
+      r.inflight = planner.inflight_bytes();
       r.predicted_ms = planner.plan().prediction.time_ms;
       r.plan.clear();
       for (const auto& u : planner.units())
@@ -318,7 +320,8 @@ int main(int argc, char** argv) {
         << "}, \"peak\": " << peak << ", \"peak_ratio\": " << num(peak_ratio);
     if (r.budget) {
       out << ", \"budget\": " << r.budget << ", \"predicted_peak\": " << r.predicted_peak
-          << ", \"predicted_ms\": " << num(r.predicted_ms) << ", \"plan\": " << quoted(r.plan);
+          << ", \"inflight\": " << r.inflight << ", \"predicted_ms\": " << num(r.predicted_ms)
+          << ", \"plan\": " << quoted(r.plan);
     }
     out << "}\n";
   }

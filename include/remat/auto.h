@@ -199,6 +199,13 @@ class AutoCheckpoint {
    *  max_inflight_bytes included): the lowest budget replan() accepts.
    *  Throws remat::Error before a profiled step. */
   int64_t leanest_peak_bytes() const;
+  /** Bytes the plan in force keeps room for above its predicted peak: the
+   *  writes and reads its disk stores may hold in flight (their
+   *  max_inflight_bytes, or a larger tensor they send alone), which depend
+   *  on the disk's pace; 0 when the plan sends nothing to disk. A step's
+   *  measured peak is at most plan().prediction.peak_bytes plus this, and
+   *  the two fit the budget. */
+  int64_t inflight_bytes() const;
   /** The profiled step's model, for remat-plan style inspection. */
   const plan::StepModel& step_model() const;
   /** The plan in force (its prediction, solver figures). */

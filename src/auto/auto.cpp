@@ -1493,6 +1493,19 @@ const plan::StepModel& AutoCheckpoint::step_model() const { return impl_->step_m
 const plan::StepPlan& AutoCheckpoint::plan() const { return impl_->step_plan; }
 int64_t AutoCheckpoint::profiled_peak_bytes() const { return impl_->profiled_peak; }
 double AutoCheckpoint::profiled_time_ms() const { return impl_->profiled_ms; }
+int64_t AutoCheckpoint::inflight_bytes() const {
+  const Impl& m = *impl_;
+  if (m.step_plan.budget_bytes == 0 || m.plan_margin <= 0) return 0;
+  const std::vector<AutoUnit> us = units();
+  for (size_t j = 0; j < us.size(); ++j) {
+    const int store = m.store_of(j, static_cast<size_t>(us[j].choice));
+    if (store >= 0 && m.options.offload()[static_cast<size_t>(store)].target() == OffloadTarget::kDisk) {
+      return m.plan_margin;
+    }
+  }
+  return 0;
+}
+
 int64_t AutoCheckpoint::measured_peak_bytes() const { return impl_->measured_peak; }
 double AutoCheckpoint::measured_time_ms() const { return impl_->measured_ms; }
 int AutoCheckpoint::replans() const { return impl_->replans; }
@@ -1557,17 +1570,9 @@ std::string AutoCheckpoint::explain() const {
                     m.offload_ms_per_gib);
       os << b;
     }
-    if (m.step_plan.budget_bytes != 0 && m.plan_margin > 0 && p.peak_bytes + m.plan_margin <= m.budget) {
-      bool offloads = false;
-      const std::vector<AutoUnit> us = units();
-      for (size_t j = 0; j < us.size(); ++j) {
-        const int store = m.store_of(j, static_cast<size_t>(us[j].choice));
-        offloads |= store >= 0 && m.options.offload()[static_cast<size_t>(store)].target() == OffloadTarget::kDisk;
-      }
-      if (offloads) {
-        os << "offload: up to " << plan::format_bytes(m.plan_margin)
-           << " of writes and reads in flight on top of the prediction, within the budget\n";
-      }
+    if (const int64_t inflight = inflight_bytes(); inflight > 0 && p.peak_bytes + inflight <= m.budget) {
+      os << "offload: up to " << plan::format_bytes(inflight)
+         << " of writes and reads in flight on top of the prediction, within the budget\n";
     }
     if (m.measured_peak >= 0) {
       os << "last step: measured peak " << plan::format_bytes(m.measured_peak) << " ("

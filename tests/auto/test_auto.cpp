@@ -776,11 +776,25 @@ TEST(Auto, ResNetBlocksShareTheirInputWithTheBlockBefore) {
   const int64_t offloaded = std::max(with.peak_bytes, leanest);
   planner.replan(offloaded);
   std::printf("%s", planner.explain().c_str());
+  auto sends = [&] {
+    for (const auto& u : planner.units()) {
+      if (u.options[u.choice].find("disk") != std::string::npos) return true;
+    }
+    return false;
+  };
+  // What the disk store may hold in flight is the room above the prediction.
+  EXPECT_EQ(planner.inflight_bytes() > 0, sends()) << planner.explain();
+  EXPECT_LE(planner.plan().prediction.peak_bytes + planner.inflight_bytes(), offloaded);
   for (int k = 0; k < 2; ++k) {
     planner.step([&] { w.step(k); });
     EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(offloaded))
         << planner.explain();
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()),
+              1.01 * static_cast<double>(planner.plan().prediction.peak_bytes + planner.inflight_bytes()))
+        << planner.explain();
   }
+  planner.replan(planner.profiled_peak_bytes());
+  EXPECT_EQ(planner.inflight_bytes() > 0, sends()) << planner.explain();
   EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
 }
 
