@@ -132,7 +132,9 @@ struct StepModel {
 /** Throws remat::Error naming the first inconsistency (windows out of
  *  order or range, a cost list of the wrong length, negative bytes, a
  *  non-finite time, an empty menu, a parent out of range or a cycle of
- *  parents). */
+ *  parents, a shared-input credit that names no other unit's call, starts
+ *  outside the call's kept interval or gives flags for the wrong number of
+ *  options). */
 void validate(const StepModel& model);
 
 /** A choice of one option per unit and what it is predicted to cost. */
