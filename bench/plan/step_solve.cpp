@@ -4,10 +4,11 @@
 // each unit with 6 options (keep, recompute, 3 selective levels, offload)
 // whose kept bytes fall as their added time rises, costs drawn at random
 // (seed 1). A second shape shares each unit's input with the unit before
-// (as a ResNet's blocks do). A third shape nests units: U/3 blocks, each with two inner
-// units (attention, MLP) inside it, as auto_checkpoint sees remat's GPT;
-// the blocks get a seventh option (recompute with the inner units
-// checkpointed), the inner units five; the solver takes GLPK there. For each
+// (as a ResNet's blocks do). A third shape nests units: U/3 blocks, each
+// with two inner units (attention, MLP) inside it, as auto_checkpoint sees
+// remat's GPT; the blocks get a seventh option (recompute with the inner
+// units checkpointed), the inner units five; the chain DP takes each block
+// with its inner units as one step. All three are chains for the DP. For each
 // shape and U, budgets at 5 points from the leanest feasible peak to the
 // plain peak: solve time (ms, one solve each), rows and columns of the
 // integer program, optimal or the gap. Writes JSON lines to
