@@ -1114,19 +1114,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     plan::StepModel m = step_model;
     const std::vector<size_t> mu = model_units();
     for (size_t j = 0; j < m.units.size(); ++j) {
-      plan::StepUnit& u = m.units[j];
       const Unit& unit = units[mu[j]];
-      size_t n = u.options.size();
+      size_t n = m.units[j].options.size();
       while (n > 1 && (plain_only ? unit.menu[unit.offered[n - 1]].offload.has_value() : store_of(j, n - 1) >= 0)) --n;
-      u.options.resize(n);
-      for (auto& c : u.calls) c.costs.resize(n);
-    }
-    for (auto& u : m.units) {  // NOTE [inputs two calls hold]: the flags of the options left
-      for (auto& c : u.calls) {
-        if (c.pair_unit < 0) continue;
-        c.pair_lets_go.resize(u.options.size());
-        c.pair_other_lets_go.resize(m.units[static_cast<size_t>(c.pair_unit)].options.size());
-      }
+      plan::truncate_options(m, j, n);
     }
     return m;
   }

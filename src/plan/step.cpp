@@ -730,6 +730,26 @@ void validate(const StepModel& m) {
   }
 }
 
+void truncate_options(StepModel& m, size_t unit, size_t count) {
+  if (unit >= m.units.size()) {
+    throw Error("[remat::plan] truncate_options: unit " + std::to_string(unit) + " of a step model with " +
+                std::to_string(m.units.size()) + " units; give an index below that.");
+  }
+  StepUnit& u = m.units[unit];
+  const size_t n = std::max<size_t>(1, std::min(count, u.options.size()));
+  u.options.resize(n);
+  for (StepCall& c : u.calls) {
+    c.costs.resize(std::min(n, c.costs.size()));
+    if (c.pair_unit >= 0) c.pair_lets_go.resize(std::min(n, c.pair_lets_go.size()));
+  }
+  for (StepUnit& other : m.units) {
+    for (StepCall& c : other.calls) {
+      if (c.pair_unit == static_cast<int64_t>(unit))
+        c.pair_other_lets_go.resize(std::min(n, c.pair_other_lets_go.size()));
+    }
+  }
+}
+
 StepPrediction simulate_step(const StepModel& m, const std::vector<int>& choice) {
   validate(m);
   if (choice.size() != m.units.size()) {

@@ -930,21 +930,14 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   // and the MLP's hidden activations, 8 x 64 x 256: 512 KiB).
   auto without = [&](bool inputs_too) {
     remat::plan::StepModel m = planner.step_model();
-    for (auto& u : m.units) {
-      size_t n = u.options.size();
-      while (n > 1 && (u.options[n - 1].rfind("offload", 0) == 0 ||
-                       (inputs_too && u.options[n - 1].rfind("recompute, inputs to ", 0) == 0))) {
+    for (size_t j = 0; j < m.units.size(); ++j) {
+      const auto& o = m.units[j].options;
+      size_t n = o.size();
+      while (n > 1 &&
+             (o[n - 1].rfind("offload", 0) == 0 || (inputs_too && o[n - 1].rfind("recompute, inputs to ", 0) == 0))) {
         --n;
       }
-      u.options.resize(n);
-      for (auto& c : u.calls) c.costs.resize(n);
-    }
-    for (auto& u : m.units) {  // the flags of shared inputs, for the options left
-      for (auto& c : u.calls) {
-        if (c.pair_unit < 0) continue;
-        c.pair_lets_go.resize(u.options.size());
-        c.pair_other_lets_go.resize(m.units[static_cast<size_t>(c.pair_unit)].options.size());
-      }
+      remat::plan::truncate_options(m, j, n);
     }
     return remat::plan::min_peak_step(m).prediction.peak_bytes;
   };

@@ -224,6 +224,16 @@ rp::StepModel random_nested(std::mt19937& rng, int blocks, int inner, int max_op
   return m;
 }
 
+// validate()'s message for m, or "valid".
+std::string validate_error(const rp::StepModel& m) {
+  try {
+    rp::validate(m);
+  } catch (const remat::Error& e) {
+    return e.what();
+  }
+  return "valid";
+}
+
 void check_against_brute(const rp::StepModel& m, const std::string& what) {
   const Brute all = brute(m, std::numeric_limits<int64_t>::max());
   int64_t max_peak = 0;
@@ -389,34 +399,35 @@ TEST(StepSolve, ACreditForInputsTwoCallsHoldNeedsBothToLetGo) {
   EXPECT_EQ(dp.prediction.choice, (std::vector<int>{1, 0}));  // the fastest at 80 MiB
   // The credit cannot start before b's forward ends.
   m.units[1].calls[0].pair_begin = 1;
-  try {
-    rp::validate(m);
-    FAIL() << "a credit before the forward's end";
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 1 ('b') call 0 has its shared inputs' credit of 41943040 bytes from segment 1; "
-                 "give bytes >= 0 from a segment in its kept interval [2, 3].");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 1 ('b') call 0 has its shared inputs' credit of 41943040 bytes from segment 1; "
+            "give bytes >= 0 from a segment in its kept interval [2, 3].");
   m.units[1].calls[0].pair_begin = 2;
   m.units[1].calls[0].pair_unit = 1;
-  try {
-    rp::validate(m);
-    FAIL() << "a unit paired with itself";
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 1 ('b') call 0 shares its inputs with unit 1 call 0; give a call of another "
-                 "unit, or pair_unit -1 for none.");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 1 ('b') call 0 shares its inputs with unit 1 call 0; give a call of another "
+            "unit, or pair_unit -1 for none.");
   m.units[1].calls[0].pair_unit = 0;
   m.units[1].calls[0].pair_other_lets_go = {true, true};
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 1 ('b') call 0 gives which options let go of its shared inputs for the wrong "
+            "number of options, or says option 0 does; give one flag per option of each unit, false for "
+            "option 0.");
+  // Cutting a unit's menu cuts the flags that name its options, on both sides.
+  m.units[1].calls[0].pair_other_lets_go = {false, true};
+  rp::truncate_options(m, 0, 1);
+  EXPECT_EQ(m.units[0].options.size(), 1u);
+  EXPECT_EQ(m.units[1].calls[0].pair_other_lets_go, std::vector<bool>{false});
+  EXPECT_EQ(validate_error(m), "valid");
+  rp::truncate_options(m, 1, 1);
+  EXPECT_EQ(m.units[1].calls[0].pair_lets_go, std::vector<bool>{false});
+  EXPECT_EQ(validate_error(m), "valid");
   try {
-    rp::validate(m);
-    FAIL() << "option 0 letting go";
+    rp::truncate_options(m, 2, 1);
+    FAIL() << "a unit out of range";
   } catch (const remat::Error& e) {
     EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 1 ('b') call 0 gives which options let go of its shared inputs for the wrong "
-                 "number of options, or says option 0 does; give one flag per option of each unit, false for "
-                 "option 0.");
+                 "[remat::plan] truncate_options: unit 2 of a step model with 2 units; give an index below that.");
   }
 }
 
@@ -479,23 +490,13 @@ TEST(StepSolve, AUnitInsideARecomputedOneKeepsOptionZero) {
   EXPECT_EQ(both.prediction.choice, (std::vector<int>{1, 0}));
   EXPECT_EQ(both.solver, "chain DP");  // a block with an inner unit
   m.units[1].parent = 1;
-  try {
-    rp::validate(m);
-    FAIL() << "expected an error";
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 1 ('block.attn') has parent 1; give the index of another of the 2 units, or -1 "
-                 "for none.");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 1 ('block.attn') has parent 1; give the index of another of the 2 units, or -1 "
+            "for none.");
   m.units[1].parent = 0;
   m.units[0].parent = 1;
-  try {
-    rp::validate(m);
-    FAIL() << "expected an error";
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] the parents of unit 0 ('block') form a cycle; a unit cannot run inside itself.");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] the parents of unit 0 ('block') form a cycle; a unit cannot run inside itself.");
 }
 
 TEST(StepSolve, EveryChoiceFitsTakesTheFastest) {
@@ -531,51 +532,26 @@ TEST(StepSolve, ValidateNamesTheProblem) {
   rp::StepModel m;
   m.segment_peak_bytes = {1, 2};
   m.units.push_back({"a", {"keep", "recompute"}, {{0, 2, 1, 2, {{}, {}}}}});
-  try {
-    rp::validate(m);
-    FAIL();
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 0 ('a') call 0 has windows [0, 2, 1, 2]; they must be ordered and within the "
-                 "2 segments.");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 0 ('a') call 0 has windows [0, 2, 1, 2]; they must be ordered and within the "
+            "2 segments.");
   m.units[0].calls[0] = {0, 1, 1, 2, {{}}};
-  try {
-    rp::validate(m);
-    FAIL();
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(), "[remat::plan] unit 0 ('a') call 0 has 1 costs for 2 options; give one per option.");
-  }
+  EXPECT_EQ(validate_error(m), "[remat::plan] unit 0 ('a') call 0 has 1 costs for 2 options; give one per option.");
   m.units[0].calls[0].costs = {{}, {-1, 0, 0, 0}};
   m.units[0].calls[0].costs[1].kept_bytes = -5;
-  try {
-    rp::validate(m);
-    FAIL();
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 0 ('a') call 0 option 'recompute' has a non-finite time or negative bytes.");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 0 ('a') call 0 option 'recompute' has a non-finite time or negative bytes.");
   m.units[0].calls[0].costs[1].kept_bytes = 0;
   EXPECT_NO_THROW(rp::validate(m));
   m.units[0].calls[0].release_begin = 2;  // after its backward begins
-  try {
-    rp::validate(m);
-    FAIL();
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 0 ('a') call 0 has its release point at segment 2, outside its kept interval "
-                 "[1, 1]; give -1 (none) or a segment in it.");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 0 ('a') call 0 has its release point at segment 2, outside its kept interval "
+            "[1, 1]; give -1 (none) or a segment in it.");
   m.units[0].calls[0].release_begin = 1;
   m.units[0].calls[0].release_end = 3;
-  try {
-    rp::validate(m);
-    FAIL();
-  } catch (const remat::Error& e) {
-    EXPECT_STREQ(e.what(),
-                 "[remat::plan] unit 0 ('a') call 0 has its release end at segment 3, outside its backward [1, 2]; "
-                 "give -1 (the backward's end) or a segment in it.");
-  }
+  EXPECT_EQ(validate_error(m),
+            "[remat::plan] unit 0 ('a') call 0 has its release end at segment 3, outside its backward [1, 2]; "
+            "give -1 (the backward's end) or a segment in it.");
   m.units[0].calls[0].release_end = -1;
   m.units[0].calls[0].costs[1].released_bytes = -1;
   EXPECT_THROW(rp::validate(m), remat::Error);

@@ -137,6 +137,12 @@ struct StepModel {
  *  options). */
 void validate(const StepModel& model);
 
+/** Keeps the first `count` options of unit `unit` (at least option 0):
+ *  its names, every call's costs, and the shared-input flags that name its
+ *  options, its own and those of the calls paired with it. Throws
+ *  remat::Error for a unit out of range. */
+void truncate_options(StepModel& model, size_t unit, size_t count);
+
 /** A choice of one option per unit and what it is predicted to cost. */
 struct StepPrediction {
   std::vector<int> choice;             ///< option index per unit
