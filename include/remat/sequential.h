@@ -39,6 +39,7 @@
 
 #include <remat/memory.h>
 #include <remat/plan/solve.h>
+#include <remat/plan/transfer.h>
 #include <remat/profile.h>
 
 namespace remat {
@@ -255,14 +256,12 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
     std::string step_error;
     // NOTE [chain offload priced by the step]: how the plan was solved,
     // what measured steps added to the disk options' time (ms per GiB
-    // sent), consecutive slow steps, and a charge waiting for the next
+    // sent), the streaks of slow and fast steps, and a charge waiting for the next
     // forward (ms per byte sent).
     std::optional<plan::SolveOptions> solve;
     double offload_ms_per_gib = 0;
     int reprices = 0;
-    int slow_steps = 0;
-    int fast_steps = 0;       // consecutive steps well under the prediction with a surcharge in force
-    double charged_sent = 0;  // bytes the schedule whose steps last charged the disk options sends
+    plan::TransferPrice transfer_price{2};  // its streaks: two slow steps in a row charge
     double pending_ms_per_byte = 0;
   };
   // NOTE [chain offload priced by the step]; both with mu_ held.

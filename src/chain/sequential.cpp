@@ -1563,36 +1563,22 @@ void CheckpointedSequentialImpl::end_step(int64_t step_peak, int64_t chain_steps
  *  send (what keeping everything would keep less what the option keeps),
  *  on every stage, and the next forward solves again (on the caller's
  *  thread; the prices change only with a plan solved for them). Two steps
- *  in a row more than 10% under the prediction give back what the second
- *  one measured, down to no surcharge at most: a disk that recovers, or a
- *  one-off stall, does not price offload out for good; what is given back
- *  is spread over at least the bytes the charged schedule sent, so one the
- *  surcharge moved to offload less gives back in proportion. The profile's
- *  own prices are never lowered. */
+ *  in a row more than 10% under the prediction give the charge back, down
+ *  to no surcharge at most (plan::TransferPrice has the rule, which the
+ *  whole-step planner shares, charging after one slow step there). The
+ *  profile's own prices are never lowered. */
 void CheckpointedSequentialImpl::note_step_time(Entry& e, const plan::Schedule& ran, double predicted_ms,
                                                 double chain_ms) {
   const bool offloading = e.levers && e.solve && chain_ms > 0 && e.plan.schedule == ran && e.levers->uses_disk(ran);
-  const bool slow = offloading && chain_ms > 1.10 * predicted_ms;
-  const bool fast = offloading && e.offload_ms_per_gib > 0 && chain_ms < 0.90 * predicted_ms;
-  if (!slow) e.slow_steps = 0;
-  if (!fast) e.fast_steps = 0;
-  if (!slow && !fast) return;
-  int& run = slow ? e.slow_steps : e.fast_steps;
-  if (++run < 2) return;
-  run = 0;
-  double sent = 0;
+  double sent = 0;  // bytes the schedule's disk options send
   for (const plan::Op& op : ran.ops) {
-    if (op.option <= 0 || !e.levers->stages[op.stage][op.option - 1].disk()) continue;
+    if (!offloading || op.option <= 0 || !e.levers->stages[op.stage][op.option - 1].disk()) continue;
     const plan::Stage& st = e.chain.stages[op.stage];
     sent += static_cast<double>(std::max<int64_t>(0, st.saved_bytes - st.options[op.option - 1].saved_bytes));
   }
-  if (!(sent > 0)) return;
-  // A give-back is spread over at least the bytes that were charged: a
-  // lighter schedule (the one the charge moved to) gives back less, so that
-  // it does not undo the charge at once and bring the heavier one back.
-  e.pending_ms_per_byte = (chain_ms - predicted_ms) / (fast ? std::max(sent, e.charged_sent) : sent);
-  if (slow) e.charged_sent = sent;
-  if (fast) e.pending_ms_per_byte = std::max(e.pending_ms_per_byte, -e.offload_ms_per_gib / double(int64_t{1} << 30));
+  const double per_byte =
+      e.transfer_price.observe(chain_ms, predicted_ms, sent, e.offload_ms_per_gib / double(int64_t{1} << 30));
+  if (per_byte != 0) e.pending_ms_per_byte = per_byte;
 }
 
 void CheckpointedSequentialImpl::apply_reprice(Entry& e) {

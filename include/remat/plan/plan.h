@@ -7,3 +7,4 @@
 #include "remat/plan/schedule.h"
 #include "remat/plan/solve.h"
 #include "remat/plan/step.h"
+#include "remat/plan/transfer.h"
