@@ -53,6 +53,7 @@
 #include <remat/memory.h>
 #include <remat/offload.h>
 #include <remat/plan/error.h>
+#include <remat/plan/transfer.h>
 #include <remat/policy.h>
 #include <remat/sequential.h>
 
@@ -354,8 +355,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   int reprices = 0;               // NOTE [offload priced by the step]
   double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent (largest store)
   std::vector<double> surcharge_ms_per_byte;  // per store of options.offload(): what repricing added in force
-  int fast_steps = 0;       // planned steps in a row more than 10% under the prediction, with a surcharge in force
-  double charged_sent = 0;  // bytes sent by the plan whose step last charged offload
+  plan::TransferPrice transfer_price{1};      // its streaks: one slow step charges
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
@@ -961,6 +961,29 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         now_input_bytes.back().push_back(bytes);
       }
     }
+    // NOTE [inputs two calls hold]: the earlier call c shares its input
+    // with, and that call's output slot, or null. An inner call's output
+    // that the calls around it return as theirs is theirs too: the pair is
+    // the outermost plannable one, whose recompute or offload lets go of
+    // it (while the inner call's choice is then moot) and which keeps a
+    // chain of blocks a chain for the solver.
+    auto pair_of = [&](const CallRecord& c) {
+      std::pair<const CallRecord*, size_t> found{nullptr, 0};
+      if (c.pair_us < 0 || c.pair == nullptr) return found;
+      const c10::StorageImpl* st = c.pair->output_ids[c.pair_out];
+      size_t out = c.pair_out;
+      for (const CallRecord* r = c.pair.get(); r != nullptr; r = r->enclosing.get()) {
+        if (r != c.pair.get()) {
+          const auto o = std::find(r->output_ids.begin(), r->output_ids.end(), st);
+          // Not its output, or a call around c too (its forward goes on).
+          if (o == r->output_ids.end() || r->forward_end_us > c.forward_begin_us) break;
+          out = static_cast<size_t>(o - r->output_ids.begin());
+          if (!units[r->unit].plannable) continue;
+        }
+        if (model_index[r->unit] >= 0 && r->out_lets_go.size() == units[r->unit].menu.size()) found = {r, out};
+      }
+      return found;
+    };
     for (size_t i = 0; i < units.size(); ++i) {
       Unit& u = units[i];
       if (u.calls.empty()) continue;
@@ -1009,21 +1032,20 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
           sc.release_begin = at(c.release_us);
           sc.release_end = at(c.release_end_us);
         }
-        if (c.pair_us >= 0 && model_index[c.pair->unit] >= 0) {
-          const Unit& a = units[c.pair->unit];
-          const auto pos = std::find_if(a.calls.begin(), a.calls.end(),
-                                        [&](size_t ci2) { return calls[ci2].get() == c.pair.get(); });
-          if (pos != a.calls.end() && c.pair->out_lets_go.size() == a.menu.size()) {
-            sc.pair_unit = model_index[c.pair->unit];
-            sc.pair_call = pos - a.calls.begin();
-            sc.pair_bytes = c.input_bytes[c.pair_slot];
-            sc.pair_begin = at(c.pair_us);
-            for (size_t k : u.offered) sc.pair_lets_go.push_back(c.lets_go[k][c.pair_slot] != 0);
-            // Per option of the earlier unit's menu (its offered ones below).
-            for (size_t k = 0; k < a.menu.size(); ++k) {
-              sc.pair_other_lets_go.push_back(c.pair_out < c.pair->out_lets_go[k].size() &&
-                                              c.pair->out_lets_go[k][c.pair_out] != 0);
-            }
+        const auto [other, other_out] = pair_of(c);
+        const Unit& a = units[other != nullptr ? other->unit : 0];
+        const auto pos =
+            std::find_if(a.calls.begin(), a.calls.end(), [&](size_t ci2) { return calls[ci2].get() == other; });
+        if (other != nullptr && pos != a.calls.end()) {
+          sc.pair_unit = model_index[other->unit];
+          sc.pair_call = pos - a.calls.begin();
+          sc.pair_bytes = c.input_bytes[c.pair_slot];
+          sc.pair_begin = at(c.pair_us);
+          for (size_t k : u.offered) sc.pair_lets_go.push_back(c.lets_go[k][c.pair_slot] != 0);
+          // Per option of the earlier unit's menu (its offered ones below).
+          for (size_t k = 0; k < a.menu.size(); ++k) {
+            sc.pair_other_lets_go.push_back(other_out < other->out_lets_go[k].size() &&
+                                            other->out_lets_go[k][other_out] != 0);
           }
         }
         su.calls.push_back(std::move(sc));
@@ -1043,8 +1065,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     step_model = std::move(m);
     surcharge_ms_per_byte.assign(options.offload().size(), 0.0);  // fresh prices: nothing added
     offload_ms_per_gib = 0;
-    fast_steps = 0;
-    charged_sent = 0;
+    transfer_price.reset();
     modeled = std::move(now_modeled);
     input_bytes_of = std::move(now_input_bytes);
   }
@@ -1168,7 +1189,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   }
 
   void solve_and_apply(int64_t target) {
-    fast_steps = 0;  // a new plan: its own steps count
+    transfer_price.restart();  // a new plan: its own steps count
     step_plan = solve(target);
     planned = true;
     apply();
@@ -1219,14 +1240,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  keep would have kept less what the option keeps), on every call of
    *  every unit, and the plan is solved again: the step measures the transfer
    *  bandwidth that the isolated runs could not. Two steps in a row that
-   *  offload and run more than 10% under the prediction give back what the
-   *  second one measured (per byte), down to no surcharge at most: a slow
-   *  disk that recovers, or a one-off stall, does not price offload out for
-   *  good, and one fast step (a page cache still warm) does not undo what
-   *  slow steps measured. The give-back is spread over at least the bytes
-   *  the charged plan sent: a plan the surcharge moved to offload less gives
-   *  back in proportion. The isolated runs' own prices (no overlap assumed:
-   *  upper ones) are never lowered. Returns true when it repriced. */
+   *  offload and run more than 10% under the prediction give the charge
+   *  back, down to no surcharge at most (plan::TransferPrice has the rule,
+   *  which CheckpointedSequential shares). The isolated runs' own prices (no
+   *  overlap assumed: upper ones) are never lowered. Returns true when it
+   *  repriced. */
   bool reprice_offload(double step_ms) {
     const plan::StepPrediction& p = step_plan.prediction;
     if (options.offload().empty()) return false;
@@ -1250,26 +1268,14 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       used[static_cast<size_t>(store)] = true;
       for (size_t ci = 0; ci < step_model.units[j].calls.size(); ++ci) sent += sent_by(j, ci, k);
     }
-    const bool over = step_ms > 1.10 * p.time_ms;
-    const bool under = offload_ms_per_gib > 0 && sent > 0 && step_ms < 0.90 * p.time_ms;
-    fast_steps = under ? fast_steps + 1 : 0;
-    if (under && fast_steps < 2) return false;
-    if (under) fast_steps = 0;
-    if (!(over || under)) return false;
-    if (sent <= 0) return false;
-    // A give-back is spread over at least the bytes that were charged: a
-    // lighter plan (the one the charge moved to) gives back less, so that it
-    // does not undo the charge at once and bring the heavier plan back.
-    double per_byte = (step_ms - p.time_ms) / (under ? std::max(sent, charged_sent) : sent);
-    if (under) {
-      // Give back no more than every store in use was charged.
-      double room = std::numeric_limits<double>::infinity();
-      for (size_t s = 0; s < used.size(); ++s) {
-        if (used[s]) room = std::min(room, surcharge_ms_per_byte[s]);
-      }
-      if (!(room > 0)) return false;
-      per_byte = std::max(per_byte, -room);
+    // The smallest surcharge in force on a store in use: what a give-back
+    // may take back at most.
+    double room = std::numeric_limits<double>::infinity();
+    for (size_t st = 0; st < used.size(); ++st) {
+      if (used[st]) room = std::min(room, surcharge_ms_per_byte[st]);
     }
+    const double per_byte = transfer_price.observe(step_ms, p.time_ms, sent, std::isfinite(room) ? room : 0.0);
+    if (per_byte == 0) return false;
     for (size_t j = 0; j < step_model.units.size(); ++j) {
       plan::StepUnit& su = step_model.units[j];
       for (size_t k = 1; k < su.options.size(); ++k) {
@@ -1281,7 +1287,6 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     for (size_t s = 0; s < used.size(); ++s) {
       if (used[s]) surcharge_ms_per_byte[s] = std::max(0.0, surcharge_ms_per_byte[s] + per_byte);
     }
-    if (over) charged_sent = sent;
     offload_ms_per_gib = *std::max_element(surcharge_ms_per_byte.begin(), surcharge_ms_per_byte.end()) *
                          static_cast<double>(int64_t{1} << 30);
     ++reprices;
@@ -1296,7 +1301,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     measured_ms = ms_since(t0);
     measured_peak = memory::peak_bytes();
     const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
-    if (overrun) fast_steps = 0;
+    if (overrun) transfer_price.restart();
     if (!overrun && reprice_offload(measured_ms)) {
       try {
         solve_and_apply(step_plan.budget_bytes);
