@@ -265,7 +265,8 @@ def targets(recs, py=None):
 
 
 SHAPES = {"chain": "a chain of blocks", "paired": "a chain of blocks, each sharing its input with the one before",
-          "nested": "blocks with attention and MLP units inside"}
+          "nested": "blocks with attention and MLP units inside",
+          "twice": "a chain of blocks run for two micro-batches (every unit called twice)"}
 
 
 def solver(recs):
@@ -278,8 +279,17 @@ def solver(recs):
     for shape, u in sorted(by, key=lambda k: (list(SHAPES).index(k[0]), k[1])):
         rs = by[(shape, u)]
         used = ", ".join(sorted({r["solver"] for r in rs if "solver" in r})) or "-"
-        rows.append(f"| {SHAPES[shape]} | {u} | {max(r['solve_ms'] for r in rs):.1f} ms | {rs[0]['leanest_ms']:.1f} ms | "
-                    f"{used} | {'yes' if all(r['optimal'] for r in rs) else 'no'} |")
+        stopped = [r for r in rs if not r["optimal"]]
+        if not stopped:
+            optimal = "yes"
+        elif any(r.get("relative_gap", 0) < 0 for r in stopped):  # -1: no bound (each unit's leanest option)
+            optimal = f"no: {len(stopped)} of {len(rs)} stopped at the time limit, gap not known at some"
+        else:
+            optimal = (f"no: {len(stopped)} of {len(rs)} stopped at the time limit, gap "
+                       f"{max(r['relative_gap'] for r in stopped) * 100:.2f}% at most")
+        lean = "" if rs[0].get("leanest_optimal", True) else " (least found, not proven)"
+        rows.append(f"| {SHAPES[shape]} | {u} | {max(r['solve_ms'] for r in rs):.1f} ms | {rs[0]['leanest_ms']:.1f} ms{lean} | "
+                    f"{used} | {optimal} |")
     return "\n".join(rows) + "\n"
 
 

@@ -197,7 +197,9 @@ class AutoCheckpoint {
   /** The smallest step peak a plan of the profiled step reaches, bytes
    *  (predicted; for plans that offload to disk, the stores'
    *  max_inflight_bytes included): the lowest budget replan() accepts.
-   *  Throws remat::Error before a profiled step. */
+   *  On a step that is not a chain, where the solver may stop at
+   *  solver_time_limit_s, the smallest it found. Throws remat::Error before a
+   *  profiled step. */
   int64_t leanest_peak_bytes() const;
   /** Bytes the plan in force keeps room for above its predicted peak: the
    *  writes and reads its disk stores may hold in flight (their

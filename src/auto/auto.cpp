@@ -1163,27 +1163,35 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     }
     if (best) return *best;
     const Leanest low = leanest();
-    throw Error(
-        "[remat::auto] no plan of the step fits in " + plan::format_bytes(target) + "; the smallest feasible peak is " +
-        plan::format_bytes(low.peak) + ", reached " + plan::describe_segment(step_model, low.segment) +
-        (low.margin > 0 ? " (with " + plan::format_bytes(low.margin) + " for offload writes and reads in flight)"
-                        : std::string()) +
-        ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or "
-        "images per step).");
+    std::ostringstream limit;
+    limit << options.solver_time_limit_s();
+    throw Error("[remat::auto] no plan of the step fits in " + plan::format_bytes(target) + "; the smallest " +
+                (low.proven ? "feasible peak is " : "peak found is ") + plan::format_bytes(low.peak) + ", reached " +
+                plan::describe_segment(step_model, low.segment) +
+                (low.margin > 0
+                     ? " (with " + plan::format_bytes(low.margin) + " for offload writes and reads in flight)"
+                     : std::string()) +
+                (low.proven ? std::string()
+                            : "; the solver stopped at its time limit of " + limit.str() +
+                                  " s: a longer solver_time_limit_s may find a leaner plan") +
+                ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or "
+                "images per step).");
   }
 
   struct Leanest {
     int64_t peak = 0, segment = 0;
-    int64_t margin = 0;  // the in-flight margin of the plan that reaches it (included)
+    int64_t margin = 0;   // the in-flight margin of the plan that reaches it (included)
+    bool proven = false;  // the solver proved it least (else it stopped at its time limit)
   };
   /** The smallest peak a plan reaches, its in-flight margin included. */
   Leanest leanest() const {
     const plan::StepSolveOptions so{options.solver_time_limit_s()};
     std::optional<Leanest> best;
     for (const Tier& t : tiers()) {
-      const plan::StepPrediction p = plan::min_peak_step(t.model, so).prediction;
+      const plan::StepPlan lean = plan::min_peak_step(t.model, so);
+      const plan::StepPrediction& p = lean.prediction;
       if (!best || p.peak_bytes + t.margin < best->peak)
-        best = Leanest{p.peak_bytes + t.margin, p.peak_segment, t.margin};
+        best = Leanest{p.peak_bytes + t.margin, p.peak_segment, t.margin, lean.optimal};
     }
     return *best;
   }
@@ -1554,7 +1562,10 @@ std::string AutoCheckpoint::explain() const {
     os << "plan: predicted peak " << plan::format_bytes(p.peak_bytes) << " (reached "
        << plan::describe_segment(m.step_model, p.peak_segment) << "), " << fmt_ms(p.time_ms) << " ("
        << fmt_pct(p.time_ms / std::max(1e-9, m.profiled_ms) - 1) << " on plain); solver: " << m.step_plan.solver << ", "
-       << (m.step_plan.optimal ? "optimal" : "gap " + fmt_pct(m.step_plan.relative_gap)) << ", "
+       << (m.step_plan.optimal                       ? "optimal"
+           : std::isfinite(m.step_plan.relative_gap) ? "gap " + fmt_pct(m.step_plan.relative_gap)
+                                                     : "stopped at its time limit, gap not known")
+       << ", "
        << (m.step_plan.solver == "GLPK"
                ? std::to_string(m.step_plan.rows) + " rows x " + std::to_string(m.step_plan.columns) + " columns, "
                : std::string())

@@ -22,6 +22,12 @@
 namespace remat::plan {
 namespace {
 
+std::string fmt_seconds(double s) {
+  std::ostringstream os;
+  os << s << " s";
+  return os.str();
+}
+
 std::string unit_label(const StepModel& m, size_t u) {
   return "unit " + std::to_string(u) + " ('" + m.units[u].name + "')";
 }
@@ -169,9 +175,47 @@ constexpr double kMiB = 1024.0 * 1024.0;
 struct MipResult {
   std::vector<int> choice;
   bool optimal = false;
+  bool timed_out = false;  // stopped at the time limit (with or without a choice)
   double gap = 0;
   int64_t rows = 0, columns = 0;
 };
+
+// A plan for when the integer program stops at its time limit: each unit's
+// option that keeps the fewest bytes to its backward (ties: the lower
+// backward peak, then the faster), outer units first (a unit inside one that
+// does not run option 0 runs as part of it: option 0).
+std::vector<int> leanest_guess(const StepModel& m) {
+  auto sum = [&](size_t u, int k, auto field) {
+    int64_t b = 0;
+    for (const StepCall& c : m.units[u].calls) b += c.costs[k].*field;
+    return b;
+  };
+  std::vector<int> choice(m.units.size(), 0);
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (size_t k = 1; k < m.units[u].options.size(); ++k) {
+      const int a = static_cast<int>(k), b = choice[u];
+      const int64_t ka = sum(u, a, &StepCost::kept_bytes), kb = sum(u, b, &StepCost::kept_bytes);
+      const int64_t pa = sum(u, a, &StepCost::backward_peak_bytes), pb = sum(u, b, &StepCost::backward_peak_bytes);
+      if (ka < kb || (ka == kb && (pa < pb || (pa == pb && added_ms(m.units[u], a) < added_ms(m.units[u], b))))) {
+        choice[u] = a;
+      }
+    }
+  }
+  // Ancestors first: a unit whose ancestor runs an option other than 0 runs 0.
+  std::vector<size_t> depth(m.units.size(), 0), order(m.units.size());
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    order[u] = u;
+    for (int64_t a = m.units[u].parent; a >= 0; a = m.units[a].parent) ++depth[u];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return depth[a] < depth[b]; });
+  std::vector<int> out(m.units.size(), 0);
+  for (size_t u : order) {
+    bool free = true;
+    for (int64_t a = m.units[u].parent; a >= 0 && free; a = m.units[a].parent) free = out[a] == 0;
+    out[u] = free ? choice[u] : 0;
+  }
+  return out;
+}
 
 #if REMAT_HAVE_GLPK
 struct GlpProb {
@@ -324,6 +368,7 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
     throw Error("[remat::plan] internal: GLPK's glp_intopt returned " + std::to_string(ret) +
                 " on the step model; please report it with the model.");
   }
+  out->timed_out = ret == GLP_ETMLIM;
   if (status != GLP_OPT && status != GLP_FEAS) return false;
   out->choice.assign(m.units.size(), 0);
   for (size_t u = 0; u < m.units.size(); ++u) {
@@ -847,10 +892,27 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   }
   std::vector<Row> rows = rows_of(m);
   MipResult r;
-  if (solve_mip(m, rows, 0, /*min_peak=*/true, opt, &r)) choice = r.choice;
+  const bool found = solve_mip(m, rows, 0, /*min_peak=*/true, opt, &r);
+  // Stopped at the time limit: the leaner of what it found and the guess.
+  const std::vector<int> guess = leanest_guess(m);
+  choice = found ? r.choice : guess;
+  if (!(found && r.optimal) && simulate_step(m, guess).peak_bytes < simulate_step(m, choice).peak_bytes) choice = guess;
   // The fastest choice at that peak (the peak program ignores time).
   const int64_t peak = simulate_step(m, choice).peak_bytes;
-  StepPlan plan = solve_step(m, peak, opt);
+  StepPlan plan;
+  try {
+    plan = solve_step(m, peak, opt);
+  } catch (const Error&) {  // the time program stopped too: the choice itself
+    plan.prediction = simulate_step(m, choice);
+    plan.budget_bytes = peak;
+    plan.solver = "GLPK";
+    plan.optimal = false;
+    plan.relative_gap = std::numeric_limits<double>::infinity();
+  }
+  if (!(found && r.optimal)) {
+    plan.optimal = false;
+    plan.relative_gap = found ? r.gap : std::numeric_limits<double>::infinity();
+  }
   plan.solve_ms = ms_since(t0);
   return plan;
 }
@@ -897,6 +959,7 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
   // checked in integer bytes and, if over, solved again with the budget
   // lowered by the excess and a margin that grows (64 B, 256 B, ...).
   int64_t target = budget_bytes;
+  bool timed_out = false;
   for (int attempt = 0; attempt < 6; ++attempt) {
     const std::vector<Row> rows = binding_rows(all, target);
     MipResult r;
@@ -908,6 +971,7 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
       found = true;
     } else {
       found = solve_mip(m, rows, target, /*min_peak=*/false, opt, &r);
+      timed_out = timed_out || r.timed_out;
     }
     if (!found) break;
     StepPrediction pred = simulate_step(m, r.choice);
@@ -922,16 +986,46 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
     }
     target = budget_bytes - (pred.peak_bytes - budget_bytes) - (int64_t{64} << (2 * attempt));
   }
+  // The program found nothing that fits (stopped at its time limit, or
+  // within GLPK's tolerance): each unit's leanest option, if that fits.
+  if (StepPrediction guess = simulate_step(m, leanest_guess(m)); guess.peak_bytes <= budget_bytes) {
+    plan.prediction = std::move(guess);
+    plan.solver = "leanest options";
+    plan.optimal = false;
+    plan.relative_gap = std::numeric_limits<double>::infinity();
+    plan.solve_ms = ms_since(t0);
+    return plan;
+  }
+  if (timed_out) {
+    throw Error("[remat::plan] the solver stopped at its time limit of " + fmt_seconds(opt.time_limit_s) +
+                " before it found a plan of the step's " + std::to_string(m.units.size()) + " units within " +
+                format_bytes(budget_bytes) + " (not a chain: GLPK's integer program). Raise the time limit (" +
+                "StepSolveOptions::time_limit_s, AutoOptions::solver_time_limit_s), or the budget.");
+  }
   throw_infeasible(m, budget_bytes, opt);
 }
 
 [[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
   // Nothing fits: say how low the step can go and who sets that floor.
-  const StepPrediction low = min_peak_step(m, opt).prediction;
-  throw Error(
-      "[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) + "; the smallest feasible peak is " +
-      format_bytes(low.peak_bytes) + ", reached " + describe_segment(m, low.peak_segment) +
-      ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or images per step).");
+  // min_peak_step solves at the floor it finds, which could land here again
+  // (GLPK's tolerance): that inner call throws this short error, which
+  // min_peak_step catches.
+  thread_local bool inside = false;
+  if (inside) throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) + ".");
+  struct Guard {
+    Guard() { inside = true; }
+    ~Guard() { inside = false; }
+  } guard;
+  const StepPlan lean = min_peak_step(m, opt);
+  const StepPrediction& low = lean.prediction;
+  throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) + "; the smallest " +
+              (lean.optimal ? "feasible peak is " : "peak found is ") + format_bytes(low.peak_bytes) + ", reached " +
+              describe_segment(m, low.peak_segment) +
+              (lean.optimal ? std::string()
+                            : " (the solver stopped at its time limit of " + fmt_seconds(opt.time_limit_s) +
+                                  ": a longer one may find a leaner plan)") +
+              ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or images "
+              "per step).");
 }
 
 }  // namespace remat::plan

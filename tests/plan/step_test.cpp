@@ -528,6 +528,77 @@ TEST(StepSolve, InfeasibleBudgetNamesTheFloorAndWhoSetsIt) {
   EXPECT_EQ(plan.prediction.peak_bytes, 410 << 20);
 }
 
+// The chain run for two micro-batches: every unit called twice, the second
+// call's windows after the first's. Not a chain for the DP: GLPK's program.
+rp::StepModel two_micro_batches(const rp::StepModel& chain) {
+  rp::StepModel m = chain;
+  const int64_t n = static_cast<int64_t>(chain.segment_peak_bytes.size());
+  m.segment_peak_bytes.insert(m.segment_peak_bytes.end(), chain.segment_peak_bytes.begin(),
+                              chain.segment_peak_bytes.end());
+  for (auto& u : m.units) {
+    rp::StepCall c = u.calls[0];
+    for (int64_t* w : {&c.forward_begin, &c.forward_end, &c.backward_begin, &c.backward_end}) *w += n;
+    if (c.release_begin >= 0) c.release_begin += n;
+    if (c.release_end >= 0) c.release_end += n;
+    u.calls.push_back(c);
+  }
+  m.step_time_ms *= 2;
+  return m;
+}
+
+// GLPK stopped at its time limit (1 ms on 200 units called twice, where it
+// needs tens of seconds): the step still gets a plan that fits where one
+// was found, nothing claims to be optimal, and below what was found the
+// error says the solver stopped, not that no plan fits.
+TEST(StepSolve, AProgramStoppedAtItsTimeLimitStillGivesAPlanAndSaysSo) {
+  std::mt19937 rng(11);
+  const rp::StepModel m = two_micro_batches(random_chain(rng, 200, 6));
+  rp::StepSolveOptions quick;
+  quick.time_limit_s = 0.001;
+  const int64_t plain = rp::simulate_step(m, std::vector<int>(m.units.size(), 0)).peak_bytes;
+  const rp::StepPlan lean = rp::min_peak_step(m, quick);
+  EXPECT_FALSE(lean.optimal);
+  EXPECT_GT(lean.relative_gap, 0);
+  EXPECT_LT(lean.prediction.peak_bytes, plain);
+  EXPECT_EQ(rp::simulate_step(m, lean.prediction.choice).peak_bytes, lean.prediction.peak_bytes);
+  const rp::StepPlan fits = rp::solve_step(m, lean.prediction.peak_bytes, quick);
+  EXPECT_LE(fits.prediction.peak_bytes, lean.prediction.peak_bytes);
+  EXPECT_FALSE(fits.optimal) << fits.solver;
+  const int64_t below = lean.prediction.peak_bytes - 1;
+  try {
+    rp::solve_step(m, below, quick);
+    FAIL() << "expected an error";
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::plan] the solver stopped at its time limit of 0.001 s before it found a plan of the step's 200 "
+              "units within " +
+                  rp::format_bytes(below) +
+                  " (not a chain: GLPK's integer program). Raise the time limit (StepSolveOptions::time_limit_s, "
+                  "AutoOptions::solver_time_limit_s), or the budget.");
+  }
+  // A budget that nothing fits (under the step's fixed bytes): GLPK proves
+  // that at once, and the floor it names is the least found, said so.
+  try {
+    rp::solve_step(m, 1 << 20, quick);
+    FAIL() << "expected an error";
+  } catch (const remat::Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("[remat::auto] no plan of the step fits in 1.00 MiB; the smallest peak found is ", 0), 0u)
+        << what;
+    EXPECT_NE(what.find(" (the solver stopped at its time limit of 0.001 s: a longer one may find a leaner plan). "
+                        "Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or "
+                        "images per step)."),
+              std::string::npos)
+        << what;
+  }
+  // With the time it needs on a smaller step, the same program is optimal.
+  std::mt19937 rng2(12);
+  const rp::StepModel small = two_micro_batches(random_chain(rng2, 6, 3));
+  const rp::StepPlan exact = rp::min_peak_step(small);
+  EXPECT_TRUE(exact.optimal);
+  EXPECT_EQ(exact.relative_gap, 0);
+}
+
 TEST(StepSolve, ValidateNamesTheProblem) {
   rp::StepModel m;
   m.segment_peak_bytes = {1, 2};

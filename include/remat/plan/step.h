@@ -172,11 +172,16 @@ struct StepPlan {
    *  respects the nesting), "chain DP" (every unit called once, the outer
    *  units' windows nested as a chain's, inner units' inside their outer
    *  unit's: an exact dynamic program over the kept bytes, in integer
-   *  bytes) or "GLPK" (the 0-1 program, any structure). */
+   *  bytes), "GLPK" (the 0-1 program, any structure) or "leanest options"
+   *  (GLPK stopped at its time limit with nothing that fits, and each
+   *  unit's option that keeps the fewest bytes does: a plan, not the
+   *  fastest). */
   std::string solver;
   /** True when the solver proved the choice optimal (gap 0). */
   bool optimal = false;
-  /** (time - best bound) / best bound when stopped early; 0 when optimal. */
+  /** (time - best bound) / best bound when stopped early; 0 when optimal;
+   *  infinity when the plan is not the program's (no bound to measure it
+   *  by). min_peak_step: the peak program's gap when it stopped early. */
   double relative_gap = 0;
   double solve_ms = 0;  ///< wall time of the solve, ms
   /** Rows and columns of the integer program after removing rows that
@@ -188,10 +193,14 @@ struct StepPlan {
 
 /** The fastest choice whose predicted peak is <= budget_bytes. Throws
  *  remat::Error when none fits: the message gives the smallest feasible
- *  peak and the unit whose window sets it. */
+ *  peak and the unit whose window sets it; or, when GLPK stopped at the time
+ *  limit before it found a choice that fits (and each unit's leanest option
+ *  does not fit either), an error that says so, with the remedy. */
 StepPlan solve_step(const StepModel& model, int64_t budget_bytes, const StepSolveOptions& options = {});
 
-/** The choice with the smallest predicted peak (the fastest among those). */
+/** The choice with the smallest predicted peak (the fastest among those).
+ *  When GLPK stops at the time limit, the leaner of what it found and each
+ *  unit's leanest option, with optimal false: a leaner choice may exist. */
 StepPlan min_peak_step(const StepModel& model, const StepSolveOptions& options = {});
 
 /** Where segment s lies: "in the forward of unit 'blocks.3' (call 2 of 3)",
