@@ -806,7 +806,9 @@ TORCH_MODULE(WrappedLinearRelu);
 // (a checkpoint keeps the block's input). Only the pair credit shows the
 // planner that offloading neighbours pays: the leanest plan offloads
 // them, and the real step stays within its prediction (plus what the disk
-// holds in flight) and bitwise equal to plain. Each outermost block after
+// holds in flight) and bitwise equal to plain. With a Linear before each
+// block's Linear-ReLU, an inner unit, recompute frees that Linear's
+// output, but the credit still lowers the floor. Each outermost block after
 // the first is paired with the outermost block before it, also where that
 // block's output comes from an inner unit (then the step is still a chain,
 // solved by the DP).
@@ -853,7 +855,9 @@ void check_neighbours(const std::function<torch::nn::AnyModule()>& block, bool r
   // bytes in flight); where recompute frees nothing, without it no plan is
   // leaner than plain.
   const int64_t unpaired_floor = remat::plan::min_peak_step(unpaired).prediction.peak_bytes;
-  if (recompute_frees_nothing) EXPECT_EQ(unpaired_floor, planner.profiled_peak_bytes());
+  if (recompute_frees_nothing) {
+    EXPECT_EQ(unpaired_floor, planner.profiled_peak_bytes());
+  }
   EXPECT_LT(remat::plan::min_peak_step(m).prediction.peak_bytes, unpaired_floor * 9 / 10);
   EXPECT_LT(leanest, planner.profiled_peak_bytes());
   planner.replan(leanest);
@@ -1199,6 +1203,45 @@ TEST(Auto, InfeasibleBudgetSaysTheSmallestPeakAndLosesNothing) {
   EXPECT_FALSE(planner.planned());
   EXPECT_NE(remat::describe_checkpointing(*w.model).find("0 of 12 checkpointable modules on"), std::string::npos)
       << remat::describe_checkpointing(*w.model);
+}
+
+// A step that is not a chain (two micro-batches: GLPK's program) whose
+// solver gets no time at all: no budget is said to be infeasible on a floor
+// the solver did not prove, and the remedy names the time limit.
+TEST(Auto, ASolverOutOfTimeSaysItsFloorIsOnlyTheLeastFound) {
+  torch::manual_seed(0);
+  remat::models::GptConfig c;
+  c.vocab = 256;
+  c.seq_len = 64;
+  c.d_model = 64;
+  c.heads = 4;
+  c.layers = 3;
+  auto gpt = remat::models::Gpt(c);
+  auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto idx = batches(2, {4, 65}, true, c.vocab);
+  auto planner = remat::auto_checkpoint(
+      gpt,
+      remat::AutoOptions().memory_budget_bytes(64 << 10).warmup_steps(0).profile_repeats(1).solver_time_limit_s(1e-6));
+  try {
+    planner.step([&] {
+      opt->zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {
+        auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(idx[micro].slice(1, 0, 64))), idx[micro].slice(1, 1, 65));
+        (loss / 2).backward();
+      }
+      opt->step();
+    });
+    FAIL();
+  } catch (const remat::Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("[remat::auto] no plan of the step fits in 64.00 KiB; the smallest peak found is ", 0), 0u) << m;
+    EXPECT_NE(
+        m.find("; the solver stopped at its time limit of 1e-06 s: a longer solver_time_limit_s may find a leaner "
+               "plan. Raise the memory budget to at least that, or make what runs there smaller (fewer tokens "
+               "or images per step)."),
+        std::string::npos)
+        << m;
+  }
 }
 
 TEST(Auto, ReplanSweepsBudgetsWithoutProfilingAgain) {
