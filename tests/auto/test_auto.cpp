@@ -648,35 +648,37 @@ TEST(Auto, GptUnderBf16AutocastBitwiseAndWithinBudget) {
       "GPT under bf16 autocast");
 }
 
+// Gradient accumulation: each block is called twice per step, each call's
+// backward before the next call's forward (the GLPK path: not a chain).
+Make gpt_micro_batches_workload() {
+  return [](bool set_to_none) {
+    remat::models::GptConfig c;
+    c.vocab = 256;
+    c.seq_len = 64;
+    c.d_model = 64;
+    c.heads = 4;
+    c.layers = 3;
+    c.dropout = 0.1;
+    auto gpt = remat::models::Gpt(c);
+    auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto idx = batches(2 * (kSteps + 1), {4, 65}, true, c.vocab);
+    Workload w;
+    w.model = gpt.ptr();
+    w.step = [gpt, opt, idx, set_to_none](int k) mutable {
+      opt->zero_grad(set_to_none);
+      for (int micro = 0; micro < 2; ++micro) {
+        const auto& b = idx[2 * k + micro];
+        auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(b.slice(1, 0, 64))), b.slice(1, 1, 65));
+        (loss / 2).backward();
+      }
+      opt->step();
+    };
+    return w;
+  };
+}
+
 TEST(Auto, GptWithTwoMicroBatchesPerStepBitwiseAndWithinBudget) {
-  // Gradient accumulation: each block is called twice per step, each call's
-  // backward before the next call's forward (the GLPK path: not a chain).
-  check_workload(
-      [](bool set_to_none) {
-        remat::models::GptConfig c;
-        c.vocab = 256;
-        c.seq_len = 64;
-        c.d_model = 64;
-        c.heads = 4;
-        c.layers = 3;
-        c.dropout = 0.1;
-        auto gpt = remat::models::Gpt(c);
-        auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
-        auto idx = batches(2 * (kSteps + 1), {4, 65}, true, c.vocab);
-        Workload w;
-        w.model = gpt.ptr();
-        w.step = [gpt, opt, idx, set_to_none](int k) mutable {
-          opt->zero_grad(set_to_none);
-          for (int micro = 0; micro < 2; ++micro) {
-            const auto& b = idx[2 * k + micro];
-            auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(b.slice(1, 0, 64))), b.slice(1, 1, 65));
-            (loss / 2).backward();
-          }
-          opt->step();
-        };
-        return w;
-      },
-      "GPT, 2 micro-batches");
+  check_workload(gpt_micro_batches_workload(), "GPT, 2 micro-batches");
 }
 
 Make resnet_workload() {
@@ -1210,27 +1212,12 @@ TEST(Auto, InfeasibleBudgetSaysTheSmallestPeakAndLosesNothing) {
 // the solver did not prove, and the remedy names the time limit.
 TEST(Auto, ASolverOutOfTimeSaysItsFloorIsOnlyTheLeastFound) {
   torch::manual_seed(0);
-  remat::models::GptConfig c;
-  c.vocab = 256;
-  c.seq_len = 64;
-  c.d_model = 64;
-  c.heads = 4;
-  c.layers = 3;
-  auto gpt = remat::models::Gpt(c);
-  auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
-  auto idx = batches(2, {4, 65}, true, c.vocab);
+  Workload w = gpt_micro_batches_workload()(true);
   auto planner = remat::auto_checkpoint(
-      gpt,
+      *w.model,
       remat::AutoOptions().memory_budget_bytes(64 << 10).warmup_steps(0).profile_repeats(1).solver_time_limit_s(1e-6));
   try {
-    planner.step([&] {
-      opt->zero_grad();
-      for (int micro = 0; micro < 2; ++micro) {
-        auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(idx[micro].slice(1, 0, 64))), idx[micro].slice(1, 1, 65));
-        (loss / 2).backward();
-      }
-      opt->step();
-    });
+    planner.step([&] { w.step(0); });
     FAIL();
   } catch (const remat::Error& e) {
     const std::string m = e.what();
