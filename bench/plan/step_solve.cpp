@@ -10,7 +10,9 @@
 // units checkpointed), the inner units five; the chain DP takes each block
 // with its inner units as one step. All three are chains for the DP. A
 // fourth runs the chain for two micro-batches per step (each unit called
-// twice), which GLPK's integer program solves. For each
+// twice, gradient accumulation), a chain per micro-batch for the DP. A
+// fifth runs it on two inputs before one backward (both forwards, then
+// both backwards), which GLPK's integer program solves. For each
 // shape and U, budgets at 5 points from the leanest feasible peak to the
 // plain peak: solve time (ms, one solve each), rows and columns of the
 // integer program, optimal or the gap. Writes JSON lines to
@@ -156,8 +158,8 @@ rp::StepModel resnet_like(int units, std::mt19937& rng) {
 
 // The chain run for two micro-batches per step (gradient accumulation):
 // every unit called twice, the first micro-batch's forward and backward
-// before the second's, the same costs for both calls. A unit called more
-// than once is not a chain for the DP: GLPK's integer program solves it.
+// before the second's, the same costs for both calls: a chain per
+// micro-batch, one choice for both, for the DP.
 rp::StepModel two_micro_batches(int units, std::mt19937& rng) {
   rp::StepModel m = transformer_like(units, rng);
   const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
@@ -168,6 +170,31 @@ rp::StepModel two_micro_batches(int units, std::mt19937& rng) {
     unit.calls.push_back(second);
   }
   m.step_time_ms *= 2;
+  add_keep_peaks(m);
+  return m;
+}
+
+// The chain run on two inputs before one backward (two losses summed):
+// both forwards, the loss, then the second input's backward and the
+// first's. Each unit's first call keeps its bytes across the second's
+// windows: not a chain, GLPK's integer program solves it.
+rp::StepModel both_forwards_first(int units, std::mt19937& rng) {
+  const rp::StepModel chain = transformer_like(units, rng);
+  rp::StepModel m;
+  const int64_t u_count = units, n = 4 * u_count + 3;
+  m.segment_peak_bytes.assign(n, 512 * (int64_t{1} << 20));
+  m.step_time_ms = 2 * chain.step_time_ms;
+  for (int64_t u = 0; u < u_count; ++u) {
+    rp::StepUnit unit = chain.units[u];
+    const int64_t back = u_count - 1 - u;  // its place in each backward
+    rp::StepCall first = unit.calls[0], second = unit.calls[0];
+    first.forward_begin = 1 + u, first.forward_end = 2 + u;
+    first.backward_begin = 3 * u_count + 2 + back, first.backward_end = 3 * u_count + 3 + back;
+    second.forward_begin = u_count + 1 + u, second.forward_end = u_count + 2 + u;
+    second.backward_begin = 2 * u_count + 2 + back, second.backward_end = 2 * u_count + 3 + back;
+    unit.calls = {first, second};
+    m.units.push_back(unit);
+  }
   add_keep_peaks(m);
   return m;
 }
@@ -187,13 +214,14 @@ int main(int argc, char** argv) {
   out << "{\"kind\": \"meta\", \"program\": \"remat_step_solve\", \"options_per_unit\": 6, \"seed\": 1}\n";
   std::printf("%7s %6s %8s %10s %8s %8s %10s %s\n", "shape", "units", "budget", "solve ms", "rows", "cols", "time ms",
               "solver status");
-  for (const std::string shape : {"chain", "paired", "nested", "twice"}) {
+  for (const std::string shape : {"chain", "paired", "nested", "twice", "both"}) {
     for (int units : {10, 25, 50, 100, 200, 400}) {
       std::mt19937 rng(1);
       const rp::StepModel m = shape == "chain"    ? transformer_like(units, rng)
                               : shape == "paired" ? resnet_like(units, rng)
                               : shape == "nested" ? transformer_nested(units, rng)
-                                                  : two_micro_batches(units, rng);
+                              : shape == "twice"  ? two_micro_batches(units, rng)
+                                                  : both_forwards_first(units, rng);
       const int u_count = static_cast<int>(m.units.size());
       const auto t0 = std::chrono::steady_clock::now();
       const rp::StepPlan lean = rp::min_peak_step(m);

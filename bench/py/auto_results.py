@@ -266,7 +266,8 @@ def targets(recs, py=None):
 
 SHAPES = {"chain": "a chain of blocks", "paired": "a chain of blocks, each sharing its input with the one before",
           "nested": "blocks with attention and MLP units inside",
-          "twice": "a chain of blocks run for two micro-batches (every unit called twice)"}
+          "twice": "a chain of blocks run for two micro-batches, one after the other (every unit called twice)",
+          "both": "a chain of blocks run on two inputs before one backward (every unit called twice)"}
 
 
 def solver(recs):

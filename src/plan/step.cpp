@@ -1,4 +1,5 @@
-// The whole-step model's simulator and its exact solver: a 0-1 integer
+// The whole-step model's simulator and its exact solvers: a dynamic program
+// for chains (NOTE [the chain DP], NOTE [phases]), else a 0-1 integer
 // program (one binary per unit and non-profiled option, a row per distinct
 // memory constraint), solved by GLPK's branch and cut. Leaves out
 // heuristics: GLPK proves optimality or reports its gap at the time limit.
@@ -9,6 +10,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -426,7 +428,12 @@ std::vector<Row> binding_rows(const std::vector<Row>& rows, int64_t budget_bytes
 // Pareto front of (P, time) pairs: a pair with both more kept bytes and
 // more time than another can never be better. Exact in integer bytes; the
 // front stays small in practice (its size is capped, beyond which GLPK
-// takes over, as it does for blocks with too many combinations).
+// takes over, as it does for blocks with too many combinations). Before it
+// runs, a min-max pass from the last block back gives, per block, the
+// least headroom the blocks from it on need above their prefix (their
+// floor): an entry whose prefix plus that floor exceeds the budget can
+// never finish and is never kept, and the first block's floor is the
+// step's least peak.
 struct BlockOption {
   std::vector<int> choice;  // one option per member of the block
   int64_t kept = 0;         // kept-byte delta from the block's release point to its backward begin
@@ -590,75 +597,304 @@ std::optional<ChainCaps> chain_structure(const StepModel& m) {
   return c;
 }
 
+// NOTE [phases]: a step run for several micro-batches (gradient
+// accumulation) calls every unit once per micro-batch, the first
+// micro-batch's forward and backward before the second's forward. Each
+// micro-batch is then a phase: a range of segments where every unit has
+// exactly one call, the calls a chain as above (NOTE [the chain DP]). One
+// choice serves all phases, so the DP carries one kept-byte prefix per
+// phase and keeps the entries no other entry beats on every prefix and on
+// time. When every call of a unit costs the same bytes in every phase (the
+// micro-batches have one shape), the prefixes are equal and the front is
+// as small as one phase's.
+struct StepChain {
+  std::vector<ChainCaps> phases;  // the same blocks, in the same order, in each
+  // Per phase, per block j (0..n) and per whether block j-1 lets go of the
+  // output block j's pair credit shares: the least, over every choice of
+  // blocks j.., of the highest segment they reach above the kept-byte
+  // prefix P_j (min: none). P_j + floor > budget: no choice of blocks j..
+  // fits. With one phase, floor[0][0][0] (with between[0]) is the step's
+  // least peak.
+  std::vector<std::vector<std::array<int64_t, 2>>> floor;
+};
+
+constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+constexpr size_t kMaxPhases = 32;  // the DP's entries hold one bit per phase
+
+int64_t plus(int64_t need, int64_t bytes) { return need == kNone ? kNone : need + bytes; }
+
+// The suffix floors of one phase (see StepChain::floor), blocks last to
+// first: a min-max over each block's options, exact for one phase.
+std::vector<std::array<int64_t, 2>> floors_of(const ChainCaps& c) {
+  const size_t n = c.order.size();
+  std::vector<std::array<int64_t, 2>> f(n + 1, {kNone, kNone});
+  for (size_t j = n; j-- > 0;) {
+    for (int x = 0; x < 2; ++x) {
+      int64_t best = std::numeric_limits<int64_t>::max();
+      for (const BlockOption& o : c.options[j]) {
+        const int64_t credit = x != 0 && o.in ? o.credit : 0;
+        const int64_t kept = o.kept - credit;
+        const int64_t need = std::max({o.fwd, o.bwd, o.early, plus(o.early_pair, -credit), plus(c.between[j + 1], kept),
+                                       plus(f[j + 1][o.out ? 1 : 0], kept)});
+        best = std::min(best, need);
+      }
+      f[j][x] = best;
+    }
+  }
+  return f;
+}
+
+// The step's chain structure: one phase when every unit is called once,
+// else one per micro-batch (NOTE [phases]); nullopt when it is neither.
+std::optional<StepChain> chain_of(const StepModel& m) {
+  StepChain out;
+  const size_t phases = m.units.empty() ? 1 : m.units[0].calls.size();
+  if (phases == 1) {
+    std::optional<ChainCaps> c = chain_structure(m);
+    if (!c) return std::nullopt;
+    out.phases.push_back(std::move(*c));
+  } else {
+    if (phases == 0 || phases > kMaxPhases) return std::nullopt;
+    for (const StepUnit& u : m.units) {
+      if (u.calls.size() != phases) return std::nullopt;
+    }
+    // Phase p runs from the first forward of its calls to the next phase's;
+    // its calls' backwards end before that.
+    const int64_t segments = static_cast<int64_t>(m.segment_peak_bytes.size());
+    std::vector<int64_t> begin(phases + 1, segments);
+    begin[0] = 0;
+    for (size_t p = 1; p < phases; ++p) {
+      for (const StepUnit& u : m.units) begin[p] = std::min(begin[p], u.calls[p].forward_begin);
+    }
+    for (size_t p = 0; p < phases; ++p) {
+      for (const StepUnit& u : m.units) {
+        if (u.calls[p].forward_begin < begin[p] || u.calls[p].backward_end > begin[p + 1]) return std::nullopt;
+      }
+    }
+    for (size_t p = 0; p < phases; ++p) {
+      StepModel sub;
+      sub.segment_peak_bytes.assign(m.segment_peak_bytes.begin() + begin[p],
+                                    m.segment_peak_bytes.begin() + begin[p + 1]);
+      sub.units.resize(m.units.size());
+      for (size_t u = 0; u < m.units.size(); ++u) {
+        sub.units[u].options.resize(m.units[u].options.size());
+        sub.units[u].parent = m.units[u].parent;
+        StepCall c = m.units[u].calls[p];
+        for (int64_t* s : {&c.forward_begin, &c.forward_end, &c.backward_begin, &c.backward_end}) *s -= begin[p];
+        for (int64_t* s : {&c.release_begin, &c.release_end, &c.pair_begin}) {
+          if (*s >= 0) *s -= begin[p];
+        }
+        // A credit with another micro-batch's call of the unit before is
+        // the same to the memory rule (one choice serves both): call 0.
+        if (has_pair(c)) c.pair_call = 0;
+        sub.units[u].calls.push_back(std::move(c));
+      }
+      std::optional<ChainCaps> c = chain_structure(sub);
+      if (!c) return std::nullopt;
+      const ChainCaps& first = out.phases.empty() ? *c : out.phases[0];
+      if (c->order != first.order || c->members != first.members) return std::nullopt;
+      out.phases.push_back(std::move(*c));
+    }
+  }
+  for (const ChainCaps& c : out.phases) out.floor.push_back(floors_of(c));
+  return out;
+}
+
+// A lower bound on every choice's peak: exact with one phase (each phase's
+// least peak, the phases' choices taken apart, otherwise).
+int64_t chain_floor(const StepChain& sc) {
+  int64_t low = 0;
+  for (size_t p = 0; p < sc.phases.size(); ++p) {
+    low = std::max({low, sc.phases[p].between[0], sc.floor[p][0][0]});
+  }
+  return low;
+}
+
 constexpr size_t kMaxFront = 200000;
+// Dominance checks per entry against the entries kept before it: exact for
+// one phase (the last one decides) and for equal prefixes; beyond it a
+// dominated entry may stay, which costs time, not exactness.
+constexpr size_t kDominanceWindow = 32;
 
 // The chain DP: false when no choice fits (or the front outgrew kMaxFront:
 // *too_big is then set).
-bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::vector<int>* choice, bool* too_big) {
+// Each level's front is grouped by `out` (which outputs the last block lets
+// go of, per phase), each group sorted by its kept-byte prefixes
+// (lexicographically, phase by phase) then time. A block option adds the
+// same bytes to every entry of a group, which keeps that order: the
+// candidates of one group and option are a sorted stream, and the next
+// front is a merge of streams (a heap), pruned as it is drawn.
+bool solve_chain(const StepModel& m, const StepChain& sc, int64_t budget, std::vector<int>* choice, bool* too_big) {
   struct Entry {
-    int64_t p;
     double t;
     int32_t prev;
     int32_t option;
-    bool out;  // its last block lets go of the output the next block's pair credit shares
+    uint32_t out;  // per phase: its last block lets go of the output the next block's pair credit shares
   };
-  const size_t n = c.order.size();
-  const int64_t none = std::numeric_limits<int64_t>::min();
-  if (c.between[0] != none && c.between[0] > budget) return false;
+  struct Stream {
+    size_t pos, end;  // its group's entries still to draw
+    int32_t option;   // the block option it adds
+    uint32_t out;     // that option's `out`
+    double ms;        // its time added
+    size_t bytes;     // into `deltas` and `limits`: f each
+  };
+  const size_t f = sc.phases.size();
+  const size_t n = sc.phases[0].order.size();
+  for (size_t p = 0; p < f; ++p) {
+    if (sc.phases[p].between[0] > budget || plus(sc.floor[p][0][0], 0) > budget) return false;
+  }
+  // Per level: the entries; the last level's kept-byte prefixes (f per
+  // entry: the walk back needs only the entries).
   std::vector<std::vector<Entry>> levels;
-  levels.push_back({{0, 0.0, -1, -1, false}});
+  std::vector<int64_t> fp(f, 0);
+  levels.push_back({{0.0, -1, -1, 0}});
+  std::vector<Stream> streams;
+  std::vector<int64_t> deltas, limits;
+  std::vector<size_t> heap;
   for (size_t j = 0; j < n; ++j) {
-    std::vector<Entry> next;
-    const auto& front = levels.back();
-    if (front.size() * c.options[j].size() > 16 * kMaxFront) {  // bounds next's memory; GLPK takes over
+    const std::vector<Entry>& front = levels.back();
+    const size_t options = sc.phases[0].options[j].size();
+    if (front.size() * options * f > 16 * kMaxFront) {  // bounds the time per level; GLPK takes over
       *too_big = true;
       return false;
     }
-    for (size_t e = 0; e < front.size(); ++e) {
-      for (size_t k = 0; k < c.options[j].size(); ++k) {
-        const BlockOption& o = c.options[j][k];
-        const int64_t p = front[e].p;
-        if (o.fwd != none && o.fwd + p > budget) continue;
-        if (o.bwd != none && o.bwd + p > budget) continue;
-        if (o.early != none && o.early + p > budget) continue;
-        const int64_t credit = front[e].out && o.in ? o.credit : 0;
-        if (o.early_pair != none && o.early_pair - credit + p > budget) continue;
-        const int64_t q = p + o.kept - credit;
-        if (c.between[j + 1] != none && c.between[j + 1] + q > budget) continue;
-        next.push_back({q, front[e].t + o.ms, static_cast<int32_t>(e), static_cast<int32_t>(k), o.out});
+    // One stream per group of the front and option: what the option adds
+    // to each phase's prefix, and the most each prefix may hold for every
+    // window of the option and the floor of the blocks after it to fit.
+    streams.clear();
+    deltas.clear();
+    limits.clear();
+    for (size_t g = 0; g < front.size();) {
+      size_t ge = g;
+      while (ge < front.size() && front[ge].out == front[g].out) ++ge;
+      for (size_t k = 0; k < options; ++k) {
+        Stream s{g, ge, static_cast<int32_t>(k), 0, 0, deltas.size()};
+        for (size_t p = 0; p < f; ++p) {
+          const BlockOption& o = sc.phases[p].options[j][k];
+          const int64_t credit = (front[g].out >> p & 1u) != 0 && o.in ? o.credit : 0;
+          const int64_t kept = o.kept - credit;
+          const int64_t need =
+              std::max({o.fwd, o.bwd, o.early, plus(o.early_pair, -credit), plus(sc.phases[p].between[j + 1], kept),
+                        plus(sc.floor[p][j + 1][o.out ? 1 : 0], kept)});
+          deltas.push_back(kept);
+          const int64_t most = std::numeric_limits<int64_t>::max();
+          limits.push_back(need == kNone || (need < 0 && budget > most + need) ? most : budget - need);
+          if (o.out) s.out |= 1u << p;
+          s.ms += o.ms;
+        }
+        streams.push_back(s);
       }
+      g = ge;
+    }
+    const auto fits = [&](const Stream& s) {
+      for (size_t p = 0; p < f; ++p) {
+        if (fp[s.pos * f + p] > limits[s.bytes + p]) return false;
+      }
+      return true;
+    };
+    // Moves a stream to its next candidate that fits (with one phase, the
+    // first that does not ends it: prefixes grow along a group).
+    const auto settle = [&](Stream& s) {
+      while (s.pos < s.end && !fits(s)) s.pos = f == 1 ? s.end : s.pos + 1;
+    };
+    // Candidate order: prefixes, then time (a > b: b first).
+    const auto later = [&](size_t a, size_t b) {
+      const Stream& x = streams[a];
+      const Stream& y = streams[b];
+      for (size_t p = 0; p < f; ++p) {
+        const int64_t qx = fp[x.pos * f + p] + deltas[x.bytes + p];
+        const int64_t qy = fp[y.pos * f + p] + deltas[y.bytes + p];
+        if (qx != qy) return qx > qy;
+      }
+      return front[x.pos].t + x.ms > front[y.pos].t + y.ms;
+    };
+    std::vector<Entry> next;
+    std::vector<int64_t> next_p;
+    std::vector<std::pair<size_t, size_t>> groups;  // [begin, end) into next, by `out` ascending
+    std::vector<uint32_t> masks;
+    for (const Stream& s : streams) masks.push_back(s.out);
+    std::sort(masks.begin(), masks.end());
+    masks.erase(std::unique(masks.begin(), masks.end()), masks.end());
+    for (uint32_t mask : masks) {
+      heap.clear();
+      for (size_t i = 0; i < streams.size(); ++i) {
+        if (streams[i].out != mask) continue;
+        settle(streams[i]);
+        if (streams[i].pos < streams[i].end) heap.push_back(i);
+      }
+      std::make_heap(heap.begin(), heap.end(), later);
+      const size_t from = next.size();
+      while (!heap.empty()) {
+        std::pop_heap(heap.begin(), heap.end(), later);
+        Stream& s = streams[heap.back()];
+        const double t = front[s.pos].t + s.ms;
+        // Dominated by an entry drawn before it (no more bytes in the first
+        // phase, by the order): the last decides with one phase.
+        bool dominated = false;
+        for (size_t y = next.size(), w = 0; y > from && w < kDominanceWindow && !dominated; --y, ++w) {
+          dominated = next[y - 1].t <= t;
+          for (size_t p = 0; p < f && dominated; ++p) {
+            dominated = next_p[(y - 1) * f + p] <= fp[s.pos * f + p] + deltas[s.bytes + p];
+          }
+        }
+        if (!dominated) {
+          next.push_back({t, static_cast<int32_t>(s.pos), s.option, mask});
+          for (size_t p = 0; p < f; ++p) next_p.push_back(fp[s.pos * f + p] + deltas[s.bytes + p]);
+        }
+        ++s.pos;
+        settle(s);
+        if (s.pos < s.end) {
+          std::push_heap(heap.begin(), heap.end(), later);
+        } else {
+          heap.pop_back();
+        }
+      }
+      if (next.size() > from) groups.push_back({from, next.size()});
     }
     if (next.empty()) return false;
-    // Pareto front: by kept bytes, then time; keep an entry only if it is
-    // faster than every entry with fewer or equal bytes (among those that
-    // agree on `out`: letting go of the shared output may pay later).
-    std::sort(next.begin(), next.end(), [](const Entry& a, const Entry& b) {
-      return a.out != b.out ? a.out < b.out : a.p < b.p || (a.p == b.p && a.t < b.t);
-    });
-    std::vector<Entry> pruned;
-    for (size_t x = 0; x < next.size(); ++x) {
-      const bool fresh = x == 0 || next[x].out != next[x - 1].out;
-      if (fresh || next[x].t < pruned.back().t) pruned.push_back(next[x]);
-    }
-    // An entry that lets go is as good as one that does not, with no more
-    // bytes or time: drop those it dominates (both groups sorted by bytes,
-    // times falling).
-    const auto lets_go = std::find_if(pruned.begin(), pruned.end(), [](const Entry& x) { return x.out; });
-    if (lets_go != pruned.begin() && lets_go != pruned.end()) {
-      std::vector<Entry> kept;
-      auto y = lets_go;  // the last entry that lets go with bytes <= x's
-      for (auto x = pruned.begin(); x != lets_go; ++x) {
-        while (y + 1 != pruned.end() && (y + 1)->p <= x->p) ++y;
-        if (!(y->p <= x->p && y->t <= x->t)) kept.push_back(*x);
+    // Across groups: an entry is dropped when one that lets go of more
+    // outputs (letting go may pay later) has no more bytes in any phase and
+    // no more time; checked at the entries of that group with no more bytes
+    // in the first phase (sorted so: a walk).
+    const auto beats = [&](size_t y, size_t x) {
+      if (next[y].t > next[x].t) return false;
+      for (size_t p = 0; p < f; ++p) {
+        if (next_p[y * f + p] > next_p[x * f + p]) return false;
       }
-      kept.insert(kept.end(), lets_go, pruned.end());
-      pruned = std::move(kept);
+      return true;
+    };
+    std::vector<char> gone(next.size(), 0);
+    for (const auto& [gb, ge] : groups) {
+      for (const auto& [hb, he] : groups) {
+        const uint32_t a = next[gb].out, b = next[hb].out;
+        if (a == b || (a & b) != a) continue;
+        size_t y = hb;  // one past the last entry of the other group with first prefix <= x's
+        for (size_t x = gb; x < ge; ++x) {
+          while (y < he && next_p[y * f] <= next_p[x * f]) ++y;
+          for (size_t z = y, w = 0; z > hb && w < kDominanceWindow; --z, ++w) {
+            if (beats(z - 1, x)) {
+              gone[x] = 1;
+              break;
+            }
+          }
+        }
+      }
+    }
+    std::vector<Entry> pruned;
+    std::vector<int64_t> pruned_p;
+    pruned.reserve(next.size());
+    pruned_p.reserve(next_p.size());
+    for (size_t x = 0; x < next.size(); ++x) {
+      if (gone[x] != 0) continue;
+      pruned.push_back(next[x]);
+      pruned_p.insert(pruned_p.end(), next_p.begin() + x * f, next_p.begin() + (x + 1) * f);
     }
     if (pruned.size() > kMaxFront) {
       *too_big = true;
       return false;
     }
     levels.push_back(std::move(pruned));
+    fp = std::move(pruned_p);
   }
   // The fastest at the end; walk back.
   const auto& last = levels.back();
@@ -666,6 +902,7 @@ bool solve_chain(const StepModel& m, const ChainCaps& c, int64_t budget, std::ve
   for (size_t e = 1; e < last.size(); ++e) {
     if (last[e].t < last[best].t) best = e;
   }
+  const ChainCaps& c = sc.phases[0];
   choice->assign(m.units.size(), 0);
   int32_t at = static_cast<int32_t>(best);
   for (size_t j = n; j > 0; --j) {
@@ -871,11 +1108,18 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   validate(m);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<int> choice(m.units.size(), 0);
-  if (const std::optional<ChainCaps> chain = chain_structure(m)) {
-    // The least budget the DP fits, by bisection in whole bytes.
-    int64_t hi = simulate_step(m, choice).peak_bytes, lo = 0;  // hi fits (the profiled choice); lo does not
+  if (const std::optional<StepChain> chain = chain_of(m)) {
+    // The least budget the DP fits: its floor with one phase; else by
+    // bisection in whole bytes from the floor (each phase's least peak).
+    int64_t hi = simulate_step(m, choice).peak_bytes;  // fits (the profiled choice)
+    int64_t lo = chain_floor(*chain) - 1;              // does not
     std::vector<int> c;
     bool too_big = false;
+    if (solve_chain(m, *chain, lo + 1, &c, &too_big)) {
+      hi = lo + 1;
+    } else {
+      ++lo;
+    }
     while (hi - lo > 1 && !too_big) {
       const int64_t mid = lo + (hi - lo) / 2;
       if (solve_chain(m, *chain, mid, &c, &too_big)) {
@@ -936,7 +1180,7 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
       return plan;
     }
   }
-  if (const std::optional<ChainCaps> chain = chain_structure(m)) {
+  if (const std::optional<StepChain> chain = chain_of(m)) {
     std::vector<int> choice;
     bool too_big = false;
     if (solve_chain(m, *chain, budget_bytes, &choice, &too_big)) {

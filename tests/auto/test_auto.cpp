@@ -358,8 +358,9 @@ void expect_bitwise(const Result& plain, const Result& got, const std::string& w
 /** Plain against auto at three budgets from the leanest feasible to the
  *  plain peak (found from a first planned run's step model), both zero_grad
  *  styles; base gives the options but the budget. */
+// With `lean_solver`, the plan nearest the leanest is that solver's.
 void check_workload(const Make& make, const std::string& name, const remat::AutoOptions& base = remat::AutoOptions(),
-                    bool has_inner_units = false) {
+                    bool has_inner_units = false, const std::string& lean_solver = "") {
   int inner_chosen = 0, nested_chosen = 0;  // over every plan: the nesting is exercised, not only kept at keep
   for (bool set_to_none : {true, false}) {
     const Result plain = run(make, set_to_none, std::nullopt);
@@ -393,6 +394,10 @@ void check_workload(const Make& make, const std::string& name, const remat::Auto
         if (!got.stage_forwards.empty()) {
           EXPECT_EQ(got.stage_forwards[i], got.expected_stage_forwards[i]) << what << "\n" << got.explain;
         }
+      }
+      if (!lean_solver.empty() && f == 0.05) {
+        EXPECT_NE(got.explain.find("solver: " + lean_solver + ", optimal"), std::string::npos) << what << "\n"
+                                                                                               << got.explain;
       }
       // The leanest plans recompute inside the chain: its schedules are used, not only store-all.
       if (!got.chain_choice.empty() && f == 0.05) {
@@ -650,8 +655,11 @@ TEST(Auto, GptUnderBf16AutocastBitwiseAndWithinBudget) {
 
 // Gradient accumulation: each block is called twice per step, each call's
 // backward before the next call's forward (the GLPK path: not a chain).
-Make gpt_micro_batches_workload() {
-  return [](bool set_to_none) {
+// Two micro-batches per step: a backward per micro-batch (gradient
+// accumulation), or with `one_backward` both forwards before one backward
+// of their summed losses (not a chain per micro-batch: GLPK's program).
+Make gpt_micro_batches_workload(bool one_backward = false) {
+  return [one_backward](bool set_to_none) {
     remat::models::GptConfig c;
     c.vocab = 256;
     c.seq_len = 64;
@@ -664,13 +672,19 @@ Make gpt_micro_batches_workload() {
     auto idx = batches(2 * (kSteps + 1), {4, 65}, true, c.vocab);
     Workload w;
     w.model = gpt.ptr();
-    w.step = [gpt, opt, idx, set_to_none](int k) mutable {
+    w.step = [gpt, opt, idx, set_to_none, one_backward](int k) mutable {
       opt->zero_grad(set_to_none);
+      torch::Tensor total;
       for (int micro = 0; micro < 2; ++micro) {
         const auto& b = idx[2 * k + micro];
-        auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(b.slice(1, 0, 64))), b.slice(1, 1, 65));
-        (loss / 2).backward();
+        auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(b.slice(1, 0, 64))), b.slice(1, 1, 65)) / 2;
+        if (!one_backward) {
+          loss.backward();
+        } else {
+          total = micro == 0 ? loss : total + loss;
+        }
       }
+      if (one_backward) total.backward();
       opt->step();
     };
     return w;
@@ -678,7 +692,8 @@ Make gpt_micro_batches_workload() {
 }
 
 TEST(Auto, GptWithTwoMicroBatchesPerStepBitwiseAndWithinBudget) {
-  check_workload(gpt_micro_batches_workload(), "GPT, 2 micro-batches");
+  // A chain per micro-batch: the DP plans them under one choice.
+  check_workload(gpt_micro_batches_workload(), "GPT, 2 micro-batches", remat::AutoOptions(), false, "chain DP");
 }
 
 Make resnet_workload() {
@@ -1207,12 +1222,12 @@ TEST(Auto, InfeasibleBudgetSaysTheSmallestPeakAndLosesNothing) {
       << remat::describe_checkpointing(*w.model);
 }
 
-// A step that is not a chain (two micro-batches: GLPK's program) whose
+// A step that is not a chain (two forwards before one backward: GLPK's program) whose
 // solver gets no time at all: no budget is said to be infeasible on a floor
 // the solver did not prove, and the remedy names the time limit.
 TEST(Auto, ASolverOutOfTimeSaysItsFloorIsOnlyTheLeastFound) {
   torch::manual_seed(0);
-  Workload w = gpt_micro_batches_workload()(true);
+  Workload w = gpt_micro_batches_workload(/*one_backward=*/true)(true);
   auto planner = remat::auto_checkpoint(
       *w.model,
       remat::AutoOptions().memory_budget_bytes(64 << 10).warmup_steps(0).profile_repeats(1).solver_time_limit_s(1e-6));

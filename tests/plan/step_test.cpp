@@ -528,31 +528,77 @@ TEST(StepSolve, InfeasibleBudgetNamesTheFloorAndWhoSetsIt) {
   EXPECT_EQ(plan.prediction.peak_bytes, 410 << 20);
 }
 
-// The chain run for two micro-batches: every unit called twice, the second
-// call's windows after the first's. Not a chain for the DP: GLPK's program.
-rp::StepModel two_micro_batches(const rp::StepModel& chain) {
+// The chain run for `phases` micro-batches (gradient accumulation): every
+// unit called once per micro-batch, each micro-batch's windows after the
+// last one's, its shared-input credits with the call of its own
+// micro-batch. Later micro-batches' segments hold `grown` bytes more each
+// (the gradients accumulated); with `vary`, their calls' bytes differ from
+// the first's (another shape), so the DP's kept-byte prefixes differ by
+// phase.
+rp::StepModel micro_batches(const rp::StepModel& chain, int phases, int64_t grown = 0, std::mt19937* vary = nullptr) {
   rp::StepModel m = chain;
   const int64_t n = static_cast<int64_t>(chain.segment_peak_bytes.size());
-  m.segment_peak_bytes.insert(m.segment_peak_bytes.end(), chain.segment_peak_bytes.begin(),
-                              chain.segment_peak_bytes.end());
-  for (auto& u : m.units) {
-    rp::StepCall c = u.calls[0];
-    for (int64_t* w : {&c.forward_begin, &c.forward_end, &c.backward_begin, &c.backward_end}) *w += n;
-    if (c.release_begin >= 0) c.release_begin += n;
-    if (c.release_end >= 0) c.release_end += n;
-    u.calls.push_back(c);
+  for (int p = 1; p < phases; ++p) {
+    for (int64_t s = 0; s < n; ++s) m.segment_peak_bytes.push_back(chain.segment_peak_bytes[s] + p * grown);
+    for (auto& u : m.units) {
+      rp::StepCall c = u.calls[0];
+      for (int64_t* w : {&c.forward_begin, &c.forward_end, &c.backward_begin, &c.backward_end}) *w += p * n;
+      for (int64_t* w : {&c.release_begin, &c.release_end, &c.pair_begin}) {
+        if (*w >= 0) *w += p * n;
+      }
+      if (c.pair_unit >= 0) c.pair_call = p;
+      if (vary != nullptr) {
+        for (rp::StepCost& cost : c.costs) {
+          for (int64_t* b : {&cost.forward_peak_bytes, &cost.kept_bytes, &cost.backward_peak_bytes}) {
+            *b = *b * static_cast<int64_t>(6 + (*vary)() % 9) / 10;
+          }
+        }
+      }
+      u.calls.push_back(c);
+    }
   }
-  m.step_time_ms *= 2;
+  m.step_time_ms *= phases;
   return m;
 }
 
-// GLPK stopped at its time limit (1 ms on 200 units called twice, where it
-// needs tens of seconds): the step still gets a plan that fits where one
+// The chain run on two inputs before one backward (two losses summed):
+// both forwards, then both backwards in reverse. A unit's first call keeps
+// its bytes across the second's windows: not a chain, GLPK's program.
+rp::StepModel both_forwards_first(std::mt19937& rng, int units, int max_options) {
+  std::uniform_int_distribution<int> opts(1, max_options);
+  rp::StepModel m;
+  m.step_time_ms = 200;
+  const int64_t n = 4 * int64_t{units} + 1;
+  for (int u = 0; u < units; ++u) {
+    rp::StepUnit unit{"u" + std::to_string(u), {}, {}};
+    const int o = opts(rng);
+    for (int k = 0; k < o; ++k) unit.options.push_back(k == 0 ? "keep" : "opt" + std::to_string(k));
+    const int64_t back = units - 1 - u;  // its place in each backward
+    unit.calls.push_back(random_call(rng, o, u, u + 1, 3 * units + 1 + back, 3 * units + 2 + back));
+    unit.calls.push_back(random_call(rng, o, units + u, units + u + 1, 2 * units + 1 + back, 2 * units + 2 + back));
+    m.units.push_back(unit);
+  }
+  m.segment_peak_bytes.assign(n, 10 << 20);
+  for (const auto& unit : m.units) {
+    for (const rp::StepCall& c : unit.calls) {
+      for (int64_t s = c.forward_begin; s < c.backward_end; ++s) {
+        m.segment_peak_bytes[s] += s < c.forward_end      ? c.costs[0].forward_peak_bytes
+                                   : s < c.backward_begin ? c.costs[0].kept_bytes
+                                                          : c.costs[0].backward_peak_bytes;
+      }
+    }
+  }
+  return m;
+}
+
+// GLPK stopped at its time limit (1 ms on 200 units called twice, both
+// forwards before the backwards: a program of hundreds of milliseconds at
+// least): the step still gets a plan that fits where one
 // was found, nothing claims to be optimal, and below what was found the
 // error says the solver stopped, not that no plan fits.
 TEST(StepSolve, AProgramStoppedAtItsTimeLimitStillGivesAPlanAndSaysSo) {
   std::mt19937 rng(11);
-  const rp::StepModel m = two_micro_batches(random_chain(rng, 200, 6));
+  const rp::StepModel m = both_forwards_first(rng, 200, 6);
   rp::StepSolveOptions quick;
   quick.time_limit_s = 0.001;
   const int64_t plain = rp::simulate_step(m, std::vector<int>(m.units.size(), 0)).peak_bytes;
@@ -593,10 +639,91 @@ TEST(StepSolve, AProgramStoppedAtItsTimeLimitStillGivesAPlanAndSaysSo) {
   }
   // With the time it needs on a smaller step, the same program is optimal.
   std::mt19937 rng2(12);
-  const rp::StepModel small = two_micro_batches(random_chain(rng2, 6, 3));
+  const rp::StepModel small = both_forwards_first(rng2, 6, 3);
   const rp::StepPlan exact = rp::min_peak_step(small);
   EXPECT_TRUE(exact.optimal);
   EXPECT_EQ(exact.relative_gap, 0);
+}
+
+// NOTE [phases]: a step run for several micro-batches is a chain per
+// micro-batch under one choice; the DP solves it exactly, against brute
+// force: the same or other bytes per micro-batch (then the DP's prefixes
+// differ by phase), gradients growing between them, blocks with inner
+// units, inputs two calls hold.
+TEST(StepSolve, MicroBatchesMatchBruteForceThroughTheChainDp) {
+  std::mt19937 rng(31);
+  const int64_t MiB = 1 << 20;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int phases = 2 + trial % 3;
+    const rp::StepModel chain = random_chain(rng, 1 + trial % 5, 3 + trial % 2);
+    check_against_brute(micro_batches(chain, phases, (trial % 4) * 8 * MiB, trial % 2 == 0 ? &rng : nullptr),
+                        "micro-batch chain trial " + std::to_string(trial));
+  }
+  for (int trial = 0; trial < 8; ++trial) {
+    const rp::StepModel nested = random_nested(rng, 2, 1 + trial % 2, 3);
+    check_against_brute(micro_batches(nested, 2, 4 * MiB, trial % 2 == 0 ? &rng : nullptr),
+                        "micro-batch nested trial " + std::to_string(trial));
+  }
+  for (int trial = 0; trial < 12; ++trial) {
+    rp::StepModel m = random_chain(rng, 2 + trial % 4, 3);
+    for (size_t u = 1; u < m.units.size(); ++u) {
+      if (m.units[u].options.size() > 1 && m.units[u - 1].options.size() > 1) {
+        add_pair(rng, m, u, 0, u - 1, m.units[u].calls[0].forward_end + (u + 1 < m.units.size() ? 1 : 0));
+      }
+    }
+    check_against_brute(micro_batches(m, 2 + trial % 2, 2 * MiB, trial % 3 == 0 ? &rng : nullptr),
+                        "micro-batch paired trial " + std::to_string(trial));
+  }
+}
+
+// At scale: 200 units run for two micro-batches of one shape plan as the
+// chain run once (the same least peak; twice the time added at every
+// budget), by the DP.
+TEST(StepSolve, TwoEqualMicroBatchesPlanAsTheirChain) {
+  std::mt19937 rng(37);
+  const rp::StepModel chain = random_chain(rng, 200, 6);
+  const rp::StepModel twice = micro_batches(chain, 2);
+  const rp::StepPlan lean1 = rp::min_peak_step(chain);
+  const rp::StepPlan lean2 = rp::min_peak_step(twice);
+  EXPECT_EQ(lean2.solver, "chain DP");
+  EXPECT_TRUE(lean2.optimal);
+  EXPECT_EQ(lean2.prediction.peak_bytes, lean1.prediction.peak_bytes);
+  const int64_t plain = rp::simulate_step(chain, std::vector<int>(chain.units.size(), 0)).peak_bytes;
+  for (int i = 0; i < 4; ++i) {
+    const int64_t budget = lean1.prediction.peak_bytes + (plain - lean1.prediction.peak_bytes) * i / 4;
+    const rp::StepPlan one = rp::solve_step(chain, budget);
+    const rp::StepPlan two = rp::solve_step(twice, budget);
+    EXPECT_EQ(two.solver, "chain DP") << budget;
+    EXPECT_LE(two.prediction.peak_bytes, budget);
+    EXPECT_NEAR(two.prediction.time_ms - twice.step_time_ms, 2 * (one.prediction.time_ms - chain.step_time_ms), 1e-6)
+        << budget;
+  }
+}
+
+// A credit with the other micro-batch's call of the unit before is the
+// same to the memory rule (one choice serves both): still the DP, exact. A
+// micro-batch that calls a unit the others do not is no chain per
+// micro-batch: GLPK solves it, exactly.
+TEST(StepSolve, MicroBatchesWithACreditAcrossThemStayChainsAndOddOnesGoToGlpk) {
+  std::mt19937 rng(41);
+  const rp::StepModel ok = micro_batches(random_chain(rng, 3, 3), 2);
+  rp::StepModel m = ok;
+  for (auto& u : m.units) {  // two options each, so that the credit can be earned
+    if (u.options.size() < 2) {
+      u.options.push_back("opt");
+      for (auto& c : u.calls) c.costs.push_back(c.costs[0]);
+    }
+  }
+  // Call 1 of unit 1 with call 0 of unit 0, from before unit 2's forward (as a chain's credits).
+  add_pair(rng, m, 1, 1, 0, m.units[1].calls[1].forward_end + 1);
+  m.units[1].calls[1].pair_lets_go.assign(m.units[1].options.size(), true);
+  m.units[1].calls[1].pair_lets_go[0] = false;
+  m.units[1].calls[1].pair_other_lets_go.assign(m.units[0].options.size(), true);
+  m.units[1].calls[1].pair_other_lets_go[0] = false;
+  check_against_brute(m, "micro-batch credit across micro-batches");
+  rp::StepModel odd = ok;  // unit 2 called a third time, in the second micro-batch
+  odd.units[2].calls.push_back(odd.units[2].calls[1]);
+  check_against_brute(odd, "gan-like unit called three times");
 }
 
 TEST(StepSolve, ValidateNamesTheProblem) {

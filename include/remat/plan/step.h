@@ -8,8 +8,10 @@
 // a budget, exactly: a dynamic program when the step is a chain (each unit
 // called once, the later outer units' windows inside the earlier ones' kept
 // intervals, as in a sequential model, and each inner unit's windows inside
-// its outer unit's), an integer program solved by GLPK otherwise (skips
-// across units, a unit called twice).
+// its outer unit's) or a chain per micro-batch (each unit called once per
+// micro-batch, each micro-batch's windows after the one before's), an
+// integer program solved by GLPK otherwise (skips across units, a unit
+// called twice within one backward, as a GAN's discriminator).
 // Torch-free: the auto layer (src/auto) fills a StepModel from a profiled
 // step.
 //
@@ -169,7 +171,8 @@ struct StepPlan {
   StepPrediction prediction;  ///< the choice and its cost
   int64_t budget_bytes = 0;   ///< what it was solved for
   /** "fastest fits" (every unit's fastest option fits the budget and
-   *  respects the nesting), "chain DP" (every unit called once, the outer
+   *  respects the nesting), "chain DP" (every unit called once, or once
+   *  per micro-batch with the micro-batches one after another; the outer
    *  units' windows nested as a chain's, inner units' inside their outer
    *  unit's: an exact dynamic program over the kept bytes, in integer
    *  bytes), "GLPK" (the 0-1 program, any structure) or "leanest options"
