@@ -658,8 +658,9 @@ TEST(Auto, GptUnderBf16AutocastBitwiseAndWithinBudget) {
 // Two micro-batches per step: a backward per micro-batch (gradient
 // accumulation), or with `one_backward` both forwards before one backward
 // of their summed losses (not a chain per micro-batch: GLPK's program).
-Make gpt_micro_batches_workload(bool one_backward = false) {
-  return [one_backward](bool set_to_none) {
+// The second micro-batch has `second_rows` sequences (the first 4).
+Make gpt_micro_batches_workload(bool one_backward = false, int64_t second_rows = 4) {
+  return [one_backward, second_rows](bool set_to_none) {
     remat::models::GptConfig c;
     c.vocab = 256;
     c.seq_len = 64;
@@ -672,11 +673,11 @@ Make gpt_micro_batches_workload(bool one_backward = false) {
     auto idx = batches(2 * (kSteps + 1), {4, 65}, true, c.vocab);
     Workload w;
     w.model = gpt.ptr();
-    w.step = [gpt, opt, idx, set_to_none, one_backward](int k) mutable {
+    w.step = [gpt, opt, idx, set_to_none, one_backward, second_rows](int k) mutable {
       opt->zero_grad(set_to_none);
       torch::Tensor total;
       for (int micro = 0; micro < 2; ++micro) {
-        const auto& b = idx[2 * k + micro];
+        const auto b = micro == 0 ? idx[2 * k] : idx[2 * k + 1].slice(0, 0, second_rows);
         auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(b.slice(1, 0, 64))), b.slice(1, 1, 65)) / 2;
         if (!one_backward) {
           loss.backward();
@@ -694,6 +695,13 @@ Make gpt_micro_batches_workload(bool one_backward = false) {
 TEST(Auto, GptWithTwoMicroBatchesPerStepBitwiseAndWithinBudget) {
   // A chain per micro-batch: the DP plans them under one choice.
   check_workload(gpt_micro_batches_workload(), "GPT, 2 micro-batches", remat::AutoOptions(), false, "chain DP");
+}
+
+// Micro-batches of other sizes (a last, short one): each unit's calls keep
+// other bytes per micro-batch, and the DP one prefix per micro-batch.
+TEST(Auto, GptWithUnequalMicroBatchesBitwiseAndWithinBudget) {
+  check_workload(gpt_micro_batches_workload(false, 1), "GPT, micro-batches of 4 and 1", remat::AutoOptions(), false,
+                 "chain DP");
 }
 
 Make resnet_workload() {
