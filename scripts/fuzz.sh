@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 SECONDS_EACH="${1:-60}"
 shift || true
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(chain_json_fuzz solve_fuzz parse_fuzz)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(chain_json_fuzz solve_fuzz parse_fuzz step_fuzz)
 BUILD="${REMAT_FUZZ_BUILD:-build-fuzz}"
 JOBS="${JOBS:-2}"
 CLANG_VERSION="${REMAT_CLANG_VERSION:-14}"

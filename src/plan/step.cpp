@@ -701,13 +701,14 @@ std::optional<StepChain> chain_of(const StepModel& m) {
 }
 
 // A lower bound on every choice's peak: exact with one phase (each phase's
-// least peak, the phases' choices taken apart, otherwise).
+// least peak, the phases' choices taken apart, otherwise). 0 for a step
+// with no segments, as simulate_step says; below 0 where the deltas say so.
 int64_t chain_floor(const StepChain& sc) {
-  int64_t low = 0;
+  int64_t low = kNone;
   for (size_t p = 0; p < sc.phases.size(); ++p) {
     low = std::max({low, sc.phases[p].between[0], sc.floor[p][0][0]});
   }
-  return low;
+  return low == kNone ? 0 : low;
 }
 
 constexpr size_t kMaxFront = 200000;
@@ -917,6 +918,9 @@ bool solve_chain(const StepModel& m, const StepChain& sc, int64_t budget, std::v
 }  // namespace
 
 [[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt);
+// solve_step on a validated model, any budget (min_peak_step's least peak
+// may be 0 or less on a model whose segments hold nothing).
+StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt);
 
 void validate(const StepModel& m) {
   const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
@@ -1129,7 +1133,7 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
       }
     }
     if (!too_big) {
-      StepPlan plan = solve_step(m, hi, opt);
+      StepPlan plan = solve_within(m, hi, opt);
       plan.solve_ms = ms_since(t0);
       return plan;
     }
@@ -1145,7 +1149,7 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   const int64_t peak = simulate_step(m, choice).peak_bytes;
   StepPlan plan;
   try {
-    plan = solve_step(m, peak, opt);
+    plan = solve_within(m, peak, opt);
   } catch (const Error&) {  // the time program stopped too: the choice itself
     plan.prediction = simulate_step(m, choice);
     plan.budget_bytes = peak;
@@ -1166,6 +1170,10 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
   if (budget_bytes <= 0) {
     throw Error("[remat::plan] budget_bytes is " + std::to_string(budget_bytes) + "; give a positive budget.");
   }
+  return solve_within(m, budget_bytes, opt);
+}
+
+StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   StepPlan plan;
   plan.budget_bytes = budget_bytes;

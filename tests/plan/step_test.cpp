@@ -11,35 +11,15 @@
 
 #include "remat/plan/error.h"
 #include "remat/plan/step.h"
+#include "step_brute.h"
 
 namespace rp = remat::plan;
+using remat_test::step::brute;
+using remat_test::step::Brute;
+using remat_test::step::brute_segment;
+using remat_test::step::nesting_ok;
 
 namespace {
-
-// Memory of segment s under `choice`, written from the rule in step.h.
-int64_t brute_segment(const rp::StepModel& m, const std::vector<int>& choice, int64_t s) {
-  int64_t bytes = m.segment_peak_bytes[s];
-  for (size_t u = 0; u < m.units.size(); ++u) {
-    for (const rp::StepCall& c : m.units[u].calls) {
-      const rp::StepCost& a = c.costs[choice[u]];
-      const rp::StepCost& b = c.costs[0];
-      if (c.forward_begin <= s && s < c.forward_end) bytes += a.forward_peak_bytes - b.forward_peak_bytes;
-      if (c.forward_end <= s && s < c.backward_begin) bytes += a.kept_bytes - b.kept_bytes;
-      if (c.backward_begin <= s && s < c.backward_end) bytes += a.backward_peak_bytes - b.backward_peak_bytes;
-      // Released inputs: credited from the release point to the backward's end.
-      const int64_t credit_end = c.release_end >= 0 ? c.release_end : c.backward_end;
-      if (c.release_begin >= 0 && c.release_begin <= s && s < credit_end) {
-        bytes -= a.released_bytes - b.released_bytes;
-      }
-      // Inputs shared with an earlier call: credited while both let go.
-      if (c.pair_unit >= 0 && c.pair_begin <= s && s < c.backward_begin && c.pair_lets_go[choice[u]] &&
-          c.pair_other_lets_go[choice[c.pair_unit]]) {
-        bytes -= c.pair_bytes;
-      }
-    }
-  }
-  return bytes;
-}
 
 // Gives call `c` of unit u a shared input with call 0 of unit `other`, from
 // a random segment in [forward_end, min(hi, backward_begin)], each
@@ -57,48 +37,6 @@ void add_pair(std::mt19937& rng, rp::StepModel& m, size_t u, size_t c, size_t ot
   for (size_t k = 1; k < call.pair_other_lets_go.size(); ++k) call.pair_other_lets_go[k] = coin(rng);
   // The profiled step held the shared input in both: it is in the peaks.
   for (int64_t s = call.pair_begin; s < call.backward_begin; ++s) m.segment_peak_bytes[s] += call.pair_bytes;
-}
-
-struct Brute {
-  double best_time = std::numeric_limits<double>::infinity();
-  int64_t min_peak = std::numeric_limits<int64_t>::max();
-};
-
-// True when no unit takes an option other than 0 inside an ancestor that
-// runs one (step.h's rule for units inside units).
-bool nesting_ok(const rp::StepModel& m, const std::vector<int>& choice) {
-  for (size_t u = 0; u < m.units.size(); ++u) {
-    for (int64_t a = m.units[u].parent; a >= 0 && choice[u] != 0; a = m.units[a].parent) {
-      if (choice[a] != 0) return false;
-    }
-  }
-  return true;
-}
-
-// Over every choice: the fastest within budget, and the smallest peak.
-Brute brute(const rp::StepModel& m, int64_t budget) {
-  Brute out;
-  std::vector<int> choice(m.units.size(), 0);
-  while (true) {
-    const bool ok = nesting_ok(m, choice);
-    int64_t peak = 0;
-    for (int64_t s = 0; s < static_cast<int64_t>(m.segment_peak_bytes.size()); ++s) {
-      peak = std::max(peak, brute_segment(m, choice, s));
-    }
-    double t = m.step_time_ms;
-    for (size_t u = 0; u < m.units.size(); ++u) {
-      for (const rp::StepCall& c : m.units[u].calls) t += c.costs[choice[u]].time_ms - c.costs[0].time_ms;
-    }
-    if (ok) out.min_peak = std::min(out.min_peak, peak);
-    if (ok && peak <= budget) out.best_time = std::min(out.best_time, t);
-    size_t u = 0;
-    for (; u < choice.size(); ++u) {
-      if (++choice[u] < static_cast<int>(m.units[u].options.size())) break;
-      choice[u] = 0;
-    }
-    if (u == choice.size()) break;
-  }
-  return out;
 }
 
 // Adds each unit's profiled (keep) bytes to the segments its windows cover.
@@ -724,6 +662,25 @@ TEST(StepSolve, MicroBatchesWithACreditAcrossThemStayChainsAndOddOnesGoToGlpk) {
   rp::StepModel odd = ok;  // unit 2 called a third time, in the second micro-batch
   odd.units[2].calls.push_back(odd.units[2].calls[1]);
   check_against_brute(odd, "gan-like unit called three times");
+}
+
+// Degenerate models the fuzz harness found (fuzz/FINDINGS.md): a step whose
+// least peak is 0 (nothing held) gets its plan, not "budget_bytes is 0";
+// one whose deltas take a segment below 0 gets that least peak, not 0.
+TEST(StepSolve, LeastPeaksOfZeroAndBelowArePlans) {
+  rp::StepModel zero;
+  zero.segment_peak_bytes = {0, 0, 0};
+  zero.units.push_back({"a", {"keep", "recompute"}, {{0, 1, 2, 3, {{1, 0, 0, 0}, {2, 0, 0, 0}}}}});
+  const rp::StepPlan z = rp::min_peak_step(zero);
+  EXPECT_EQ(z.prediction.peak_bytes, 0);
+  EXPECT_EQ(z.prediction.choice, std::vector<int>{0});
+  rp::StepModel below = zero;  // keep holds 4 B the segments do not: recompute's deltas take them below 0
+  below.units[0].calls[0].costs[0] = {1, 4, 4, 4};
+  const rp::StepPlan c = rp::min_peak_step(below);
+  EXPECT_EQ(c.prediction.peak_bytes, -4);
+  EXPECT_EQ(c.prediction.peak_bytes, brute(below, std::numeric_limits<int64_t>::max()).min_peak);
+  EXPECT_EQ(c.prediction.choice, std::vector<int>{1});
+  EXPECT_EQ(c.solver, "chain DP");
 }
 
 TEST(StepSolve, ValidateNamesTheProblem) {
