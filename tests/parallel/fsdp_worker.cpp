@@ -14,11 +14,13 @@
 // AdamW with eps 1e-3: an element whose gradient is near 0 then moves by
 // lr x g / eps, not by lr x sign(g), so runs whose gradients differ in the
 // last float bits (another summation order) stay within 1e-6 of each other.
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -143,7 +145,16 @@ int main(int argc, char** argv) {
       opt.step();
       if (fsdp) last = fsdp->stats();
     }
-    const int64_t state_bytes = remat::memory::current_bytes() - before_model;
+    // A collective's buffers may be freed on the process group's thread a
+    // little after the step returns (seen on a loaded machine: 200 KB more
+    // on one rank): wait until the count holds still for 100 ms (1 s at most).
+    int64_t state_bytes = remat::memory::current_bytes() - before_model;
+    for (int still = 0, waited = 0; still < 10 && waited < 100; ++waited) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      const int64_t now = remat::memory::current_bytes() - before_model;
+      still = now == state_bytes ? still + 1 : 0;
+      state_bytes = now;
+    }
     if (planner) {  // the planned step must have recomputed something, or the run shows nothing
       int changed = 0;
       for (const auto& u : planner->units()) changed += u.choice != 0;
