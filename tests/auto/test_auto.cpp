@@ -357,8 +357,8 @@ void expect_bitwise(const Result& plain, const Result& got, const std::string& w
 
 /** Plain against auto at three budgets from the leanest feasible to the
  *  plain peak (found from a first planned run's step model), both zero_grad
- *  styles; base gives the options but the budget. */
-// With `lean_solver`, the plan nearest the leanest is that solver's.
+ *  styles; base gives the options but the budget. With `lean_solver`, the
+ *  plan nearest the leanest must be that solver's. */
 void check_workload(const Make& make, const std::string& name, const remat::AutoOptions& base = remat::AutoOptions(),
                     bool has_inner_units = false, const std::string& lean_solver = "") {
   int inner_chosen = 0, nested_chosen = 0;  // over every plan: the nesting is exercised, not only kept at keep
@@ -653,8 +653,6 @@ TEST(Auto, GptUnderBf16AutocastBitwiseAndWithinBudget) {
       "GPT under bf16 autocast");
 }
 
-// Gradient accumulation: each block is called twice per step, each call's
-// backward before the next call's forward (the GLPK path: not a chain).
 // Two micro-batches per step: a backward per micro-batch (gradient
 // accumulation), or with `one_backward` both forwards before one backward
 // of their summed losses (not a chain per micro-batch: GLPK's program).

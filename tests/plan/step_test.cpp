@@ -1,7 +1,9 @@
 // Tests of the whole-step model: solve_step and min_peak_step against a
 // brute force over every choice (its own evaluation of the memory rule of
-// step.h), on random chains, skip-connected and GAN-like steps (a unit called
-// twice); the errors of validate and of an infeasible budget, pinned.
+// step.h, in step_brute.h), on random chains, chains run for several
+// micro-batches, skip-connected and GAN-like steps (a unit called twice
+// before its backward); the errors of validate and of an infeasible
+// budget, pinned.
 #include <gtest/gtest.h>
 
 #include <array>
