@@ -437,15 +437,21 @@ Workload classifier(Net net, std::shared_ptr<torch::optim::Optimizer> opt, std::
   return w;
 }
 
+/** The tests' GPT: vocabulary 256, T 64, d_model 64, 4 heads, dropout 0.1. */
+remat::models::GptConfig small_gpt(int64_t layers) {
+  remat::models::GptConfig c;
+  c.vocab = 256;
+  c.seq_len = 64;
+  c.d_model = 64;
+  c.heads = 4;
+  c.layers = layers;
+  c.dropout = 0.1;
+  return c;
+}
+
 Make gpt_workload(int64_t layers = 4) {
   return [layers](bool set_to_none) {
-    remat::models::GptConfig c;
-    c.vocab = 256;
-    c.seq_len = 64;
-    c.d_model = 64;
-    c.heads = 4;
-    c.layers = layers;
-    c.dropout = 0.1;
+    const remat::models::GptConfig c = small_gpt(layers);
     auto gpt = remat::models::Gpt(c);
     auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
     auto idx = batches(kSteps + 1, {8, 65}, true, c.vocab);
@@ -503,13 +509,7 @@ TORCH_MODULE(ChainedGpt);
 
 Make chained_gpt_workload() {
   return [](bool set_to_none) {
-    remat::models::GptConfig c;
-    c.vocab = 256;
-    c.seq_len = 64;
-    c.d_model = 64;
-    c.heads = 4;
-    c.layers = 6;
-    c.dropout = 0.1;
+    const remat::models::GptConfig c = small_gpt(6);
     auto net = ChainedGpt(c);
     auto opt = std::make_shared<torch::optim::AdamW>(net->gpt->parameters(), torch::optim::AdamWOptions(1e-3));
     auto idx = batches(kSteps + 1, {8, 65}, true, c.vocab);
@@ -659,13 +659,7 @@ TEST(Auto, GptUnderBf16AutocastBitwiseAndWithinBudget) {
 // The second micro-batch has `second_rows` sequences (the first 4).
 Make gpt_micro_batches_workload(bool one_backward = false, int64_t second_rows = 4) {
   return [one_backward, second_rows](bool set_to_none) {
-    remat::models::GptConfig c;
-    c.vocab = 256;
-    c.seq_len = 64;
-    c.d_model = 64;
-    c.heads = 4;
-    c.layers = 3;
-    c.dropout = 0.1;
+    const remat::models::GptConfig c = small_gpt(3);
     auto gpt = remat::models::Gpt(c);
     auto opt = std::make_shared<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
     auto idx = batches(2 * (kSteps + 1), {4, 65}, true, c.vocab);
