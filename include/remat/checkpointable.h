@@ -95,8 +95,9 @@ class OffloadCall {
 class UnitHook {
  public:
   virtual ~UnitHook() = default;
-  /** Before the call runs (before a UnitObserver sees it). */
-  virtual void before_forward() = 0;
+  /** Before the call runs (before a UnitObserver sees it), with the tensors
+   *  among its arguments (flattened as outputs are). */
+  virtual void before_forward(const std::vector<at::Tensor>& inputs) = 0;
   /** After it returned, with its output tensors flattened (not called when
    *  it throws). */
   virtual void after_forward(const std::vector<at::Tensor>& outputs) = 0;
@@ -183,7 +184,9 @@ class Checkpointable {
   auto hooked(std::shared_ptr<detail::UnitHook> hook, Fn& fn, Args&&... args)
       -> decltype(detail::call(fn, std::forward<Args>(args)...)) {
     using R = decltype(detail::call(fn, std::forward<Args>(args)...));
-    hook->before_forward();
+    std::vector<at::Tensor> inputs;
+    (detail::flatten_outputs(std::as_const(args), inputs), ...);
+    hook->before_forward(inputs);
     if constexpr (std::is_void_v<R>) {
       try {
         switched(fn, std::forward<Args>(args)...);

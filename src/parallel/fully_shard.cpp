@@ -46,17 +46,28 @@ using util::message_of;
 using util::ms_between;
 
 struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
-  struct Unit {
-    std::string name;
-    Checkpointable* module = nullptr;  // null: the root unit
-    std::vector<at::Tensor> params;    // the module's own tensors (views of flat once sharded)
-    std::vector<std::string> param_names;
-    std::vector<int64_t> offsets;
+  /** One flat buffer of a unit: its parameters that require grad, or its
+   *  frozen ones (NOTE [frozen parameters] in the header). */
+  struct Flat {
+    std::vector<size_t> members;  // indices into Unit::params
     int64_t numel = 0, padded = 0, shard_numel = 0;
     at::Tensor flat;   // padded elements; its storage is freed while sharded
     at::Tensor shard;  // this rank's slice: a leaf, the optimizer's parameter
-    bool gathered = false;
     c10::intrusive_ptr<c10d::Work> gather_work;
+    uint32_t gathered_version = 0;  // shard._version() that the gathered values come from
+    bool empty() const { return members.empty(); }
+    int64_t bytes() const { return empty() ? 0 : padded * static_cast<int64_t>(flat.element_size()); }
+  };
+  static constexpr size_t kTrainable = 0, kFrozen = 1;
+  struct Unit {
+    std::string name;
+    Checkpointable* module = nullptr;  // null: the root unit
+    std::vector<at::Tensor> params;    // the module's own tensors (views of a flat once sharded)
+    std::vector<std::string> param_names;
+    std::vector<size_t> kind;      // per parameter: kTrainable or kFrozen, as at construction
+    std::vector<int64_t> offsets;  // per parameter: its first element in its flat
+    Flat flats[2];                 // [kTrainable], [kFrozen]
+    bool gathered = false;         // every non-empty flat holds values (maybe stale: fresh())
     Clock::time_point gather_start;
     at::Tensor grad_flat;  // this backward's full gradient, until reduced
     std::vector<char> posted;
@@ -67,7 +78,36 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     bool nested = false;              // its module lies inside another checkpointable module
     bool keep_gathered = false;       // not freed between its forward and its backward
     bool reduced = false;             // its gradient was reduced in this backward
-    int64_t bytes() const { return padded * static_cast<int64_t>(flat.element_size()); }
+    // Frozen parameters (NOTE [FullyShard and recompute]): hooks on the
+    // gradients of its calls' inputs not yet run (a graph dropped unrun
+    // gives its count back), and whether an input was a leaf (no hook: the
+    // unit then stays gathered to the backward's end).
+    int64_t pending_inputs = 0;
+    bool until_end = false;
+    std::vector<std::vector<at::Tensor>> call_inputs;  // of the calls running now, innermost last
+    int64_t bytes() const { return flats[0].bytes() + flats[1].bytes(); }
+    bool in_flight() const { return flats[0].gather_work || flats[1].gather_work; }
+    /** Gathered from the shards as they are now. */
+    bool fresh() const {
+      if (!gathered) return false;
+      for (const auto& f : flats) {
+        if (!f.empty() && f.gathered_version != f.shard._version()) return false;
+      }
+      return true;
+    }
+    /** Gathered from the current shards, or being gathered. */
+    bool held() const { return fresh() || in_flight(); }
+  };
+  /** A hook on the gradient of a frozen unit's input: counted in
+   *  pending_inputs until it runs or its graph is dropped. */
+  struct InputToken {
+    std::weak_ptr<Impl> impl;
+    size_t unit = 0;
+    bool fired = false;
+    ~InputToken() {
+      if (fired) return;
+      if (auto self = impl.lock()) --self->units[unit].pending_inputs;
+    }
   };
   struct PendingReduce {
     size_t unit;
@@ -84,6 +124,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   std::vector<size_t> order;  // units in first-forward order (root excluded)
   bool order_known = false;
   bool in_backward = false;
+  bool graph_pending = false;            // a forward with gradient ran since the last backward ended
   bool ending = false;                   // end_backward runs
   std::unordered_set<int> queued_tasks;  // graph tasks of this backward that have our callback
   int64_t grad_units = 0;                // units with a parameter that requires grad
@@ -113,38 +154,52 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   // --- flat buffers (NOTE [flat buffers]) ---------------------------------
 
   static void allocate(Unit& u) {
-    c10::StorageImpl* s = u.flat.storage().unsafeGetStorageImpl();
-    const auto nbytes = static_cast<size_t>(u.bytes());
-    if (s->nbytes() == nbytes) return;
-    s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
-    s->set_nbytes(nbytes);
+    for (auto& f : u.flats) {
+      if (f.empty()) continue;
+      c10::StorageImpl* s = f.flat.storage().unsafeGetStorageImpl();
+      const auto nbytes = static_cast<size_t>(f.bytes());
+      if (s->nbytes() == nbytes) continue;
+      s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+      s->set_nbytes(nbytes);
+    }
   }
 
   static void release(Unit& u) {
-    c10::StorageImpl* s = u.flat.storage().unsafeGetStorageImpl();
-    s->set_data_ptr_noswap(at::DataPtr(nullptr, u.flat.device()));
-    s->set_nbytes(0);
+    for (auto& f : u.flats) {
+      if (f.empty()) continue;
+      c10::StorageImpl* s = f.flat.storage().unsafeGetStorageImpl();
+      s->set_data_ptr_noswap(at::DataPtr(nullptr, f.flat.device()));
+      s->set_nbytes(0);
+    }
   }
 
+  /** Starts gathering unit i, unless it holds the current shards' values or
+   *  is being gathered. A stale gathered unit (the optimizer stepped since)
+   *  is gathered again in place: every view of it sees the new values. */
   void start_gather(size_t i, bool backward) {
     Unit& u = units[i];
-    if (u.gathered || u.gather_work) return;
+    if (u.held()) return;
     allocate(u);
-    c10d::AllgatherOptions o;
-    o.timeout = group.timeout();
-    at::Tensor out = u.flat;
-    at::Tensor in = u.shard.detach();
-    try {
-      u.gather_work = group.c10d()->_allgather_base(out, in, o);
-    } catch (const std::exception& e) {
-      release(u);
-      collective_failed("all-gather of unit '" + u.name + "'", e);
+    for (auto& f : u.flats) {
+      if (f.empty()) continue;
+      c10d::AllgatherOptions o;
+      o.timeout = group.timeout();
+      at::Tensor out = f.flat;
+      at::Tensor in = f.shard.detach();
+      f.gathered_version = f.shard._version();
+      try {
+        f.gather_work = group.c10d()->_allgather_base(out, in, o);
+      } catch (const std::exception& e) {
+        release(u);
+        u.gathered = false;
+        collective_failed("all-gather of unit '" + u.name + "'", e);
+      }
+      (backward ? stats.backward_allgathers : stats.forward_allgathers) += 1;
     }
     u.gather_start = Clock::now();
-    (backward ? stats.backward_allgathers : stats.forward_allgathers) += 1;
     int64_t now = 0;
     for (const auto& v : units) {
-      if (v.gathered || v.gather_work) now += v.bytes();
+      if (v.gathered || v.in_flight()) now += v.bytes();
     }
     stats.max_gathered_bytes = std::max(stats.max_gathered_bytes, now);
     stats.allgather_bytes += u.bytes();
@@ -152,9 +207,12 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
 
   void finish_gather(size_t i) {
     Unit& u = units[i];
-    if (!u.gather_work) return;
-    auto work = std::move(u.gather_work);
-    wait(work, "all-gather of unit '" + u.name + "'");
+    if (!u.in_flight()) return;
+    for (auto& f : u.flats) {
+      if (!f.gather_work) continue;
+      auto work = std::move(f.gather_work);
+      wait(work, "all-gather of unit '" + u.name + "'");
+    }
     stats.allgather_ms += ms_between(u.gather_start, Clock::now());
     u.gathered = true;
   }
@@ -187,10 +245,10 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       next = *(at + 1);
     }
     Unit& n = units[next];
-    if (n.gathered || n.gather_work) return;
+    if (n.held()) return;
     int64_t idle = 0;  // gathered or in flight, not the one running now
     for (size_t k = 1; k < units.size(); ++k) {
-      if (k != i && (units[k].gathered || units[k].gather_work)) idle += units[k].bytes();
+      if (k != i && (units[k].gathered || units[k].in_flight())) idle += units[k].bytes();
     }
     if (idle + n.bytes() > options.prefetch_bytes()) return;
     start_gather(next, backward);
@@ -239,7 +297,8 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     Unit& u = units[i];
     at::Tensor& g = u.params[p].mutable_grad();
     if (!g.defined()) return;
-    if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.padded}, u.flat.options());
+    const Flat& f = u.flats[kTrainable];
+    if (!u.grad_flat.defined()) u.grad_flat = at::zeros({f.padded}, f.flat.options());
     u.grad_flat.narrow(0, u.offsets[p], u.params[p].numel()).add_(g.reshape({-1}));
     g = at::Tensor();  // the full gradient lives in grad_flat until reduced
     if (!u.posted[p]) {
@@ -249,10 +308,28 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     if (u.n_posted == u.n_grad_params) reduce(i);
   }
 
+  /** Frees unit i in a backward once nothing will read its parameters:
+   *  its gradient is reduced (or it has none) and, with frozen parameters,
+   *  its inputs' gradients are complete (NOTE [FullyShard and recompute]). */
+  void maybe_free_after_backward(size_t i) {
+    Unit& u = units[i];
+    if (!in_backward || u.active > 0 || u.until_end || u.pending_inputs > 0) return;
+    if (u.n_grad_params > 0 && !u.reduced) return;
+    reshard(i);
+  }
+
+  /** A hook on the gradient of one input of a unit with frozen parameters ran. */
+  void input_done(InputToken& token) {
+    token.fired = true;
+    --units[token.unit].pending_inputs;
+    maybe_free_after_backward(token.unit);
+  }
+
   /** Reduce-scatters unit i's gradient (async; at most one in flight) and
-   *  frees its parameters: every node that reads them has run. */
+   *  frees its parameters once nothing reads them. */
   void reduce(size_t i) {
     Unit& u = units[i];
+    const Flat& f = u.flats[kTrainable];
     complete_reductions();
     PendingReduce r;
     r.unit = i;
@@ -260,7 +337,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     r.grad_flat.div_(world);
     r.start = Clock::now();
     if (!stats.reduce_scatter_by_allreduce) {
-      r.out = at::empty({u.shard_numel}, r.grad_flat.options());
+      r.out = at::empty({f.shard_numel}, r.grad_flat.options());
       c10d::ReduceScatterOptions o;
       o.reduceOp = c10d::ReduceOp::SUM;
       o.timeout = group.timeout();
@@ -287,11 +364,11 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     }
     stats.reduce_scatters += 1;
     u.reduced = true;
-    stats.reduce_scatter_bytes += u.bytes();
+    stats.reduce_scatter_bytes += f.bytes();
     pending.push_back(std::move(r));
     std::fill(u.posted.begin(), u.posted.end(), 0);
     u.n_posted = 0;
-    reshard(i);
+    maybe_free_after_backward(i);
     // From end_backward itself (what was left), the backward is ending already.
     if (u.n_grad_params > 0 && ++reduced_units == grad_units && !ending) queue_end(/*all_reduced=*/true);
   }
@@ -299,12 +376,13 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   void complete_reductions() {
     for (auto& r : pending) {
       Unit& u = units[r.unit];
+      Flat& f = u.flats[kTrainable];
       wait(r.work, std::string(stats.reduce_scatter_by_allreduce ? "all-reduce" : "reduce-scatter") + " of unit '" +
                        u.name + "' gradients");
       stats.reduce_scatter_ms += ms_between(r.start, Clock::now());
-      at::Tensor mine = r.out.defined() ? r.out : r.grad_flat.narrow(0, rank * u.shard_numel, u.shard_numel);
+      at::Tensor mine = r.out.defined() ? r.out : r.grad_flat.narrow(0, rank * f.shard_numel, f.shard_numel);
       torch::NoGradGuard no_grad;
-      at::Tensor& g = u.shard.mutable_grad();
+      at::Tensor& g = f.shard.mutable_grad();
       if (g.defined()) {
         g.add_(mine);
       } else {
@@ -334,7 +412,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       for (size_t i = 0; i < units.size(); ++i) {
         Unit& u = units[i];
         if (u.n_grad_params == 0 || u.reduced) continue;
-        u.grad_flat = at::zeros({u.padded}, u.flat.options());
+        u.grad_flat = at::zeros({u.flats[kTrainable].padded}, u.flats[kTrainable].flat.options());
         reduce(i);
       }
     }
@@ -351,9 +429,11 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       std::fill(u.posted.begin(), u.posted.end(), 0);
       u.n_posted = 0;
       u.reduced = false;
+      u.until_end = false;
       if (u.active == 0 && (i != 0 || step_backward)) reshard(i);
     }
     in_backward = false;
+    if (step_backward) graph_pending = false;
     queued_tasks.clear();
     reduced_units = 0;
     // An isolated run's backward inside a forward (auto's profile) does not
@@ -363,7 +443,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
 
   // --- forward -------------------------------------------------------------
 
-  void before_forward(size_t i) {
+  void before_forward(size_t i, const std::vector<at::Tensor>& inputs) {
     Unit& u = units[i];
     if (u.nested && detail::unit_observer() != nullptr) {
       // auto's isolated runs of the module around it would gather it a
@@ -377,13 +457,15 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     // chain's re-run), even before any hook of ours marked the backward.
     if (!in_backward && torch::autograd::get_current_graph_task_id() != -1) begin_backward();
     if (in_backward) {  // a recompute: gathered once for this backward
-      if (!u.gathered) gather(i, /*backward=*/true);
+      gather(i, /*backward=*/true);
       ++u.active;
+      u.call_inputs.emplace_back();
       return;
     }
     if (!order_known && std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
     gather(i, /*backward=*/false);
     ++u.active;
+    u.call_inputs.push_back(u.flats[kFrozen].empty() ? std::vector<at::Tensor>() : inputs);
     prefetch(i, /*backward=*/false);
   }
 
@@ -391,11 +473,40 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
    *  nothing will need it gathered. */
   void forward_failed(size_t i) {
     --units[i].active;
+    if (!units[i].call_inputs.empty()) units[i].call_inputs.pop_back();
     if (!in_backward) reshard(i);
   }
 
+  /** With frozen parameters: a hook on the gradient of each input of this
+   *  call, counted until it runs (NOTE [FullyShard and recompute]). */
+  void watch_inputs(size_t i, const std::vector<at::Tensor>& inputs) {
+    Unit& u = units[i];
+    std::weak_ptr<Impl> weak = weak_from_this();
+    for (const auto& t : inputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      if (!t.grad_fn()) {  // a leaf: a hook would stay on it for good
+        u.until_end = true;
+        continue;
+      }
+      auto token = std::make_shared<InputToken>();
+      token->impl = weak;
+      token->unit = i;
+      ++u.pending_inputs;
+      const_cast<at::Tensor&>(t).register_hook([weak, token](const at::Tensor&) {
+        if (token->fired) return;
+        if (auto self = weak.lock()) self->input_done(*token);
+      });
+    }
+  }
+
   void after_forward(size_t i, const std::vector<at::Tensor>& outputs) {
-    --units[i].active;
+    Unit& u = units[i];
+    --u.active;
+    std::vector<at::Tensor> inputs;
+    if (!u.call_inputs.empty()) {
+      inputs = std::move(u.call_inputs.back());
+      u.call_inputs.pop_back();
+    }
     if (in_backward) return;
     bool armed = false;
     if (torch::autograd::GradMode::is_enabled()) {
@@ -408,7 +519,11 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
         armed = true;
       }
     }
-    if ((options.reshard_after_forward() && !units[i].keep_gathered) || !armed) reshard(i);
+    if (armed) {
+      graph_pending = true;
+      if (!u.flats[kFrozen].empty()) watch_inputs(i, inputs);
+    }
+    if ((options.reshard_after_forward() && !u.keep_gathered) || !armed) reshard(i);
   }
 };
 
@@ -418,8 +533,8 @@ namespace {
 class ShardHook : public detail::UnitHook {
  public:
   ShardHook(std::weak_ptr<FullyShard::Impl> impl, size_t unit) : impl_(std::move(impl)), unit_(unit) {}
-  void before_forward() override {
-    if (auto p = impl_.lock()) p->before_forward(unit_);
+  void before_forward(const std::vector<at::Tensor>& inputs) override {
+    if (auto p = impl_.lock()) p->before_forward(unit_, inputs);
   }
   void after_forward(const std::vector<at::Tensor>& outputs) override {
     if (auto p = impl_.lock()) p->after_forward(unit_, outputs);
@@ -577,30 +692,39 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
   for (size_t i = 0; i < m.units.size(); ++i) {
     auto& u = m.units[i];
     if (u.params.empty()) continue;
-    for (const auto& p : u.params) {
-      u.offsets.push_back(u.numel);
-      u.numel += p.numel();
-    }
-    u.shard_numel = (u.numel + m.world - 1) / m.world;
-    u.padded = u.shard_numel * m.world;
-    u.flat = at::zeros({u.padded}, u.params[0].options().requires_grad(false));
+    // The parameters that require grad in one flat, the frozen ones in
+    // another (NOTE [frozen parameters]).
     for (size_t k = 0; k < u.params.size(); ++k) {
-      u.flat.narrow(0, u.offsets[k], u.params[k].numel()).copy_(u.params[k].detach().reshape({-1}));
+      const size_t kind = u.params[k].requires_grad() ? Impl::kTrainable : Impl::kFrozen;
+      Impl::Flat& f = u.flats[kind];
+      u.kind.push_back(kind);
+      u.offsets.push_back(f.numel);
+      f.members.push_back(k);
+      f.numel += u.params[k].numel();
     }
-    std::vector<at::Tensor> ts{u.flat};
-    try {
-      m.group.c10d()->broadcast(ts)->wait(m.group.timeout());
-    } catch (const std::exception& e) {
-      m.collective_failed("broadcast of rank 0's parameters of unit '" + u.name + "'", e);
+    for (size_t kind : {Impl::kTrainable, Impl::kFrozen}) {
+      Impl::Flat& f = u.flats[kind];
+      if (f.empty()) continue;
+      f.shard_numel = (f.numel + m.world - 1) / m.world;
+      f.padded = f.shard_numel * m.world;
+      f.flat = at::zeros({f.padded}, u.params[0].options().requires_grad(false));
+      for (size_t k : f.members) {
+        f.flat.narrow(0, u.offsets[k], u.params[k].numel()).copy_(u.params[k].detach().reshape({-1}));
+      }
+      std::vector<at::Tensor> ts{f.flat};
+      try {
+        m.group.c10d()->broadcast(ts)->wait(m.group.timeout());
+      } catch (const std::exception& e) {
+        m.collective_failed("broadcast of rank 0's parameters of unit '" + u.name + "'", e);
+      }
+      for (size_t k : f.members) {
+        at::Tensor& p = u.params[k];
+        p.set_data(f.flat.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
+      }
+      f.shard = f.flat.narrow(0, static_cast<int64_t>(m.rank) * f.shard_numel, f.shard_numel).clone();
+      f.shard.set_requires_grad(kind == Impl::kTrainable);
+      f.gathered_version = f.shard._version();
     }
-    bool grads = false;
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      at::Tensor& p = u.params[k];
-      grads |= p.requires_grad();
-      p.set_data(u.flat.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
-    }
-    u.shard = u.flat.narrow(0, static_cast<int64_t>(m.rank) * u.shard_numel, u.shard_numel).clone();
-    u.shard.set_requires_grad(grads);
     u.gathered = true;
     m.reshard(i);
     u.posted.assign(u.params.size(), 0);
@@ -630,7 +754,9 @@ FullyShard::~FullyShard() {
 std::vector<at::Tensor> FullyShard::parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& u : impl_->units) {
-    if (u.shard.defined()) out.push_back(u.shard);
+    for (const auto& f : u.flats) {
+      if (!f.empty()) out.push_back(f.shard);
+    }
   }
   return out;
 }
@@ -642,6 +768,19 @@ void FullyShard::begin_forward() {
         "[remat::parallel] FullyShard::forward ran before the last backward through it ended (it is still "
         "running, or an error stopped it); finish the backward first, or shard the model again after an error.");
   }
+  // The flats were cut by requires_grad: a parameter frozen or unfrozen
+  // since would get no update, or one its shard does not allow.
+  for (const auto& u : m.units) {
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      if (u.params[k].requires_grad() == (u.kind[k] == Impl::kTrainable)) continue;
+      throw Error(
+          "[remat::parallel] FullyShard: parameter '" + u.param_names[k] + "' of unit '" + u.name + "' " +
+          (u.params[k].requires_grad() ? "requires grad now but was frozen" : "is frozen now but required grad") +
+          " when the model was sharded; set requires_grad before constructing FullyShard (it cuts each "
+          "unit's buffers and the optimizer's shards by it), or shard the model again.");
+    }
+  }
+  if (torch::autograd::GradMode::is_enabled()) m.graph_pending = true;
   if (!m.units[0].params.empty()) m.gather(0, /*backward=*/false);
   // The first unit's gather overlaps whatever runs before it (the embedding).
   if (m.order_known && !m.order.empty() && m.units[m.order.front()].bytes() <= m.options.prefetch_bytes()) {
@@ -649,15 +788,58 @@ void FullyShard::begin_forward() {
   }
 }
 
+void FullyShard::end_forward() noexcept {
+  Impl& m = *impl_;
+  // A forward without gradient (an evaluation) leaves nothing for a
+  // backward, unless one of an earlier forward is still to come.
+  if (torch::autograd::GradMode::is_enabled() || m.in_backward || m.graph_pending) return;
+  Impl::Unit& root = m.units[0];
+  if (root.params.empty() || root.in_flight()) return;
+  if (root.gathered) {
+    Impl::release(root);
+    root.gathered = false;
+  }
+}
+
+void FullyShard::explain_failed_forward(const c10::Error& e) const {
+  // c10's words for a read of a storage of 0 bytes: of its data, or a view of it.
+  const std::string what = e.what_without_backtrace();
+  if (what.find("data is not allocated yet") == std::string::npos &&
+      what.find("out of bounds for storage of size 0") == std::string::npos)
+    return;
+  const Impl& m = *impl_;
+  std::string sharded;
+  int64_t n = 0;
+  for (const auto& u : m.units) {
+    if (u.params.empty() || u.gathered || u.in_flight()) continue;
+    if (n++ < 8) sharded += std::string(sharded.empty() ? "" : ", ") + "'" + u.name + "'";
+  }
+  if (n == 0) return;
+  if (n > 8) sharded += " and " + std::to_string(n - 8) + " more";
+  throw Error(
+      "[remat::parallel] FullyShard: the forward read a parameter of a unit while the unit was sharded "
+      "(sharded then: " +
+      sharded +
+      "). A unit's parameters hold data only while its own forward runs: a module of a unit was called "
+      "from outside the unit (by the model's own code, or by another unit). Call it only from inside the "
+      "unit's forward, or choose units (FullyShardOptions::units) that hold every module the model calls "
+      "directly.");
+}
+
 double FullyShard::clip_grad_norm(double max_norm) {
   Impl& m = *impl_;
+  if (!(max_norm > 0.0) || !std::isfinite(max_norm)) {
+    throw Error("[remat::parallel] FullyShard::clip_grad_norm: max_norm " + std::to_string(max_norm) +
+                " must be a positive finite number.");
+  }
   torch::NoGradGuard no_grad;
   at::Tensor sq =
       at::zeros({1}, at::TensorOptions()
                          .dtype(at::kDouble)
                          .device(m.group.device() == c10::kCUDA ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU)));
   for (const auto& u : m.units) {
-    if (u.shard.defined() && u.shard.grad().defined()) sq += u.shard.grad().to(at::kDouble).square().sum();
+    const at::Tensor& shard = u.flats[Impl::kTrainable].shard;
+    if (shard.defined() && shard.grad().defined()) sq += shard.grad().to(at::kDouble).square().sum();
   }
   std::vector<at::Tensor> ts{sq};
   c10d::AllreduceOptions o;
@@ -671,7 +853,8 @@ double FullyShard::clip_grad_norm(double max_norm) {
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
     for (auto& u : m.units) {
-      if (u.shard.defined() && u.shard.grad().defined()) u.shard.mutable_grad().mul_(coef);
+      at::Tensor& shard = u.flats[Impl::kTrainable].shard;
+      if (shard.defined() && shard.grad().defined()) shard.mutable_grad().mul_(coef);
     }
   }
   return norm;
@@ -684,7 +867,7 @@ void FullyShard::save_full(const std::string& path) {
   // Units gathered already (the root between forward() and backward, kept
   // ones) stay so: a backward may still need them.
   std::vector<char> was_gathered;
-  for (auto& u : m.units) was_gathered.push_back(u.gathered || u.gather_work);
+  for (auto& u : m.units) was_gathered.push_back(u.gathered || u.in_flight());
   for (size_t i = 0; i < m.units.size(); ++i) {
     if (!m.units[i].params.empty()) m.gather(i, /*backward=*/false);
   }
@@ -724,7 +907,9 @@ void FullyShard::save_sharded(const std::string& prefix) const {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   std::vector<at::Tensor> shards;  // the shards, then the module's buffers (BatchNorm statistics)
   for (const auto& u : m.units) {
-    if (u.shard.defined()) shards.push_back(u.shard.detach());
+    for (const auto& f : u.flats) {
+      if (!f.empty()) shards.push_back(f.shard.detach());
+    }
   }
   for (const auto& b : m.module->buffers()) {
     if (b.defined()) shards.push_back(b.detach());
@@ -755,9 +940,14 @@ void FullyShard::load_sharded(const std::string& prefix) {
   } catch (const std::exception& e) {
     throw Error("[remat::parallel] FullyShard::load_sharded could not read '" + path + "': " + message_of(e) + ".");
   }
-  std::vector<Impl::Unit*> mine;
+  std::vector<Impl::Flat*> mine;  // every shard, in save_sharded's order
+  std::vector<const std::string*> unit_of;
   for (auto& u : m.units) {
-    if (u.shard.defined()) mine.push_back(&u);
+    for (auto& f : u.flats) {
+      if (f.empty()) continue;
+      mine.push_back(&f);
+      unit_of.push_back(&u.name);
+    }
   }
   std::vector<at::Tensor> buffers;
   for (const auto& b : m.module->buffers()) {
@@ -778,7 +968,7 @@ void FullyShard::load_sharded(const std::string& prefix) {
   for (size_t k = 0; k < mine.size(); ++k) {
     if (shards[k].numel() != mine[k]->shard_numel || shards[k].scalar_type() != mine[k]->shard.scalar_type()) {
       throw Error("[remat::parallel] FullyShard::load_sharded: shard " + std::to_string(k) + " of '" + path + "' has " +
-                  std::to_string(shards[k].numel()) + " elements, unit '" + mine[k]->name + "' " +
+                  std::to_string(shards[k].numel()) + " elements, unit '" + *unit_of[k] + "' " +
                   std::to_string(mine[k]->shard_numel) + "; load into the model and units it was saved from.");
     }
   }
@@ -798,11 +988,14 @@ void FullyShard::reset_stats() {
 ShardMemory FullyShard::memory() const {
   ShardMemory out;
   for (const auto& u : impl_->units) {
-    if (!u.shard.defined()) continue;
-    const int64_t item = static_cast<int64_t>(u.shard.element_size());
-    out.shard_parameter_bytes += u.shard_numel * item;
-    if (u.shard.grad().defined()) out.shard_gradient_bytes += u.shard_numel * item;
-    if (u.gathered || u.gather_work) out.gathered_bytes += u.bytes();
+    if (u.params.empty()) continue;
+    for (const auto& f : u.flats) {
+      if (f.empty()) continue;
+      const int64_t item = static_cast<int64_t>(f.shard.element_size());
+      out.shard_parameter_bytes += f.shard_numel * item;
+      if (f.shard.grad().defined()) out.shard_gradient_bytes += f.shard_numel * item;
+    }
+    if (u.gathered || u.in_flight()) out.gathered_bytes += u.bytes();
     out.full_parameter_bytes += u.bytes();
     out.largest_unit_bytes = std::max(out.largest_unit_bytes, u.bytes());
   }
@@ -812,7 +1005,8 @@ ShardMemory FullyShard::memory() const {
 std::vector<ShardUnit> FullyShard::units() const {
   std::vector<ShardUnit> out;
   for (const auto& u : impl_->units) {
-    out.push_back({u.name, static_cast<int64_t>(u.params.size()), u.numel, u.shard_numel});
+    out.push_back({u.name, static_cast<int64_t>(u.params.size()), u.flats[0].numel + u.flats[1].numel,
+                   u.flats[0].shard_numel + u.flats[1].shard_numel});
   }
   return out;
 }

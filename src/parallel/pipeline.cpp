@@ -34,6 +34,17 @@
 namespace remat::parallel {
 
 namespace {
+/** Identity with its own autograd node: its output is no leaf (nor a view of
+ *  one), so in-place ops on it are allowed; the gradient passes through. */
+struct StageInput : torch::autograd::Function<StageInput> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.detach(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    return g;
+  }
+};
+}  // namespace
+
+namespace {
 
 using util::Clock;
 using util::message_of;
@@ -341,6 +352,16 @@ struct Pipeline::Impl {
     return out;
   }
 
+  /** What the stage function gets: each received leaf that needs a
+   *  gradient behind an identity node, so that the stage may modify it in
+   *  place (an in-place ReLU first) as it may the output of the stage before
+   *  in one process. The leaf keeps the gradient sent back. */
+  static std::vector<at::Tensor> stage_inputs(const std::vector<at::Tensor>& received) {
+    std::vector<at::Tensor> out;
+    for (const auto& t : received) out.push_back(t.defined() && t.requires_grad() ? StageInput::apply(t) : t);
+    return out;
+  }
+
   void forward(int m, Micro& mb, const std::vector<std::vector<at::Tensor>>& in,
                const std::vector<std::vector<at::Tensor>>& tg, const LossFn& loss) {
     if (rank == 0) {
@@ -354,7 +375,7 @@ struct Pipeline::Impl {
     }
     const auto t0 = Clock::now();
     try {
-      mb.outputs = fn(mb.inputs);
+      mb.outputs = fn(rank == 0 ? mb.inputs : stage_inputs(mb.inputs));
       if (rank == P - 1) {
         if (!loss) throw Error("[remat::parallel] the last stage needs a LossFn; pass one to step() on every rank.");
         auto l = loss(mb.outputs, tg.empty() ? std::vector<at::Tensor>{} : tg[m]);

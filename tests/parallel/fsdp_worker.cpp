@@ -8,6 +8,9 @@
 //   model_state_bytes (remat::memory after the last step, less before the
 //   model) max_gathered_bytes largest_unit_bytes root_bytes units
 //   last_norm by_allreduce
+// --freeze: the blocks' attention qkv and MLP fc layers are frozen (units of
+// frozen and trainable parameters). --eval: after each step's backward, an
+// evaluation forward without gradient, before the optimizer's step.
 // Exit codes: 0 done, 3 an error (message on stderr), 7 killed itself on
 // purpose (--die-at-step, rank world-1, before that step's backward).
 //
@@ -60,6 +63,7 @@ int main(int argc, char** argv) {
   const std::string units = arg(argc, argv, "units", "blocks");
   const std::string out = arg(argc, argv, "out", "");
   const bool plain = flag(argc, argv, "plain");
+  const bool eval = flag(argc, argv, "eval");
   try {
     torch::set_num_threads(1);
     remat::memory::enable_tracking();
@@ -67,6 +71,12 @@ int main(int argc, char** argv) {
     remat::models::Gpt gpt = worker::fsdp_gpt();
     const remat::models::GptConfig& cfg = gpt->config();
     using Block = remat::models::GptBlockImpl;
+    if (flag(argc, argv, "freeze")) {
+      for (auto& p : gpt->named_parameters()) {
+        if (p.key().find(".attn.qkv.") != std::string::npos || p.key().find(".mlp.fc.") != std::string::npos)
+          p.value().set_requires_grad(false);
+      }
+    }
     if (strategy == "block") {
       remat::enable_checkpointing(gpt, remat::select::type<Block>());
     } else if (strategy == "selective") {
@@ -137,6 +147,14 @@ int main(int argc, char** argv) {
         } else {
           micro_step();
         }
+      }
+      if (eval) {  // an evaluation between backward and the optimizer's step
+        torch::NoGradGuard no_grad;
+        auto gen = at::detail::createCPUGenerator(7);
+        auto tok = torch::randint(cfg.vocab, {batch, cfg.seq_len + 1}, gen, torch::kLong);
+        auto x = tok.slice(1, 0, cfg.seq_len), y = tok.slice(1, 1, cfg.seq_len + 1);
+        auto run = [&] { return gpt->loss(gpt->blocks->forward(gpt->embed(x)), y); };
+        (fsdp ? fsdp->forward(run) : run()).item<double>();
       }
       if (planner && step == 1) planner->replan(planner->leanest_peak_bytes());
       if (clip > 0) {

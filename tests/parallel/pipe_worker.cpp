@@ -12,6 +12,8 @@
 //     one and one that needs no gradient; the next checks them
 //   --fail-backward: rank 0's first micro-batch's backward throws
 //   --other-micro-on-rank-1: rank 1 asks for twice the micro-batches
+//   --inplace-relu: an in-place ReLU before block L/2 (the first op of a
+//     stage that starts there: on the tensor the stage received)
 //   --die-at-step K: rank 1 exits at step K's start (exit code 7)
 //   --clip N: gradients clipped to a global norm of N before each step
 //   --replicas D: --world / D stages, each replicated D times (rank =
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
@@ -72,6 +75,7 @@ int main(int argc, char** argv) {
   const int replicas = std::stoi(arg(argc, argv, "replicas", "1"));
   const bool extras = flag(argc, argv, "extras");
   const bool fail_backward = flag(argc, argv, "fail-backward");
+  const bool inplace_relu = flag(argc, argv, "inplace-relu");
   try {
     torch::set_num_threads(1);
     remat::memory::enable_tracking();
@@ -98,7 +102,11 @@ int main(int argc, char** argv) {
     std::vector<torch::Tensor> params;
     for (auto& [n, t] : owned) params.push_back(t);
     auto run_blocks = [&](torch::Tensor h) {
-      for (int64_t b = lo; b < hi; ++b) h = gpt->blocks[b]->as<Block>()->forward(h);
+      torch::nn::ReLU relu(torch::nn::ReLUOptions().inplace(true));
+      for (int64_t b = lo; b < hi; ++b) {
+        if (inplace_relu && b == L / 2) h = relu(h);
+        h = gpt->blocks[b]->as<Block>()->forward(h);
+      }
       return h;
     };
     std::optional<remat::AutoCheckpoint> planner;
@@ -156,7 +164,8 @@ int main(int argc, char** argv) {
     if (!plain && strategy != "auto") {
       const int64_t mb = batch / D / micro;
       auto tok = torch::randint(cfg.vocab, {mb, cfg.seq_len}, torch::kLong);
-      torch::Tensor h = first ? torch::Tensor() : torch::randn({mb, cfg.seq_len, cfg.d_model}).requires_grad_();
+      // Not a leaf: a stage may work on what it receives in place (--inplace-relu).
+      torch::Tensor h = first ? torch::Tensor() : torch::randn({mb, cfg.seq_len, cfg.d_model}).requires_grad_().clone();
       const int64_t before = remat::memory::current_bytes();
       auto o = run_blocks(first ? gpt->embed(tok) : h);
       kept_per_micro = remat::memory::current_bytes() - before;

@@ -24,7 +24,15 @@
 // it is gathered for backward, which then neither gathers nor frees it; it
 // is freed once autograd has accumulated the gradient of every parameter
 // it owns (the engine runs a parameter's accumulation after every node that
-// uses the parameter, so nothing reads it afterwards).
+// uses the parameter, so nothing reads it afterwards) and, when it owns
+// frozen parameters (no accumulation tells when their last reader ran),
+// once the gradients of its inputs are complete as well.
+//
+// NOTE [frozen parameters]: a unit keeps the parameters that require grad
+// and the frozen ones in two flat buffers, so that the optimizer's shard
+// holds no frozen element (AdamW's weight decay would move it). A gathered
+// buffer is valid for the shard version it was gathered from: a forward
+// after the optimizer stepped (or load_sharded wrote) gathers again.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +44,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <torch/arg.h>
 
 #include <remat/checkpointable.h>
@@ -134,21 +143,41 @@ class FullyShard {
   FullyShard(const FullyShard&) = delete;
   FullyShard& operator=(const FullyShard&) = delete;
 
-  /** The shards, one flat tensor per unit (requires_grad where the unit's
-   *  parameters do), for the optimizer: its state is then sharded too. */
+  /** The shards for the optimizer (its state is then sharded too): per
+   *  unit, one flat tensor of the parameters that require grad, and one of
+   *  the frozen ones (requires_grad false, no gradient: optimizers skip it),
+   *  each where the unit has such parameters. */
   std::vector<at::Tensor> parameters() const;
   /** Gathers the root unit's parameters and runs fn (the forward and loss);
-   *  returns what fn returns. */
+   *  returns what fn returns. A forward without gradient (an evaluation
+   *  under torch::NoGradGuard) frees the root again when no backward is
+   *  pending. A read of a unit's parameters outside the unit's own forward
+   *  (a module of the unit called by other code) throws remat::Error naming
+   *  the units sharded then. */
   template <class F>
   auto forward(F&& fn) -> std::invoke_result_t<F&> {
     begin_forward();
-    return fn();
+    struct End {
+      FullyShard* f;
+      ~End() { f->end_forward(); }
+    } end{this};
+    try {
+      return fn();
+    } catch (const c10::Error& e) {
+      explain_failed_forward(e);  // throws remat::Error when it was a read of sharded parameters
+      throw;
+    }
   }
-  /** What forward() does before fn: gathers the root unit. */
+  /** What forward() does before fn: gathers the root unit (again, when the
+   *  optimizer changed its shard since). */
   void begin_forward();
+  /** What forward() does after fn: frees the root after a forward without
+   *  gradient, unless a backward still needs it. Never throws. */
+  void end_forward() noexcept;
   /** Scales the shards' gradients so that their global 2-norm (over every
    *  rank) is at most max_norm, as torch::nn::utils::clip_grad_norm_;
-   *  returns the norm before clipping. A collective. */
+   *  returns the norm before clipping. A collective. max_norm must be
+   *  positive and finite (remat::Error otherwise, before any collective). */
   double clip_grad_norm(double max_norm);
   /** Writes the full model (torch::save of the module, loadable into an
    *  unsharded one with torch::load) to path on rank 0, through a
@@ -178,6 +207,9 @@ class FullyShard {
   struct Impl;  ///< internal (the units' state, shared with their hooks)
 
  private:
+  /** forward()'s translation of c10's "data is not allocated yet" into a
+   *  remat::Error naming the units sharded then; returns for other errors. */
+  void explain_failed_forward(const c10::Error& e) const;
   std::shared_ptr<Impl> impl_;
 };
 

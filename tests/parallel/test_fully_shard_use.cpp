@@ -1,0 +1,256 @@
+// remat::parallel::FullyShard as programs outside remat use it, on one rank
+// (in process, over a FileStore): frozen parameters beside trainable ones in a
+// unit (LoRA), evaluation forwards between backward and the optimizer step,
+// loading shards after an evaluation, a unit's module called from outside the
+// unit, and bad values. One rank's reduce-scatter is a copy and AdamW is
+// elementwise, so each run is compared bitwise with the same model unsharded.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+#include <torch/serialize.h>
+#include <torch/utils.h>
+
+#include <remat/checkpointable.h>
+#include <remat/error.h>
+#include <remat/models/gpt.h>
+#include <remat/parallel/fully_shard.h>
+
+#include "../common.h"
+#include "fsdp_model.h"
+
+namespace {
+
+using remat::parallel::FullyShard;
+using remat::parallel::FullyShardOptions;
+using remat::parallel::InitOptions;
+using remat_test::error_of;
+
+remat::parallel::ProcessGroup one_rank(const std::string& name) {
+  return remat::parallel::init_process_group(
+      InitOptions(0, 1).file_store(remat_test::fresh_dir(name) + "/store").timeout(std::chrono::milliseconds(10000)));
+}
+
+/** A LoRA unit: a frozen Linear plus a trainable low-rank branch. */
+struct LoraImpl : torch::nn::Module, remat::Checkpointable {
+  LoraImpl(int64_t d, int64_t r)
+      : base(register_module("base", torch::nn::Linear(d, d))),
+        a(register_module("a", torch::nn::Linear(torch::nn::LinearOptions(d, r).bias(false)))),
+        b(register_module("b", torch::nn::Linear(torch::nn::LinearOptions(r, d).bias(false)))) {
+    for (auto& p : base->parameters()) p.set_requires_grad(false);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return checkpointed([this](const at::Tensor& h) { return torch::tanh(base(h) + b(a(h))); }, x);
+  }
+  torch::nn::Linear base, a, b;
+};
+TORCH_MODULE(Lora);
+
+/** A trainable layer, two LoRA units, a trainable head: the units' inputs
+ *  need their gradient, which their frozen weights give. */
+struct LoraNetImpl : torch::nn::Module {
+  LoraNetImpl()
+      : first(register_module("first", torch::nn::Linear(16, 32))),
+        l1(register_module("l1", Lora(32, 4))),
+        l2(register_module("l2", Lora(32, 4))),
+        head(register_module("head", torch::nn::Linear(32, 8))) {}
+  at::Tensor forward(const at::Tensor& x) { return head(l2(l1(first(x)))); }
+  torch::nn::Linear first;
+  Lora l1, l2;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(LoraNet);
+
+LoraNet lora_net() {
+  torch::manual_seed(5);
+  return LoraNet();
+}
+
+std::vector<at::Tensor> values_of(const std::vector<at::Tensor>& ps) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().clone());
+  return out;
+}
+
+/** Three AdamW steps (weight decay on) of a LoRA net, sharded and plain:
+ *  bitwise equal, the frozen weights unchanged. */
+void expect_lora_trains_as_plain(bool checkpointed) {
+  auto group = one_rank(checkpointed ? "lora_ckpt" : "lora");
+  auto plain = lora_net(), sharded = lora_net();
+  if (checkpointed) {
+    remat::enable_checkpointing(plain, remat::select::all());
+    remat::enable_checkpointing(sharded, remat::select::all());
+  }
+  const auto initial = values_of(plain->parameters());
+  FullyShard fsdp(sharded.ptr(), group);
+  ASSERT_EQ(fsdp.units().size(), 3u);  // root (first, head), l1, l2
+  // Per LoRA unit a trainable shard and a frozen one.
+  ASSERT_EQ(fsdp.parameters().size(), 5u);
+  int frozen_shards = 0;
+  for (const auto& s : fsdp.parameters()) frozen_shards += !s.requires_grad();
+  EXPECT_EQ(frozen_shards, 2);
+  const auto o = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  torch::optim::AdamW opt_plain(plain->parameters(), o), opt_sharded(fsdp.parameters(), o);
+  for (int step = 0; step < 3; ++step) {
+    auto x = torch::randn({4, 16});
+    opt_plain.zero_grad();
+    opt_sharded.zero_grad();
+    plain->forward(x).square().mean().backward();
+    fsdp.forward([&] { return sharded->forward(x).square().mean(); }).backward();
+    EXPECT_EQ(fsdp.memory().gathered_bytes, 0) << "every unit freed after backward";
+    opt_plain.step();
+    opt_sharded.step();
+  }
+  const std::string path = remat_test::fresh_dir(checkpointed ? "lora_ckpt_full" : "lora_full") + "/full.pt";
+  fsdp.save_full(path);
+  auto back = lora_net();
+  torch::load(back, path);
+  const auto pp = plain->named_parameters(), bp = back->named_parameters();
+  ASSERT_EQ(pp.size(), bp.size());
+  for (size_t i = 0; i < pp.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pp[i].value(), bp[i].value())) << pp[i].key();
+    if (pp[i].key().find("base") != std::string::npos) {
+      EXPECT_TRUE(torch::equal(bp[i].value(), initial[i])) << pp[i].key() << " is frozen and moved";
+    } else {
+      EXPECT_FALSE(torch::equal(bp[i].value(), initial[i])) << pp[i].key() << " trains";
+    }
+  }
+}
+
+TEST(FullyShardUse, FrozenParametersInAUnitNeverMoveAndTheRestTrainsAsPlain) { expect_lora_trains_as_plain(false); }
+TEST(FullyShardUse, FrozenParametersInACheckpointedUnitNeverMoveAndTheRestTrainsAsPlain) {
+  expect_lora_trains_as_plain(true);
+}
+
+/** The GPT's loss on tokens tok, read under no gradient. */
+at::Tensor eval_loss(remat::models::Gpt& gpt, const at::Tensor& tok) {
+  auto x = tok.slice(1, 0, 32), y = tok.slice(1, 1, 33);
+  return gpt->loss(gpt->blocks->forward(gpt->embed(x)), y);
+}
+
+/** Steps where an evaluation forward runs between backward and the
+ *  optimizer's step (without gradient, or with it and dropped), as plain:
+ *  the evaluations read the current shards, and training matches bitwise. */
+void expect_evaluations_read_current_shards(const FullyShardOptions& options, bool eval_with_grad,
+                                            const std::string& tag) {
+  auto group = one_rank(tag);
+  auto plain = worker::fsdp_gpt(), sharded = worker::fsdp_gpt();
+  FullyShard fsdp(sharded.ptr(), group, options);
+  const auto o = torch::optim::AdamWOptions(1e-2);
+  torch::optim::AdamW opt_plain(plain->parameters(), o), opt_sharded(fsdp.parameters(), o);
+  const auto eval_tok = torch::randint(64, {2, 33}, torch::kLong);
+  for (int step = 0; step < 3; ++step) {
+    auto tok = torch::randint(64, {2, 33}, torch::kLong);
+    opt_plain.zero_grad();
+    opt_sharded.zero_grad();
+    eval_loss(plain, tok).backward();
+    fsdp.forward([&] { return eval_loss(sharded, tok); }).backward();
+    {
+      std::optional<torch::NoGradGuard> no_grad;
+      if (!eval_with_grad) no_grad.emplace();
+      const auto a = eval_loss(plain, eval_tok);
+      const auto b = fsdp.forward([&] { return eval_loss(sharded, eval_tok); });
+      EXPECT_TRUE(torch::equal(a, b)) << "step " << step << ": " << a.item<double>() << " vs " << b.item<double>();
+    }
+    if (!eval_with_grad) {
+      EXPECT_EQ(fsdp.memory().gathered_bytes, 0) << "an evaluation leaves nothing gathered";
+    }
+    opt_plain.step();
+    opt_sharded.step();
+  }
+  torch::NoGradGuard no_grad;
+  const auto a = eval_loss(plain, eval_tok);
+  const auto b = fsdp.forward([&] { return eval_loss(sharded, eval_tok); });
+  EXPECT_TRUE(torch::equal(a, b)) << a.item<double>() << " vs " << b.item<double>();
+}
+
+TEST(FullyShardUse, NoGradEvaluationBetweenBackwardAndStepReadsTheCurrentShards) {
+  expect_evaluations_read_current_shards(FullyShardOptions(), false, "eval_no_grad");
+}
+TEST(FullyShardUse, EvaluationWithGradientReadsTheCurrentShardsOfUnitsKeptGathered) {
+  expect_evaluations_read_current_shards(FullyShardOptions().reshard_after_forward(false), true, "eval_grad");
+}
+
+TEST(FullyShardUse, LoadShardedAfterAnEvaluationReadsTheLoadedShards) {
+  auto group = one_rank("load_after_eval");
+  const std::string prefix = remat_test::fresh_dir("load_after_eval_files") + "/ckpt";
+  auto gpt = worker::fsdp_gpt();
+  FullyShard fsdp(gpt.ptr(), group, FullyShardOptions().reshard_after_forward(false));
+  torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-2));
+  const auto tok = torch::randint(64, {2, 33}, torch::kLong);
+  auto train = [&] {
+    opt.zero_grad();
+    fsdp.forward([&] { return eval_loss(gpt, tok); }).backward();
+    opt.step();
+  };
+  train();
+  fsdp.save_sharded(prefix);
+  torch::NoGradGuard no_grad;
+  const auto saved = fsdp.forward([&] { return eval_loss(gpt, tok); });
+  {
+    torch::AutoGradMode grad(true);
+    train();
+    // An evaluation with gradient, dropped: the units stay gathered.
+    const auto moved = fsdp.forward([&] { return eval_loss(gpt, tok); });
+    EXPECT_FALSE(torch::equal(saved, moved.detach()));
+  }
+  fsdp.load_sharded(prefix);
+  const auto back = fsdp.forward([&] { return eval_loss(gpt, tok); });
+  EXPECT_TRUE(torch::equal(saved, back)) << saved.item<double>() << " vs " << back.item<double>();
+}
+
+/** A GPT whose own code calls a block's MLP outside the block. */
+TEST(FullyShardUse, AUnitsModuleCalledOutsideTheUnitIsRefusedByName) {
+  auto group = one_rank("outside");
+  auto gpt = worker::fsdp_gpt();
+  FullyShard fsdp(gpt.ptr(), group, FullyShardOptions().units(remat::select::type<remat::models::GptBlockImpl>()));
+  const auto tok = torch::randint(64, {2, 33}, torch::kLong);
+  auto x = tok.slice(1, 0, 32), y = tok.slice(1, 1, 33);
+  auto mlp = gpt->blocks[0]->as<remat::models::GptBlockImpl>()->mlp;
+  EXPECT_EQ(error_of([&] { fsdp.forward([&] { return gpt->loss(mlp->forward(gpt->embed(x)), y); }); }),
+            "[remat::parallel] FullyShard: the forward read a parameter of a unit while the unit was sharded "
+            "(sharded then: 'blocks.0', 'blocks.1', 'blocks.2', 'blocks.3'). A unit's parameters hold data only "
+            "while its own forward runs: a module of a unit was called from outside the unit (by the model's own "
+            "code, or by another unit). Call it only from inside the unit's forward, or choose units "
+            "(FullyShardOptions::units) that hold every module the model calls directly.");
+  // Nothing was lost: the model trains through its units.
+  auto plain = worker::fsdp_gpt();
+  const auto a = plain->loss(plain->blocks->forward(plain->embed(x)), y);
+  const auto b = fsdp.forward([&] { return eval_loss(gpt, tok); });
+  b.backward();
+  EXPECT_TRUE(torch::equal(a, b.detach()));
+  EXPECT_EQ(fsdp.memory().gathered_bytes, 0);
+}
+
+TEST(FullyShardUse, BadValuesAreRefusedBeforeAnythingChanges) {
+  auto group = one_rank("bad_values");
+  auto gpt = worker::fsdp_gpt();
+  FullyShard fsdp(gpt.ptr(), group);
+  const auto tok = torch::randint(64, {2, 33}, torch::kLong);
+  fsdp.forward([&] { return eval_loss(gpt, tok); }).backward();
+  std::vector<at::Tensor> grads;
+  for (const auto& s : fsdp.parameters()) grads.push_back(s.grad().clone());
+  for (double bad : {-1.0, 0.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    EXPECT_EQ(error_of([&] { fsdp.clip_grad_norm(bad); }), "[remat::parallel] FullyShard::clip_grad_norm: max_norm " +
+                                                               std::to_string(bad) +
+                                                               " must be a positive finite number.");
+  }
+  for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(torch::equal(grads[i], fsdp.parameters()[i].grad()));
+  // Unfreezing (or freezing) after sharding: the shards were cut by requires_grad.
+  gpt->wte->weight.set_requires_grad(false);
+  EXPECT_EQ(error_of([&] { fsdp.forward([&] { return eval_loss(gpt, tok); }); }),
+            "[remat::parallel] FullyShard: parameter 'wte.weight' of unit '(root)' is frozen now but required grad "
+            "when the model was sharded; set requires_grad before constructing FullyShard (it cuts each unit's "
+            "buffers and the optimizer's shards by it), or shard the model again.");
+  gpt->wte->weight.set_requires_grad(true);
+  fsdp.forward([&] { return eval_loss(gpt, tok); }).backward();
+  EXPECT_EQ(fsdp.memory().gathered_bytes, 0);
+}
+
+}  // namespace
