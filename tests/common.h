@@ -103,9 +103,10 @@ inline void zero_grads(torch::nn::Module& m, torch::Tensor& x) {
 /** SequentialOptions for a budget taken from remat::profile(), which
  *  measures the chain's activations only: the plan leaves out the parameter
  *  gradients that these tests' backwards allocate (zero_grads sets them to
- *  none), as the profile does. */
+ *  none), and frees the chain's output with the last stage's backward (these
+ *  tests drop it once the loss is computed), as the profile does. */
 inline remat::SequentialOptions activations_only() {
-  return remat::SequentialOptions().count_parameter_gradients(false);
+  return remat::SequentialOptions().count_parameter_gradients(false).count_held_output(false);
 }
 
 /** Asserts two gradient lists are bitwise equal, naming the first mismatch. */

@@ -58,7 +58,8 @@ TEST(CheckpointedSequential, EveryAlgorithmBitwiseWithDropout) {
   };
   bool saw_multilevel = false;
   for (auto& opts : all) {
-    remat::CheckpointedSequential net(seq, opts.count_parameter_gradients(false));  // budgets from the profile
+    remat::CheckpointedSequential net(
+        seq, opts.count_parameter_gradients(false).count_held_output(false));  // budgets from the profile
     torch::manual_seed(5);
     auto got = step_grads(*seq, x, [&](torch::Tensor h) { return net->forward(h); });
     const auto& plan = net->plan();
@@ -190,7 +191,8 @@ TEST(CheckpointedSequential, MeasuredPeakWithinBudgetAndNearPrediction) {
     for (const bool dense : {false, true}) {
       for (double f : {1.0, 0.5, 0.25}) {
         const int64_t budget = std::max<int64_t>(low, static_cast<int64_t>(f * top));
-        remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(budget));
+        remat::CheckpointedSequential net(
+            seq, remat::SequentialOptions().memory_budget_bytes(budget).count_held_output(false));
         for (auto& p : seq->parameters()) p.mutable_grad().zero_();
         x.mutable_grad() = torch::Tensor();
         // The output is not held during backward (the planner's model: a_L
@@ -686,7 +688,9 @@ TEST(CheckpointedSequential, RealModuleCallsMatchTheSchedule) {
   auto chain = remat::profile(seq, x);
   for (auto opts : {remat::SequentialOptions().algorithm("store-all"), remat::SequentialOptions().algorithm("sqrt"),
                     remat::SequentialOptions().algorithm("revolve:2"),
-                    remat::SequentialOptions().memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain))}) {
+                    remat::SequentialOptions()
+                        .memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain))
+                        .count_held_output(false)}) {
     remat::CheckpointedSequential net(seq, opts);
     net->plan(x);  // profiling's own calls happen here
     calls.fill(0);
@@ -789,6 +793,40 @@ TEST(CheckpointedSequentialDropIn, ModeReachesTheWrappedSequential) {
 
 // ---- budgets ----
 
+// The step written as one expression, as users write it: the chain's output
+// (and what the caller computes from it) lives until backward() returns.
+// The chain's own measured peak stays within the budget at every fraction,
+// with gradients kept or reset to none before each step.
+TEST(CheckpointedSequential, AStepWrittenAsOneExpressionStaysWithinTheFractionBudget) {
+  auto seq = six_gpt_blocks();
+  auto x = torch::randn({8, 64, 64});
+  for (const bool reset : {false, true}) {
+    for (double f : {1.0, 0.5, 0.3}) {
+      remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_fraction(f));
+      for (int step = 0; step < 2; ++step) {
+        for (auto& p : seq->parameters()) {
+          if (reset) {
+            p.mutable_grad() = torch::Tensor();
+          } else if (!p.grad().defined()) {
+            p.mutable_grad() = torch::zeros_like(p);
+          }
+        }
+        net->forward(x).square().mean().backward();
+      }
+      const int64_t plain = remat::plan::store_all(net->chain()).prediction.peak_bytes;
+      const int64_t budget = static_cast<int64_t>(f * static_cast<double>(plain));
+      const auto& r = net->last_step();
+      std::printf("fraction %.2f%s: chain peak %s, prediction %s, budget %s (%.3fx), window %s\n", f,
+                  reset ? " (gradients reset)" : "", remat::format_bytes(r.chain_peak_bytes).c_str(),
+                  remat::format_bytes(net->plan().prediction.peak_bytes).c_str(), remat::format_bytes(budget).c_str(),
+                  static_cast<double>(r.chain_peak_bytes) / static_cast<double>(budget),
+                  remat::format_bytes(r.measured_peak_bytes).c_str());
+      // 16 KiB: the modules' buffers and the scalar loss.
+      EXPECT_LE(r.chain_peak_bytes, budget + 16384) << f << (reset ? " reset" : "") << "\n" << net->explain();
+    }
+  }
+}
+
 TEST(CheckpointedSequential, BudgetAsAFractionOfThePlainPeak) {
   auto seq = six_gpt_blocks();
   auto x = torch::randn({8, 64, 64}, torch::requires_grad());
@@ -809,6 +847,99 @@ TEST(CheckpointedSequential, BudgetAsAFractionOfThePlainPeak) {
 
 // ---- errors ----
 
+/** What an infeasible budget's error adds about the chain's least peak
+ *  (the wording pinned here; the figures from plan::min_peak_site). */
+std::string floor_reason(const remat::plan::Chain& chain, int64_t grads = 0, int64_t without = 0) {
+  const auto site = remat::plan::min_peak_site(chain);
+  const bool backward = site.op.kind == remat::plan::OpKind::kBackward;
+  std::string r = " That peak is reached in the " + std::string(backward ? "backward" : "forward") + " of stage '" +
+                  chain.stages[site.op.stage].name + "' (" + std::to_string(site.op.stage + 1) + " of " +
+                  std::to_string(chain.size()) + "), whose own working set there is " +
+                  remat::format_bytes(site.stage_bytes) +
+                  (backward ? " (its input, what it saved for backward, the gradients at its output and input, its "
+                              "backward's temporaries)"
+                            : " (its input, what it keeps, its temporaries)") +
+                  "; the chain's input holds " + remat::format_bytes(chain.input_bytes) + " throughout";
+  if (grads > 0)
+    r += ", and the plan counts " + remat::format_bytes(grads) +
+         " of parameter gradients that this "
+         "step's backward allocates";
+  r += ". What lowers it: cutting that stage into smaller stages (its children as stages of the chain) or "
+       "checkpointing inside it (enable_checkpointing on its blocks)";
+  if (grads > 0 && without < site.peak_bytes) {
+    r += "; leaving the parameter gradients out of the budget (allocate them before the first step and zero them "
+         "with zero_grad(false), or count_parameter_gradients(false)), which lowers it to " +
+         remat::format_bytes(without);
+  }
+  return r + "; a smaller input (batch).";
+}
+
+// A chain whose middle stage is a whole sub-network (a U-Net's outermost
+// block holding the rest): no budget below its plain peak fits, and the
+// error says that stage's backward sets the floor, with what it holds.
+/** A sub-network as one module (a Sequential cannot hold a Sequential). */
+struct InnerNetImpl : torch::nn::Module {
+  InnerNetImpl() : body(register_module("body", torch::nn::Sequential())) {
+    for (int k = 0; k < 6; ++k) {
+      body->push_back(torch::nn::Linear(64, 64));
+      body->push_back(torch::nn::Tanh());
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return body->forward(x); }
+  torch::nn::Sequential body;
+};
+TORCH_MODULE(InnerNet);
+
+TEST(CheckpointedSequentialErrors, AFloorSetByOneStageNamesTheStage) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq(torch::nn::Linear(64, 64), InnerNet(), torch::nn::Linear(64, 64));
+  auto x = torch::randn({256, 64}, torch::requires_grad());
+  remat::CheckpointedSequential probe(seq, activations_only().memory_budget_fraction(1.0));
+  probe->plan(x);
+  const auto& chain = probe->chain();
+  const auto site = remat::plan::min_peak_site(chain);
+  EXPECT_EQ(site.op.stage, 1);
+  EXPECT_EQ(site.op.kind, remat::plan::OpKind::kBackward);
+  EXPECT_EQ(site.peak_bytes, remat::plan::min_feasible_peak_bytes(chain));
+  // The stage holds most of the floor; the chain's input and the others the rest.
+  EXPECT_GE(static_cast<double>(site.stage_bytes), 0.75 * static_cast<double>(site.peak_bytes));
+  EXPECT_LE(site.stage_bytes + chain.input_bytes, site.peak_bytes);
+  const int64_t plain = remat::plan::store_all(chain).prediction.peak_bytes;
+  EXPECT_GE(static_cast<double>(site.peak_bytes), 0.9 * static_cast<double>(plain)) << "a floor near plain";
+  remat::CheckpointedSequential net(seq, activations_only().memory_budget_fraction(0.5));
+  const std::string m = error_of([&] { net->forward(x); });
+  EXPECT_EQ(m.rfind("[remat::CheckpointedSequential] no schedule fits in memory_budget_fraction 0.5 (", 0), 0u) << m;
+  EXPECT_NE(m.find(floor_reason(chain)), std::string::npos) << m;
+  std::printf("%s\n", m.c_str());
+  EXPECT_NE(m.find("That peak is reached in the backward of stage '" + chain.stages[1].name + "' (2 of 3)"),
+            std::string::npos)
+      << m;
+}
+
+// Parameters heavier than the activations (a PatchGAN discriminator at
+// batch 1): the floor counts the parameter gradients the step allocates,
+// and the error says by how much leaving them out lowers it.
+TEST(CheckpointedSequentialErrors, AFloorOfParameterGradientsSaysWhatLeavingThemOutGives) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq(torch::nn::Linear(256, 256), torch::nn::Tanh(), torch::nn::Linear(256, 256),
+                            torch::nn::Tanh(), torch::nn::Linear(256, 1));
+  auto x = torch::randn({1, 256}, torch::requires_grad());
+  int64_t grads = 0;
+  for (const auto& p : seq->parameters()) grads += p.numel() * p.element_size();
+  remat::CheckpointedSequential probe(seq, remat::SequentialOptions().memory_budget_fraction(1.0));
+  probe->plan(x);
+  remat::CheckpointedSequential probe_without(
+      seq, remat::SequentialOptions().memory_budget_fraction(1.0).count_parameter_gradients(false));
+  probe_without->plan(x);
+  const int64_t low = remat::plan::min_feasible_peak_bytes(probe_without->chain());
+  const int64_t low_with = remat::plan::min_feasible_peak_bytes(probe->chain());
+  EXPECT_GT(low_with, 2 * low) << "the gradients set most of the floor";
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_fraction(0.05));
+  const std::string m = error_of([&] { net->forward(x); });
+  EXPECT_NE(m.find(floor_reason(probe->chain(), grads, low)), std::string::npos) << m;
+  EXPECT_NE(m.find("which lowers it to " + remat::format_bytes(low)), std::string::npos) << m;
+}
+
 TEST(CheckpointedSequentialErrors, BudgetBelowMinimum) {
   auto seq = make_mlp(4, 16);
   auto x = torch::randn({8, 16}, torch::requires_grad());
@@ -817,9 +948,10 @@ TEST(CheckpointedSequentialErrors, BudgetBelowMinimum) {
     net->forward(x);
     FAIL();
   } catch (const remat::Error& e) {
-    const std::string min = remat::format_bytes(remat::plan::min_feasible_peak_bytes(remat::profile(seq, x)));
+    const auto chain = remat::profile(seq, x);
+    const std::string min = remat::format_bytes(remat::plan::min_feasible_peak_bytes(chain));
     EXPECT_EQ(std::string(e.what()), "[remat::plan] no schedule fits in 1.00 KiB; the smallest feasible peak is " +
-                                         min + ". Raise memory_budget_bytes.");
+                                         min + ". Raise memory_budget_bytes." + floor_reason(chain));
   }
 }
 
@@ -835,17 +967,20 @@ TEST(CheckpointedSequentialErrors, BudgetBelowTheParameterGradientsNamesThem) {
   int64_t grads = 0;
   for (const auto& p : seq->parameters()) grads += p.numel() * p.element_size();
   // The chain as planned with the gradients (a probe whose budget is its plain peak).
-  remat::CheckpointedSequential probe(seq, remat::SequentialOptions().memory_budget_fraction(1.0));
+  remat::CheckpointedSequential probe(seq,
+                                      remat::SequentialOptions().count_held_output(false).memory_budget_fraction(1.0));
   probe->plan(x);
   const int64_t low_with = remat::plan::min_feasible_peak_bytes(probe->chain());
   ASSERT_GT(low_with, low);
   // Too small with or without the gradients: the error as it is, no remedy.
-  remat::CheckpointedSequential tiny(seq, remat::SequentialOptions().memory_budget_bytes(1024));
+  remat::CheckpointedSequential tiny(seq,
+                                     remat::SequentialOptions().count_held_output(false).memory_budget_bytes(1024));
   EXPECT_EQ(error_of([&] { tiny->forward(x); }),
             "[remat::plan] no schedule fits in 1.00 KiB; the smallest feasible "
             "peak is " +
-                remat::format_bytes(low_with) + ". Raise memory_budget_bytes.");
-  remat::CheckpointedSequential net(seq, remat::SequentialOptions().memory_budget_bytes(low));
+                remat::format_bytes(low_with) + ". Raise memory_budget_bytes." +
+                floor_reason(probe->chain(), grads, low));
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().count_held_output(false).memory_budget_bytes(low));
   EXPECT_EQ(error_of([&] { net->forward(x); }),
             "[remat::plan] no schedule fits in " + remat::format_bytes(low) + "; the smallest feasible peak is " +
                 remat::format_bytes(low_with) + ". Raise memory_budget_bytes. The plan counts the " +
@@ -972,7 +1107,8 @@ TEST(CheckpointedSequential, BatchNormsOwnedElsewhereMoveAsInAPlainStep) {
           remat::SequentialOptions().algorithm("revolve:2"), remat::SequentialOptions().memory_budget_bytes(low)}) {
       ForeignBn plain(1), ck(1);
       // Budgets of the activations: parameter gradients outweigh them here.
-      remat::CheckpointedSequential net(ck.seq, opts.early_stop(early).count_parameter_gradients(false));
+      remat::CheckpointedSequential net(
+          ck.seq, opts.early_stop(early).count_parameter_gradients(false).count_held_output(false));
       torch::manual_seed(2);
       for (int step = 0; step < 3; ++step) {
         auto x = torch::randn({8, 16}, torch::requires_grad());
@@ -1094,7 +1230,8 @@ TEST(CheckpointedSequentialErrors, InfeasibleBudgetFractionNamesTheFraction) {
             "[remat::CheckpointedSequential] no schedule fits in memory_budget_fraction 0.05 (a budget of " +
                 remat::format_bytes(static_cast<int64_t>(0.05 * static_cast<double>(plain))) +
                 " of the chain's plain peak, " + remat::format_bytes(plain) + "); the smallest feasible peak is " +
-                remat::format_bytes(low) + ". Raise memory_budget_fraction to at least " + need + ".");
+                remat::format_bytes(low) + ". Raise memory_budget_fraction to at least " + need + "." +
+                floor_reason(chain));
   // What the planner says for another algorithm names the fraction too.
   const double f = (static_cast<double>(low) + 1) / static_cast<double>(plain);
   remat::CheckpointedSequential greedy(seq, activations_only().memory_budget_fraction(f).algorithm("sqrt"));

@@ -99,6 +99,17 @@ struct SequentialOptions {
    *  above the budget (for a chain whose budget covers its activations
    *  only). Default true. */
   TORCH_ARG(bool, count_parameter_gradients) = true;
+  /** Count the chain's output as held by the caller until backward()
+   *  returns: a named output (`auto y = net->forward(x);`) or a step
+   *  written as one expression (`net->forward(x).square().mean().backward()`,
+   *  whose temporaries live to the statement's end) keeps it, |a_L| bytes,
+   *  through the whole backward, and the budget then still bounds the
+   *  chain's peak. false: the caller lets it go once the loss is computed
+   *  (`auto loss = criterion(net->forward(x), y);`), and the plan frees it
+   *  with the last stage's backward (|a_L| more room for the rest of the
+   *  backward; a caller that holds it anyway peaks up to |a_L| above the
+   *  plan). Default true. */
+  TORCH_ARG(bool, count_held_output) = true;
   /** Measure the peak of each step with remat::memory (allocations are
    *  counted from forward to the end of backward). Default true. */
   TORCH_ARG(bool, measure_memory) = true;
@@ -273,8 +284,12 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   // With mu_ held. forced: the whole-step planner's schedule runs, so the
   // options' plan is not solved (solve_own does, on a later call without).
   const Entry& entry_for(const detail::Values& x, bool forced = false);
-  void solve_own(Entry& e);         // the options' plan into e.plan; throws when the options cannot be met
-  void solve_own_budget(Entry& e);  // solve_own without the parameter gradients' remedy
+  void solve_own(Entry& e);
+  /** The chain as planned: `chain` with the caller's output counted
+   *  (count_held_output; NOTE [the caller's output]). */
+  plan::Chain planned(
+      const plan::Chain& chain) const;  // the options' plan into e.plan; throws when the options cannot be met
+  void solve_own_budget(Entry& e);      // solve_own without the parameter gradients' remedy
   const Entry& last_entry() const;
   detail::Values run(const detail::Values& x, bool want_tensor);
   /** The whole-step planner's options for x (src/chain/observe.h's ChainMenu). */

@@ -64,6 +64,7 @@
 #include "../core/replay.h"
 #include "../core/write_guard.h"
 #include "early_stop.h"
+#include "floor.h"
 #include "grad_edges.h"
 #include "levers.h"
 #include "observe.h"
@@ -829,6 +830,28 @@ plan::Chain with_param_grads(const plan::Chain& chain, const std::vector<int64_t
   return c;
 }
 
+/** NOTE [the caller's output]: the runtime frees the chain's output a_L at
+ *  the start of the last stage's backward (or with its saved set), and the
+ *  op model with it. A caller that still holds it (`auto y = net->forward(x)`,
+ *  or a step written as one expression, whose temporaries live until
+ *  backward() returns) keeps |a_L| live from there to the end: the chain
+ *  with those bytes charged, as with_param_grads charges gradients, to every
+ *  boundary gradient below L (each backward(i < L-1) frees them again at its
+ *  peak, so that they count once), and never freed by backward(L-1). */
+plan::Chain with_held_output(const plan::Chain& chain) {
+  plan::Chain c = chain;
+  const int L = c.size();
+  const int64_t held = c.stages[static_cast<size_t>(L - 1)].output_bytes;
+  for (int i = 0; i < L - 1; ++i) {
+    plan::Stage& st = c.stages[static_cast<size_t>(i)];
+    st.output_grad_bytes = chain.stages[static_cast<size_t>(i)].grad_bytes() + held;
+    st.backward_freed_bytes += held;
+    for (plan::StageOption& o : st.options) o.backward_freed_bytes += held;
+  }
+  c.input_grad_bytes = chain.grad_bytes(0) + held;
+  return c;
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -1131,7 +1154,7 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
     e.stops = std::make_shared<detail::StopRecords>(static_cast<int>(e.profiled.stages.size()));
     ++profiles_;
   }
-  e.chain = allocates ? detail::with_param_grads(e.profiled, grad_bytes) : e.profiled;
+  e.chain = planned(allocates ? detail::with_param_grads(e.profiled, grad_bytes) : e.profiled);
   e.param_grad_bytes = allocates ? std::accumulate(grad_bytes.begin(), grad_bytes.end(), int64_t{0}) : 0;
   if (forced) {
     // The whole-step planner runs its own schedule: the options' plan is
@@ -1144,22 +1167,32 @@ const CheckpointedSequentialImpl::Entry& CheckpointedSequentialImpl::entry_for(c
   return plans_.emplace(std::move(key), std::move(e)).first->second;
 }
 
+plan::Chain CheckpointedSequentialImpl::planned(const plan::Chain& chain) const {
+  return options_.count_held_output() ? detail::with_held_output(chain) : chain;
+}
+
 void CheckpointedSequentialImpl::solve_own(Entry& e) {
   try {
     solve_own_budget(e);
   } catch (const Error& err) {
-    if (e.param_grad_bytes <= 0) throw;
+    // A budget below the least peak: say what sets it and what lowers it.
+    auto with_reason = [&]() -> Error {
+      const std::string what = err.what();
+      if (what.find("the smallest feasible peak is") == std::string::npos) return err;
+      const int64_t without = e.param_grad_bytes > 0 ? lowest_peak(planned(e.profiled), e.levers.get()) : 0;
+      return Error(what + detail::least_peak_reason(e.chain, e.param_grad_bytes, without));
+    };
+    if (e.param_grad_bytes <= 0) throw with_reason();
     // NOTE [parameter gradients in the plan]: where the same options fit
     // without the gradients, say what the budget counts and the two ways
     // to leave the gradients out of it.
-    const std::exception_ptr original = std::current_exception();
     Entry bare = e;
-    bare.chain = e.profiled;
+    bare.chain = planned(e.profiled);
     bare.param_grad_bytes = 0;
     try {
       solve_own_budget(bare);
     } catch (...) {
-      std::rethrow_exception(original);  // they are not the reason: the error as it was
+      throw with_reason();  // they are not the whole reason
     }
     throw Error(std::string(err.what()) + " The plan counts the " + format_bytes(e.param_grad_bytes) +
                 " of parameter gradients that this step's backward allocates (their .grad is undefined when the "

@@ -532,6 +532,34 @@ Plan min_memory(const Chain& chain) {
   return internal::make_plan(chain, "min-memory", std::move(s));
 }
 
+PeakSite min_peak_site(const Chain& chain) {
+  const Plan p = min_memory(chain);
+  PeakSite site;
+  site.peak_bytes = p.prediction.peak_bytes;
+  const auto& ops = p.schedule.ops;
+  const auto& bytes = p.prediction.op_bytes;
+  size_t at = ops.size();
+  for (size_t k = 0; k < ops.size(); ++k) {
+    if (ops[k].kind == OpKind::kDrop) continue;
+    if (at == ops.size() || bytes[k] > bytes[at]) at = k;
+  }
+  if (at == ops.size()) return site;  // a_0 alone
+  site.op = ops[at];
+  const int i = site.op.stage;
+  const Stage st = chain.stages[static_cast<size_t>(i)].with_option(site.op.option);
+  int64_t own = i == 0 ? 0 : chain.value_bytes(i);
+  switch (site.op.kind) {
+    case OpKind::kForward: own += chain.new_value_bytes(i) + st.plain_tmp_bytes(); break;
+    case OpKind::kForwardSave: own += st.saved_bytes - st.shared_input_bytes + st.forward_tmp_bytes; break;
+    default:
+      own += st.saved_bytes - st.shared_input_bytes + chain.grad_bytes(i + 1) + chain.grad_bytes(i) +
+             st.backward_tmp_bytes - st.backward_freed_bytes;
+      break;
+  }
+  site.stage_bytes = std::clamp<int64_t>(own, 0, site.peak_bytes);
+  return site;
+}
+
 Plan optimal(const Chain& chain, int64_t budget_bytes, int memory_slots, OptimalScope scope) {
   chain.validate();
   check_memory_slots(memory_slots);

@@ -244,7 +244,8 @@ TEST(Models, SplitBlocksShareTheBlocksAndGiveBitwiseEqualGradients) {
     remat::CheckpointedSequential ck(std::vector<torch::nn::Sequential>{split},
                                      remat::SequentialOptions()
                                          .memory_budget_bytes(remat::plan::min_feasible_peak_bytes(chain) * 101 / 100)
-                                         .count_parameter_gradients(false));  // the profile's budget: activations only
+                                         .count_parameter_gradients(false)
+                                         .count_held_output(false));  // the profile's budget: activations only
     got = grads_of(*net->blocks, x, [&](const torch::Tensor& h) { return ck->forward(h); });
     expect_same_state(got, want, "split chain under CheckpointedSequential");
     const auto& runs = ck->last_step().forwards_per_stage;

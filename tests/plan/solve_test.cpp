@@ -876,3 +876,35 @@ TEST(StageOptions, RoundedSizesFitAndBoundTheGap) {
     }
   }
 }
+
+// min_peak_site: the op where the least-peak schedule peaks, and the share
+// of its stage. A chain of small stages around one heavy stage: its backward
+// sets the floor, with its input, saved set, the gradients at both ends and
+// its temporaries; the rest is a_0 and checkpoints.
+TEST(MinPeakSite, NamesTheHeavyStagesBackwardAndItsShare) {
+  rp::Chain c;
+  c.input_bytes = 100;
+  for (int i = 0; i < 5; ++i) {
+    rp::Stage s;
+    s.name = std::to_string(i);
+    s.forward_ms = s.backward_ms = 1;
+    s.output_bytes = 100;
+    s.saved_bytes = i == 2 ? 5000 : 200;
+    s.backward_tmp_bytes = i == 2 ? 300 : 10;
+    c.stages.push_back(s);
+  }
+  const rp::PeakSite site = rp::min_peak_site(c);
+  EXPECT_EQ(site.peak_bytes, rp::min_feasible_peak_bytes(c));
+  EXPECT_EQ(site.op.kind, rp::OpKind::kBackward);
+  EXPECT_EQ(site.op.stage, 2);
+  // a_2 + s_2 + grad_3 + grad_2 + tmp.
+  EXPECT_EQ(site.stage_bytes, 100 + 5000 + 100 + 100 + 300);
+  EXPECT_LE(site.stage_bytes + c.input_bytes, site.peak_bytes);
+  // One stage: its share is everything but a_0.
+  rp::Chain one;
+  one.input_bytes = 64;
+  one.stages.push_back(c.stages[2]);
+  const rp::PeakSite s1 = rp::min_peak_site(one);
+  EXPECT_EQ(s1.op.stage, 0);
+  EXPECT_EQ(s1.peak_bytes - s1.stage_bytes, 64);
+}

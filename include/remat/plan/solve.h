@@ -126,6 +126,22 @@ int64_t min_feasible_peak_bytes(const Chain& chain);
  *  min-peak recursion considers). */
 Plan min_memory(const Chain& chain);
 
+/** Where min_memory() peaks, for errors that say what sets a chain's least
+ *  peak. */
+struct PeakSite {
+  int64_t peak_bytes = 0;  ///< min_feasible_peak_bytes(chain)
+  /** The op of min_memory() at its peak (a forward, forward_save or
+   *  backward of stage op.stage). */
+  Op op{OpKind::kBackward, 0, 0};
+  /** That stage's own bytes during the op: its input (unless it is a_0),
+   *  what it saves or its output, its temporaries, and in a backward the
+   *  gradients at its output and input. The rest of peak_bytes is a_0 and
+   *  what other stages hold (checkpoints, saved sets). */
+  int64_t stage_bytes = 0;
+};
+/** min_memory()'s peak op and its stage's share (PeakSite). */
+PeakSite min_peak_site(const Chain& chain);
+
 /** The algorithms solve() runs: store_all(), uniform(), sqrt_schedule(),
  *  greedy(), revolve(), optimal(). */
 enum class Algorithm { kStoreAll, kUniform, kSqrt, kGreedy, kRevolve, kOptimal };
