@@ -363,6 +363,14 @@ TEST(ChunkedCrossEntropy, ErrorsNameTheValue) {
   EXPECT_EQ(thrown([&] { remat::chunked_cross_entropy(c.h, c.w.t(), c.t, o); }),
             "[remat::chunked_cross_entropy] shapes do not match: hidden (1, 4, 8), weight (8, 10), targets (1, 4). "
             "Pass hidden (..., C), weight (vocab, C), targets (...) of int64 ids and bias (vocab).");
+  // The same number of targets in another shape would pair rows with other
+  // rows' ids: (4, 8, 16) hidden, (8, 4) targets.
+  EXPECT_EQ(thrown([&] {
+              remat::chunked_cross_entropy(torch::randn({4, 8, 16}), torch::randn({10, 16}),
+                                           torch::randint(10, {8, 4}, torch::kLong), o);
+            }),
+            "[remat::chunked_cross_entropy] shapes do not match: hidden (4, 8, 16), weight (10, 16), targets (8, 4). "
+            "Pass hidden (..., C), weight (vocab, C), targets (...) of int64 ids and bias (vocab).");
   EXPECT_EQ(thrown([&] { remat::chunked_cross_entropy(c.h, c.w, c.t, o, torch::zeros({3})); }),
             "[remat::chunked_cross_entropy] shapes do not match: hidden (1, 4, 8), weight (10, 8), targets (1, 4), "
             "bias (3). Pass hidden (..., C), weight (vocab, C), targets (...) of int64 ids and bias (vocab).");

@@ -204,10 +204,11 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
     throw Error("[remat::chunked_cross_entropy] label_smoothing must be in [0, 1], got " + std::to_string(eps) +
                 ". Pass e.g. 0.1, or 0 for none.");
   }
+  // targets' shape is hidden's less its last dimension: the same count in
+  // another shape ((8, 4) for (4, 8, 16)) would pair rows with other rows' ids.
   const char* fix = ". Pass hidden (..., C), weight (vocab, C), targets (...) of int64 ids and bias (vocab).";
   if (!hidden.defined() || !weight.defined() || !targets.defined() || hidden.dim() < 1 || weight.dim() != 2 ||
-      hidden.size(-1) != weight.size(1) || targets.dim() != hidden.dim() - 1 ||
-      targets.numel() * hidden.size(-1) != hidden.numel() ||
+      hidden.size(-1) != weight.size(1) || targets.sizes() != hidden.sizes().slice(0, hidden.dim() - 1) ||
       (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0)))) {
     auto sh = [](const at::Tensor& t) { return t.defined() ? shape(t) : std::string("undefined"); };
     throw Error("[remat::chunked_cross_entropy] shapes do not match: hidden " + sh(hidden) + ", weight " + sh(weight) +
