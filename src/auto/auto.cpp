@@ -8,9 +8,19 @@
 // NOTE [what a profiled step measures]: the step runs plain. Each unit call
 // is first run again in isolation under every option of its unit, on clones
 // of its inputs (so in-place ops on them touch nothing), with the RNG and
-// the module's buffers put back after each run and gradients taken with
-// autograd::grad (nothing accumulates into .grad): the step that follows is
-// the plain step, bitwise. Those runs give each option's forward peak, the
+// every tensor the run wrote put back after each run (NOTE [isolated runs
+// write nothing]) and gradients taken with autograd::grad (nothing
+// accumulates into .grad): the step that follows is the plain step, bitwise.
+//
+// NOTE [isolated runs write nothing]: a unit's forward may write state it
+// does not own: a BatchNorm its model holds and its forward calls (a block
+// normalising with `owner->bn`), a user's counter tensor. Its own buffers
+// are not enough to put back. Each isolated run runs under the write guard
+// that recomputes use (NOTE [recompute side effects], core/write_guard.h):
+// every op is intercepted, and a tensor the run did not make is copied
+// before its first write and written back when the run ends, wherever its
+// module sits. The copies are made inside the run, so they count in its
+// bytes (a BatchNorm's statistics: 2 x channels floats), never under. Those runs give each option's forward peak, the
 // bytes it keeps, its backward peak (a probe each, above the bytes live at
 // the call's start) and its time. The real call then runs under a
 // saved-tensor hook that only notes the time of the first and last unpack:
@@ -60,6 +70,7 @@
 #include "../chain/observe.h"
 #include "../core/dispatch.h"
 #include "../core/replay.h"
+#include "../core/write_guard.h"
 #include "../region/levels.h"
 
 namespace remat {
@@ -224,18 +235,21 @@ std::shared_ptr<HookFactory> quiet_hooks() {
       keep_detached, [](const std::any& p) -> at::Tensor { return std::any_cast<const at::Tensor&>(p); });
 }
 
-/** Puts back the CPU RNG and a module's buffers when destroyed. */
+/** While alive, an isolated run: puts back the CPU RNG when destroyed, and
+ *  every tensor that existed before it and that an op wrote meanwhile
+ *  (NOTE [isolated runs write nothing]). */
 class Restore {
  public:
-  explicit Restore(torch::nn::Module* m) : gen_(at::detail::getDefaultCPUGenerator()) {
-    if (m != nullptr) buffers_ = m->buffers();
-    for (auto& b : buffers_) values_.push_back(b.detach().clone());
-    std::lock_guard<std::mutex> lock(gen_.mutex());
-    state_ = gen_.get_state();
+  Restore() : gen_(at::detail::getDefaultCPUGenerator()) {
+    {
+      std::lock_guard<std::mutex> lock(gen_.mutex());
+      state_ = gen_.get_state();
+    }
+    scope_.emplace(interceptor_.get());
   }
   ~Restore() {
-    at::NoGradGuard g;
-    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(values_[i]);
+    scope_.reset();  // the copies go back uninterrupted, and after every inner scope
+    guard_.restore();
     std::lock_guard<std::mutex> lock(gen_.mutex());
     gen_.set_state(state_);
   }
@@ -245,7 +259,9 @@ class Restore {
  private:
   at::Generator gen_;
   at::Tensor state_;
-  std::vector<at::Tensor> buffers_, values_;
+  detail::WriteGuard guard_;
+  std::unique_ptr<dispatch::Interceptor> interceptor_ = detail::make_write_guard_interceptor(&guard_);
+  std::optional<dispatch::Scope> scope_;
 };
 
 /** Inputs for an isolated run: clones (in-place ops on them touch nothing),
@@ -664,7 +680,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     u.plannable = true;
     if (options.selective_levels() > 0) {
       // One run under an op timer: every op call's signature, output bytes and time.
-      Restore restore(u.module);
+      Restore restore;
       TrialInputs t = trial_inputs(inputs);
       detail::OpTimer timer;
       {
@@ -720,7 +736,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  margin of solve(). */
   plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run, const Option& opt,
                              bool* has_backward, Held* io_kept) {
-    Restore restore(u.module);
+    Restore restore;
     TrialInputs t = trial_inputs(inputs);
     std::vector<at::Tensor> wrt = t.leaves;
     for (const auto& p : u.module->parameters()) {
