@@ -400,6 +400,47 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
   Impl(torch::nn::Module& m, AutoOptions o) : model(m), options(std::move(o)) {}
 
+  // NOTE [switches given back]: the planner owns the units' switches while
+  // it lives (every unit plain until planned, then the plan). What they
+  // were before (a Checkpointable's checkpoint and offload options, a
+  // chain's forced schedule, or none: its own budget's plan) is noted at
+  // construction and put back when the planner is destroyed, so that a
+  // model outliving its planner runs as it did before (a chain with a
+  // budget of its own plans under it again). A moved-from AutoCheckpoint
+  // holds no Impl: only the planner that owns the switches gives them back.
+  struct Switches {
+    std::optional<CheckpointOptions> checkpointing;
+    std::optional<OffloadOptions> offloading;
+    std::shared_ptr<const detail::ForcedSchedule> forced;  // a chain's
+  };
+  std::vector<Switches> before;  // per unit, as found
+
+  void note_switches() {
+    before.clear();
+    for (const Unit& u : units) {
+      Switches s;
+      if (u.chain != nullptr) {
+        s.forced = detail::ChainAccess::forced(*u.chain);
+      } else {
+        s.checkpointing = u.c->checkpointing_options();
+        s.offloading = u.c->offloading_options();
+      }
+      before.push_back(std::move(s));
+    }
+  }
+
+  ~Impl() override {
+    for (size_t i = 0; i < before.size() && i < units.size(); ++i) {
+      Unit& u = units[i];
+      if (u.chain != nullptr) {
+        detail::ChainAccess::force(*u.chain, before[i].forced);
+      } else {
+        u.c->set_checkpointing(before[i].checkpointing);
+        u.c->set_offloading(before[i].offloading);
+      }
+    }
+  }
+
   // --- UnitObserver ---------------------------------------------------------
   class ObservedCall : public Call {
    public:
@@ -1441,7 +1482,9 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
   // Counted from here on: the warm-up's gradients and optimizer state are
   // then in every step's figures, the profiled one's included.
   memory::enable_tracking();
-  // The planner owns the switches: every unit runs plain until planned.
+  // The planner owns the switches: every unit runs plain until planned
+  // (NOTE [switches given back]).
+  impl_->note_switches();
   impl_->switch_off();
 }
 
