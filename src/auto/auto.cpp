@@ -56,6 +56,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include <remat/checkpointable.h>
@@ -860,10 +861,30 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   void profile(const std::function<void()>& fn) {
     calls.clear();
     trial_windows.clear();
+    // NOTE [menus rebuilt]: a unit's menu is built at its first call of the
+    // profiled step, from that call: its selective levels name the ops at
+    // its shapes, and whether it has a backward depends on which parameters
+    // train. A later profile (another batch size, parameters unfrozen)
+    // builds every menu again; the menus in force come back if it throws,
+    // so that they keep matching step_model.
+    std::vector<std::pair<std::vector<Option>, bool>> menus_before;
     for (auto& u : units) {
       u.calls.clear();
       u.parent = kNotSeen;
+      menus_before.emplace_back(std::move(u.menu), u.plannable);
+      u.menu.clear();
+      u.plannable = false;
     }
+    try {
+      profile_fresh(fn);
+    } catch (...) {
+      for (size_t i = 0; i < units.size(); ++i)
+        std::tie(units[i].menu, units[i].plannable) = std::move(menus_before[i]);
+      throw;
+    }
+  }
+
+  void profile_fresh(const std::function<void()>& fn) {
     memory::enable_tracking();
     const int64_t start_bytes = memory::current_bytes();
     timeline_owner = std::make_shared<memory::Timeline>();
