@@ -887,6 +887,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   void profile_fresh(const std::function<void()>& fn) {
     memory::enable_tracking();
     const int64_t start_bytes = memory::current_bytes();
+    const Grads grads_start = grads_now();
     timeline_owner = std::make_shared<memory::Timeline>();
     memory::Timeline& tl = *timeline_owner;
     timeline = &tl;
@@ -924,7 +925,49 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     fn();
     const double end_us = tl.now_us();
     tl.stop();
+    // NOTE [what the profiled step leaves behind]
+    grown = std::max<int64_t>(0, memory::current_bytes() - start_bytes);
+    grown_everywhere = grown;
+    if (grown > 0) {
+      const Grads grads_end = grads_now();
+      bool freed = false;  // a gradient of the step's start was freed in it: they are made anew each step
+      for (const auto& g : grads_start.storages) freed |= g.expired();
+      if (freed) grown_everywhere = std::max<int64_t>(0, grown - (grads_end.bytes - grads_start.bytes));
+    }
     build_model(tl, start_bytes, begin_us, end_us);
+  }
+
+  // NOTE [what the profiled step leaves behind]: a step that ends holding
+  // more than it started with (the first step ever: the optimizer's state
+  // that its first step() creates, the parameters' gradients; or the state
+  // of parameters just unfrozen) differs from every later step, which holds
+  // that from its start. Its growth (bytes live at its end less at its
+  // start) is counted at every point of the step: a later step holds at
+  // most what the profiled one held there plus the growth (the state of
+  // the profiled step made in place or anew, never both). Where the step
+  // freed a gradient it started with (zero_grad(set_to_none)), gradients
+  // are made anew each step at the point the profiled step made them: the
+  // growth in gradients is then counted only before the first unit call,
+  // where zero_grad runs. A step that started with no gradient at all
+  // cannot tell, and counts them everywhere (a bound, not the least one:
+  // a warm-up step, AutoOptions::warmup_steps, gives the exact profile).
+  int64_t grown = 0;             // bytes live at the profiled step's end less at its start, >= 0
+  int64_t grown_everywhere = 0;  // of those, counted at every point (the rest before the first unit call)
+
+  struct Grads {
+    int64_t bytes = 0;
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  };
+  /** The model's parameters' gradients now: their bytes, and their storages. */
+  Grads grads_now() const {
+    Grads g;
+    for (const auto& p : model.parameters()) {
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined() || !grad.has_storage()) continue;
+      g.bytes += static_cast<int64_t>(grad.storage().nbytes());
+      g.storages.push_back(grad.storage().getWeakStorageImpl());
+    }
+    return g;
   }
 
   void build_model(const memory::Timeline& tl, int64_t start_bytes, double begin_us, double end_us) {
@@ -1015,6 +1058,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         ++k;
       }
       m.segment_peak_bytes[s] = peak;
+    }
+    // NOTE [what the profiled step leaves behind]
+    for (size_t s = 0; s < segments; ++s) {
+      m.segment_peak_bytes[s] += s == 0 ? grown : grown_everywhere;
     }
     profiled_peak = 0;
     for (int64_t p : m.segment_peak_bytes) profiled_peak = std::max(profiled_peak, p);
@@ -1397,12 +1444,25 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       return;
     }
     if (options.replan_on_overrun() && overrun) {
-      const int64_t target = step_plan.budget_bytes - (measured_peak - budget);
+      const int64_t excess = measured_peak - budget;
+      const int64_t target = step_plan.budget_bytes - excess;
       try {
         solve_and_apply(target);
         ++replans;
       } catch (const Error&) {
-        // Nothing fits a lower target: the plan in force stays.
+        // NOTE [overruns reported]: nothing fits a lower target. The plan
+        // in force stays, and the user hears of it: the budget is a bound
+        // on the measured peak, and this step broke it.
+        const int64_t low = leanest().peak;
+        throw Error("[remat::auto] the planned step's measured peak was " + plan::format_bytes(measured_peak) + ", " +
+                    plan::format_bytes(excess) + " over the budget of " + plan::format_bytes(budget) +
+                    ", and no plan of the profiled step fits the budget lowered by that (" +
+                    plan::format_bytes(target) + "; the smallest feasible peak is " + plan::format_bytes(low) +
+                    "). The step ran and its update stands; the plan in force stays. Give replan() a budget of at "
+                    "least " +
+                    plan::format_bytes(low + excess) +
+                    ", or profile a step that holds what every later step holds (profile_step(), "
+                    "AutoOptions::warmup_steps).");
       }
     }
   }
@@ -1651,6 +1711,11 @@ std::string AutoCheckpoint::explain() const {
                : std::string())
        << fmt_ms(m.step_plan.solve_ms)
        << (m.replans ? ", solved again " + std::to_string(m.replans) + "x after overruns" : "") << "\n";
+    if (m.grown > 0) {
+      os << "profiled step: held " << plan::format_bytes(m.grown)
+         << " more at its end than at its start (the optimizer's state, gradients): counted at every point of the "
+            "step\n";
+    }
     if (m.reprices > 0) {
       char b[160];
       std::snprintf(b, sizeof b, "offload repriced %dx from measured steps: +%.0f ms per GiB sent\n", m.reprices,
