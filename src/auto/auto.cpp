@@ -72,6 +72,7 @@
 #include "../core/dispatch.h"
 #include "../core/replay.h"
 #include "../core/write_guard.h"
+#include "../offload/offload_internal.h"
 #include "../region/levels.h"
 
 namespace remat {
@@ -148,7 +149,6 @@ struct CallRecord {
   std::vector<int64_t> input_bytes;  // per input slot: its storage's bytes
   double release_us = -1;            // the latest exclusive_us of an input some option lets go; -1: none
   double release_end_us = -1;        // where the credit for those inputs ends (in the call's backward)
-  int64_t largest_pack = 0;          // bytes of the largest storage its saves (or an inner call's) packed
   std::vector<std::pair<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>> packs;
 
   // NOTE [inputs two calls hold]: an input that an earlier call's saves
@@ -177,7 +177,6 @@ struct CallRecord {
     const c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
     for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
       std::lock_guard<std::mutex> lock(r->mu);
-      r->largest_pack = std::max(r->largest_pack, static_cast<int64_t>(t.storage().nbytes()));
       // Until its forward ends (then kept for its outputs only).
       if (r->forward_end_us < 0)
         r->out_packs.emplace_back(st, c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
@@ -387,9 +386,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
   memory::Timeline* timeline = nullptr;                  // while profiling
-  int64_t largest_sent = 0;        // bytes of the largest tensor a unit that may send saves or takes in
-  int64_t largest_input_sent = 0;  // bytes of the largest input of a unit that may send its inputs
-  int64_t plan_margin = 0;         // the in-flight margin the plan in force was solved with
+  int64_t largest_input_sent = 0;       // bytes of the largest input of a unit that may send its inputs
+  std::vector<int64_t> inflight_seen;   // per store of options.offload(): NOTE [offload margin measured]
+  std::vector<int64_t> inflight_trial;  // the same, for the profile under way
+  int64_t plan_margin = 0;              // the in-flight margin the plan in force was solved with
   // The step model's units (indices into units) and, per unit and call, the
   // bytes of its inputs (each storage once): as of the last profile that
   // completed, so that a profile that throws leaves them matching step_model.
@@ -797,14 +797,18 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       for (size_t i : u.inner) units[i].c->set_checkpointing(options.checkpoint_options());
     }
     plan::StepCost cost;
+    // A plain offload option saves to a store of its own, whose counters
+    // say what it held in flight (NOTE [offload margin measured]).
+    std::shared_ptr<detail::OffloadStore> own_store;
+    if (opt.offload && !is_recomputing()) own_store = detail::OffloadStore::create(trial_store(*opt.offload));
     detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
     memory::Probe probe;
     auto t0 = Clock::now();
     std::vector<at::Tensor> out;
     const bool sends = opt.offload || (opt.switch_state && opt.switch_state->offload());
     {
-      std::optional<detail::OffloadCall> to_store;
-      if (opt.offload) to_store.emplace(trial_store(*opt.offload));
+      std::optional<ScopedHooks> to_store;
+      if (own_store) to_store.emplace(detail::make_offload_hooks(own_store));
       if (opt.switch_state && opt.switch_state->offload()) {
         Option trial = opt;
         trial.switch_state->offload(trial_store(*opt.switch_state->offload()));
@@ -813,6 +817,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         out = run(opt, t.in);
       }
     }
+    if (own_store) own_store->wait();
     if (sends) wait_checkpoint_offloads();
     double ms = ms_since(t0);
     cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
@@ -842,6 +847,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       *has_backward = false;
       cost.backward_peak_bytes = cost.kept_bytes;
       cost.time_ms = ms;
+      note_inflight(opt, own_store);
       return cost;
     }
     const int64_t at_backward = probe.delta_bytes();
@@ -854,7 +860,17 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       cost.backward_peak_bytes = std::max<int64_t>(0, at_backward + backward.peak_bytes()) + codec_extra;
     }
     cost.time_ms = ms;
+    note_inflight(opt, own_store);
     return cost;
+  }
+
+  /** NOTE [offload margin measured]: the bytes an offload option's store
+   *  held in flight in its isolated run (a tensor at a time: the largest
+   *  entry it wrote or read back), per store. */
+  void note_inflight(const Option& opt, const std::shared_ptr<detail::OffloadStore>& store) {
+    if (!store || opt.store < 0 || static_cast<size_t>(opt.store) >= inflight_trial.size()) return;
+    int64_t& seen = inflight_trial[static_cast<size_t>(opt.store)];
+    seen = std::max(seen, store->stats().peak_inflight_bytes);
   }
 
   // --- the profiled step ----------------------------------------------------
@@ -885,6 +901,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   }
 
   void profile_fresh(const std::function<void()>& fn) {
+    inflight_trial.assign(options.offload().size(), 0);
     memory::enable_tracking();
     const int64_t start_bytes = memory::current_bytes();
     const Grads grads_start = grads_now();
@@ -988,7 +1005,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
     // Segment boundaries: the step's ends and every window's ends.
     points_us = {begin_us, end_us};
-    largest_sent = largest_input_sent = 0;
+    largest_input_sent = 0;
     for (const auto& c : calls) {
       if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
       if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
@@ -1025,16 +1042,9 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       }
       c->packs.clear();  // the weak references are needed no more
       c->out_packs.clear();
-      // The largest tensor a unit that may send to a store saves or takes in.
-      bool sends = false, sends_inputs = false;
-      for (const Option& o : units[c->unit].menu) {
-        sends |= o.store >= 0;
-        sends_inputs |= o.store >= 0 && o.switch_state.has_value();
-      }
-      if (sends) {
-        largest_sent = std::max(largest_sent, c->largest_pack);
-        for (int64_t b : c->input_bytes) largest_sent = std::max(largest_sent, b);
-      }
+      // The largest input of a unit that may send its inputs to a store.
+      bool sends_inputs = false;
+      for (const Option& o : units[c->unit].menu) sends_inputs |= o.store >= 0 && o.switch_state.has_value();
       if (sends_inputs) {
         for (int64_t b : c->input_bytes) largest_input_sent = std::max(largest_input_sent, b);
       }
@@ -1193,6 +1203,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     transfer_price.reset();
     modeled = std::move(now_modeled);
     input_bytes_of = std::move(now_input_bytes);
+    inflight_seen = inflight_trial;
   }
 
   /** True when every inner unit of units[i] that ran in the profiled step
@@ -1219,18 +1230,31 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
   /** Bytes the offload stores may hold in flight at once (pending writes,
    *  reads ahead), beyond what the isolated runs measured: each kDisk
-   *  option's max_inflight_bytes, or the largest tensor sent, which a store
-   *  lets go alone: of any tensor a unit saves or takes in, or with
-   *  inputs_only (plans whose units send only their inputs) of the inputs. */
+   *  store's max_inflight_bytes, or the largest entry it held in flight,
+   *  which a store lets go alone (NOTE [offload margin measured]); with
+   *  inputs_only (plans whose units send only their inputs), of the inputs. */
   int64_t inflight_margin(bool inputs_only = false) const {
     int64_t m = 0;
-    for (const OffloadOptions& o : options.offload()) {
-      if (o.target() == OffloadTarget::kDisk) {
-        m += std::max(o.max_inflight_bytes(), inputs_only ? largest_input_sent : largest_sent);
-      }
+    for (size_t i = 0; i < options.offload().size(); ++i) {
+      const OffloadOptions& o = options.offload()[i];
+      if (o.target() != OffloadTarget::kDisk) continue;
+      const int64_t seen = i < inflight_seen.size() ? inflight_seen[i] : 0;
+      m += std::max(o.max_inflight_bytes(), inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
     }
     return m;
   }
+
+  // NOTE [offload margin measured]: a disk store holds a tensor from its
+  // save until its file is written, and a read from its prefetch until its
+  // unpack: at most max_inflight_bytes at once, or one entry alone when it
+  // is larger. The entries are what the store takes: the saved activations
+  // (a view's dense base), not the parameters, which it keeps where they
+  // are. The largest one is measured, not guessed from the largest tensor a
+  // unit saves (a 4 MiB weight where the largest activation is 8 KiB): each
+  // plain offload option's isolated runs save to a store of their own with
+  // one entry in flight at a time, whose counters give the largest entry it
+  // wrote or read back. Options that send a unit's inputs send those
+  // storages whole (largest_input_sent).
 
   /** The plans solve() compares: without options that send to a store (no
    *  margin); with those sending only inputs (the inputs' margin); with

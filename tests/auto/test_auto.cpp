@@ -1831,6 +1831,10 @@ TEST(Auto, TheOffloadMarginIsWhatTheStoreHeldInFlight) {
   EXPECT_EQ(leanest, remat::plan::min_peak_step(planner.step_model()).prediction.peak_bytes + measured);
   for (int k = 2; k < kSteps; ++k) {
     planner.step([&] { w.step(k); });
+    std::printf("step %d: measured %lld B, %.3fx the budget of %lld B (prediction %lld B + margin)\n", k,
+                static_cast<long long>(planner.measured_peak_bytes()),
+                static_cast<double>(planner.measured_peak_bytes()) / static_cast<double>(leanest),
+                static_cast<long long>(leanest), static_cast<long long>(planner.plan().prediction.peak_bytes));
     EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(leanest))
         << planner.explain();
   }
