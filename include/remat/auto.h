@@ -31,12 +31,16 @@
 // off), then one profiled step (still plain: it must fit), which records the
 // step's memory over time with each unit call's forward and backward marked,
 // and measures each call under every option of its unit by running it
-// again, in isolation, before its real forward (RNG, buffers and gradients
-// untouched, so the step itself is the plain step, bitwise). The solver
-// (remat/plan/step.h) picks one option per unit: the fastest step whose
-// predicted peak fits the budget. Later steps run the plan and are measured;
+// again, in isolation, before its real forward (RNG, gradients and every
+// tensor the run writes put back, wherever its module sits, so the step
+// itself is the plain step, bitwise). The solver (remat/plan/step.h) picks
+// one option per unit: the fastest step whose predicted peak fits the
+// budget. Later steps run the plan and are measured;
 // a step whose peak exceeds the budget by more than 1% makes the planner
-// solve again with the budget lowered by the excess.
+// solve again with the budget lowered by the excess, and step() throws when
+// no plan fits that. A profiled step that ends holding more than it started
+// with (no warm-up: the optimizer's state it creates) has that growth
+// counted at every point of the step.
 //
 // What the budget covers: every byte of tensors live in the process on the
 // CPU at the step's peak, as remat::memory counts them: parameters,
@@ -128,7 +132,9 @@ struct AutoOptions {
   TORCH_ARG(CheckpointOptions, checkpoint_options) = CheckpointOptions();
   /** Plain steps before the profiled one, so that the profiled step holds
    *  what every later step holds (the optimizer's state, kept gradients).
-   *  Default 1. */
+   *  With 0, what the profiled step ends holding more than it started
+   *  with is counted at every point of the step (a bound on later steps,
+   *  not the leanest plan). Default 1. */
   TORCH_ARG(int, warmup_steps) = 1;
   /** How many times each option of each call is timed (the minimum is
    *  kept). Default 2. */
@@ -137,7 +143,9 @@ struct AutoOptions {
    *  gap are reported. Default 30. */
   TORCH_ARG(double, solver_time_limit_s) = 30;
   /** Solve again, with the budget lowered by the excess, after a step whose
-   *  measured peak exceeds the budget by more than 1%. Default true. */
+   *  measured peak exceeds the budget by more than 1%; when no plan fits
+   *  that, step() throws remat::Error (the step ran; the plan in force
+   *  stays). Default true. */
   TORCH_ARG(bool, replan_on_overrun) = true;
 };
 
@@ -168,6 +176,10 @@ class AutoCheckpoint {
    *  engine: prefer that. Validates options (throws remat::Error naming the
    *  field and value) and switches every checkpointable module off. */
   AutoCheckpoint(torch::nn::Module& model, AutoOptions options);
+  /** Gives the switches back as the constructor found them: each
+   *  Checkpointable's checkpoint and offload options, each chain's forced
+   *  schedule (none: its own budget's plan). A moved-from planner gives
+   *  back nothing. */
   ~AutoCheckpoint();
   /** Movable (the plan and profile move with it), not copyable. */
   ///@{
@@ -177,10 +189,12 @@ class AutoCheckpoint {
 
   /** Runs one training step (fn: forwards, loss, backward, optimizer step):
    *  a warm-up, the profiled step (then plans), or a planned step (then
-   *  measures its peak and time). Throws remat::Error when no plan fits. */
+   *  measures its peak and time). Throws remat::Error when no plan fits,
+   *  and after a planned step whose overrun no plan fixes. */
   void step(const std::function<void()>& fn);
   /** Runs fn as the profiled step now (skipping what is left of the
-   *  warm-up), then plans. */
+   *  warm-up), then plans. Builds every unit's menu again from this step's
+   *  calls (after a change of shapes, or of which parameters train). */
   void profile_step(const std::function<void()>& fn);
   /** Solves the profiled step again for another budget (bytes) and applies
    *  that plan; the profile is kept, so this takes the solver's time only
@@ -203,7 +217,8 @@ class AutoCheckpoint {
   int64_t leanest_peak_bytes() const;
   /** Bytes the plan in force keeps room for above its predicted peak: the
    *  writes and reads its disk stores may hold in flight (their
-   *  max_inflight_bytes, or a larger tensor they send alone), which depend
+   *  max_inflight_bytes, or a larger tensor they send alone, as the
+   *  profiled step's isolated runs measured it), which depend
    *  on the disk's pace; 0 when the plan sends nothing to disk. A step's
    *  measured peak is at most plan().prediction.peak_bytes plus this, and
    *  the two fit the budget. */
@@ -214,7 +229,8 @@ class AutoCheckpoint {
   const plan::StepPlan& plan() const;
   /** Per planned unit: menu, choice, bytes kept, time added. */
   std::vector<AutoUnit> units() const;
-  /** The profiled step's peak and time (plain). */
+  /** The profiled step's peak and time (plain; the peak with what the step
+   *  ended holding more than it started with counted). */
   ///@{
   int64_t profiled_peak_bytes() const;
   double profiled_time_ms() const;

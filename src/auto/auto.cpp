@@ -8,9 +8,19 @@
 // NOTE [what a profiled step measures]: the step runs plain. Each unit call
 // is first run again in isolation under every option of its unit, on clones
 // of its inputs (so in-place ops on them touch nothing), with the RNG and
-// the module's buffers put back after each run and gradients taken with
-// autograd::grad (nothing accumulates into .grad): the step that follows is
-// the plain step, bitwise. Those runs give each option's forward peak, the
+// every tensor the run wrote put back after each run (NOTE [isolated runs
+// write nothing]) and gradients taken with autograd::grad (nothing
+// accumulates into .grad): the step that follows is the plain step, bitwise.
+//
+// NOTE [isolated runs write nothing]: a unit's forward may write state it
+// does not own: a BatchNorm its model holds and its forward calls (a block
+// normalising with `owner->bn`), a user's counter tensor. Its own buffers
+// are not enough to put back. Each isolated run runs under the write guard
+// that recomputes use (NOTE [recompute side effects], core/write_guard.h):
+// every op is intercepted, and a tensor the run did not make is copied
+// before its first write and written back when the run ends, wherever its
+// module sits. The copies are made inside the run, so they count in its
+// bytes (a BatchNorm's statistics: 2 x channels floats), never under. Those runs give each option's forward peak, the
 // bytes it keeps, its backward peak (a probe each, above the bytes live at
 // the call's start) and its time. The real call then runs under a
 // saved-tensor hook that only notes the time of the first and last unpack:
@@ -46,6 +56,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include <remat/checkpointable.h>
@@ -60,6 +71,8 @@
 #include "../chain/observe.h"
 #include "../core/dispatch.h"
 #include "../core/replay.h"
+#include "../core/write_guard.h"
+#include "../offload/offload_internal.h"
 #include "../region/levels.h"
 
 namespace remat {
@@ -136,7 +149,6 @@ struct CallRecord {
   std::vector<int64_t> input_bytes;  // per input slot: its storage's bytes
   double release_us = -1;            // the latest exclusive_us of an input some option lets go; -1: none
   double release_end_us = -1;        // where the credit for those inputs ends (in the call's backward)
-  int64_t largest_pack = 0;          // bytes of the largest storage its saves (or an inner call's) packed
   std::vector<std::pair<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>> packs;
 
   // NOTE [inputs two calls hold]: an input that an earlier call's saves
@@ -165,7 +177,6 @@ struct CallRecord {
     const c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
     for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
       std::lock_guard<std::mutex> lock(r->mu);
-      r->largest_pack = std::max(r->largest_pack, static_cast<int64_t>(t.storage().nbytes()));
       // Until its forward ends (then kept for its outputs only).
       if (r->forward_end_us < 0)
         r->out_packs.emplace_back(st, c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
@@ -224,18 +235,21 @@ std::shared_ptr<HookFactory> quiet_hooks() {
       keep_detached, [](const std::any& p) -> at::Tensor { return std::any_cast<const at::Tensor&>(p); });
 }
 
-/** Puts back the CPU RNG and a module's buffers when destroyed. */
+/** While alive, an isolated run: puts back the CPU RNG when destroyed, and
+ *  every tensor that existed before it and that an op wrote meanwhile
+ *  (NOTE [isolated runs write nothing]). */
 class Restore {
  public:
-  explicit Restore(torch::nn::Module* m) : gen_(at::detail::getDefaultCPUGenerator()) {
-    if (m != nullptr) buffers_ = m->buffers();
-    for (auto& b : buffers_) values_.push_back(b.detach().clone());
-    std::lock_guard<std::mutex> lock(gen_.mutex());
-    state_ = gen_.get_state();
+  Restore() : gen_(at::detail::getDefaultCPUGenerator()) {
+    {
+      std::lock_guard<std::mutex> lock(gen_.mutex());
+      state_ = gen_.get_state();
+    }
+    scope_.emplace(interceptor_.get());
   }
   ~Restore() {
-    at::NoGradGuard g;
-    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(values_[i]);
+    scope_.reset();  // the copies go back uninterrupted, and after every inner scope
+    guard_.restore();
     std::lock_guard<std::mutex> lock(gen_.mutex());
     gen_.set_state(state_);
   }
@@ -245,7 +259,9 @@ class Restore {
  private:
   at::Generator gen_;
   at::Tensor state_;
-  std::vector<at::Tensor> buffers_, values_;
+  detail::WriteGuard guard_;
+  std::unique_ptr<dispatch::Interceptor> interceptor_ = detail::make_write_guard_interceptor(&guard_);
+  std::optional<dispatch::Scope> scope_;
 };
 
 /** Inputs for an isolated run: clones (in-place ops on them touch nothing),
@@ -370,9 +386,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
   memory::Timeline* timeline = nullptr;                  // while profiling
-  int64_t largest_sent = 0;        // bytes of the largest tensor a unit that may send saves or takes in
-  int64_t largest_input_sent = 0;  // bytes of the largest input of a unit that may send its inputs
-  int64_t plan_margin = 0;         // the in-flight margin the plan in force was solved with
+  int64_t largest_input_sent = 0;       // bytes of the largest input of a unit that may send its inputs
+  std::vector<int64_t> inflight_seen;   // per store of options.offload(): NOTE [offload margin measured]
+  std::vector<int64_t> inflight_trial;  // the same, for the profile under way
+  int64_t plan_margin = 0;              // the in-flight margin the plan in force was solved with
   // The step model's units (indices into units) and, per unit and call, the
   // bytes of its inputs (each storage once): as of the last profile that
   // completed, so that a profile that throws leaves them matching step_model.
@@ -383,6 +400,47 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   bool in_trial = false;
 
   Impl(torch::nn::Module& m, AutoOptions o) : model(m), options(std::move(o)) {}
+
+  // NOTE [switches given back]: the planner owns the units' switches while
+  // it lives (every unit plain until planned, then the plan). What they
+  // were before (a Checkpointable's checkpoint and offload options, a
+  // chain's forced schedule, or none: its own budget's plan) is noted at
+  // construction and put back when the planner is destroyed, so that a
+  // model outliving its planner runs as it did before (a chain with a
+  // budget of its own plans under it again). A moved-from AutoCheckpoint
+  // holds no Impl: only the planner that owns the switches gives them back.
+  struct Switches {
+    std::optional<CheckpointOptions> checkpointing;
+    std::optional<OffloadOptions> offloading;
+    std::shared_ptr<const detail::ForcedSchedule> forced;  // a chain's
+  };
+  std::vector<Switches> before;  // per unit, as found
+
+  void note_switches() {
+    before.clear();
+    for (const Unit& u : units) {
+      Switches s;
+      if (u.chain != nullptr) {
+        s.forced = detail::ChainAccess::forced(*u.chain);
+      } else {
+        s.checkpointing = u.c->checkpointing_options();
+        s.offloading = u.c->offloading_options();
+      }
+      before.push_back(std::move(s));
+    }
+  }
+
+  ~Impl() override {
+    for (size_t i = 0; i < before.size() && i < units.size(); ++i) {
+      Unit& u = units[i];
+      if (u.chain != nullptr) {
+        detail::ChainAccess::force(*u.chain, before[i].forced);
+      } else {
+        u.c->set_checkpointing(before[i].checkpointing);
+        u.c->set_offloading(before[i].offloading);
+      }
+    }
+  }
 
   // --- UnitObserver ---------------------------------------------------------
   class ObservedCall : public Call {
@@ -664,7 +722,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     u.plannable = true;
     if (options.selective_levels() > 0) {
       // One run under an op timer: every op call's signature, output bytes and time.
-      Restore restore(u.module);
+      Restore restore;
       TrialInputs t = trial_inputs(inputs);
       detail::OpTimer timer;
       {
@@ -720,7 +778,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
    *  margin of solve(). */
   plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run, const Option& opt,
                              bool* has_backward, Held* io_kept) {
-    Restore restore(u.module);
+    Restore restore;
     TrialInputs t = trial_inputs(inputs);
     std::vector<at::Tensor> wrt = t.leaves;
     for (const auto& p : u.module->parameters()) {
@@ -739,14 +797,18 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       for (size_t i : u.inner) units[i].c->set_checkpointing(options.checkpoint_options());
     }
     plan::StepCost cost;
+    // A plain offload option saves to a store of its own, whose counters
+    // say what it held in flight (NOTE [offload margin measured]).
+    std::shared_ptr<detail::OffloadStore> own_store;
+    if (opt.offload && !is_recomputing()) own_store = detail::OffloadStore::create(trial_store(*opt.offload));
     detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
     memory::Probe probe;
     auto t0 = Clock::now();
     std::vector<at::Tensor> out;
     const bool sends = opt.offload || (opt.switch_state && opt.switch_state->offload());
     {
-      std::optional<detail::OffloadCall> to_store;
-      if (opt.offload) to_store.emplace(trial_store(*opt.offload));
+      std::optional<ScopedHooks> to_store;
+      if (own_store) to_store.emplace(detail::make_offload_hooks(own_store));
       if (opt.switch_state && opt.switch_state->offload()) {
         Option trial = opt;
         trial.switch_state->offload(trial_store(*opt.switch_state->offload()));
@@ -755,6 +817,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         out = run(opt, t.in);
       }
     }
+    if (own_store) own_store->wait();
     if (sends) wait_checkpoint_offloads();
     double ms = ms_since(t0);
     cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
@@ -784,6 +847,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       *has_backward = false;
       cost.backward_peak_bytes = cost.kept_bytes;
       cost.time_ms = ms;
+      note_inflight(opt, own_store);
       return cost;
     }
     const int64_t at_backward = probe.delta_bytes();
@@ -796,19 +860,51 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       cost.backward_peak_bytes = std::max<int64_t>(0, at_backward + backward.peak_bytes()) + codec_extra;
     }
     cost.time_ms = ms;
+    note_inflight(opt, own_store);
     return cost;
+  }
+
+  /** NOTE [offload margin measured]: the bytes an offload option's store
+   *  held in flight in its isolated run (a tensor at a time: the largest
+   *  entry it wrote or read back), per store. */
+  void note_inflight(const Option& opt, const std::shared_ptr<detail::OffloadStore>& store) {
+    if (!store || opt.store < 0 || static_cast<size_t>(opt.store) >= inflight_trial.size()) return;
+    int64_t& seen = inflight_trial[static_cast<size_t>(opt.store)];
+    seen = std::max(seen, store->stats().peak_inflight_bytes);
   }
 
   // --- the profiled step ----------------------------------------------------
   void profile(const std::function<void()>& fn) {
     calls.clear();
     trial_windows.clear();
+    // NOTE [menus rebuilt]: a unit's menu is built at its first call of the
+    // profiled step, from that call: its selective levels name the ops at
+    // its shapes, and whether it has a backward depends on which parameters
+    // train. A later profile (another batch size, parameters unfrozen)
+    // builds every menu again; the menus in force come back if it throws,
+    // so that they keep matching step_model.
+    std::vector<std::pair<std::vector<Option>, bool>> menus_before;
     for (auto& u : units) {
       u.calls.clear();
       u.parent = kNotSeen;
+      menus_before.emplace_back(std::move(u.menu), u.plannable);
+      u.menu.clear();
+      u.plannable = false;
     }
+    try {
+      profile_fresh(fn);
+    } catch (...) {
+      for (size_t i = 0; i < units.size(); ++i)
+        std::tie(units[i].menu, units[i].plannable) = std::move(menus_before[i]);
+      throw;
+    }
+  }
+
+  void profile_fresh(const std::function<void()>& fn) {
+    inflight_trial.assign(options.offload().size(), 0);
     memory::enable_tracking();
     const int64_t start_bytes = memory::current_bytes();
+    const Grads grads_start = grads_now();
     timeline_owner = std::make_shared<memory::Timeline>();
     memory::Timeline& tl = *timeline_owner;
     timeline = &tl;
@@ -846,7 +942,49 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     fn();
     const double end_us = tl.now_us();
     tl.stop();
+    // NOTE [what the profiled step leaves behind]
+    grown = std::max<int64_t>(0, memory::current_bytes() - start_bytes);
+    grown_everywhere = grown;
+    if (grown > 0) {
+      const Grads grads_end = grads_now();
+      bool freed = false;  // a gradient of the step's start was freed in it: they are made anew each step
+      for (const auto& g : grads_start.storages) freed |= g.expired();
+      if (freed) grown_everywhere = std::max<int64_t>(0, grown - (grads_end.bytes - grads_start.bytes));
+    }
     build_model(tl, start_bytes, begin_us, end_us);
+  }
+
+  // NOTE [what the profiled step leaves behind]: a step that ends holding
+  // more than it started with (the first step ever: the optimizer's state
+  // that its first step() creates, the parameters' gradients; or the state
+  // of parameters just unfrozen) differs from every later step, which holds
+  // that from its start. Its growth (bytes live at its end less at its
+  // start) is counted at every point of the step: a later step holds at
+  // most what the profiled one held there plus the growth (the state of
+  // the profiled step made in place or anew, never both). Where the step
+  // freed a gradient it started with (zero_grad(set_to_none)), gradients
+  // are made anew each step at the point the profiled step made them: the
+  // growth in gradients is then counted only before the first unit call,
+  // where zero_grad runs. A step that started with no gradient at all
+  // cannot tell, and counts them everywhere (a bound, not the least one:
+  // a warm-up step, AutoOptions::warmup_steps, gives the exact profile).
+  int64_t grown = 0;             // bytes live at the profiled step's end less at its start, >= 0
+  int64_t grown_everywhere = 0;  // of those, counted at every point (the rest before the first unit call)
+
+  struct Grads {
+    int64_t bytes = 0;
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  };
+  /** The model's parameters' gradients now: their bytes, and their storages. */
+  Grads grads_now() const {
+    Grads g;
+    for (const auto& p : model.parameters()) {
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined() || !grad.has_storage()) continue;
+      g.bytes += static_cast<int64_t>(grad.storage().nbytes());
+      g.storages.push_back(grad.storage().getWeakStorageImpl());
+    }
+    return g;
   }
 
   void build_model(const memory::Timeline& tl, int64_t start_bytes, double begin_us, double end_us) {
@@ -867,7 +1005,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
     // Segment boundaries: the step's ends and every window's ends.
     points_us = {begin_us, end_us};
-    largest_sent = largest_input_sent = 0;
+    largest_input_sent = 0;
     for (const auto& c : calls) {
       if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
       if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
@@ -904,16 +1042,9 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       }
       c->packs.clear();  // the weak references are needed no more
       c->out_packs.clear();
-      // The largest tensor a unit that may send to a store saves or takes in.
-      bool sends = false, sends_inputs = false;
-      for (const Option& o : units[c->unit].menu) {
-        sends |= o.store >= 0;
-        sends_inputs |= o.store >= 0 && o.switch_state.has_value();
-      }
-      if (sends) {
-        largest_sent = std::max(largest_sent, c->largest_pack);
-        for (int64_t b : c->input_bytes) largest_sent = std::max(largest_sent, b);
-      }
+      // The largest input of a unit that may send its inputs to a store.
+      bool sends_inputs = false;
+      for (const Option& o : units[c->unit].menu) sends_inputs |= o.store >= 0 && o.switch_state.has_value();
       if (sends_inputs) {
         for (int64_t b : c->input_bytes) largest_input_sent = std::max(largest_input_sent, b);
       }
@@ -937,6 +1068,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         ++k;
       }
       m.segment_peak_bytes[s] = peak;
+    }
+    // NOTE [what the profiled step leaves behind]
+    for (size_t s = 0; s < segments; ++s) {
+      m.segment_peak_bytes[s] += s == 0 ? grown : grown_everywhere;
     }
     profiled_peak = 0;
     for (int64_t p : m.segment_peak_bytes) profiled_peak = std::max(profiled_peak, p);
@@ -1068,6 +1203,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     transfer_price.reset();
     modeled = std::move(now_modeled);
     input_bytes_of = std::move(now_input_bytes);
+    inflight_seen = inflight_trial;
   }
 
   /** True when every inner unit of units[i] that ran in the profiled step
@@ -1094,18 +1230,31 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
   /** Bytes the offload stores may hold in flight at once (pending writes,
    *  reads ahead), beyond what the isolated runs measured: each kDisk
-   *  option's max_inflight_bytes, or the largest tensor sent, which a store
-   *  lets go alone: of any tensor a unit saves or takes in, or with
-   *  inputs_only (plans whose units send only their inputs) of the inputs. */
+   *  store's max_inflight_bytes, or the largest entry it held in flight,
+   *  which a store lets go alone (NOTE [offload margin measured]); with
+   *  inputs_only (plans whose units send only their inputs), of the inputs. */
   int64_t inflight_margin(bool inputs_only = false) const {
     int64_t m = 0;
-    for (const OffloadOptions& o : options.offload()) {
-      if (o.target() == OffloadTarget::kDisk) {
-        m += std::max(o.max_inflight_bytes(), inputs_only ? largest_input_sent : largest_sent);
-      }
+    for (size_t i = 0; i < options.offload().size(); ++i) {
+      const OffloadOptions& o = options.offload()[i];
+      if (o.target() != OffloadTarget::kDisk) continue;
+      const int64_t seen = i < inflight_seen.size() ? inflight_seen[i] : 0;
+      m += std::max(o.max_inflight_bytes(), inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
     }
     return m;
   }
+
+  // NOTE [offload margin measured]: a disk store holds a tensor from its
+  // save until its file is written, and a read from its prefetch until its
+  // unpack: at most max_inflight_bytes at once, or one entry alone when it
+  // is larger. The entries are what the store takes: the saved activations
+  // (a view's dense base), not the parameters, which it keeps where they
+  // are. The largest one is measured, not guessed from the largest tensor a
+  // unit saves (a 4 MiB weight where the largest activation is 8 KiB): each
+  // plain offload option's isolated runs save to a store of their own with
+  // one entry in flight at a time, whose counters give the largest entry it
+  // wrote or read back. Options that send a unit's inputs send those
+  // storages whole (largest_input_sent).
 
   /** The plans solve() compares: without options that send to a store (no
    *  margin); with those sending only inputs (the inputs' margin); with
@@ -1319,12 +1468,25 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
       return;
     }
     if (options.replan_on_overrun() && overrun) {
-      const int64_t target = step_plan.budget_bytes - (measured_peak - budget);
+      const int64_t excess = measured_peak - budget;
+      const int64_t target = step_plan.budget_bytes - excess;
       try {
         solve_and_apply(target);
         ++replans;
       } catch (const Error&) {
-        // Nothing fits a lower target: the plan in force stays.
+        // NOTE [overruns reported]: nothing fits a lower target. The plan
+        // in force stays, and the user hears of it: the budget is a bound
+        // on the measured peak, and this step broke it.
+        const int64_t low = leanest().peak;
+        throw Error("[remat::auto] the planned step's measured peak was " + plan::format_bytes(measured_peak) + ", " +
+                    plan::format_bytes(excess) + " over the budget of " + plan::format_bytes(budget) +
+                    ", and no plan of the profiled step fits the budget lowered by that (" +
+                    plan::format_bytes(target) + "; the smallest feasible peak is " + plan::format_bytes(low) +
+                    "). The step ran and its update stands; the plan in force stays. Give replan() a budget of at "
+                    "least " +
+                    plan::format_bytes(low + excess) +
+                    ", or profile a step that holds what every later step holds (profile_step(), "
+                    "AutoOptions::warmup_steps).");
       }
     }
   }
@@ -1425,7 +1587,9 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
   // Counted from here on: the warm-up's gradients and optimizer state are
   // then in every step's figures, the profiled one's included.
   memory::enable_tracking();
-  // The planner owns the switches: every unit runs plain until planned.
+  // The planner owns the switches: every unit runs plain until planned
+  // (NOTE [switches given back]).
+  impl_->note_switches();
   impl_->switch_off();
 }
 
@@ -1571,6 +1735,11 @@ std::string AutoCheckpoint::explain() const {
                : std::string())
        << fmt_ms(m.step_plan.solve_ms)
        << (m.replans ? ", solved again " + std::to_string(m.replans) + "x after overruns" : "") << "\n";
+    if (m.grown > 0) {
+      os << "profiled step: held " << plan::format_bytes(m.grown)
+         << " more at its end than at its start (the optimizer's state, gradients): counted at every point of the "
+            "step\n";
+    }
     if (m.reprices > 0) {
       char b[160];
       std::snprintf(b, sizeof b, "offload repriced %dx from measured steps: +%.0f ms per GiB sent\n", m.reprices,

@@ -66,6 +66,8 @@ struct ForcedSchedule {
 struct ChainAccess {
   /** nullptr: the chain runs its own options' plan again. */
   static void force(CheckpointedSequentialImpl& chain, std::shared_ptr<const ForcedSchedule> forced);
+  /** The schedule forced on it now (nullptr: none), to be given back. */
+  static std::shared_ptr<const ForcedSchedule> forced(CheckpointedSequentialImpl& chain);
   /** Its step budget (SequentialOptions::step_memory_budget_bytes), which
    *  a whole-step plan would contradict. */
   static int64_t step_budget(const CheckpointedSequentialImpl& chain) {

@@ -1303,6 +1303,10 @@ void ChainAccess::force(CheckpointedSequentialImpl& chain, std::shared_ptr<const
   std::lock_guard<std::mutex> lock(*chain.mu_);
   chain.forced_ = std::move(forced);
 }
+std::shared_ptr<const ForcedSchedule> ChainAccess::forced(CheckpointedSequentialImpl& chain) {
+  std::lock_guard<std::mutex> lock(*chain.mu_);
+  return chain.forced_;
+}
 }  // namespace detail
 
 detail::Values CheckpointedSequentialImpl::run(const detail::Values& x, bool want_tensor) {

@@ -585,12 +585,15 @@ TEST(Auto, AGraphKeptPastTheProfiledStepIsBackpropagatedLater) {
   // Each step backpropagates the previous step's forward (a pipelined
   // loop): the profiled step's graph is unpacked in the next step, after the
   // profiler's timeline is gone (under ASan, a read of it would be caught).
+  // A warm-up step first: a first step runs no backward, so a profile of it
+  // holds neither a backward nor the gradients every later step holds (its
+  // plan would overrun the budget, which step() reports).
   auto run = [](bool planned) {
     torch::manual_seed(0);
     torch::nn::Sequential net(Dense(32), Dense(32), Dense(32));
     std::optional<remat::AutoCheckpoint> planner;
     if (planned) {
-      planner.emplace(remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(1.0).warmup_steps(0)));
+      planner.emplace(remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(1.0).warmup_steps(1)));
     }
     torch::manual_seed(1);
     torch::Tensor pending;
@@ -1420,4 +1423,423 @@ TEST(Auto, APlannedModelLeavesNoTensorBehind) {
   const int64_t before = remat::memory::current_bytes();
   (void)run(gpt_workload(2), true, remat::AutoOptions().memory_budget_fraction(1.0));
   EXPECT_EQ(remat::memory::current_bytes(), before);
+}
+
+// --- state the planner touches and gives back ---------------------------------
+
+/** A residual block normalised by a BatchNorm that its model owns: the
+ *  block holds it without registering it, so its buffers are not the
+ *  unit's (a block calling `owner->bn`). */
+struct BorrowedNormBlockImpl : torch::nn::Module, remat::Checkpointable {
+  BorrowedNormBlockImpl(int64_t d, torch::nn::BatchNorm1d norm)
+      : fc(register_module("fc", torch::nn::Linear(d, d))), norm(std::move(norm)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed([this](const torch::Tensor& h) { return h + torch::relu(norm(fc(h))); }, x);
+  }
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d norm;  // the model's
+};
+TORCH_MODULE(BorrowedNormBlock);
+
+/** Three BorrowedNormBlocks sharing the model's one BatchNorm. */
+struct SharedNormNetImpl : torch::nn::Module {
+  explicit SharedNormNetImpl(int64_t d) {
+    in = register_module("in", torch::nn::Linear(16, d));
+    norm = register_module("norm", torch::nn::BatchNorm1d(d));
+    for (int i = 0; i < 3; ++i) {
+      blocks.push_back(register_module("block" + std::to_string(i), BorrowedNormBlock(d, norm)));
+    }
+    out = register_module("out", torch::nn::Linear(d, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = in(x);  // (B, d)
+    for (auto& b : blocks) h = b->forward(h);
+    return out(h);  // (B, 4)
+  }
+  torch::nn::Linear in{nullptr}, out{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  std::vector<BorrowedNormBlock> blocks;
+};
+TORCH_MODULE(SharedNormNet);
+
+TEST(Auto, ABatchNormTheModelOwnsMovesAsInAPlainRun) {
+  // The profiled step runs each block again under every option: those runs
+  // must leave the model's BatchNorm as they found it, like the block's own
+  // buffers. Then the leanest plan (recompute) runs the blocks again in
+  // backward. Statistics, step counts and parameters bitwise as plain.
+  auto make = [](bool set_to_none) {
+    auto net = SharedNormNet(64);
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    return classifier(net, opt, batches(kSteps, {128, 16}), batches(kSteps, {128}, true, 4), set_to_none);
+  };
+  const Result plain = run(make, true, std::nullopt);
+  torch::manual_seed(0);
+  Workload w = make(true);
+  torch::manual_seed(1);
+  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  for (int k = 0; k < kSteps; ++k) {
+    if (k == 2) {
+      ASSERT_TRUE(planner.planned());
+      planner.replan(planner.leanest_peak_bytes());
+      int recomputed = 0;
+      for (const auto& u : planner.units()) recomputed += u.choice != 0;
+      EXPECT_GT(recomputed, 0) << planner.explain();
+    }
+    planner.step([&] { w.step(k); });
+    const std::vector<Bytes> got = state_of(*w.model);
+    ASSERT_EQ(got.size(), plain.states[k].size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(got[i] == plain.states[k][i]) << "tensor " << i << " differs after step " << k;
+    }
+  }
+  auto* net = dynamic_cast<SharedNormNetImpl*>(w.model.get());
+  ASSERT_NE(net, nullptr);
+  // Three blocks call it per step, in plain steps and planned ones alike.
+  EXPECT_EQ(net->norm->num_batches_tracked.item<int64_t>(), 3 * kSteps);
+}
+
+TEST(Auto, DestroyingThePlannerGivesBackTheSwitchesAndSchedulesItSet) {
+  // A chain with a budget of its own (half its plain peak) and a unit the
+  // user switched on: the planner sets both while it lives, and gives them
+  // back when it goes, once (a moved-from planner gives back nothing).
+  torch::manual_seed(0);
+  auto net = ChainNet(64, 6, std::make_shared<std::atomic<int64_t>>(0),
+                      remat::SequentialOptions().memory_budget_fraction(0.5));
+  net->head->set_checkpointing(remat::CheckpointOptions());
+  const torch::Tensor x = torch::randn({256, 16});
+  auto step = [&] {
+    net->zero_grad();
+    net->forward(x).square().mean().backward();
+  };
+  auto peak = [&] {  // of a step's forward and backward, above what lives before it
+    net->zero_grad();
+    remat::memory::Probe p;
+    net->forward(x).square().mean().backward();
+    return p.peak_bytes();
+  };
+  step();  // the chain profiles itself and plans under its own budget
+  const int64_t own = peak();
+  const std::string switches = remat::describe_checkpointing(*net);
+  std::optional<remat::AutoCheckpoint> holder;
+  int64_t forced = 0;
+  {
+    auto planner = remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+    for (int k = 0; k < 2; ++k) planner.step(step);
+    ASSERT_TRUE(planner.planned());
+    forced = peak();
+    // Where the plan keeps the chain (the fastest, bar noise), it stores every stage.
+    for (const auto& u : planner.units()) {
+      if (u.name == "body" && u.choice == 0) {
+        EXPECT_GT(static_cast<double>(forced), 1.5 * static_cast<double>(own));
+      }
+    }
+    EXPECT_NE(remat::describe_checkpointing(*net), switches);
+    holder.emplace(std::move(planner));
+  }
+  // The moved-from planner is gone; the plan is still in force.
+  EXPECT_EQ(peak(), forced);
+  EXPECT_NE(remat::describe_checkpointing(*net), switches);
+  holder.reset();
+  EXPECT_EQ(remat::describe_checkpointing(*net), switches);
+  EXPECT_TRUE(net->head->checkpointing());
+  const int64_t after = peak();
+  std::printf("chain's own plan: peak %lld B; forced store-all %lld B (%.2fx); after the planner %lld B\n",
+              static_cast<long long>(own), static_cast<long long>(forced), static_cast<double>(forced) / own,
+              static_cast<long long>(after));
+  EXPECT_EQ(after, own);
+}
+
+TEST(Auto, WithoutAWarmUpTheStateTheProfiledStepCreatesIsCounted) {
+  // warmup_steps(0) with AdamW: the profiled step is the first, and it
+  // creates the optimizer's state (and the gradients) that every later step
+  // holds from its start. The planned steps must still fit the budget.
+  const Make make = gpt_workload(2);
+  int64_t budget = 0;
+  {  // a warmed-up planner's range (gone before the next one starts: both count the same tensors)
+    torch::manual_seed(0);
+    Workload ref = make(true);
+    torch::manual_seed(1);
+    auto warm = remat::auto_checkpoint(*ref.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+    for (int k = 0; k < 2; ++k) warm.step([&] { ref.step(k); });
+    ASSERT_TRUE(warm.planned());
+    const int64_t low = warm.leanest_peak_bytes(), high = warm.profiled_peak_bytes();
+    budget = low + (high - low) / 4;
+  }
+  torch::manual_seed(0);
+  Workload w = make(true);
+  torch::manual_seed(1);
+  auto planner = remat::auto_checkpoint(
+      *w.model, remat::AutoOptions().memory_budget_bytes(budget).warmup_steps(0).profile_repeats(1));
+  planner.step([&] { w.step(0); });
+  ASSERT_TRUE(planner.planned());
+  const std::string e = planner.explain();
+  EXPECT_NE(e.find(" more at its end than at its start (the optimizer's state, gradients): counted at every point "
+                   "of the step\n"),
+            std::string::npos)
+      << e;
+  for (int k = 1; k < kSteps; ++k) {
+    planner.step([&] { w.step(k); });
+    std::printf("warmup_steps(0): step %d measured %lld B, %.3fx the budget of %lld B\n", k,
+                static_cast<long long>(planner.measured_peak_bytes()),
+                static_cast<double>(planner.measured_peak_bytes()) / static_cast<double>(budget),
+                static_cast<long long>(budget));
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(budget))
+        << planner.explain();
+  }
+  EXPECT_EQ(planner.replans(), 0) << planner.explain();
+}
+
+TEST(Auto, AnOverrunNoPlanCanFixIsReported) {
+  // At the leanest plan, a step that holds 4 MiB more than the profiled one
+  // (memory outside the units that grew after profiling) overruns, and no
+  // plan fits the budget lowered by the excess: step() says so.
+  const Make make = gpt_workload(2);
+  torch::manual_seed(0);
+  Workload w = make(true);
+  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  planner.replan(planner.leanest_peak_bytes());
+  const std::string in_force = remat::describe_checkpointing(*w.model);
+  try {
+    planner.step([&] {
+      const torch::Tensor ballast = torch::ones({1 << 20});  // 4 MiB
+      w.step(2);
+    });
+    FAIL() << "an overrun no plan fixes was swallowed: " << planner.explain();
+  } catch (const remat::Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("[remat::auto] the planned step's measured peak was ", 0), 0u) << m;
+    EXPECT_NE(m.find(" over the budget of "), std::string::npos) << m;
+    EXPECT_NE(m.find(", and no plan of the profiled step fits the budget lowered by that ("), std::string::npos) << m;
+    EXPECT_NE(m.find("; the smallest feasible peak is "), std::string::npos) << m;
+    EXPECT_NE(m.find("). The step ran and its update stands; the plan in force stays. Give replan() a budget of at "
+                     "least "),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find(", or profile a step that holds what every later step holds (profile_step(), "
+                     "AutoOptions::warmup_steps)."),
+              std::string::npos)
+        << m;
+  }
+  EXPECT_EQ(remat::describe_checkpointing(*w.model), in_force);
+  EXPECT_GT(planner.measured_peak_bytes(), planner.budget_bytes());
+}
+
+// --- profiling again ------------------------------------------------------------
+
+/** The tests' GPT (2 blocks) and its AdamW step on (batch, 65) token rows. */
+struct GptRun {
+  remat::models::Gpt gpt{nullptr};
+  std::shared_ptr<torch::optim::AdamW> opt;
+  std::vector<torch::Tensor> idx;
+  void step(int k) {
+    auto x = idx[k].slice(1, 0, 64), y = idx[k].slice(1, 1, 65);
+    opt->zero_grad();
+    gpt->loss(gpt->blocks->forward(gpt->embed(x)), y).backward();
+    opt->step();
+  }
+};
+GptRun gpt_run(int64_t batch, int steps) {
+  torch::manual_seed(0);
+  GptRun r;
+  r.gpt = remat::models::Gpt(small_gpt(2));
+  r.opt = std::make_shared<torch::optim::AdamW>(r.gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+  r.idx = batches(steps, {batch, 65}, true, 256);
+  return r;
+}
+
+TEST(Auto, ProfilingAgainAfterUnfreezingPlansEveryUnit) {
+  // Head-only fine-tune (only the final norm trains: the blocks have no
+  // backward), then the whole model: profile_step() must offer every unit
+  // its options again and plan where a fresh planner plans.
+  auto freeze = [](remat::models::Gpt& gpt, bool frozen) {
+    for (auto& p : gpt->parameters()) p.requires_grad_(!frozen);
+    for (auto& p : gpt->ln_f->parameters()) p.requires_grad_(true);
+  };
+  constexpr int kAll = 5;  // 2 frozen, then 3
+  GptRun plain = gpt_run(8, kAll);
+  freeze(plain.gpt, true);
+  torch::manual_seed(1);
+  std::vector<std::vector<Bytes>> states;
+  for (int k = 0; k < kAll; ++k) {
+    if (k == 2) freeze(plain.gpt, false);
+    plain.step(k);
+    states.push_back(state_of(*plain.gpt));
+  }
+  // A fresh planner of the whole model (gone before the next one starts,
+  // so that both count the same tensors): a budget it meets.
+  int64_t budget = 0;
+  {
+    GptRun fresh = gpt_run(8, kAll);
+    auto fresh_planner =
+        remat::auto_checkpoint(fresh.gpt, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+    for (int k = 0; k < 2; ++k) fresh_planner.step([&] { fresh.step(k); });
+    ASSERT_TRUE(fresh_planner.planned());
+    const int64_t low = fresh_planner.leanest_peak_bytes(), high = fresh_planner.profiled_peak_bytes();
+    budget = low + (high - low) / 4;
+    fresh_planner.replan(budget);
+  }
+
+  GptRun r = gpt_run(8, kAll);
+  freeze(r.gpt, true);
+  torch::manual_seed(1);
+  auto planner = remat::auto_checkpoint(r.gpt, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  for (int k = 0; k < 2; ++k) {
+    planner.step([&] { r.step(k); });
+    EXPECT_TRUE(state_of(*r.gpt) == states[k]) << "step " << k;
+  }
+  ASSERT_TRUE(planner.planned());
+  freeze(r.gpt, false);
+  planner.profile_step([&] { r.step(2); });
+  EXPECT_TRUE(state_of(*r.gpt) == states[2]);
+  for (const auto& u : planner.units()) EXPECT_GT(u.options.size(), 1u) << u.name << "\n" << planner.explain();
+  planner.replan(budget);
+  std::printf("%s", planner.explain().c_str());
+  for (int k = 3; k < kAll; ++k) {
+    planner.step([&] { r.step(k); });
+    EXPECT_TRUE(state_of(*r.gpt) == states[k]) << "step " << k;
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(budget))
+        << planner.explain();
+  }
+}
+
+TEST(Auto, ProfilingAgainAtAnotherBatchSizeRebuildsTheMenus) {
+  // Planned at batch 4, profiled again at batch 8: each unit's menu is a
+  // fresh planner's at 8: the same options but the selective levels (which
+  // ops a level keeps depends on their measured times), the same bytes
+  // kept by each, and every level keeps ops of the new shapes.
+  GptRun a = gpt_run(4, 3), b = gpt_run(8, 3);
+  for (int k = 0; k < 3; ++k) a.idx[k] = b.idx[k].slice(0, 0, 4).clone();
+  auto pa = remat::auto_checkpoint(a.gpt, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  for (int k = 0; k < 2; ++k) pa.step([&] { a.step(k); });
+  ASSERT_TRUE(pa.planned());
+  a.idx[2] = b.idx[2];
+  pa.profile_step([&] { a.step(2); });
+  auto pb = remat::auto_checkpoint(b.gpt, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  for (int k = 0; k < 2; ++k) pb.step([&] { b.step(k); });
+  ASSERT_TRUE(pb.planned());
+  const auto& ma = pa.step_model();
+  const auto& mb = pb.step_model();
+  ASSERT_EQ(ma.units.size(), mb.units.size());
+  int levels = 0;
+  for (size_t j = 0; j < ma.units.size(); ++j) {
+    const auto& ua = ma.units[j];
+    const auto& ub = mb.units[j];
+    ASSERT_EQ(ua.options.size(), ub.options.size()) << ua.name;
+    ASSERT_EQ(ua.calls.size(), 1u);
+    ASSERT_EQ(ub.calls.size(), 1u);
+    const auto& ca = ua.calls[0].costs;
+    const auto& cb = ub.calls[0].costs;
+    for (size_t k = 0; k < ua.options.size(); ++k) {
+      if (ua.options[k].rfind("save ", 0) == 0) {
+        ++levels;
+        EXPECT_EQ(ub.options[k].rfind("save ", 0), 0u) << ub.name << ": " << ub.options[k];
+        // A level keeps more than recompute does: it holds the ops it names.
+        EXPECT_GT(ca[k].kept_bytes, ca[1].kept_bytes) << ua.name << ": " << ua.options[k];
+        continue;
+      }
+      EXPECT_EQ(ua.options[k], ub.options[k]) << ua.name;
+      EXPECT_EQ(ca[k].kept_bytes, cb[k].kept_bytes) << ua.name << ": " << ua.options[k];
+      EXPECT_EQ(ca[k].backward_peak_bytes, cb[k].backward_peak_bytes) << ua.name << ": " << ua.options[k];
+    }
+  }
+  EXPECT_GT(levels, 0);
+}
+
+// --- offload's bytes in flight -----------------------------------------------------
+
+/** A 512-wide Linear layer (a 1 MiB weight, its stack's: shared by every
+ *  block), then elementwise ops: four activations of 512 KiB at 256 rows.
+ *  The weight is the largest tensor it saves; the store keeps it (a
+ *  parameter), so only activations go in flight. */
+struct WideImpl : torch::nn::Module, remat::Checkpointable {
+  explicit WideImpl(torch::nn::Linear fc) : fc(std::move(fc)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed(
+        [this](const torch::Tensor& h) {
+          auto y = torch::gelu(fc(h));  // (B, 512)
+          return torch::tanh(y) * y;
+        },
+        x);
+  }
+  torch::nn::Linear fc;  // the stack's
+};
+TORCH_MODULE(Wide);
+
+/** Eight Wide blocks in a unit of their own: the blocks are inner units,
+ *  whose menus have no "recompute, inputs to" option. */
+struct WideStackImpl : torch::nn::Module, remat::Checkpointable {
+  WideStackImpl() : fc(register_module("fc", torch::nn::Linear(512, 512))) {
+    for (int i = 0; i < 8; ++i) blocks.push_back(register_module("b" + std::to_string(i), Wide(fc)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed(
+        [this](const torch::Tensor& h) {
+          torch::Tensor y = h;
+          for (auto& b : blocks) y = b->forward(y);
+          return y;
+        },
+        x);
+  }
+  torch::nn::Linear fc;
+  std::vector<Wide> blocks;
+};
+TORCH_MODULE(WideStack);
+
+TEST(Auto, TheOffloadMarginIsWhatTheStoreHeldInFlight) {
+  const std::string dir = remat_test::fresh_dir("auto_margin");
+  const auto store =
+      remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(4096);
+  // What a store holds in flight for one block, measured by the store: a
+  // tensor at a time (max_inflight_bytes 1), the weights kept.
+  int64_t measured = 0;
+  {
+    torch::manual_seed(3);
+    Wide block(torch::nn::Linear(512, 512));
+    const torch::Tensor x = torch::randn({256, 512}, torch::requires_grad());
+    remat::OffloadScope scope(remat::OffloadOptions(store).max_inflight_bytes(1));
+    block->forward(x * 1).sum().backward();
+    measured = scope.stats().peak_inflight_bytes;
+  }
+  EXPECT_EQ(measured, 256 * 512 * 4);  // one activation, half the weight
+  const Make make = [](bool set_to_none) {
+    torch::manual_seed(5);
+    torch::nn::Sequential net(WideStack(), torch::nn::Linear(512, 10));
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+    return classifier(net, opt, batches(kSteps, {256, 512}), batches(kSteps, {256}, true, 10), set_to_none);
+  };
+  const Result plain = run(make, true, std::nullopt);
+  torch::manual_seed(0);
+  Workload w = make(true);
+  torch::manual_seed(1);
+  auto planner = remat::auto_checkpoint(
+      *w.model, remat::AutoOptions().selective_levels(0).offload({store}).memory_budget_fraction(1.0));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  const int64_t leanest = planner.leanest_peak_bytes();
+  planner.replan(leanest);
+  std::printf("%s", planner.explain().c_str());
+  int offloaded = 0;
+  for (const auto& u : planner.units()) offloaded += u.options[u.choice] == "offload disk";
+  EXPECT_GT(offloaded, 0) << planner.explain();
+  // The margin is the measured bytes in flight, not the largest tensor a
+  // block saves (its 1 MiB weight).
+  std::printf("in flight measured by the store: %lld B; the plan's margin: %lld B\n", static_cast<long long>(measured),
+              static_cast<long long>(planner.inflight_bytes()));
+  EXPECT_EQ(planner.inflight_bytes(), measured) << planner.explain();
+  EXPECT_EQ(leanest, remat::plan::min_peak_step(planner.step_model()).prediction.peak_bytes + measured);
+  for (int k = 2; k < kSteps; ++k) {
+    planner.step([&] { w.step(k); });
+    std::printf("step %d: measured %lld B, %.3fx the budget of %lld B (prediction %lld B + margin)\n", k,
+                static_cast<long long>(planner.measured_peak_bytes()),
+                static_cast<double>(planner.measured_peak_bytes()) / static_cast<double>(leanest),
+                static_cast<long long>(leanest), static_cast<long long>(planner.plan().prediction.peak_bytes));
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(leanest))
+        << planner.explain();
+  }
+  const std::vector<Bytes> got = state_of(*w.model);
+  ASSERT_EQ(got.size(), plain.states.back().size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == plain.states.back()[i]) << "tensor " << i;
+  EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
 }
