@@ -144,9 +144,16 @@ struct AutoOptions {
   TORCH_ARG(double, solver_time_limit_s) = 30;
   /** Solve again, with the budget lowered by the excess, after a step whose
    *  measured peak exceeds the budget by more than 1%; when no plan fits
-   *  that, step() throws remat::Error (the step ran; the plan in force
-   *  stays). Default true. */
+   *  that, the overrun is reported (overrun_throws; the step ran, the plan
+   *  in force stays). Default true. */
   TORCH_ARG(bool, replan_on_overrun) = true;
+  /** An overrun no plan can fix (replan_on_overrun): false (default)
+   *  reports it as a c10 warning (TORCH_WARN: printed to stderr by
+   *  LibTorch's default handler, or caught with a c10::WarningHandler) and
+   *  in overruns(), and training goes on; true makes step() throw it as
+   *  remat::Error. The warning suits runs where a rank that throws takes the
+   *  job down (a collective's buffers freed late can push one rank over). */
+  TORCH_ARG(bool, overrun_throws) = false;
 };
 
 /** One unit of a plan, as explain() shows it. */
@@ -243,6 +250,10 @@ class AutoCheckpoint {
   ///@}
   /** How many times the plan was solved again after an overrun. */
   int replans() const;
+  /** The overruns no plan could fix, oldest first: each one's message (the
+   *  measured peak, the budget, the smallest feasible peak and the budget
+   *  that would do), as warned or thrown. */
+  std::vector<std::string> overruns() const;
   /** A report: per unit the option chosen, bytes kept and time added;
    *  predicted against measured peak and time; the solver's figures. */
   std::string explain() const;

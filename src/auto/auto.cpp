@@ -399,6 +399,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<std::shared_ptr<CallRecord>> active;   // observed calls running now, outermost first
   bool in_trial = false;
 
+  std::vector<std::string> overrun_reports;  // NOTE [overruns reported]
+
   Impl(torch::nn::Module& m, AutoOptions o) : model(m), options(std::move(o)) {}
 
   // NOTE [switches given back]: the planner owns the units' switches while
@@ -1478,15 +1480,19 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
         // in force stays, and the user hears of it: the budget is a bound
         // on the measured peak, and this step broke it.
         const int64_t low = leanest().peak;
-        throw Error("[remat::auto] the planned step's measured peak was " + plan::format_bytes(measured_peak) + ", " +
-                    plan::format_bytes(excess) + " over the budget of " + plan::format_bytes(budget) +
-                    ", and no plan of the profiled step fits the budget lowered by that (" +
-                    plan::format_bytes(target) + "; the smallest feasible peak is " + plan::format_bytes(low) +
-                    "). The step ran and its update stands; the plan in force stays. Give replan() a budget of at "
-                    "least " +
-                    plan::format_bytes(low + excess) +
-                    ", or profile a step that holds what every later step holds (profile_step(), "
-                    "AutoOptions::warmup_steps).");
+        const std::string report =
+            std::string("[remat::auto] the planned step's measured peak was ") + plan::format_bytes(measured_peak) +
+            ", " + plan::format_bytes(excess) + " over the budget of " + plan::format_bytes(budget) +
+            ", and no plan of the profiled step fits the budget lowered by that (" + plan::format_bytes(target) +
+            "; the smallest feasible peak is " + plan::format_bytes(low) +
+            "). The step ran and its update stands; the plan in force stays. Give replan() a budget of at "
+            "least " +
+            plan::format_bytes(low + excess) +
+            ", or profile a step that holds what every later step holds (profile_step(), "
+            "AutoOptions::warmup_steps).";
+        overrun_reports.push_back(report);
+        if (options.overrun_throws()) throw Error(report);
+        TORCH_WARN(report);
       }
     }
   }
@@ -1677,6 +1683,8 @@ int64_t AutoCheckpoint::inflight_bytes() const {
 int64_t AutoCheckpoint::measured_peak_bytes() const { return impl_->measured_peak; }
 double AutoCheckpoint::measured_time_ms() const { return impl_->measured_ms; }
 int AutoCheckpoint::replans() const { return impl_->replans; }
+
+std::vector<std::string> AutoCheckpoint::overruns() const { return impl_->overrun_reports; }
 
 std::vector<AutoUnit> AutoCheckpoint::units() const {
   const Impl& m = *impl_;

@@ -125,6 +125,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
   bool order_known = false;
   bool in_backward = false;
   bool graph_pending = false;            // a forward with gradient ran since the last backward ended
+  bool graph_pending_before = false;     // graph_pending when the running forward() began
   bool ending = false;                   // end_backward runs
   std::unordered_set<int> queued_tasks;  // graph tasks of this backward that have our callback
   int64_t grad_units = 0;                // units with a parameter that requires grad
@@ -780,6 +781,7 @@ void FullyShard::begin_forward() {
           "unit's buffers and the optimizer's shards by it), or shard the model again.");
     }
   }
+  m.graph_pending_before = m.graph_pending;
   if (torch::autograd::GradMode::is_enabled()) m.graph_pending = true;
   if (!m.units[0].params.empty()) m.gather(0, /*backward=*/false);
   // The first unit's gather overlaps whatever runs before it (the embedding).
@@ -788,16 +790,30 @@ void FullyShard::begin_forward() {
   }
 }
 
-void FullyShard::end_forward() noexcept {
+void FullyShard::end_forward(bool failed) noexcept {
   Impl& m = *impl_;
+  if (m.in_backward) return;
+  if (failed) {
+    // What this forward gathered or prefetched goes (the units kept from an
+    // earlier forward are gathered again by their backward); the root stays
+    // only for an earlier forward's backward.
+    m.graph_pending = m.graph_pending_before;
+    for (size_t i = 1; i < m.units.size(); ++i) {
+      if (m.units[i].active > 0) continue;
+      try {
+        m.reshard(i);  // waits for an in-flight prefetch first
+      } catch (...) {  // a failed collective: the step is lost anyway
+      }
+    }
+  } else if (torch::autograd::GradMode::is_enabled()) {
+    return;
+  }
   // A forward without gradient (an evaluation) leaves nothing for a
   // backward, unless one of an earlier forward is still to come.
-  if (torch::autograd::GradMode::is_enabled() || m.in_backward || m.graph_pending) return;
-  Impl::Unit& root = m.units[0];
-  if (root.params.empty() || root.in_flight()) return;
-  if (root.gathered) {
-    Impl::release(root);
-    root.gathered = false;
+  if (m.graph_pending) return;
+  try {
+    m.reshard(0);
+  } catch (...) {
   }
 }
 
@@ -929,17 +945,6 @@ void FullyShard::save_sharded(const std::string& prefix) const {
 void FullyShard::load_sharded(const std::string& prefix) {
   Impl& m = *impl_;
   const std::string path = prefix + ".rank" + std::to_string(m.rank) + "-of-" + std::to_string(m.world);
-  if (!std::filesystem::exists(path)) {
-    throw Error("[remat::parallel] FullyShard::load_sharded: '" + path +
-                "' does not exist; load with the world size it was saved with (save_sharded writes one file per "
-                "rank: <prefix>.rank<r>-of-<world>).");
-  }
-  std::vector<at::Tensor> shards;
-  try {
-    torch::load(shards, path);
-  } catch (const std::exception& e) {
-    throw Error("[remat::parallel] FullyShard::load_sharded could not read '" + path + "': " + message_of(e) + ".");
-  }
   std::vector<Impl::Flat*> mine;  // every shard, in save_sharded's order
   std::vector<const std::string*> unit_of;
   for (auto& u : m.units) {
@@ -953,24 +958,56 @@ void FullyShard::load_sharded(const std::string& prefix) {
   for (const auto& b : m.module->buffers()) {
     if (b.defined()) buffers.push_back(b);
   }
-  if (shards.size() != mine.size() + buffers.size()) {
-    throw Error("[remat::parallel] FullyShard::load_sharded: '" + path + "' holds " + std::to_string(shards.size()) +
-                " tensors, this model has " + std::to_string(mine.size()) + " units and " +
-                std::to_string(buffers.size()) + " buffers; load into the model and units it was saved from.");
+  // Read and check this rank's file; nothing changes until every rank has.
+  std::vector<at::Tensor> shards;
+  std::string error;
+  if (!std::filesystem::exists(path)) {
+    error = "[remat::parallel] FullyShard::load_sharded: '" + path + "' does not exist (" + m.where() +
+            " reads <prefix>.rank<r>-of-<world>, one file per rank, as save_sharded wrote them); put each rank's "
+            "file where that rank reads it, or give the prefix and world size they were saved with.";
+  } else {
+    try {
+      torch::load(shards, path);
+    } catch (const std::exception& e) {
+      error = "[remat::parallel] FullyShard::load_sharded could not read '" + path + "': " + message_of(e) + ".";
+    }
   }
-  for (size_t k = 0; k < buffers.size(); ++k) {
+  if (error.empty() && shards.size() != mine.size() + buffers.size()) {
+    error = "[remat::parallel] FullyShard::load_sharded: '" + path + "' holds " + std::to_string(shards.size()) +
+            " tensors, this model has " + std::to_string(mine.size()) + " shards and " +
+            std::to_string(buffers.size()) + " buffers; load into the model and units it was saved from.";
+  }
+  for (size_t k = 0; error.empty() && k < buffers.size(); ++k) {
     const at::Tensor& saved = shards[mine.size() + k];
     if (!saved.sizes().equals(buffers[k].sizes()) || saved.scalar_type() != buffers[k].scalar_type()) {
-      throw Error("[remat::parallel] FullyShard::load_sharded: buffer " + std::to_string(k) + " of '" + path +
-                  "' does not match this model's; load into the model and units it was saved from.");
+      error = "[remat::parallel] FullyShard::load_sharded: buffer " + std::to_string(k) + " of '" + path +
+              "' does not match this model's; load into the model and units it was saved from.";
     }
   }
-  for (size_t k = 0; k < mine.size(); ++k) {
+  for (size_t k = 0; error.empty() && k < mine.size(); ++k) {
     if (shards[k].numel() != mine[k]->shard_numel || shards[k].scalar_type() != mine[k]->shard.scalar_type()) {
-      throw Error("[remat::parallel] FullyShard::load_sharded: shard " + std::to_string(k) + " of '" + path + "' has " +
-                  std::to_string(shards[k].numel()) + " elements, unit '" + *unit_of[k] + "' " +
-                  std::to_string(mine[k]->shard_numel) + "; load into the model and units it was saved from.");
+      error = "[remat::parallel] FullyShard::load_sharded: shard " + std::to_string(k) + " of '" + path + "' has " +
+              std::to_string(shards[k].numel()) + " elements, unit '" + *unit_of[k] + "' " +
+              std::to_string(mine[k]->shard_numel) + "; load into the model and units it was saved from.";
     }
+  }
+  // All or nothing: every rank learns whether every rank can load (the
+  // lowest failing rank + 1, or 0).
+  std::vector<at::Tensor> failed{at::full({1}, error.empty() ? 0.0 : static_cast<double>(m.world - m.rank),
+                                          at::TensorOptions().dtype(at::kFloat))};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  o.timeout = m.group.timeout();
+  try {
+    m.group.c10d()->allreduce(failed, o)->wait(m.group.timeout());
+  } catch (const std::exception& e) {
+    m.collective_failed("all-reduce before load_sharded", e);
+  }
+  if (!error.empty()) throw Error(error);
+  if (failed[0].item<float>() > 0) {
+    throw Error("[remat::parallel] FullyShard::load_sharded: rank " +
+                std::to_string(m.world - static_cast<int>(failed[0].item<float>())) + " of " + std::to_string(m.world) +
+                " could not load its file of '" + prefix + "' (its error says why); no rank changed anything.");
   }
   torch::NoGradGuard no_grad;
   for (size_t k = 0; k < mine.size(); ++k) mine[k]->shard.copy_(shards[k]);

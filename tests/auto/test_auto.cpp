@@ -1596,7 +1596,32 @@ TEST(Auto, AnOverrunNoPlanCanFixIsReported) {
   const Make make = gpt_workload(2);
   torch::manual_seed(0);
   Workload w = make(true);
-  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  // By default a warning (and overruns()): training goes on.
+  {
+    auto planner =
+        remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+    for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+    ASSERT_TRUE(planner.planned());
+    planner.replan(planner.leanest_peak_bytes());
+    struct Capture : c10::WarningHandler {
+      std::vector<std::string> got;
+      void process(const c10::Warning& warning) override { got.push_back(warning.msg()); }
+    } capture;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&capture);
+      planner.step([&] {
+        const torch::Tensor ballast = torch::ones({1 << 20});  // 4 MiB
+        w.step(2);
+      });
+    }
+    ASSERT_EQ(capture.got.size(), 1u) << planner.explain();
+    ASSERT_EQ(planner.overruns().size(), 1u);
+    EXPECT_EQ(capture.got[0], planner.overruns()[0]);
+    EXPECT_EQ(capture.got[0].rfind("[remat::auto] the planned step's measured peak was ", 0), 0u) << capture.got[0];
+  }
+  // overrun_throws: step() throws it.
+  auto planner = remat::auto_checkpoint(
+      *w.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1).overrun_throws(true));
   for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
   ASSERT_TRUE(planner.planned());
   planner.replan(planner.leanest_peak_bytes());

@@ -9,11 +9,13 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 #include <torch/utils.h>
 
@@ -226,6 +228,78 @@ TEST(FullyShardUse, AUnitsModuleCalledOutsideTheUnitIsRefusedByName) {
   b.backward();
   EXPECT_TRUE(torch::equal(a, b.detach()));
   EXPECT_EQ(fsdp.memory().gathered_bytes, 0);
+}
+
+/** A unit whose forward throws while `fail` is set. */
+struct BreakableImpl : torch::nn::Module, remat::Checkpointable {
+  BreakableImpl() : fc(register_module("fc", torch::nn::Linear(16, 16))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return checkpointed(
+        [this](const at::Tensor& h) {
+          if (fail) throw std::runtime_error("a forward that throws");
+          return torch::tanh(fc(h));
+        },
+        x);
+  }
+  torch::nn::Linear fc;
+  bool fail = false;
+};
+TORCH_MODULE(Breakable);
+
+struct FourUnitsImpl : torch::nn::Module {
+  FourUnitsImpl() {
+    torch::manual_seed(9);
+    for (int i = 0; i < 4; ++i) units.push_back(register_module("u" + std::to_string(i), Breakable()));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& u : units) x = u(x);
+    return x;
+  }
+  std::vector<Breakable> units;
+};
+TORCH_MODULE(FourUnits);
+
+// A unit's forward throws (the caller catches it) while the next unit is
+// being prefetched: the failed step leaves nothing gathered, and the next
+// step gathers every unit once, as usual, training as plain.
+TEST(FullyShardUse, AFailedForwardFreesWhatItPrefetched) {
+  auto group = one_rank("failed_prefetch");
+  FourUnits plain, sharded;
+  FullyShard fsdp(sharded.ptr(), group);  // prefetch on (64 MiB)
+  torch::optim::SGD opt_plain(plain->parameters(), 0.1), opt_sharded(fsdp.parameters(), 0.1);
+  auto step = [&](const at::Tensor& x) {
+    opt_plain.zero_grad();
+    opt_sharded.zero_grad();
+    plain->forward(x).square().mean().backward();
+    fsdp.forward([&] { return sharded->forward(x).square().mean(); }).backward();
+    opt_plain.step();
+    opt_sharded.step();
+  };
+  step(torch::randn({8, 16}));  // the units' order is known from here on: prefetch
+  fsdp.reset_stats();
+  step(torch::randn({8, 16}));
+  const auto usual = fsdp.stats();
+  ASSERT_EQ(usual.forward_allgathers, 4);
+  sharded->units[1]->fail = true;
+  EXPECT_EQ(error_of([&] { fsdp.forward([&] {
+                             return sharded->forward(torch::randn({8, 16})).sum();
+                           }); }),
+            "a forward that throws");
+  EXPECT_EQ(fsdp.memory().gathered_bytes, 0) << "the prefetched unit is freed";
+  sharded->units[1]->fail = false;
+  fsdp.reset_stats();
+  step(torch::randn({8, 16}));
+  EXPECT_EQ(fsdp.stats().forward_allgathers, 4);
+  EXPECT_EQ(fsdp.stats().backward_allgathers, 4);
+  EXPECT_EQ(fsdp.stats().max_gathered_bytes, usual.max_gathered_bytes) << "no more gathered at once than usual";
+  EXPECT_EQ(fsdp.memory().gathered_bytes, 0);
+  const auto a = plain->parameters();
+  FourUnits back;
+  const std::string path = remat_test::fresh_dir("failed_prefetch_full") + "/full.pt";
+  fsdp.save_full(path);
+  torch::load(back, path);
+  const auto c = back->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], c[i])) << i;
 }
 
 TEST(FullyShardUse, BadValuesAreRefusedBeforeAnythingChanges) {

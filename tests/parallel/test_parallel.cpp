@@ -840,9 +840,23 @@ TEST(FullyShardProcesses, ShardedSaveLoadsBack) {
   auto c = run_fsdp(dir, "c", 1, {"--steps", "0", "--load-sharded", prefix});
   ASSERT_EQ(c[0].status, 3);
   EXPECT_NE(read_file(c[0].err).find("FullyShard::load_sharded: '" + prefix +
-                                     ".rank0-of-1' does not exist; load with the world size it was saved with"),
+                                     ".rank0-of-1' does not exist (rank 0 of 1 reads <prefix>.rank<r>-of-<world>"),
             std::string::npos)
       << read_file(c[0].err);
+  // One rank's file missing: all or nothing, every rank fails (the one
+  // without its file naming it) and none goes on with other parameters.
+  fs::remove(prefix + ".rank1-of-2");
+  auto d = run_fsdp(dir, "d", 2, {"--steps", "1", "--load-sharded", prefix});
+  ASSERT_EQ(d[0].status, 3) << "rank 0 must not go on alone";
+  ASSERT_EQ(d[1].status, 3);
+  EXPECT_NE(read_file(d[1].err).find("FullyShard::load_sharded: '" + prefix + ".rank1-of-2' does not exist"),
+            std::string::npos)
+      << read_file(d[1].err);
+  EXPECT_NE(read_file(d[0].err).find("[remat::parallel] FullyShard::load_sharded: rank 1 of 2 could not load its "
+                                     "file of '" +
+                                     prefix + "' (its error says why); no rank changed anything."),
+            std::string::npos)
+      << read_file(d[0].err);
 }
 
 TEST(FullyShardProcesses, ARankThatDiesMidStepFailsTheOthersWithAClearError) {
@@ -1019,8 +1033,9 @@ TEST(FullyShard, BadUseIsAClearError) {
             "module?); shard a model once.");
   EXPECT_EQ(message_of([&] { fsdp.load_sharded((dir.path() / "none").string()); }),
             "[remat::parallel] FullyShard::load_sharded: '" + (dir.path() / "none").string() +
-                ".rank0-of-1' does not exist; load with the world size it was saved with (save_sharded writes one "
-                "file per rank: <prefix>.rank<r>-of-<world>).");
+                ".rank0-of-1' does not exist (rank 0 of 1 reads <prefix>.rank<r>-of-<world>, one file per rank, as "
+                "save_sharded wrote them); put each rank's file where that rank reads it, or give the prefix and "
+                "world size they were saved with.");
 }
 
 }  // namespace

@@ -36,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -157,9 +158,10 @@ class FullyShard {
   template <class F>
   auto forward(F&& fn) -> std::invoke_result_t<F&> {
     begin_forward();
-    struct End {
+    struct End {  // after fn, returned or thrown
       FullyShard* f;
-      ~End() { f->end_forward(); }
+      int unwinding = std::uncaught_exceptions();
+      ~End() { f->end_forward(std::uncaught_exceptions() > unwinding); }
     } end{this};
     try {
       return fn();
@@ -172,8 +174,10 @@ class FullyShard {
    *  optimizer changed its shard since). */
   void begin_forward();
   /** What forward() does after fn: frees the root after a forward without
-   *  gradient, unless a backward still needs it. Never throws. */
-  void end_forward() noexcept;
+   *  gradient, unless a backward still needs it; after fn threw (`failed`),
+   *  frees what this forward gathered or prefetched, so that the next step
+   *  runs as usual. Never throws. */
+  void end_forward(bool failed = false) noexcept;
   /** Scales the shards' gradients so that their global 2-norm (over every
    *  rank) is at most max_norm, as torch::nn::utils::clip_grad_norm_;
    *  returns the norm before clipping. A collective. max_norm must be
@@ -189,8 +193,9 @@ class FullyShard {
    *  with a barrier, so every rank's file exists when it returns. */
   void save_sharded(const std::string& prefix) const;
   /** Loads what save_sharded(prefix) wrote with the same world size and
-   *  units; throws remat::Error naming the file or the mismatch, changing
-   *  nothing. */
+   *  units. A collective, all or nothing: when any rank's file is missing,
+   *  unreadable or does not match, every rank throws remat::Error (that rank
+   *  naming the file or the mismatch) and no rank changes anything. */
   void load_sharded(const std::string& prefix);
 
   /** Collectives since construction or reset_stats(). */
