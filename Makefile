@@ -23,7 +23,7 @@ demo: build
 	@$(BUILD)/examples/remat_demo
 
 # bench: remat (C++) against torch.utils.checkpoint (Python) on the same
-# LibTorch at the reference CPU sizes (DESIGN.md: GPT 8 x d_model 512, T 512,
+# LibTorch at the reference CPU sizes (docs/BENCHMARKS.md: GPT 8 x d_model 512, T 512,
 # batch 4; MLP 24 x 1024, batch 2048; ResNet 3 stages, width 32, batch 100),
 # 2 rounds of 3 timed steps, both workers keeping their freed heap
 # (run_all.py --malloc keep), ~33 minutes on the 2 cores, idle

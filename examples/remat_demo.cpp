@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   base.dropout = 0.1;
   base.lr = 1e-3;
   base.seed = 1337;
-  base.threads = 1;  // see DESIGN.md: two logical cores, one physical; robust when the machine is busy
+  base.threads = 1;  // one intra-op thread: steady timings on a small or busy machine
   std::string out_dir = default_out_dir().string();
   double auto_fraction = 0.5;
   app.add_option("--out", out_dir, "folder for demo.csv, demo.png and the traces")->capture_default_str();

@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import RESULTS, load_json  # noqa: E402
 
-# The reference workloads of DESIGN.md as bench/py/models.py builds them.
+# The reference workloads (docs/BENCHMARKS.md) as bench/py/models.py builds them.
 WORKLOADS = {
     "mlp-ref": "MLP, 24 x (Linear 1024 + GELU), batch 2048",
     "gpt-ref": "GPT stack (8 blocks, d_model 512, T 512, batch 4)",
