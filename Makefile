@@ -1,4 +1,4 @@
-# remat: `make demo` runs the example, `make test` runs the whole suite.
+# remat: `make demo` builds and runs the example, `make test` builds and runs the whole suite.
 # Both set up the machine first (scripts/setup.sh, idempotent).
 VENV ?= $(HOME)/.cache/remat/venv
 BUILD ?= build
@@ -19,7 +19,10 @@ build: configure
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
-demo: build
+# demo builds only what the demo runs (remat_demo and the libraries it links),
+# not the tests and benchmarks.
+demo: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target remat_demo
 	@$(BUILD)/examples/remat_demo
 
 # bench: remat (C++) against torch.utils.checkpoint (Python) on the same
