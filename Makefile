@@ -1,4 +1,4 @@
-# remat: `make demo` runs the example, `make test` runs the whole suite.
+# remat: `make demo` builds and runs the example, `make test` builds and runs the whole suite.
 # Both set up the machine first (scripts/setup.sh, idempotent).
 VENV ?= $(HOME)/.cache/remat/venv
 BUILD ?= build
@@ -19,11 +19,14 @@ build: configure
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
-demo: build
+# demo builds only what the demo runs (remat_demo and the libraries it links),
+# not the tests and benchmarks.
+demo: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target remat_demo
 	@$(BUILD)/examples/remat_demo
 
 # bench: remat (C++) against torch.utils.checkpoint (Python) on the same
-# LibTorch at the reference CPU sizes (DESIGN.md: GPT 8 x d_model 512, T 512,
+# LibTorch at the reference CPU sizes (docs/BENCHMARKS.md: GPT 8 x d_model 512, T 512,
 # batch 4; MLP 24 x 1024, batch 2048; ResNet 3 stages, width 32, batch 100),
 # 2 rounds of 3 timed steps, both workers keeping their freed heap
 # (run_all.py --malloc keep), ~33 minutes on the 2 cores, idle

@@ -9,7 +9,7 @@
 // and prints, over the steps after a 100-step warm-up, the least-squares
 // slope per 1,000 steps of both, their range, and the time per step.
 // tests/test_soak.cpp is the short version that asserts.
-// Usage: remat_soak [steps]   (1 intra-op thread, as DESIGN.md asks)
+// Usage: remat_soak [steps]   (1 intra-op thread, as every CPU benchmark)
 // Leaves out: CUDA memory (CPU build).
 #include <algorithm>
 #include <cstdio>

@@ -3,7 +3,11 @@
 // against no checkpointing and the final loss (bitwise equal across
 // strategies). Writes demo.csv, a PNG chart (scripts/plot_demo.py, if the
 // venv's matplotlib is there) and one Chrome-trace memory timeline per
-// strategy (last step; open in ui.perfetto.dev).
+// strategy (last step; open in ui.perfetto.dev). A strategy that fails (auto
+// under a budget no plan meets, on a small model) is listed with the
+// library's error after the table of those that ran.
+// Exit status: 0 every strategy ran and the final losses are bitwise equal;
+// 1 they ran and the losses differ; 2 bad flags, or a strategy did not run.
 // Leaves out: GPU runs, statistical timing (one run, median of a few steps).
 #include <CLI/CLI.hpp>
 
@@ -14,6 +18,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -29,6 +34,7 @@ namespace {
 
 struct Row {
   std::string name;
+  std::string error;       ///< why it did not run (the library's error, first line); empty: it ran
   int64_t peak_bytes = 0;  ///< max over timed steps of the peak above the step's start
   double step_ms = 0.0;    ///< median over timed steps
   double final_loss = 0.0;
@@ -52,6 +58,9 @@ fs::path default_out_dir() {
 
 int main(int argc, char** argv) {
   CLI::App app{"remat_demo: every checkpoint strategy on a small GPT, same seed"};
+  app.footer(
+      "Exit status: 0 every strategy ran and the final losses are bitwise equal; 1 the losses differ; 2 bad flags, "
+      "or a strategy did not run (the table lists those that ran, then each one that did not, with its error).");
   rm::TrainConfig base;
   base.model = "gpt";
   base.layers = 8;
@@ -63,7 +72,7 @@ int main(int argc, char** argv) {
   base.dropout = 0.1;
   base.lr = 1e-3;
   base.seed = 1337;
-  base.threads = 1;  // see DESIGN.md: two logical cores, one physical; robust when the machine is busy
+  base.threads = 1;  // one intra-op thread: steady timings on a small or busy machine
   std::string out_dir = default_out_dir().string();
   double auto_fraction = 0.5;
   app.add_option("--out", out_dir, "folder for demo.csv, demo.png and the traces")->capture_default_str();
@@ -79,7 +88,14 @@ int main(int argc, char** argv) {
   app.add_option("--auto-fraction", auto_fraction,
                  "auto's budget (the whole step's peak above its start) as a fraction of none's peak")
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "remat_demo: error: " << e.what() << " (run remat_demo --help for the flags)\n";
+    return 2;
+  }
   if (base.steps < 4) {
     std::cerr << "remat_demo: error: --steps must be at least 4 (warm-up, auto's profiled step, timed, traced), got "
               << base.steps << "\n";
@@ -93,21 +109,33 @@ int main(int argc, char** argv) {
                                                                         {rm::Strategy::kSelective, "megatron"},
                                                                         {rm::Strategy::kSelective, "save_matmuls"},
                                                                         {rm::Strategy::kAuto, ""}};
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) {
+    std::cerr << "remat_demo: error: cannot create --out folder '" << out_dir << "': " << ec.message() << "\n";
+    return 2;
+  }
+  // Each strategy runs on its own: one that fails (auto under a budget that
+  // no plan meets) is kept with its error, and the others still run.
   std::vector<Row> rows;
-  try {
-    fs::create_directories(out_dir);
-    for (const auto& [s, policy] : strategies) {
+  std::optional<Row> none;  // the plain run, which the ratios divide by (when it ran)
+  for (const auto& [s, policy] : strategies) {
+    Row row;
+    row.name = std::string(rm::to_string(s)) + (policy.empty() ? "" : " " + policy);
+    bool announced = false;  // the "training with ..." line is out
+    try {
       auto cfg = base;
       cfg.checkpoint = s;
       if (!policy.empty()) cfg.policy = policy;
-      Row row{std::string(rm::to_string(s)) + (policy.empty() ? "" : " " + policy)};
       if (s == rm::Strategy::kAuto) {
-        cfg.memory_budget_bytes = static_cast<int64_t>(auto_fraction * static_cast<double>(rows.front().peak_bytes));
+        if (!none) throw remat::Error("[remat_demo] auto's budget is a fraction of none's peak, and none did not run.");
+        cfg.memory_budget_bytes = static_cast<int64_t>(auto_fraction * static_cast<double>(none->peak_bytes));
         row.name += " (" + remat::format_bytes(cfg.memory_budget_bytes) + ")";
       }
       rm::Trainer trainer(cfg);
       if (s == rm::Strategy::kNone) std::cout << trainer.summary() << "\n\n";
       std::cout << "training with checkpoint " << row.name << " ..." << std::flush;
+      announced = true;
       std::vector<double> times_ms;
       for (int64_t i = 0; i < cfg.steps; ++i) {
         rm::StepStats st;
@@ -132,45 +160,75 @@ int main(int argc, char** argv) {
       }
       row.step_ms = median(times_ms);
       std::cout << " " << std::fixed << std::setprecision(1) << row.step_ms << " ms/step\n";
-      rows.push_back(row);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      row.error = what.substr(0, what.find('\n'));
+      if (!announced) std::cout << "training with checkpoint " << row.name << " ...";
+      std::cout << " did not run\n";
     }
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    std::cerr << "remat_demo: error: " << what.substr(0, what.find('\n')) << "\n";
-    return 2;
+    if (s == rm::Strategy::kNone && row.error.empty()) none = row;
+    rows.push_back(row);
   }
 
-  // The table.
-  const auto& none = rows.front();
+  // The table: the strategies that ran, with ratios to none when it ran.
+  auto ratio = [&](double a, double b) {
+    std::ostringstream os;
+    if (none) {
+      os << std::fixed << std::setprecision(2) << a / b << "x";
+    } else {
+      os << "-";
+    }
+    return os.str();
+  };
   std::cout << "\n"
             << std::left << std::setw(24) << "strategy" << std::right << std::setw(14) << "peak act. mem"
             << std::setw(9) << "vs none" << std::setw(15) << "step (median)" << std::setw(10) << "overhead"
             << std::setw(16) << "final loss"
             << "\n";
-  bool all_equal = true;
+  bool all_equal = true, all_ran = true;
+  std::optional<double> first_loss;
   for (const auto& r : rows) {
-    all_equal = all_equal && r.final_loss == none.final_loss;
-    std::ostringstream vs, step, overhead, loss;
-    vs << std::fixed << std::setprecision(2) << static_cast<double>(r.peak_bytes) / static_cast<double>(none.peak_bytes)
-       << "x";
+    if (!r.error.empty()) {
+      all_ran = false;
+      continue;
+    }
+    if (!first_loss) first_loss = r.final_loss;
+    all_equal = all_equal && r.final_loss == *first_loss;
+    std::ostringstream step, loss;
     step << std::fixed << std::setprecision(1) << r.step_ms << " ms";
-    overhead << std::fixed << std::setprecision(2) << r.step_ms / none.step_ms << "x";
     loss << std::fixed << std::setprecision(10) << r.final_loss;
     std::cout << std::left << std::setw(24) << r.name << std::right << std::setw(14)
-              << remat::format_bytes(r.peak_bytes) << std::setw(9) << vs.str() << std::setw(15) << step.str()
-              << std::setw(10) << overhead.str() << std::setw(16) << loss.str() << "\n";
+              << remat::format_bytes(r.peak_bytes) << std::setw(9)
+              << ratio(static_cast<double>(r.peak_bytes), none ? static_cast<double>(none->peak_bytes) : 1.0)
+              << std::setw(15) << step.str() << std::setw(10) << ratio(r.step_ms, none ? none->step_ms : 1.0)
+              << std::setw(16) << loss.str() << "\n";
   }
-  std::cout << "\nfinal losses " << (all_equal ? "bitwise equal" : "DIFFER") << " across strategies (same seed, "
-            << base.steps << " steps, dropout " << base.dropout << ").\n";
+  if (first_loss) {
+    std::cout << "\nfinal losses " << (all_equal ? "bitwise equal" : "DIFFER")
+              << (all_ran ? " across strategies" : " across the strategies that ran") << " (same seed, " << base.steps
+              << " steps, dropout " << base.dropout << ").\n";
+  }
+  if (!all_ran) {
+    std::cout << "\n";
+    for (const auto& r : rows) {
+      if (r.error.empty()) continue;
+      std::cout << "did not run: " << r.name << ": " << r.error << "\n";
+      if (r.name.rfind("auto", 0) == 0 && none) {
+        std::cout << "  (auto's budget is --auto-fraction " << auto_fraction
+                  << " of none's peak; a small model has less to trade: raise --auto-fraction, up to 1)\n";
+      }
+    }
+  }
 
-  // CSV, chart, traces.
+  // CSV, chart, traces (of the strategies that ran).
   const auto csv = (fs::path(out_dir) / "demo.csv").string();
   {
     std::ofstream f(csv);
     f << "strategy,peak_bytes,step_ms,overhead,final_loss\n";
     for (const auto& r : rows) {
-      f << r.name << "," << r.peak_bytes << "," << std::setprecision(6) << r.step_ms << "," << r.step_ms / none.step_ms
-        << "," << std::setprecision(12) << r.final_loss << "\n";
+      if (!r.error.empty()) continue;
+      f << r.name << "," << r.peak_bytes << "," << std::setprecision(6) << r.step_ms << ","
+        << (none ? r.step_ms / none->step_ms : 1.0) << "," << std::setprecision(12) << r.final_loss << "\n";
     }
   }
   std::cout << "\ntable:   " << csv << "\n";
@@ -182,7 +240,9 @@ int main(int argc, char** argv) {
     python = std::string(home) + "/.cache/remat/venv/bin/python";
   }
   const std::string script = std::string(REMAT_SOURCE_DIR) + "/scripts/plot_demo.py";
-  if (python.empty() || !fs::exists(python)) {
+  if (!first_loss) {
+    std::cout << "chart:   skipped (no strategy ran)\n";
+  } else if (python.empty() || !fs::exists(python)) {
     std::cout << "chart:   skipped (no python at '" << python << "'; set REMAT_PYTHON)\n";
   } else {
     const std::string cmd = "'" + python + "' '" + script + "' --csv '" + csv + "' --out '" + png + "'";
@@ -194,7 +254,13 @@ int main(int argc, char** argv) {
     }
   }
   std::cout << "traces:  ";
-  for (size_t i = 0; i < rows.size(); ++i) std::cout << (i ? "\n         " : "") << rows[i].trace_path;
+  bool first = true;
+  for (const auto& r : rows) {
+    if (r.trace_path.empty() || !r.error.empty()) continue;
+    std::cout << (first ? "" : "\n         ") << r.trace_path;
+    first = false;
+  }
   std::cout << "\n         (memory of the last step with forward/backward/optimizer spans; open in ui.perfetto.dev)\n";
+  if (!all_ran) return 2;
   return all_equal ? 0 : 1;
 }

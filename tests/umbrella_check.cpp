@@ -1,5 +1,5 @@
 // Compiled, never run: the umbrella header alone declares the whole public
-// API of remat::remat (DESIGN.md's example uses only <remat/remat.h>).
+// API of remat::remat (users may include only <remat/remat.h>).
 #include <remat/remat.h>
 
 namespace {

@@ -1,12 +1,12 @@
 // remat_auto: the whole-step planner's frontier (docs/BENCHMARKS.md, "Whole
 // training step under a budget"). --model gpt (default): the reference GPT
-// of DESIGN.md as a whole training step: token + position embedding, 8
+// as a whole training step: token + position embedding, 8
 // blocks (explicit attention), final LayerNorm, LM head tied to the
 // embedding over an 8192-token vocabulary, mean cross-entropy, backward,
 // AdamW step (lr 1e-3). --model resnet: remat's ResNet-18 (4 stages x 2
 // basic blocks, BatchNorm), width 32, 32x32 images, batch 100, 10 classes,
 // cross-entropy, SGD with momentum 0.9 (lr 0.01): the closest of remat's
-// models to DESIGN.md's 3-stage reference ResNet. Gradients zeroed in place
+// models to the 3-stage reference ResNet of docs/BENCHMARKS.md. Gradients zeroed in place
 // (zero_grad(false)). One model and optimizer for every strategy (the
 // values change neither memory nor time); data: random, a new batch per
 // step.
@@ -82,7 +82,7 @@ using remat::models::GptConfig;
 struct Size {
   int64_t d_model, heads, blocks, seq_len, batch, vocab;
 };
-constexpr Size kReference{512, 8, 8, 512, 4, 8192};  // DESIGN.md's CPU reference GPT
+constexpr Size kReference{512, 8, 8, 512, 4, 8192};  // the CPU reference GPT
 constexpr Size kQuick{64, 4, 4, 64, 4, 512};         // a toy size for smoke runs
 struct ImageSize {
   int64_t depth, width, image, batch, classes;

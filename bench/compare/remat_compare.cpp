@@ -99,7 +99,7 @@ Model build(const std::string& name) {
       for (auto blk : b) blk->attn->set_checkpointing(on ? std::optional(remat::CheckpointOptions()) : std::nullopt);
     };
     m.x = torch::randn({1, 128, 128});
-  } else if (name == "gpt-ref") {  // DESIGN.md's CPU reference: 8 blocks, d_model 512, 8 heads, T 512, batch 4
+  } else if (name == "gpt-ref") {  // the CPU reference: 8 blocks, d_model 512, 8 heads, T 512, batch 4
     std::vector<remat::models::GptBlock> b;
     for (int i = 0; i < 8; ++i) b.emplace_back(512, 8, 0.0);
     add_blocks(m, b);

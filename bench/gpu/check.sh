@@ -9,7 +9,7 @@
 #      only the targets needed (remat, remat_models, remat_gpu_bench, and
 #      test_cuda when tests/test_cuda.cpp and GoogleTest are there);
 #   2. run test_engine_order and test_cuda;
-#   3. the GPT benchmark at DESIGN.md's reference GPU size (bf16 autocast,
+#   3. the GPT benchmark at the reference GPU size (bf16 autocast,
 #      explicit and SDPA attention): C++ remat (bench/gpu/remat_gpu_bench.cpp:
 #      plain, per-block checkpoint, selective save_matmuls, CheckpointedSequential
 #      auto) and Python PyTorch (bench/gpu/gpu_bench.py: plain, per-block

@@ -1,7 +1,7 @@
 """The Python PyTorch half of the GPU benchmark (bench/gpu/check.sh runs it
 next to remat_gpu_bench, the C++ half; same workload, same JSON fields).
 
-The reference GPU workload of DESIGN.md: a stack of bench/py/models.py's
+The reference GPU workload: a stack of bench/py/models.py's
 GptBlock (d_model 2048, 16 heads, T 2048, batch 8, 24 blocks) under bf16
 autocast, with explicit attention and with SDPA; a float32 (B, T, C) input
 that requires grad; the stack ends in .sum(). Strategies:

@@ -1,6 +1,6 @@
 // remat_gpu_bench: the C++ (remat) half of the GPU benchmark that
 // bench/gpu/check.sh runs next to bench/gpu/gpu_bench.py (Python PyTorch).
-// The reference GPU workload of DESIGN.md: a stack of remat::models::GptBlock
+// The reference GPU workload: a stack of remat::models::GptBlock
 // (d_model 2048, 16 heads, T 2048, batch 8, 24 blocks, dropout 0) under bf16
 // autocast, with explicit attention and with SDPA; the input is a float32
 // (B, T, C) tensor that requires grad and the stack ends in .sum(), as in

@@ -1,7 +1,7 @@
 // remat_longctx_gpu: the long-context levers on a GPU, for bench/gpu/check.sh.
 // remat's whole GPT training step (token and position embedding, blocks,
 // final LayerNorm, tied LM head, cross-entropy, backward; no optimizer
-// step) at DESIGN.md's GPU reference size (d_model 2048, 16 heads, T 2048,
+// step) at the GPU reference size (d_model 2048, 16 heads, T 2048,
 // batch 8, 24 blocks, bf16 autocast, SDPA attention) with a 32k vocabulary,
 // per strategy:
 //   plain        no checkpointing, full logits

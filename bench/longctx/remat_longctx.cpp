@@ -1,5 +1,5 @@
 // remat_longctx: the long-context benchmark (docs/BENCHMARKS.md, "Long
-// context"): the reference GPT whole training step of DESIGN.md with a 32k
+// context"): the reference GPT whole training step with a 32k
 // vocabulary, where the (B, T, vocab) logits and the MLP's (B, T, 4C)
 // intermediates rival the blocks' activations. One step: token + position
 // embedding, 8 blocks (explicit attention), final LayerNorm, LM head tied to
@@ -65,7 +65,7 @@ using remat::models::GptConfig;
 struct Size {
   int64_t d_model, heads, blocks, seq_len, batch, vocab;
 };
-constexpr Size kReference{512, 8, 8, 512, 4, 32000};  // DESIGN.md's CPU reference GPT, 32k vocabulary
+constexpr Size kReference{512, 8, 8, 512, 4, 32000};  // the CPU reference GPT, 32k vocabulary
 constexpr Size kQuick{64, 4, 2, 128, 2, 2000};        // a toy size for smoke runs
 
 struct Strategy {

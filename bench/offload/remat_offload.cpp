@@ -1,5 +1,5 @@
 // remat_offload_bench: offload and compression of saved activations
-// (remat::OffloadScope, docs/offload.md) on the GPT block stack at the reference CPU size of DESIGN.md
+// (remat::OffloadScope, docs/offload.md) on the GPT block stack at the reference CPU size
 // (remat::models::GptBlock, d_model 512, 8 heads, T 512, batch 4, 8 blocks,
 // float32, dropout 0, explicit attention, 1 intra-op thread). Strategies:
 //   plain      everything saved in memory

@@ -1,5 +1,5 @@
 // remat_pipeline: pipeline parallelism (remat::parallel::Pipeline) on 2
-// processes here against one process, on the reference GPT of DESIGN.md as
+// processes here against one process, on the reference GPT as
 // a whole training step (8 blocks, d_model 512, 8 heads, T 512, vocabulary
 // 256, dropout 0, explicit attention; embedding, blocks, final LayerNorm,
 // head tied to the embedding, cross-entropy, AdamW lr 1e-4) at a global

@@ -1,6 +1,6 @@
 // remat_shard: sharded data parallel (FullyShard) against data parallel
 // (DataParallel) on 2 processes here, each with and without block
-// checkpointing, on the reference GPT of DESIGN.md (8 blocks, d_model 512,
+// checkpointing, on the reference GPT (8 blocks, d_model 512,
 // 8 heads, T 512, vocabulary 256) at a global batch of 4 (2 per rank),
 // AdamW. Per rank: model state (parameters, gradients, AdamW moments and
 // the strategy's own buffers: what remat::memory counts live after a step,

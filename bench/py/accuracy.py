@@ -4,7 +4,7 @@ time against one measured step (docs/BENCHMARKS.md, "Planner: predicted
 against measured").
 
 For each model (bench/compare/remat_compare's mlp-ref, gpt-ref, resnet-ref:
-DESIGN.md's CPU reference shapes, and resnet-ref-split, resnet-ref's blocks
+the CPU reference shapes of docs/BENCHMARKS.md, and resnet-ref-split, resnet-ref's blocks
 cut in two stages each) runs CheckpointedSequential with the optimal plan at
 budgets of a fraction of the plain peak (mlp-ref and gpt-ref 1.0, 0.5, 0.25;
 resnet-ref 1.0, 0.8, 0.6, 0.5; resnet-ref-split 1.0, 0.5, 0.25, with 5 timed

@@ -1,6 +1,6 @@
 """The Python anchors of the whole-step benchmark (docs/BENCHMARKS.md, "Whole training step under a budget").
 
-The same whole training step as bench/auto/remat_auto.cpp (the reference GPT of DESIGN.md with an
+The same whole training step as bench/auto/remat_auto.cpp (the reference GPT of docs/BENCHMARKS.md with an
 8192-token vocabulary: embedding, 8 blocks with explicit attention, final LayerNorm, LM head tied to the
 embedding, cross-entropy, backward, AdamW lr 1e-3, gradients zeroed in place) in Python PyTorch on the
 same LibTorch (the model of bench/py/longctx.py), under PyTorch's own strategies, in two phases.

@@ -294,6 +294,116 @@ def solver(recs):
     return "\n".join(rows) + "\n"
 
 
+
+def _place_labels(ax, fig, items, avoid):
+    """Puts each (x, y, text, color) label next to its point where it overlaps no label placed before, no
+    point (avoid: display-space boxes) and stays inside the axes: candidate offsets in rings around the
+    point, nearest first; a label set off farther than its first ring gets a leader line."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    placed = list(avoid)
+    dirs = [(1, 0.3), (1, -1.2), (-1, 0.3), (-1, -1.2), (0, 1), (0, -1), (1, 1), (-1, 1), (1, -2), (-1, -2)]
+    for x, y, text, color in items:
+        best = None
+        for ring, dist in enumerate((5, 12, 22, 34, 48, 64)):
+            for dx, dy in dirs:
+                ann = ax.annotate(text, (x, y), xytext=(dx * dist, dy * dist), textcoords="offset points",
+                                  fontsize=7, color=color, ha="left" if dx > 0 else "right" if dx < 0 else "center",
+                                  va="center")
+                bb = ann.get_window_extent(renderer).padded(1.5)
+                inside = box.x0 <= bb.x0 and bb.x1 <= box.x1 and box.y0 <= bb.y0 and bb.y1 <= box.y1
+                if inside and not any(bb.overlaps(o) for o in placed):
+                    best = (ann, bb, ring)
+                    break
+                ann.remove()
+            if best:
+                break
+        if best is None:  # nowhere free: the nearest spot, flagged in the output for a look
+            ann = ax.annotate(text, (x, y), xytext=(5, 2), textcoords="offset points", fontsize=7, color=color)
+            best = (ann, ann.get_window_extent(renderer), 0)
+            print(f"auto frontier chart: no free spot for the label '{text}'")
+        ann, bb, ring = best
+        if ring > 1:
+            ann.arrow_patch = None
+            ann.remove()
+            ann = ax.annotate(text, (x, y), xytext=ann.get_position(), textcoords="offset points", fontsize=7,
+                              color=color, ha=ann.get_ha(), va="center",
+                              arrowprops=dict(arrowstyle="-", color=color, lw=0.5, alpha=0.6, shrinkA=0, shrinkB=3))
+        placed.append(bb)
+
+
+def chart(recs, py, path):
+    """docs/img/auto-frontier.png: the whole training step, step time against peak, both relative to the
+    plain step: remat auto's frontier (one point per budget), every hand-placed strategy of remat and of
+    PyTorch (eager), and torch.compile at each activation_memory_budget (against the eager plain step of its
+    rounds). Labels are placed where they overlap nothing."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    meta = next(r for r in recs if r["kind"] == "meta")
+    strat = [r for r in recs if r["kind"] == "strategy"]
+    autos = [r for r in strat if r["name"].startswith("auto")]
+    hand = [r for r in strat if not r["name"].startswith("auto") and r["name"] != "plain"]
+    t = lambda r: r["time_ratio"]["median"]  # noqa: E731
+    fig, ax = plt.subplots(figsize=(9.5, 6.2))
+    pts = []  # every marker, for the labels to avoid
+    front, best = [], float("inf")  # auto's frontier: the points no other auto point beats on both
+    for r in sorted(autos, key=lambda r: (r["peak_ratio"], t(r))):
+        if t(r) < best:
+            front.append(r)
+            best = t(r)
+    ax.plot([t(r) for r in front], [r["peak_ratio"] for r in front], "-", color="tab:blue", lw=1.6, zorder=2)
+    ax.scatter([t(r) for r in autos], [r["peak_ratio"] for r in autos], s=36, color="tab:blue", zorder=3,
+               label="remat auto: the whole-step plan at each budget (its frontier joined)")
+    pts += [(t(r), r["peak_ratio"]) for r in autos]
+    ax.scatter([t(r) for r in hand], [r["peak_ratio"] for r in hand], s=46, marker="D", color="tab:green",
+               edgecolor="black", linewidth=0.5, zorder=3, label="remat, placed by hand")
+    pts += [(t(r), r["peak_ratio"]) for r in hand]
+    labels = [(t(r), r["peak_ratio"], r["label"], "darkgreen") for r in hand]
+    if py:
+        eager = [r for r in py if r["kind"] == "strategy" and r["name"] != "plain"]
+        ax.scatter([t(r) for r in eager], [r["peak_ratio"] for r in eager], s=46, marker="s", color="tab:orange",
+                   edgecolor="black", linewidth=0.5, zorder=3, label="PyTorch eager, placed by hand")
+        pts += [(t(r), r["peak_ratio"]) for r in eager]
+        labels += [(t(r), r["peak_ratio"], r["label"], "saddlebrown") for r in eager]
+        comp = _compiled(py)
+        if comp:
+            cpts = sorted(((_eager(c, comp[0])[0]["median"], _eager(c, comp[0])[1], c["budget"]) for c in comp),
+                          key=lambda p: p[2])
+            ax.scatter([p[0] for p in cpts], [p[1] for p in cpts], s=40, marker="^", color="tab:red",
+                       edgecolor="black", linewidth=0.5, zorder=3,
+                       label="PyTorch torch.compile at each activation_memory_budget (labelled)")
+            pts += [(p[0], p[1]) for p in cpts]
+            labels += [(p[0], p[1], f"compile {p[2]:g}", "darkred") for p in cpts]
+    ax.scatter([1], [1], marker="*", s=160, color="black", zorder=4, label="plain (remat and PyTorch)")
+    pts.append((1.0, 1.0))
+    xs = [p[0] for p in pts]
+    ys = [p[1] for p in pts]
+    ax.set_xlim(min(xs) - 0.04, max(xs) + 0.12)
+    ax.set_ylim(min(ys) - 0.08, max(ys) + 0.06)
+    ax.set_xlabel("step time / plain step (lower is better)")
+    ax.set_ylabel("peak memory of the step / plain step's (everything counted)")
+    s = meta["size"]
+    ax.set_title(f"remat auto (the whole-step planner) against every hand-placed strategy and torch.compile\n"
+                 f"GPT whole training step: d_model {s['d_model']}, {s['blocks']} blocks, T {s['seq_len']}, "
+                 f"batch {s['batch']}, vocabulary {s['vocab']}, AdamW; CPU, 1 intra-op thread", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    from matplotlib.transforms import Bbox
+    avoid = []
+    for x, y in pts:
+        cx, cy = ax.transData.transform((x, y))
+        avoid.append(Bbox.from_extents(cx - 4, cy - 4, cx + 4, cy + 4))
+    avoid.append(ax.get_legend().get_window_extent(renderer))
+    _place_labels(ax, fig, sorted(labels, key=lambda l: (-l[1], l[0])), avoid)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def drive(build_dir, quick, env=None, timeout=3600):
     """remat_auto (the frontier), then remat_step_solve (reference runs only: the solver's sizes)."""
     import common
@@ -321,6 +431,15 @@ def drive(build_dir, quick, env=None, timeout=3600):
         (["--quick"] if quick else [])
     p = common.run(cmd, py_env, timeout, label="auto_py.py")
     print(p.stdout, end="", flush=True)
+
+
+def images(quick=False):
+    """Image file name -> draw(path): auto-frontier.png from auto.json and auto-py.json (none without them)."""
+    recs = _lines(os.path.join(RESULTS, "auto-quick.json" if quick else "auto.json"))
+    py = _lines(os.path.join(RESULTS, "auto-py-quick.json" if quick else "auto-py.json"))
+    if not recs or not any(r["kind"] == "strategy" and r["name"].startswith("auto") for r in recs):
+        return {}
+    return {"auto-frontier.png": lambda out: chart(recs, py, out)}
 
 
 def fragments(quick=False):

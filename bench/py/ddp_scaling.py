@@ -8,7 +8,7 @@ data-parallel runs, with the all-reduce figures remat-train prints:
 all-reduce ms summed over buckets (launch to completion, including waiting
 for the slower rank), the part left after backward's compute (exposed),
 and the overlapped share. Runs are interleaved over --rounds. Sizes: the
-reference GPT of DESIGN.md (8 blocks, d_model 512, 8 heads, T 512), global
+reference GPT (8 blocks, d_model 512, 8 heads, T 512), global
 batch 4, 2 rounds of 5 steps, into bench/results/ddp_scaling.json; --small: 6
 blocks, d_model 256, T 256, global batch 8, 3 rounds of 6 steps, into
 ddp_scaling-small.json; --quick: a toy size, ddp_scaling-quick.json. Each

@@ -21,7 +21,10 @@ headline.fragments: `readme-headline` from all of them. In the docs a fragment s
 and is replaced (a blank line on either side, for markdown), markers kept; a
 marker whose result file is absent is left as it is (and listed). Images:
 docs/img/frontier.png from compare.json, docs/img/frontier-toy.png from
-compare-toy.json, docs/img/long_context_fits.png from long_context_fits.json.
+compare-toy.json, docs/img/long_context_fits.png from long_context_fits.json,
+docs/img/auto-frontier.png (the README's chart: auto's whole-step frontier
+against every hand-placed strategy, PyTorch's eager ones and torch.compile)
+from auto.json and auto-py.json.
 --quick reads the *-quick.json files and writes nowhere in docs/: copies of
 the docs with the fragments substituted, every fragment as NAME.md and the
 images go to bench/results/docs-quick/ (or --out), to check the generator
@@ -90,6 +93,7 @@ def fragments(quick):
     frags.update(longctx.fragments(quick))
     import auto_results  # JSON lines: auto.json (remat_auto) and step_solve.json (remat_step_solve)
     frags.update(auto_results.fragments(quick))
+    images.update(auto_results.images(quick))  # auto-frontier.png: the README's chart
     import shard_results  # JSON lines: shard.json (remat_shard)
     frags.update(shard_results.fragments(quick))
     import pipeline_results  # JSON lines: pipeline.json (remat_pipeline)

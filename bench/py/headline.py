@@ -13,8 +13,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import RESULTS, load_json  # noqa: E402
+from report import paired  # noqa: E402  (docs/BENCHMARKS.md's "time / plain (paired)")
 
-# The reference workloads of DESIGN.md as bench/py/models.py builds them.
+# The reference workloads (docs/BENCHMARKS.md) as bench/py/models.py builds them.
 WORKLOADS = {
     "mlp-ref": "MLP, 24 x (Linear 1024 + GELU), batch 2048",
     "gpt-ref": "GPT stack (8 blocks, d_model 512, T 512, batch 4)",
@@ -30,7 +31,14 @@ def x(v):
     return f"{v:.2f}x" if v == v else "-"  # NaN: not measured
 
 
+def x3(v):
+    """A compare.json ratio as docs/BENCHMARKS.md's tables print it (3 decimals), so the two cannot disagree."""
+    return f"{v:.3f}x" if v == v else "-"
+
+
 def compare_rows(res):
+    """Per reference workload: peak / plain and the paired time / plain (report.paired: the figures of
+    docs/BENCHMARKS.md's compare-*-ref tables, from the same compare.json)."""
     rows = []
     for key, title in WORKLOADS.items():
         m = res["models"].get(key)
@@ -39,10 +47,10 @@ def compare_rows(res):
         rb, pb = run(m["cpp"], "block"), run(m["py"], "nonreentrant")
         if rb and pb:
             rows.append(f"| {title} | checkpoint per block, remat / `torch.utils.checkpoint` | "
-                        f"{x(rb['peak_x'])} / {x(pb['peak_x'])} | {x(rb['time_x'])} / {x(pb['time_x'])} |")
+                        f"{x3(rb['peak_x'])} / {x3(pb['peak_x'])} | {x3(paired(rb))} / {x3(paired(pb))} |")
         opt = run(m["cpp"], "opt:0.25")
         if key == "gpt-ref" and opt and opt["peak_x"] == opt["peak_x"]:
-            rows.append(f"| {title} | planner at a 0.25 budget | {x(opt['peak_x'])} | {x(opt['time_x'])} |")
+            rows.append(f"| {title} | planner at a 0.25 budget | {x3(opt['peak_x'])} | {x3(paired(opt))} |")
     return rows
 
 
@@ -101,7 +109,8 @@ def fragments():
     rows += longctx_rows() + fits_rows() + gpu_rows()
     if not rows:
         return {}
-    head = ["| Workload | Strategy | Memory (x plain, CPU: activations) | Step time (x plain) |", "|---|---|---|---|"]
+    head = ["| Workload | Strategy | Memory (x plain, CPU: activations) | Step time (x plain; CPU: paired) |",
+            "|---|---|---|---|"]
     return {"readme-headline": "\n".join(head + rows)}
 
 

@@ -1,7 +1,7 @@
 """The long-context benchmark: its Python anchor, its driver and its table (docs/BENCHMARKS.md, "Long context").
 
 Anchor (the default; needs LD_PRELOAD of bench/preload's counter): the
-reference GPT whole training step of DESIGN.md with a 32k vocabulary in
+reference GPT whole training step (docs/BENCHMARKS.md) with a 32k vocabulary in
 Python PyTorch on the same LibTorch, mirroring remat::models::Gpt
 (src/models/models.cpp: token + position embedding, pre-LayerNorm blocks
 with explicit causal attention and a GELU MLP, dropout 0, final LayerNorm,

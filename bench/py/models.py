@@ -19,7 +19,7 @@ GPT = dict(blocks=16, d_model=128, heads=4, seq_len=128, batch=1)
 RESNET = dict(width=16, batch=4, image=32, stages=4)  # depth 18: stages of 2 basic blocks
 # The reference sizes (`make bench`; remat_compare's mlp-ref, gpt-ref, resnet-ref).
 MLP_REF = dict(blocks=24, width=1024, batch=2048)
-GPT_REF = dict(blocks=8, d_model=512, heads=8, seq_len=512, batch=4)  # DESIGN.md's CPU reference
+GPT_REF = dict(blocks=8, d_model=512, heads=8, seq_len=512, batch=4)  # the CPU reference (docs/BENCHMARKS.md)
 RESNET_REF = dict(width=32, batch=100, image=32, stages=3)  # 3 stages x 2 basic blocks
 
 

@@ -1,6 +1,6 @@
 """`make bench`: remat (C++) against PyTorch (Python) on the same LibTorch.
 
-At the reference sizes by default (mlp-ref, gpt-ref, resnet-ref: DESIGN.md's
+At the reference sizes by default (mlp-ref, gpt-ref, resnet-ref: the
 CPU reference GPT stack and an MLP and a ResNet of the same order; a reduced
 strategy list, 2 rounds of 3 timed steps, ~35 minutes); with --quick at the
 toy sizes (mlp, gpt, resnet: every strategy and every k, 3 rounds, minutes).

@@ -32,7 +32,7 @@ import sys
 import time
 
 from common import HERE, MALLOC_KEEP, RESULTS, ROOT, load_json, med, metadata, result_path, run_line, write_json
-REFERENCE = dict(d_model=512, heads=8, seq_len=512, batch=4, blocks=8)  # ../shared/DESIGN.md, CPU
+REFERENCE = dict(d_model=512, heads=8, seq_len=512, batch=4, blocks=8)  # the CPU reference (docs/BENCHMARKS.md)
 QUICK = dict(d_model=64, heads=4, seq_len=64, batch=2, blocks=2)
 OPS_SIZE = dict(d_model=32, heads=2, seq_len=8, batch=2, blocks=1)
 CPP = ["plain", "full", "nothing", "matmuls", "megatron", "qkv_fc", "megatron_ctx"]

@@ -1,13 +1,16 @@
 // remat::checkpoint: non-reentrant activation checkpointing for any callable
-// (see DESIGN.md, "Non-reentrant checkpoint"), and checkpoint_sequential
-// with torch.utils.checkpoint.checkpoint_sequential's segment semantics.
+// (saved-tensor hooks, as torch.utils.checkpoint with use_reentrant=False),
+// and checkpoint_sequential with torch.utils.checkpoint.checkpoint_sequential's
+// segment semantics.
 //
 // The region's forward runs once with grad enabled under saved-tensor hooks
 // that keep a handle instead of each saved tensor; parameters and the
 // region's own inputs are referenced, never copied. The first unpack in
 // backward re-runs fn (RNG, autocast state and module buffers as in the
 // first run) and stops once every still-needed tensor exists.
-// Leaves out: the reentrant variant (DESIGN.md says why).
+// Leaves out: the reentrant variant (it cannot run autograd::grad through the
+// region and gives no parameter gradients when no input requires grad;
+// docs/runtime.md, "What still differs from torch.utils.checkpoint").
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 // remat::Error, the one exception type the runtime throws, and the helpers
 // that format sizes and shapes for its messages. Messages name the operation
-// in brackets, the values involved and the remedy (see DESIGN.md, Errors).
+// in brackets, the values involved and the remedy; a broken invariant of
+// remat's own says "internal" and asks for a bug report.
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,8 @@
 // C++ saved-tensor hooks: the counterpart of Python's
 // torch.autograd.graph.saved_tensors_hooks, on which checkpoint, offload and
-// selective recompute are built. See NOTE [saved-tensor hooks in C++] in
-// DESIGN.md. Leaves out: hooks on autograd's CUDA worker threads during
-// double backward (the stack is per thread and not propagated).
+// selective recompute are built. How the engine serves them: docs/runtime.md,
+// "Saved-tensor hooks in C++". Leaves out: hooks on autograd's CUDA worker
+// threads during double backward (the stack is per thread and not propagated).
 #pragma once
 
 #include <any>

@@ -1,8 +1,15 @@
 // The thread-local hook stack and the autograd engine that serves it.
-// NOTE [saved-tensor hooks in C++] (DESIGN.md): SavedVariable asks the
-// default engine for hooks each time autograd saves a tensor; the base engine
-// answers nullptr. We install a subclass whose answer is the top of this
-// thread's stack. The empty-stack path is one thread-local load.
+// NOTE [saved-tensor hooks in C++]: SavedVariable asks the default engine
+// (Engine::get_default_engine().get_default_saved_variable_hooks()) for hooks
+// each time autograd saves a tensor; the base engine answers nullptr (the
+// Python engine overrides it). We install a subclass, with
+// torch::autograd::set_default_engine_stub(), whose answer is the top of this
+// thread's stack. Consequences: it is installed once, before the first
+// backward, and refuses loudly when another engine (libtorch_python's) is the
+// default, since whichever installs last wins; a hook object is made per saved
+// tensor and lives as long as the graph node that saved it; backward may run
+// on an engine worker thread, so hooks carry their state and never read
+// thread-locals at unpack time. The empty-stack path is one thread-local load.
 #include <remat/hooks.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Backend construction, one translation unit each (NOTE [c10d from C++] in
-// DESIGN.md): gloo.cpp is the only file that includes <gloo/...>.
+// docs/parallel.md): gloo.cpp is the only file that includes <gloo/...>.
 #pragma once
 
 #include <chrono>

@@ -81,6 +81,19 @@ int main(int argc, char** argv) {
       "slots, the chain input occupying one) and reports forward_executions, which includes\n"
       "the L forwards that precede each step's backward.\n\n"
       "Exit codes: 0 ok, 1 no schedule fits the budget, 2 bad input or flags."};
+  // REMAT_VERSION: the project's CMake version; REMAT_TORCH_VERSION: the
+  // LibTorch the rest of this build (the remat runtime) was built against
+  // (CMakeLists.txt); remat-plan itself is torch-free.
+#ifdef REMAT_TORCH_VERSION
+  app.set_version_flag("--version",
+                       "remat-plan, remat " REMAT_VERSION "\nLibTorch " REMAT_TORCH_VERSION
+                       " (remat's runtime in this build; remat-plan itself does not use LibTorch)",
+                       "print remat's version and LibTorch's, then exit");
+#else
+  app.set_version_flag("--version",
+                       "remat-plan, remat " REMAT_VERSION "\nLibTorch: none (a planner-only build, REMAT_PLAN_ONLY)",
+                       "print remat's version and LibTorch's, then exit");
+#endif
   std::string chain_path = "-";
   std::string algorithm = "optimal";
   std::string budget_text;
@@ -115,6 +128,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);

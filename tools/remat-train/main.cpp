@@ -22,6 +22,7 @@
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
+#include <torch/version.h>
 
 #include <remat/error.h>
 #include <remat/memory.h>
@@ -299,6 +300,10 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
 
 int main(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT or ResNet with activation checkpointing (remat)"};
+  // REMAT_VERSION: the project's CMake version (tools/remat-train/CMakeLists.txt);
+  // TORCH_VERSION: the LibTorch headers this build compiled against.
+  app.set_version_flag("--version", "remat-train, remat " REMAT_VERSION "\nLibTorch " TORCH_VERSION,
+                       "print remat's version and LibTorch's, then exit");
   remat::models::TrainConfig cfg;
   std::string checkpoint = "none", budget, seq_cap, batch_cap;
   int64_t fit_step = 1;
@@ -395,6 +400,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     return fail(std::string(e.what()) + " (run remat-train --help for the flags)");
