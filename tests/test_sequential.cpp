@@ -1283,8 +1283,7 @@ TEST(CheckpointedSequentialDropIn, ReplaceModuleUnderASequentialMemberThrowsAtTh
             "registry (training would run plain, at plain memory). Call the wrapper instead: hold it in the member "
             "that forward calls (declare `remat::CheckpointedSequential body{nullptr};` and assign `body = "
             "register_module(\"body\", remat::CheckpointedSequential(seq, options));`), or call ck->forward(x) "
-            "where forward called the Sequential. (To compare with a plain run, run it before building the wrapper "
-            "or after the wrapper's first forward.)");
+            "where forward called the Sequential.");
   // The usual way to write it: the wrapper a temporary, held by the
   // model's registry only. Caught the same way.
   auto temp = std::make_shared<MemberBody>();
@@ -1305,15 +1304,21 @@ TEST(CheckpointedSequentialDropIn, ReplaceModuleUnderASequentialMemberThrowsAtTh
   auto pp = plain->parameters(), wp = wrapped->parameters();
   for (size_t k = 0; k < pp.size(); ++k) EXPECT_TRUE(torch::equal(pp[k].grad(), wp[k].grad())) << k;
   EXPECT_EQ(wrapped->body->last_step().forwards_per_stage.size(), 4u);
-  // A wrapper that was only built and dropped leaves plain training alone;
-  // one held next to its Sequential looks like one in a registry (one
-  // handle each) and is caught too, until a wrapper of that Sequential has
-  // run (another one, here).
+  // A wrapper that was only built and dropped, or that is only held next to
+  // its Sequential by the user's holder (a plain run to compare with, a
+  // copy of that holder too), leaves plain training alone; a wrapper that
+  // ran (another of the same Sequential) too.
   auto again = std::make_shared<MemberBody>();
   { remat::CheckpointedSequential dropped(again->body); }
   EXPECT_EQ(error_of([&] { again->forward(x).sum().backward(); }), "");
+  remat::CheckpointedSequential beside(again->body);
+  EXPECT_EQ(error_of([&] { again->forward(x).sum().backward(); }), "");
   {
-    remat::CheckpointedSequential beside(again->body);
+    remat::CheckpointedSequential copy = beside;
+    EXPECT_EQ(error_of([&] { again->forward(x).sum().backward(); }), "");
+  }
+  {  // Its module held without a holder (the holder was a temporary): a registry.
+    std::shared_ptr<remat::CheckpointedSequentialImpl> bare = remat::CheckpointedSequential(again->body).ptr();
     EXPECT_NE(error_of([&] { again->forward(x).sum().backward(); }), "");
   }
   remat::CheckpointedSequential one(again->body), two(again->body);

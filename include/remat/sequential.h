@@ -24,6 +24,7 @@
 // them, so they stay registered (and named) where they were.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -196,6 +197,13 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
 
   ~CheckpointedSequentialImpl() override;
 
+  /** Internal: how many CheckpointedSequential holders hold this module
+   *  now. A module alive with none is held by something else only (a
+   *  model's registry after replace_module with a temporary holder): the
+   *  drop-in check (docs/runtime.md, "Drop-in inside a model") counts it as
+   *  registered. */
+  const std::shared_ptr<std::atomic<int>>& holder_count() const { return holders_; }
+
   /** Cloneable's reset(): registers the wrapped modules on this wrapper
    *  (none for a chain over several Sequentials) and drops the plans, which
    *  are made again on first use. */
@@ -248,6 +256,7 @@ class CheckpointedSequentialImpl : public torch::nn::Cloneable<CheckpointedSeque
   torch::nn::Sequential& sequential() { return seq_; }
 
  private:
+  std::shared_ptr<std::atomic<int>> holders_ = std::make_shared<std::atomic<int>>(0);
   friend struct detail::Execution;
   friend struct detail::ChainAccess;
   struct Entry {
@@ -336,6 +345,39 @@ class CheckpointedSequential : public torch::nn::ModuleHolder<CheckpointedSequen
    *  constructor from parts). */
   CheckpointedSequential(std::vector<torch::nn::Sequential> parts, SequentialOptions options)
       : ModuleHolder(std::make_shared<CheckpointedSequentialImpl>(std::move(parts), std::move(options))) {}
+
+ private:
+  /** Counts this holder in its module's holder_count() (a member, so that
+   *  the inherited constructors count too; it holds the counter, not the
+   *  module, so an assignment that drops the last reference is safe). */
+  class Counted {
+   public:
+    explicit Counted(std::shared_ptr<std::atomic<int>> c) : c_(std::move(c)) {
+      if (c_) c_->fetch_add(1);
+    }
+    Counted(const Counted& o) : Counted(o.c_) {}
+    Counted(Counted&& o) noexcept : c_(std::move(o.c_)) {}
+    Counted& operator=(const Counted& o) {
+      if (this != &o) *this = Counted(o);
+      return *this;
+    }
+    Counted& operator=(Counted&& o) noexcept {
+      if (this != &o) {
+        drop();
+        c_ = std::move(o.c_);
+      }
+      return *this;
+    }
+    ~Counted() { drop(); }
+
+   private:
+    void drop() {
+      if (c_) c_->fetch_sub(1);
+      c_.reset();
+    }
+    std::shared_ptr<std::atomic<int>> c_;
+  };
+  Counted counted_{is_empty() ? nullptr : get()->holder_count()};
 };
 
 }  // namespace remat

@@ -865,21 +865,34 @@ namespace detail {
 // virtual, and LibTorch has no forward hooks), so the wrapper detects it:
 // a tensor hook on the Sequential's first parameter that requires grad,
 // shared by every wrapper of that Sequential, throws when a backward
-// reaches it while a wrapper exists and none has run a forward yet (their
-// chains' backwards reach it only after such a forward). A wrapper held
-// only by a model's registry (replace_module with a temporary wrapper, the
-// usual way to write it) and one held only by the user look alike (one
-// handle each; a registry tells its modules nothing), so every wrapper
-// counts: to compare a plain run with a wrapper, run the plain one before
-// building the wrapper or after its first forward. The hook is removed
-// when the last wrapper of the Sequential is destroyed. Not covered: a
-// model that calls the wrapper once and then its plain member.
+// reaches it while no wrapper of the Sequential has run a forward yet
+// (their chains' backwards reach it only after such a forward) and one of
+// them is held by a registry: by a handle besides the user's (a holder
+// passed to replace_module), or by no CheckpointedSequential holder at all
+// (replace_module with a temporary holder, the usual way to write it: the
+// holders count themselves in holder_count()). A wrapper held by the user's
+// holder alone, built next to its Sequential to compare with a plain run or
+// to look at a plan, is left alone. The hook is removed when the last
+// wrapper of the Sequential is destroyed. Not covered: a model that calls
+// the wrapper once and then its plain member, and a wrapper registered in a
+// model through which nothing has run while its Sequential is also run
+// plain elsewhere (that throws: call the wrapper).
 struct Tripwire {
   std::atomic<bool> ran{false};
   at::Tensor param;
   unsigned hook = 0;
   std::mutex mu;
   std::vector<const CheckpointedSequentialImpl*> owners;  // the wrappers alive
+  /** One wrapper is held by a registry: by a handle besides the user's, or
+   *  by no CheckpointedSequential holder at all (the user's was a
+   *  temporary). A wrapper held by the user's holder alone is left alone. */
+  bool registered() {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto* o : owners) {
+      if (o->weak_from_this().use_count() >= 2 || o->holder_count()->load() == 0) return true;
+    }
+    return false;
+  }
   ~Tripwire() {
     if (!param.defined()) return;
     try {
@@ -898,8 +911,7 @@ std::string member_call_error(const std::string& param) {
          "ck) changed only the registry (training would run plain, at plain memory). Call the wrapper instead: "
          "hold it in the member that forward calls (declare `remat::CheckpointedSequential body{nullptr};` and "
          "assign `body = register_module(\"body\", remat::CheckpointedSequential(seq, options));`), or call "
-         "ck->forward(x) where forward called the Sequential. (To compare with a plain run, run it before building "
-         "the wrapper or after the wrapper's first forward.)";
+         "ck->forward(x) where forward called the Sequential.";
 }
 
 std::shared_ptr<Tripwire> tripwire_for(const torch::nn::Sequential& seq) {
@@ -915,7 +927,7 @@ std::shared_ptr<Tripwire> tripwire_for(const torch::nn::Sequential& seq) {
     const std::string name = item.key();
     t->hook = item.value().register_hook([weak, name](const at::Tensor&) {
       auto w = weak.lock();
-      if (w && !w->ran.load()) throw Error(member_call_error(name));
+      if (w && !w->ran.load() && w->registered()) throw Error(member_call_error(name));
     });
     t->param = item.value();
     break;
