@@ -284,7 +284,8 @@ std::string format_step(const StepStats& s, int64_t total_steps, std::string_vie
   if (s.offloaded_bytes > 0) os << "  offloaded " << format_bytes(s.offloaded_bytes);
   if (s.phase == StepPhase::kWarmup) os << "  (auto: warm-up, a plain step)";
   if (s.phase == StepPhase::kProfiled)
-    os << "  (auto: profiling, a plain step that also measured every unit's options; planned from the next step)";
+    os << "  (auto: profiling, a plain step that also measured every unit's options: its time and peak are the "
+          "profiling's; the plan runs from the next step)";
   return os.str();
 }
 
@@ -1334,7 +1335,12 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
           std::filesystem::temp_directory_path() / ("remat-tokenizer-" + std::to_string(::getpid()) + ".model");
       base.tokenizer = temp_model.path.string();
     }
+    const std::string what = "tokenizer: training SentencePiece BPE " + str(config.vocab_size) + " on " +
+                             config.data_path + " (once, for every probe)";
+    note(log, what);
+    Heartbeat beat(log, what);
     Tokenizer::train_sentencepiece(config.data_path, config.vocab_size, base.tokenizer);
+    note(log, "tokenizer: trained in " + seconds(beat.elapsed_s()));
     base.vocab_size = 0;
   }
   if (options.max_value <= 0 && seq && !base.tokenizer.empty()) {

@@ -665,7 +665,7 @@ int main(int argc, char** argv) {
       }
       fit.step = fit_step;
       if (cfg.checkpoint == remat::models::Strategy::kAuto) cfg.memory_budget_bytes = fit.cap_bytes;
-      std::cout << remat::models::Trainer(cfg).summary() << "\n";
+      std::cout << remat::models::Trainer(cfg, &std::cout).summary() << "\n";
       const auto r = remat::models::max_under(cfg, fit, &std::cout);
       std::cout << remat::models::format_fit(r, cfg);
       return 0;
