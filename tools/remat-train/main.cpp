@@ -615,9 +615,12 @@ int main(int argc, char** argv) {
                       "); pass one with --master-port.");
         }
       } else if (bindable_port(master_port) < 0) {
-        return fail("[remat::train] --master-port " + std::to_string(master_port) +
-                    " cannot be used for rank 0's store on this machine (" + std::strerror(errno) +
-                    "; another process listens there?). Pick another, or leave --master-port out for a free one.");
+        const std::string why =
+            errno == EADDRINUSE
+                ? std::string(" is in use on this machine (another process listens there)")
+                : std::string(" cannot be used for rank 0's store on this machine (") + std::strerror(errno) + ")";
+        return fail("[remat::train] --master-port " + std::to_string(master_port) + why +
+                    ". Pick another, or leave --master-port out for a free one.");
       }
       // The cores are shared: without --threads, each rank gets its share.
       std::vector<std::string> extra;
