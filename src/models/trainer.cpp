@@ -356,6 +356,13 @@ void check_config(const TrainConfig& config) {
       throw Error("[remat::train] --vocab-size must be >= 0 (0: no SentencePiece training), got " + str(c.vocab_size) +
                   ". Pass e.g. --vocab-size 8000, or 0 for the character level.");
     }
+    const auto bytes = static_cast<int64_t>(std::filesystem::file_size(c.data_path, ec));
+    if (!ec && c.vocab_size == 0 && c.tokenizer.empty() &&
+        bytes < c.seq_len + 2) {  // the character level: a byte a token
+      throw Error("[remat::train] --data file '" + c.data_path + "' has " + str(bytes) +
+                  " bytes, fewer than seq_len + 2 = " + str(c.seq_len + 2) +
+                  ". Use a longer text or a smaller --seq-len.");
+    }
     if (c.vocab_size == 0 && !c.tokenizer.empty() && !std::filesystem::exists(c.tokenizer, ec)) {
       throw Error("[remat::train] --tokenizer file '" + c.tokenizer +
                   "' does not exist. Train one on --data with --vocab-size N --tokenizer " + c.tokenizer +

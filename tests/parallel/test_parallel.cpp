@@ -467,6 +467,13 @@ TEST(RematTrainNproc, ConfigErrorsPrintOnceBeforeRanksStart) {
   auto [rc, out] = train(dir, "--nproc 2 --batch 0 --steps 1");
   EXPECT_EQ(rc, 2);
   EXPECT_EQ(out, "remat-train: error: [remat::train] --batch must be positive, got 0.\n");
+  std::tie(rc, out) = train(dir, "--nproc 2 --steps 1 --seq-len 100000000");
+  EXPECT_EQ(rc, 2);
+  EXPECT_EQ(out.rfind("remat-train: error: [remat::train] --data file '", 0), 0u) << out;
+  EXPECT_NE(out.find(" bytes, fewer than seq_len + 2 = 100000002. Use a longer text or a smaller --seq-len.\n"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << "once, not per rank:\n" << out;
   std::tie(rc, out) = train(dir, "--nproc 2 --steps 1 --save /nonexistent/folder/model.pt");
   EXPECT_EQ(rc, 2);
   EXPECT_EQ(out,
