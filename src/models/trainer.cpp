@@ -849,7 +849,8 @@ StepStats Trainer::step(memory::Timeline* timeline) {
     if (!was_planned && m.auto_ck->planned()) {  // just profiled
       m.profiling_note("done; solving for the budget");
       m.set_auto_budget(start);
-      if (m.log != nullptr && m.print_plan) {
+      // A pipeline's driver (StepHooks::forward_backward) reports each stage's plan itself.
+      if (m.log != nullptr && m.print_plan && !m.hooks.forward_backward) {
         note(m.log, describe_auto_budget());
         *m.log << m.auto_ck->explain() << std::flush;
       }

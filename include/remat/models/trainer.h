@@ -313,7 +313,9 @@ class Trainer {
    *  training the tokenizer and encoding the corpus (every few seconds),
    *  the token cache, and under Strategy::kAuto the profiled step's
    *  progress (which unit is being measured), the budget as asked and as
-   *  applied, and the plan (AutoCheckpoint::explain()) once planned. */
+   *  applied, and the plan (AutoCheckpoint::explain()) once planned (not
+   *  when StepHooks::forward_backward runs the steps: a pipeline's driver
+   *  reports each stage's plan). */
   explicit Trainer(TrainConfig config, std::ostream* log = nullptr);
   ~Trainer();
   Trainer(const Trainer&) = delete;
