@@ -295,7 +295,8 @@ Tokenizer Tokenizer::load(const std::string& model_path) {
   return Tokenizer(std::move(m));
 }
 
-std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
+std::vector<int64_t> Tokenizer::encode(std::string_view text,
+                                       const std::function<void(int64_t done_bytes)>& progress) const {
   const Impl& m = *impl_;
   std::vector<int64_t> out;
   if (m.chars) {
@@ -311,6 +312,7 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
       }
       out[i] = m.id[ch];
     }
+    if (progress) progress(static_cast<int64_t>(text.size()));
     return out;
   }
   std::vector<int> part;
@@ -327,6 +329,7 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
     }
     out.insert(out.end(), part.begin(), part.end());
     pos = end;
+    if (progress) progress(static_cast<int64_t>(pos));
   }
   return out;
 }

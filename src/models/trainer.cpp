@@ -24,7 +24,13 @@
 #include <ostream>
 #include <sstream>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <thread>
 
 #include <remat/auto.h>
 #include <remat/checkpoint.h>
@@ -101,6 +107,146 @@ void set_generator_state(at::Generator& g, const torch::Tensor& state) {
   g.set_state(state);
 }
 
+/** "" when a file can be created in dir (the one test that covers
+ *  permissions, read-only mounts and ACLs alike), else why not. */
+std::string cannot_write_in(const std::string& dir) {
+  const std::string probe =
+      (dir.empty() ? std::string(".") : dir) + "/.remat-train-probe-" + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+  if (fd < 0) return std::strerror(errno);
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return "";
+}
+
+/** One line to log at once, flushed (nothing without a log). */
+void note(std::ostream* log, const std::string& line) {
+  if (log == nullptr) return;
+  *log << line + "\n" << std::flush;
+}
+
+std::string seconds(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f s", s);
+  return b;
+}
+
+double since_s(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+/** While alive, writes "<what>: N s so far" to log every every_s seconds
+ *  (from a thread: for a long call that reports nothing itself). */
+class Heartbeat {
+ public:
+  Heartbeat(std::ostream* log, std::string what, double every_s = 5.0)
+      : log_(log), what_(std::move(what)), t0_(Clock::now()) {
+    if (log_ == nullptr) return;
+    thread_ = std::thread([this, every_s] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!cv_.wait_for(lock, std::chrono::duration<double>(every_s), [this] { return done_; })) {
+        note(log_, what_ + ": " + seconds(since_s(t0_)) + " so far");
+      }
+    });
+  }
+  ~Heartbeat() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+  double elapsed_s() const { return since_s(t0_); }
+
+ private:
+  std::ostream* log_;
+  std::string what_;
+  Clock::time_point t0_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+/** FNV-1a 64 of bytes, as 16 hex digits. */
+std::string hash_hex(std::string_view bytes) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char ch : bytes) h = (h ^ ch) * 1099511628211ULL;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+/** NOTE [token cache]: a file per (corpus, tokenizer): a text header
+ *  (format, the corpus's hash and size, the tokenizer's fingerprint, the
+ *  count), then the ids as int32. The name has the corpus's hash and the
+ *  fingerprint's, and the header is compared in full on reading, so a
+ *  changed corpus or tokenizer never reads another's ids. */
+std::string token_cache_header(const std::string& corpus_hash, size_t corpus_bytes, const std::string& fingerprint,
+                               size_t count) {
+  return "remat-token-ids 1\ncorpus " + corpus_hash + " " + std::to_string(corpus_bytes) + "\ntokenizer " +
+         fingerprint + "\ncount " + std::to_string(count) + "\n";
+}
+
+/** The cached ids, or nullopt when the file is missing or is not for this
+ *  corpus and tokenizer. */
+std::optional<std::vector<int64_t>> read_token_cache(const std::filesystem::path& file, const std::string& corpus_hash,
+                                                     size_t corpus_bytes, const std::string& fingerprint) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::string header;
+  for (int i = 0; i < 4; ++i) {
+    std::string line;
+    if (!std::getline(in, line)) return std::nullopt;
+    header += line + "\n";
+  }
+  const auto at = header.rfind("count ");
+  if (at == std::string::npos) return std::nullopt;
+  size_t count = 0;
+  try {
+    count = static_cast<size_t>(std::stoull(header.substr(at + 6)));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (header != token_cache_header(corpus_hash, corpus_bytes, fingerprint, count)) return std::nullopt;
+  std::vector<int32_t> raw(count);
+  if (!in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(int32_t))) ||
+      in.peek() != std::char_traits<char>::eof()) {
+    return std::nullopt;  // cut short or too long: not a file this code wrote whole
+  }
+  return std::vector<int64_t>(raw.begin(), raw.end());
+}
+
+/** Writes the ids to file atomically (file.tmp.PID, then rename); "" or why not. */
+std::string write_token_cache(const std::filesystem::path& file, const std::string& corpus_hash, size_t corpus_bytes,
+                              const std::string& fingerprint, const std::vector<int64_t>& ids) {
+  std::error_code ec;
+  std::filesystem::create_directories(file.parent_path(), ec);
+  if (ec) return ec.message();
+  auto tmp = file;
+  tmp += ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    const std::vector<int32_t> raw(ids.begin(), ids.end());
+    out << token_cache_header(corpus_hash, corpus_bytes, fingerprint, ids.size());
+    out.write(reinterpret_cast<const char*>(raw.data()), static_cast<std::streamsize>(raw.size() * sizeof(int32_t)));
+    out.close();
+    if (!out) {
+      std::filesystem::remove(tmp, ec);
+      return "writing " + tmp.string() + " failed";
+    }
+  }
+  std::filesystem::rename(tmp, file, ec);
+  if (ec) {
+    std::error_code ignore;
+    std::filesystem::remove(tmp, ignore);
+    return ec.message();
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string_view to_string(Strategy s) {
@@ -136,8 +282,130 @@ std::string format_step(const StepStats& s, int64_t total_steps, std::string_vie
   }
   os << " " << unit << "/s  " << std::setprecision(1) << s.step_ms << " ms  peak " << format_bytes(s.peak_bytes);
   if (s.offloaded_bytes > 0) os << "  offloaded " << format_bytes(s.offloaded_bytes);
+  if (s.phase == StepPhase::kWarmup) os << "  (auto: warm-up, a plain step)";
+  if (s.phase == StepPhase::kProfiled)
+    os << "  (auto: profiling, a plain step that also measured every unit's options: its time and peak are the "
+          "profiling's; the plan runs from the next step)";
   return os.str();
 }
+
+void check_config(const TrainConfig& config) {
+  const TrainConfig& c = config;
+  if (c.model != "gpt" && c.model != "resnet") {
+    throw Error("[remat::train] unknown model '" + c.model + "'. Use --model gpt or --model resnet.");
+  }
+  const bool gpt = c.model == "gpt";
+  auto positive = [](const char* flag, int64_t v) {
+    if (v <= 0) throw Error(std::string("[remat::train] ") + flag + " must be positive, got " + str(v) + ".");
+  };
+  positive("--batch", c.batch);
+  positive("--steps", c.steps);
+  positive("--grad-accum", c.grad_accum);
+  positive("--seq-len", c.seq_len);
+  positive("--image-size", c.image_size);
+  if (c.optimizer != "adamw" && c.optimizer != "sgd") {
+    throw Error("[remat::train] --optimizer '" + c.optimizer + "' is not one of adamw, sgd.");
+  }
+  if (c.data_world < 1 || c.data_rank < 0 || c.data_rank >= c.data_world) {
+    throw Error("[remat::train] data rank " + str(c.data_rank) + " of " + str(c.data_world) +
+                " processes is out of range; ranks run from 0 to world size - 1.");
+  }
+  if (!(c.lr > 0.0)) throw Error("[remat::train] --lr must be positive, got " + std::to_string(c.lr) + ".");
+  if (c.clip_norm < 0.0) {
+    throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) +
+                ".");
+  }
+  if (c.checkpoint == Strategy::kOffload) {
+    if (c.offload_dir.empty()) {
+      throw Error(
+          "[remat::train] --checkpoint offload needs --offload-dir DIR, an existing writable directory for the "
+          "saved activations' files (e.g. --offload-dir /tmp).");
+    }
+    std::error_code ec;
+    const auto st = std::filesystem::status(c.offload_dir, ec);
+    if (!std::filesystem::exists(st)) {
+      throw Error("[remat::train] --offload-dir '" + c.offload_dir + "' does not exist. Create it (mkdir -p " +
+                  c.offload_dir + ") or pass another directory.");
+    }
+    if (!std::filesystem::is_directory(st)) {
+      throw Error("[remat::train] --offload-dir '" + c.offload_dir + "' is not a directory. Pass a directory.");
+    }
+    if (const std::string why = cannot_write_in(c.offload_dir); !why.empty()) {
+      throw Error("[remat::train] --offload-dir '" + c.offload_dir +
+                  "' is not writable (creating a file in it: " + why + "). Pass a writable directory.");
+    }
+  }
+  if (c.checkpoint == Strategy::kAuto && c.memory_budget_bytes <= 0) {
+    throw Error("[remat::train] --checkpoint auto needs a positive --memory-budget (e.g. 512MiB), got " +
+                str(c.memory_budget_bytes) + ".");
+  }
+  if (gpt) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(c.data_path, ec)) {
+      throw Error("[remat::train] --data '" + c.data_path +
+                  "' is a directory; the GPT trains on one text file. Pass a file (e.g. --data " +
+                  (std::filesystem::path(c.data_path) / "input.txt").string() + ").");
+    }
+    std::ifstream in(c.data_path, std::ios::binary);
+    if (!in) {
+      throw Error("[remat::train] cannot read --data file '" + c.data_path +
+                  "': " + std::error_code(errno, std::generic_category()).message() +
+                  ". Pass an existing text file with --data.");
+    }
+    if (c.vocab_size < 0) {
+      throw Error("[remat::train] --vocab-size must be >= 0 (0: no SentencePiece training), got " + str(c.vocab_size) +
+                  ". Pass e.g. --vocab-size 8000, or 0 for the character level.");
+    }
+    const auto bytes = static_cast<int64_t>(std::filesystem::file_size(c.data_path, ec));
+    if (!ec && c.vocab_size == 0 && c.tokenizer.empty() &&
+        bytes < c.seq_len + 2) {  // the character level: a byte a token
+      throw Error("[remat::train] --data file '" + c.data_path + "' has " + str(bytes) +
+                  " bytes, fewer than seq_len + 2 = " + str(c.seq_len + 2) +
+                  ". Use a longer text or a smaller --seq-len.");
+    }
+    if (c.vocab_size == 0 && !c.tokenizer.empty() && !std::filesystem::exists(c.tokenizer, ec)) {
+      throw Error("[remat::train] --tokenizer file '" + c.tokenizer +
+                  "' does not exist. Train one on --data with --vocab-size N --tokenizer " + c.tokenizer +
+                  " (e.g. --vocab-size 8000), or drop --tokenizer for the character level.");
+    }
+  }
+  if (!c.save_path.empty()) {
+    // Checked now: a save that fails after training loses the run.
+    const std::filesystem::path target(c.save_path);
+    const std::string folder = target.parent_path().empty() ? "." : target.parent_path().string();
+    std::error_code ec;
+    if (std::filesystem::is_directory(target, ec)) {
+      throw Error("[remat::train] --save '" + c.save_path + "' is a directory; pass a file path (e.g. --save " +
+                  (target / "model.pt").string() + ").");
+    }
+    if (!std::filesystem::is_directory(folder, ec)) {
+      throw Error("[remat::train] --save '" + c.save_path + "': the folder '" + folder +
+                  "' does not exist (checked before training, so that no run is lost). Create it (mkdir -p " + folder +
+                  ") or save elsewhere.");
+    }
+    if (const std::string why = cannot_write_in(folder); !why.empty()) {
+      throw Error("[remat::train] --save '" + c.save_path + "': cannot write in the folder '" + folder + "' (" + why +
+                  "; checked before training, so that no run is lost). Save to a writable folder.");
+    }
+  }
+}
+
+int64_t saved_steps(const std::string& checkpoint_path) {
+  torch::serialize::InputArchive archive;
+  torch::Tensor steps;
+  try {
+    archive.load_from(checkpoint_path);
+    archive.read("steps_done", steps);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    throw Error("[remat::train] cannot read checkpoint '" + checkpoint_path + "': " + what.substr(0, what.find('\n')) +
+                ". Pass a file written by --save.");
+  }
+  return steps.item<int64_t>();
+}
+
+/** auto_checkpoint's warm-up steps before the profiled one (AutoOptions' default). */
+constexpr int kAutoWarmupSteps = 1;
 
 struct Trainer::Impl {
   TrainConfig cfg;
@@ -163,6 +431,17 @@ struct Trainer::Impl {
   std::optional<OffloadOptions> offload;  // Strategy::kOffload
   int64_t offloaded_bytes = 0;            // this step's, so far
   StepHooks hooks;
+  std::ostream* log = nullptr;  // progress and the plan (Trainer's constructor)
+  /** Strategy::kAuto: steps auto_ck ran (warm-up, profiled, planned); while
+   *  the profiled step runs, when it began; whether the plan is printed. */
+  int64_t auto_steps = 0;
+  std::optional<Clock::time_point> profiling_since;
+  bool print_plan = true;
+
+  /** "auto: profiling ..., 3.2 s so far" while the profiled step runs. */
+  void profiling_note(const std::string& what) {
+    if (profiling_since) note(log, "auto: profiling " + what + ", " + seconds(since_s(*profiling_since)) + " so far");
+  }
 
   void load_text() {
     std::ifstream in(cfg.data_path, std::ios::binary);
@@ -172,19 +451,16 @@ struct Trainer::Impl {
                   ". Pass an existing text file with --data.");
     }
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (cfg.vocab_size < 0) {
-      throw Error("[remat::train] --vocab-size must be >= 0 (0: no SentencePiece training), got " +
-                  str(cfg.vocab_size) + ". Pass e.g. --vocab-size 8000, or 0 for the character level.");
-    }
     if (cfg.vocab_size > 0) {
+      const std::string what = "tokenizer: training SentencePiece BPE " + str(cfg.vocab_size) + " on " + cfg.data_path +
+                               " (" + format_bytes(static_cast<int64_t>(text.size())) + ")";
+      note(log, what + (cfg.tokenizer.empty() ? "" : ", to " + cfg.tokenizer) + "; pass --tokenizer " +
+                    (cfg.tokenizer.empty() ? "PATH" : cfg.tokenizer) +
+                    " without --vocab-size next time to load it instead");
+      Heartbeat beat(log, what);
       tok = Tokenizer::train_sentencepiece(cfg.data_path, cfg.vocab_size, cfg.tokenizer);
+      note(log, "tokenizer: trained in " + seconds(beat.elapsed_s()));
     } else if (!cfg.tokenizer.empty()) {
-      std::error_code ec;
-      if (!std::filesystem::exists(cfg.tokenizer, ec)) {
-        throw Error("[remat::train] --tokenizer file '" + cfg.tokenizer +
-                    "' does not exist. Train one on --data with --vocab-size N --tokenizer " + cfg.tokenizer +
-                    " (e.g. --vocab-size 8000), or drop --tokenizer for the character level.");
-      }
       tok = Tokenizer::load(cfg.tokenizer);
     } else {
       if (static_cast<int64_t>(text.size()) < cfg.seq_len + 2) {
@@ -194,7 +470,7 @@ struct Trainer::Impl {
       }
       tok = Tokenizer::characters(text);  // ids by byte value of the distinct bytes
     }
-    const std::vector<int64_t> ids = tok->encode(text);
+    const std::vector<int64_t> ids = encode(text);
     if (static_cast<int64_t>(ids.size()) < cfg.seq_len + 2) {
       throw Error("[remat::train] --data file '" + cfg.data_path + "' has " + str(static_cast<int64_t>(ids.size())) +
                   " tokens (" + tok->describe() + "), fewer than seq_len + 2 = " + str(cfg.seq_len + 2) +
@@ -202,6 +478,47 @@ struct Trainer::Impl {
     }
     vocab = tok->vocab_size();
     tokens = torch::tensor(ids, torch::kLong);  // (N)
+  }
+
+  /** The text's ids: from the token cache (NOTE [token cache]) when it has
+   *  them, else encoded (with progress) and then cached. */
+  std::vector<int64_t> encode(const std::string& text) {
+    if (tok->is_characters()) return tok->encode(text);  // a table lookup per byte: nothing to cache
+    std::filesystem::path file;
+    std::string corpus_hash;
+    const std::string fingerprint = tok->fingerprint();
+    if (!cfg.token_cache_dir.empty()) {
+      corpus_hash = hash_hex(text);
+      file = std::filesystem::path(cfg.token_cache_dir) /
+             ("ids-" + corpus_hash + "-" + hash_hex(fingerprint).substr(0, 8) + ".bin");
+      const auto t0 = Clock::now();
+      if (auto ids = read_token_cache(file, corpus_hash, text.size(), fingerprint)) {
+        note(log, "tokenizer: " + str(static_cast<int64_t>(ids->size())) + " token ids of " + cfg.data_path +
+                      " read from the cache " + file.string() + " in " + seconds(since_s(t0)));
+        return std::move(*ids);
+      }
+    }
+    const auto t0 = Clock::now();
+    auto last = t0;
+    const std::string what = "tokenizer: encoding " + cfg.data_path + " (" +
+                             format_bytes(static_cast<int64_t>(text.size())) + ") with " + tok->describe();
+    note(log, what);
+    std::vector<int64_t> ids = tok->encode(text, [&](int64_t done_bytes) {
+      if (log == nullptr || since_s(last) < 2.0) return;
+      last = Clock::now();
+      char pct[16];
+      std::snprintf(pct, sizeof pct, "%.0f%%",
+                    100.0 * static_cast<double>(done_bytes) / static_cast<double>(std::max<size_t>(1, text.size())));
+      note(log, what + ": " + pct + ", " + seconds(since_s(t0)) + " so far");
+    });
+    std::string cached;
+    if (!file.empty()) {
+      const std::string why = write_token_cache(file, corpus_hash, text.size(), fingerprint, ids);
+      cached = why.empty() ? "; cached in " + file.string()
+                           : "; not cached (" + cfg.token_cache_dir + ": " + why + "), the next run encodes again";
+    }
+    note(log, "tokenizer: " + str(static_cast<int64_t>(ids.size())) + " tokens in " + seconds(since_s(t0)) + cached);
+    return ids;
   }
 
   /** (inputs, targets): GPT (B, T) and (B, T) ids; ResNet (B, 3, S, S) and (B). */
@@ -232,8 +549,13 @@ struct Trainer::Impl {
       case Strategy::kNone:
       case Strategy::kAuto:       // auto_ck sets the blocks' switches (and the other units')
       case Strategy::kSelective:  // the blocks are switched on (enable_checkpointing)
-        if (all) return blocks->forward(h);
-        for (int64_t i = lo; i < hi; ++i) h = (blocks->begin() + i)->forward(h);
+        if (all && !profiling_since) return blocks->forward(h);
+        for (int64_t i = lo; i < hi; ++i) {
+          // The profiled step measures each unit's options where it is called: say which.
+          profiling_note("blocks." + str(i) + " (block " + str(i - lo + 1) + " of " + str(hi - lo) +
+                         (blocks->size() != static_cast<size_t>(hi - lo) ? " on this stage" : "") + ")");
+          h = (blocks->begin() + i)->forward(h);
+        }
         return h;
       case Strategy::kBlock:
         for (int64_t i = lo; i < hi; ++i) h = remat::checkpoint(SequentialEntry(blocks, i), h);
@@ -334,54 +656,26 @@ Policy selective_policy(const std::string& name, bool gpt) {
               "'. Use megatron (GPT), save_matmuls, save_nothing or attention.");
 }
 
-Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
+Trainer::Trainer(TrainConfig config, std::ostream* log) : impl_(std::make_unique<Impl>()) {
   auto& m = *impl_;
   m.cfg = std::move(config);
+  m.log = log;
   auto& c = m.cfg;
   memory::enable_tracking();
-  if (c.model != "gpt" && c.model != "resnet") {
-    throw Error("[remat::train] unknown model '" + c.model + "'. Use --model gpt or --model resnet.");
-  }
+  check_config(c);
   m.gpt = c.model == "gpt";
   if (c.layers == 0) c.layers = m.gpt ? 6 : 18;
   if (c.d_model == 0) c.d_model = m.gpt ? 128 : 16;
-  auto positive = [](const char* flag, int64_t v) {
-    if (v <= 0) throw Error(std::string("[remat::train] ") + flag + " must be positive, got " + str(v) + ".");
-  };
-  positive("--batch", c.batch);
-  positive("--steps", c.steps);
-  positive("--grad-accum", c.grad_accum);
-  positive("--seq-len", c.seq_len);
-  positive("--image-size", c.image_size);
-  if (c.optimizer != "adamw" && c.optimizer != "sgd") {
-    throw Error("[remat::train] --optimizer '" + c.optimizer + "' is not one of adamw, sgd.");
-  }
-  if (c.data_world < 1 || c.data_rank < 0 || c.data_rank >= c.data_world) {
-    throw Error("[remat::train] data rank " + str(c.data_rank) + " of " + str(c.data_world) +
-                " processes is out of range; ranks run from 0 to world size - 1.");
-  }
-  if (!(c.lr > 0.0)) throw Error("[remat::train] --lr must be positive, got " + std::to_string(c.lr) + ".");
-  if (c.clip_norm < 0.0) {
-    throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) +
-                ".");
-  }
   if (c.checkpoint == Strategy::kOffload) {
-    if (c.offload_dir.empty()) {
-      throw Error(
-          "[remat::train] --checkpoint offload needs --offload-dir DIR, an existing writable directory for the "
-          "saved activations' files (e.g. --offload-dir /tmp).");
-    }
     m.offload = OffloadOptions(OffloadTarget::kDisk).directory(c.offload_dir);
     try {
-      OffloadScope check(*m.offload);  // refuses a missing or read-only directory now, naming it
+      OffloadScope check(*m.offload);  // what check_config() tested, now with the store itself
     } catch (const Error& e) {
-      throw Error("[remat::train] --offload-dir: " + std::string(e.what()));
-    }
-  }
-  if (c.checkpoint == Strategy::kAuto) {
-    if (c.memory_budget_bytes <= 0) {
-      throw Error("[remat::train] --checkpoint auto needs a positive --memory-budget (e.g. 512MiB), got " +
-                  str(c.memory_budget_bytes) + ".");
+      // The store's reason without its remedy, which names the C++ API.
+      std::string what = e.what();
+      what = what.substr(0, what.find(". "));
+      throw Error("[remat::train] --offload-dir '" + c.offload_dir + "' cannot be used (" +
+                  what.substr(std::min(what.size(), what.find(']') + 2)) + "). Pass another directory.");
     }
   }
   if (c.threads > 0) torch::set_num_threads(c.threads);
@@ -434,7 +728,8 @@ Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>()) {
     // Step 1 plain (warm-up: gradients and AdamW state appear), step 2
     // profiled (plain), then replanned for --memory-budget above step 2's
     // start (Trainer::step).
-    m.auto_ck.emplace(auto_checkpoint(*m.module, AutoOptions().memory_budget_fraction(1.0)));
+    m.auto_ck.emplace(
+        auto_checkpoint(*m.module, AutoOptions().memory_budget_fraction(1.0).warmup_steps(kAutoWarmupSteps)));
   }
   if (c.bf16) {
     try {
@@ -505,6 +800,9 @@ StepStats Trainer::step(memory::Timeline* timeline) {
           continue;
         }
         auto l = m.loss_of(x, y);
+        m.profiling_note(m.cfg.grad_accum > 1
+                             ? "the backward of micro-batch " + str(k + 1) + " of " + str(m.cfg.grad_accum)
+                             : std::string("the backward"));
         if (m.hooks.before_backward) m.hooks.before_backward(l, sync);
         const double b0 = timeline ? timeline->now_us() : 0.0;
         (m.cfg.grad_accum == 1 ? l : l / static_cast<double>(m.cfg.grad_accum)).backward();
@@ -527,20 +825,42 @@ StepStats Trainer::step(memory::Timeline* timeline) {
     m.optimizer->step();
     if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
   };
+  StepPhase phase = StepPhase::kNormal;
   if (m.auto_ck) {
     const int64_t start = memory::current_bytes();
     // The budget is --memory-budget above the step's start: what is live
     // then (parameters, gradients, optimizer state) is added to it.
     if (m.auto_ck->planned() && start != m.auto_start_bytes) m.set_auto_budget(start);
     const bool was_planned = m.auto_ck->planned();
+    if (!was_planned) phase = m.auto_steps < kAutoWarmupSteps ? StepPhase::kWarmup : StepPhase::kProfiled;
+    struct EndProfiling {
+      std::optional<Clock::time_point>& since;
+      ~EndProfiling() { since.reset(); }
+    } end_profiling{m.profiling_since};
+    if (phase == StepPhase::kProfiled && m.log != nullptr) {
+      note(m.log, "auto: step " + str(m.steps_done + 1) +
+                      " is the profiled step: a plain step that also runs every unit's options (keep, recompute, "
+                      "selective, ...) where the unit is called, to measure their bytes and times; it takes many "
+                      "times a plain step");
+      m.profiling_since = Clock::now();
+    }
     m.auto_ck->step(body);
-    if (!was_planned && m.auto_ck->planned()) m.set_auto_budget(start);  // just profiled
+    ++m.auto_steps;
+    if (!was_planned && m.auto_ck->planned()) {  // just profiled
+      m.profiling_note("done; solving for the budget");
+      m.set_auto_budget(start);
+      // A pipeline's driver (StepHooks::forward_backward) reports each stage's plan itself.
+      if (m.log != nullptr && m.print_plan && !m.hooks.forward_backward) {
+        note(m.log, describe_auto_budget());
+        *m.log << m.auto_ck->explain() << std::flush;
+      }
+    }
   } else {
     body();
   }
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
-  return StepStats{++m.steps_done, loss, ms, items / (ms / 1e3), peak_bytes, m.offloaded_bytes};
+  return StepStats{++m.steps_done, loss, ms, items / (ms / 1e3), peak_bytes, m.offloaded_bytes, phase};
 }
 
 std::vector<StepStats> Trainer::run(std::ostream* log) {
@@ -682,6 +1002,26 @@ std::vector<at::Tensor> Trainer::pipeline_parameters(int stage, int stages) cons
 }
 
 const AutoCheckpoint* Trainer::planner() const { return impl_->auto_ck ? &*impl_->auto_ck : nullptr; }
+
+std::string Trainer::describe_auto_budget() const {
+  const auto& m = *impl_;
+  if (!m.auto_ck || !m.auto_ck->planned() || m.auto_start_bytes < 0) return "";
+  int64_t params = 0, grads = 0;
+  for (const auto& p : m.module->parameters()) {
+    params += static_cast<int64_t>(p.nbytes());
+    if (p.grad().defined()) grads += static_cast<int64_t>(p.grad().nbytes());
+  }
+  const int64_t state = optimizer_state_bytes();
+  const int64_t start = m.auto_start_bytes, other = start - params - grads - state;
+  std::string parts =
+      "parameters " + format_bytes(params) + ", their gradients " + format_bytes(grads) + ", " +
+      (m.cfg.optimizer == "sgd" ? "no optimizer state (sgd)" : "the optimizer's state " + format_bytes(state));
+  if (other > 0) parts += ", the rest " + format_bytes(other) + " (the data, buffers)";
+  return "auto: budget " + format_bytes(m.cfg.memory_budget_bytes) +
+         " as asked (--memory-budget: the step's peak above its start), " + format_bytes(m.auto_ck->budget_bytes()) +
+         " as applied to the planner (all tracked memory), which adds the " + format_bytes(start) +
+         " live at the step's start that it must cover: " + parts;
+}
 
 at::Tensor Trainer::tied_embedding() const {
   const auto& m = *impl_;
@@ -1003,7 +1343,12 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
           std::filesystem::temp_directory_path() / ("remat-tokenizer-" + std::to_string(::getpid()) + ".model");
       base.tokenizer = temp_model.path.string();
     }
+    const std::string what = "tokenizer: training SentencePiece BPE " + str(config.vocab_size) + " on " +
+                             config.data_path + " (once, for every probe)";
+    note(log, what);
+    Heartbeat beat(log, what);
     Tokenizer::train_sentencepiece(config.data_path, config.vocab_size, base.tokenizer);
+    note(log, "tokenizer: trained in " + seconds(beat.elapsed_s()));
     base.vocab_size = 0;
   }
   if (options.max_value <= 0 && seq && !base.tokenizer.empty()) {
@@ -1138,6 +1483,17 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
 
 std::string Trainer::explain_memory() {
   auto& m = *impl_;
+  if (m.auto_ck) {
+    // The switches are the plan's: profile and plan first (two real steps).
+    m.print_plan = false;
+    struct PrintPlan {
+      bool& print;
+      ~PrintPlan() { print = true; }
+    } put_back{m.print_plan};
+    prepare();
+    return "the auto plan for this step (after the warm-up and profiled steps):\n" + describe_auto_budget() + "\n" +
+           m.auto_ck->explain() + describe_checkpointing(*m.module);
+  }
   auto x = m.batch().first;
   torch::Tensor h;
   {

@@ -10,12 +10,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -227,6 +229,95 @@ TEST_F(TokenizerTest, MaxUnderCountsTokensAndLeavesNoModelBehind) {
   EXPECT_LT(r.value, static_cast<int64_t>(small_corpus().size()) - 2);
   EXPECT_FALSE(fs::exists(fs::temp_directory_path() / ("remat-tokenizer-" + std::to_string(::getpid()) + ".model")));
   EXPECT_EQ(files(), (std::set<std::string>{"corpus.txt"}));
+}
+
+// encode() reports its progress after each 64 KiB piece, up to the whole text.
+TEST_F(TokenizerTest, EncodeReportsProgress) {
+  const auto tok = rm::Tokenizer::train_sentencepiece(corpus_, kVocab, "");
+  std::string text;
+  while (text.size() < 300 * 1024) text += small_corpus();
+  std::vector<int64_t> done;
+  const auto ids = tok.encode(text, [&](int64_t bytes) { done.push_back(bytes); });
+  EXPECT_EQ(ids, tok.encode(text));
+  ASSERT_GE(done.size(), 4u) << "one report per 64 KiB piece";
+  EXPECT_TRUE(std::is_sorted(done.begin(), done.end()));
+  EXPECT_EQ(done.back(), static_cast<int64_t>(text.size()));
+}
+
+// The trainer keeps the corpus's ids in the token cache: the second run
+// reads them (the same ids: the same losses); a changed corpus or tokenizer
+// misses; a damaged file is encoded again; no temporary file is left; the
+// long phases (training, encoding) are reported on the log.
+TEST_F(TokenizerTest, TrainerCachesTheTokenIdsPerCorpusAndTokenizer) {
+  const std::string cache = path("cache");
+  auto cfg = tiny_gpt();
+  cfg.vocab_size = kVocab;
+  cfg.tokenizer = path("tok.model");
+  cfg.token_cache_dir = cache;
+  auto losses_of = [](rm::Trainer& t) {
+    std::vector<double> out;
+    for (const auto& s : t.run()) out.push_back(s.loss);
+    return out;
+  };
+  std::ostringstream log1;
+  rm::Trainer first(cfg, &log1);
+  EXPECT_NE(log1.str().find("tokenizer: training SentencePiece BPE 320 on " + corpus_), std::string::npos)
+      << log1.str();
+  EXPECT_NE(log1.str().find("tokenizer: trained in "), std::string::npos) << log1.str();
+  EXPECT_NE(log1.str().find("tokenizer: encoding " + corpus_), std::string::npos) << log1.str();
+  EXPECT_NE(log1.str().find(" tokens in "), std::string::npos) << log1.str();
+  EXPECT_NE(log1.str().find("; cached in " + cache + "/ids-"), std::string::npos) << log1.str();
+  const auto plain = losses_of(first);
+  auto cached_files = [&] {
+    std::set<std::string> out;
+    for (const auto& e : fs::directory_iterator(cache)) out.insert(e.path().filename().string());
+    return out;
+  };
+  ASSERT_EQ(cached_files().size(), 1u);
+  const fs::path file = fs::path(cache) / *cached_files().begin();
+
+  cfg.vocab_size = 0;  // load the tokenizer trained above
+  std::ostringstream log2;
+  rm::Trainer second(cfg, &log2);
+  EXPECT_NE(log2.str().find(" token ids of " + corpus_ + " read from the cache " + file.string() + " in "),
+            std::string::npos)
+      << log2.str();
+  EXPECT_EQ(log2.str().find("tokenizer: encoding"), std::string::npos) << log2.str();
+  EXPECT_EQ(losses_of(second), plain) << "the cached ids are the encoded ones";
+
+  {  // A damaged file (cut short) is not read: encoded again, and rewritten whole.
+    const auto size = fs::file_size(file);
+    fs::resize_file(file, size - 3);
+    std::ostringstream log;
+    rm::Trainer t(cfg, &log);
+    EXPECT_NE(log.str().find("tokenizer: encoding"), std::string::npos) << log.str();
+    EXPECT_EQ(fs::file_size(file), size);
+  }
+  {  // Another corpus: another file.
+    std::ofstream(corpus_, std::ios::app) << "the planner and the budget.\n";
+    std::ostringstream log;
+    rm::Trainer t(cfg, &log);
+    EXPECT_NE(log.str().find("tokenizer: encoding"), std::string::npos) << log.str();
+    EXPECT_EQ(cached_files().size(), 2u);
+  }
+  {  // Another tokenizer on the same corpus: another file.
+    cfg.vocab_size = kVocab + 8;
+    std::ostringstream log;
+    rm::Trainer t(cfg, &log);
+    EXPECT_NE(log.str().find("tokenizer: encoding"), std::string::npos) << log.str();
+    EXPECT_EQ(cached_files().size(), 3u);
+  }
+  for (const auto& name : cached_files()) EXPECT_EQ(name.find(".tmp."), std::string::npos) << name;
+  {  // A cache that cannot be written costs the encoding only.
+    cfg.vocab_size = 0;
+    cfg.token_cache_dir = corpus_ + "/not-a-dir";
+    std::ostringstream log;
+    rm::Trainer t(cfg, &log);
+    EXPECT_NE(log.str().find("; not cached (" + cfg.token_cache_dir + ": "), std::string::npos) << log.str();
+    EXPECT_NE(log.str().find("), the next run encodes again"), std::string::npos) << log.str();
+  }
+  fs::remove_all(cache);
+  fs::remove(cfg.tokenizer);
 }
 
 TEST_F(TokenizerTest, ErrorsNameTheValueAndTheRemedy) {

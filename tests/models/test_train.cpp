@@ -635,12 +635,25 @@ TEST(TrainCli, OffloadNeedsAUsableDirectory) {
   EXPECT_EQ(out,
             "remat-train: error: [remat::train] --checkpoint offload needs --offload-dir DIR, an existing writable "
             "directory for the saved activations' files (e.g. --offload-dir /tmp).\n");
+  // The errors name the flag, not the C++ API behind it.
   std::tie(code, out) = run_cli("--steps 1 --checkpoint offload --offload-dir /nonexistent/acts");
   EXPECT_EQ(code, 2);
   EXPECT_EQ(out,
-            "remat-train: error: [remat::train] --offload-dir: [remat::offload] directory '/nonexistent/acts' cannot "
-            "be used: No such file or directory. Create it (mkdir -p) or pass another one to "
-            "OffloadOptions().directory().\n");
+            "remat-train: error: [remat::train] --offload-dir '/nonexistent/acts' does not exist. Create it (mkdir -p "
+            "/nonexistent/acts) or pass another directory.\n");
+  std::tie(code, out) = run_cli("--steps 1 --checkpoint offload --offload-dir /etc/hostname");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --offload-dir '/etc/hostname' is not a directory. Pass a "
+            "directory.\n");
+  // /proc takes no new file, not even from root.
+  std::tie(code, out) = run_cli("--steps 1 --checkpoint offload --offload-dir /proc");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("remat-train: error: [remat::train] --offload-dir '/proc' is not writable (creating a file in "
+                     "it: "),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("OffloadOptions"), std::string::npos) << out;
   std::tie(code, out) = run_cli(
       "--layers 2 --d-model 32 --seq-len 64 --batch 2 --steps 2 --checkpoint offload "
       "--threads 1 --offload-dir " +
@@ -658,6 +671,133 @@ TEST(TrainCli, MissingDataFileExits2) {
   EXPECT_EQ(out,
             "remat-train: error: [remat::train] cannot read --data file '/nonexistent/text.txt': "
             "No such file or directory. Pass an existing text file with --data.\n");
+}
+
+TEST(TrainCli, DataDirectoryExits2) {
+  const auto dir = std::filesystem::temp_directory_path();
+  auto [code, out] = run_cli("--steps 1 --data " + dir.string());
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out, "remat-train: error: [remat::train] --data '" + dir.string() +
+                     "' is a directory; the GPT trains on one text file. Pass a file (e.g. --data " +
+                     (dir / "input.txt").string() + ").\n");
+}
+
+// --save's folder is checked before training: a run is not lost at the end.
+TEST(TrainCli, SaveToAMissingFolderFailsBeforeTraining) {
+  auto [code, out] =
+      run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 2 --save /nonexistent/folder/model.pt");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --save '/nonexistent/folder/model.pt': the folder "
+            "'/nonexistent/folder' does not exist (checked before training, so that no run is lost). Create it "
+            "(mkdir -p /nonexistent/folder) or save elsewhere.\n");
+  // /proc takes no new file, not even from root.
+  std::tie(code, out) = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 2 --save /proc/model.pt");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("remat-train: error: [remat::train] --save '/proc/model.pt': cannot write in the folder "
+                     "'/proc' ("),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("step 1/"), std::string::npos) << out;
+  std::tie(code, out) = run_cli("--steps 1 --save " + std::filesystem::temp_directory_path().string());
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("' is a directory; pass a file path (e.g. --save "), std::string::npos) << out;
+}
+
+// A flag that only another strategy reads is refused, naming that strategy.
+TEST(TrainCli, FlagsOfAnotherStrategyAreRefused) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--memory-budget 1MiB",
+       "--memory-budget is the budget of --checkpoint auto, and this run uses --checkpoint none; add --checkpoint "
+       "auto, or drop --memory-budget."},
+      {"--checkpoint block --memory-budget 1MiB",
+       "--memory-budget is the budget of --checkpoint auto, and this run uses --checkpoint block; add --checkpoint "
+       "auto, or drop --memory-budget."},
+      {"--policy megatron",
+       "--policy picks what is kept by --checkpoint selective, and this run uses --checkpoint none; add "
+       "--checkpoint selective, or drop --policy."},
+      {"--checkpoint auto --memory-budget 1MiB --policy save_matmuls",
+       "--policy picks what is kept by --checkpoint selective, and this run uses --checkpoint auto; add "
+       "--checkpoint selective, or drop --policy."},
+      {"--checkpoint block --offload-dir /tmp",
+       "--offload-dir is where the activations go under --checkpoint offload, and this run uses --checkpoint "
+       "block; add --checkpoint offload, or drop --offload-dir."},
+  };
+  for (const auto& [args, msg] : cases) {
+    auto [code, out] = run_cli(args + " --steps 1");
+    EXPECT_EQ(code, 2) << args;
+    EXPECT_EQ(out, "remat-train: error: [remat::train] " + msg + "\n") << args;
+  }
+}
+
+// --resume with --steps at or below the saved step has nothing to do: refused.
+TEST(TrainCli, ResumeWithNothingLeftToTrainIsRefused) {
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("remat_resume_" + std::to_string(::getpid()) + ".pt")).string();
+  const std::string model = "--layers 1 --d-model 16 --heads 2 --seq-len 16 --batch 2 --threads 1 ";
+  auto [code, out] = run_cli(model + "--steps 2 --save " + path);
+  ASSERT_EQ(code, 0) << out;
+  for (const char* steps : {"1", "2"}) {
+    std::tie(code, out) = run_cli(model + "--steps " + steps + " --resume " + path);
+    EXPECT_EQ(code, 2) << steps;
+    EXPECT_EQ(out, "remat-train: error: [remat::train] --resume '" + path + "' is at step 2 and --steps is " + steps +
+                       ": nothing left to train (--steps counts the resumed steps). Pass --steps above 2.\n");
+  }
+  std::tie(code, out) = run_cli(model + "--steps 3 --resume " + path);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("resumed at step 2"), std::string::npos) << out;
+  EXPECT_NE(out.find("step 3/3  loss "), std::string::npos) << out;
+  std::filesystem::remove(path);
+}
+
+// --checkpoint auto says what it does: the warm-up and profiled steps are
+// marked, the profiled step reports which unit it measures, the plan and the
+// budget (as asked, as applied, and why they differ) are printed once planned.
+TEST(TrainCli, AutoReportsProfilingTheBudgetAndThePlan) {
+  auto [code, out] = run_cli(
+      "--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 3 --threads 1 --checkpoint auto --memory-budget 4MiB");
+  ASSERT_EQ(code, 0) << out;
+  const std::vector<std::string> in_order = {
+      "step 1/3  loss ",
+      "  (auto: warm-up, a plain step)\n",
+      "auto: step 2 is the profiled step: a plain step that also runs every unit's options",
+      "auto: profiling blocks.0 (block 1 of 2), ",
+      "auto: profiling blocks.1 (block 2 of 2), ",
+      "auto: profiling the backward, ",
+      "auto: profiling done; solving for the budget, ",
+      "auto: budget 4.00 MiB as asked (--memory-budget: the step's peak above its start), ",
+      " as applied to the planner (all tracked memory), which adds the ",
+      " live at the step's start that it must cover: parameters ",
+      "remat::auto_checkpoint: budget ",
+      "plan: predicted peak ",
+      "step 2/3  loss ",
+      "  (auto: profiling, a plain step that also measured every unit's options: its time and peak are the "
+      "profiling's; the plan runs from the next step)\n",
+      "step 3/3  loss "};
+  size_t at = 0;
+  for (const auto& want : in_order) {
+    const size_t found = out.find(want, at);
+    ASSERT_NE(found, std::string::npos) << "'" << want << "' after offset " << at << ":\n" << out;
+    at = found + want.size();
+  }
+  const std::string last = out.substr(out.find("step 3/3"));
+  EXPECT_EQ(last.find("(auto:"), std::string::npos) << "a planned step is not marked: " << last;
+}
+
+// --explain-memory under auto describes the auto plan (profiled first), not
+// the switches before planning (all off).
+TEST(TrainCli, ExplainMemoryUnderAutoDescribesThePlan) {
+  auto [code, out] = run_cli(
+      "--layers 2 --d-model 32 --seq-len 64 --batch 4 --threads 1 --checkpoint auto --memory-budget 1MiB "
+      "--explain-memory");
+  ASSERT_EQ(code, 0) << out;
+  for (const char* want :
+       {"the auto plan for this step (after the warm-up and profiled steps):", "auto: budget 1.00 MiB as asked",
+        "remat::auto_checkpoint: budget ", "plan: predicted peak ", "checkpointable modules on"}) {
+    EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
+  }
+  EXPECT_EQ(out.find(" 0 of "), std::string::npos) << "the plan switches some units on:\n" << out;
+  EXPECT_EQ(out.find("step 1/"), std::string::npos) << "--explain-memory prints no step lines:\n" << out;
 }
 
 TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {

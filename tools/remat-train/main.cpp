@@ -6,14 +6,19 @@
 // Leaves out: evaluation, sampling text, learning-rate schedules.
 #include <CLI/CLI.hpp>
 
+#include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <string>
@@ -38,6 +43,15 @@ extern char** environ;
 
 namespace {
 
+/** --token-cache's default: $XDG_CACHE_HOME/remat/tokens, else
+ *  ~/.cache/remat/tokens ("none" without either). */
+std::string default_token_cache() {
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0')
+    return std::string(x) + "/remat/tokens";
+  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') return std::string(h) + "/.cache/remat/tokens";
+  return "none";
+}
+
 int fail(const std::string& what) {
   std::cerr << "remat-train: error: " << what.substr(0, what.find('\n')) << "\n";
   return 2;
@@ -50,12 +64,49 @@ void say(const std::string& line) {
   std::fflush(stdout);
 }
 
+/** A TCP port on this machine: `port` (0: one the kernel picks, free now),
+ *  bound on every address as rank 0's store will; -1 with errno when it
+ *  cannot be bound (EADDRINUSE: another process listens there). */
+int bindable_port(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // as c10d's store: TIME_WAIT does not block
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  socklen_t len = sizeof addr;
+  int got = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 && ::listen(fd, 1) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    got = ntohs(addr.sin_port);
+  }
+  const int saved = errno;
+  ::close(fd);
+  errno = saved;
+  return got;
+}
+
+/** The signal the launcher was asked to stop with (SIGINT, SIGTERM,
+ *  SIGHUP), 0 while none. */
+volatile sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
 /** --nproc N: runs this program N times as ranks 0..N-1 on 127.0.0.1 (the
  *  same flags, plus --rank, --world-size and the master's address), waits
  *  for all, and returns the first failure's exit code. When a rank fails,
  *  the others get grace_s to fail on their own (a peer's exit is an error
- *  there within the group timeout) before they are killed. */
+ *  there within the group timeout) before they are killed.
+ *  NOTE [ranks die with the launcher]: each rank asks the kernel for
+ *  SIGKILL when the launcher dies (PR_SET_PDEATHSIG, set between fork and
+ *  exec, so no rank outlives a launcher killed with SIGKILL); SIGINT,
+ *  SIGTERM and SIGHUP sent to the launcher go to every rank, which get
+ *  kStopGraceS to end before they are killed; the launcher then exits with
+ *  128 + the signal. */
 int launch(int argc, char** argv, const std::vector<std::string>& extra, int nproc, int port, double grace_s) {
+  constexpr double kStopGraceS = 5.0;
   std::vector<std::string> base;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
@@ -68,6 +119,11 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
   }
   base[0] = "/proc/self/exe";
   base.insert(base.end(), extra.begin(), extra.end());
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  const pid_t launcher = ::getpid();
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
     auto args = base;
@@ -79,11 +135,21 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
     std::vector<char*> cargs;
     for (auto& a : args) cargs.push_back(a.data());
     cargs.push_back(nullptr);
-    pid_t pid = -1;
-    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, cargs.data(), environ) != 0) {
+    std::fflush(nullptr);
+    const pid_t pid = ::fork();
+    if (pid == 0) {  // the child: async-signal-safe calls only, up to exec
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &dfl, nullptr);
+      if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != launcher) ::_exit(127);
+      ::execve("/proc/self/exe", cargs.data(), environ);
+      ::_exit(127);
+    }
+    if (pid < 0) {
       for (pid_t p : pids) ::kill(p, SIGKILL);
+      for (pid_t p : pids) ::waitpid(p, nullptr, 0);
       return fail("[remat::train] could not start rank " + std::to_string(r) + " of --nproc " + std::to_string(nproc) +
-                  ".");
+                  ": " + std::strerror(errno) + ".");
     }
     pids.push_back(pid);
   }
@@ -91,7 +157,17 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
   std::vector<bool> done(pids.size(), false);
   size_t left = pids.size();
   auto deadline = std::chrono::steady_clock::time_point::max();
+  int forwarded = 0;
   while (left > 0) {
+    if (g_stop_signal != 0 && forwarded == 0) {
+      forwarded = g_stop_signal;
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (!done[r]) ::kill(pids[r], forwarded);
+      }
+      deadline = std::min(
+          deadline, std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                           std::chrono::duration<double>(kStopGraceS)));
+    }
     for (size_t r = 0; r < pids.size(); ++r) {
       if (done[r]) continue;
       int st = 0;
@@ -99,7 +175,7 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
       done[r] = true;
       --left;
       const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      if (code != 0 && first_failure == 0) {
+      if (code != 0 && first_failure == 0 && forwarded == 0) {
         first_failure = code;
         std::cerr << "remat-train: rank " << r << " exited with status " << code << "\n";
         deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -109,7 +185,10 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
     if (left > 0 && std::chrono::steady_clock::now() > deadline) {
       for (size_t r = 0; r < pids.size(); ++r) {
         if (done[r]) continue;
-        std::cerr << "remat-train: rank " << r << " still running after rank failure; killing it\n";
+        std::cerr << "remat-train: rank " << r
+                  << (forwarded != 0 ? " still running after the launcher was stopped"
+                                     : " still running after rank failure")
+                  << "; killing it\n";
         ::kill(pids[r], SIGKILL);
         ::waitpid(pids[r], nullptr, 0);
         done[r] = true;
@@ -117,6 +196,11 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
       }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (forwarded != 0) {
+    std::cerr << "remat-train: stopped by signal " << forwarded << " (" << strsignal(forwarded)
+              << "); the ranks were stopped too\n";
+    return 128 + forwarded;
   }
   return first_failure;
 }
@@ -128,7 +212,7 @@ void run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions
   cfg.data_rank = init.rank();
   cfg.data_world = init.world_size();
   if (init.rank() != 0) cfg.save_path.clear();
-  remat::models::Trainer trainer(cfg);
+  remat::models::Trainer trainer(cfg, init.rank() == 0 ? &std::cout : nullptr);
   const std::string tag = "[rank " + std::to_string(init.rank()) + "/" + std::to_string(init.world_size()) + "] ";
   auto group = remat::parallel::init_process_group(init);
   remat::parallel::DataParallel ddp(trainer.module(), group);
@@ -170,7 +254,7 @@ void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitO
   cfg.data_world = init.world_size();
   const std::string save = cfg.save_path;
   cfg.save_path.clear();
-  remat::models::Trainer trainer(cfg);
+  remat::models::Trainer trainer(cfg, init.rank() == 0 ? &std::cout : nullptr);
   const std::string tag = "[rank " + std::to_string(init.rank()) + "/" + std::to_string(init.world_size()) + "] ";
   auto group = remat::parallel::init_process_group(init);
   const auto units = cfg.model == "gpt" ? remat::select::type<remat::models::GptBlockImpl>()
@@ -227,7 +311,7 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
   cfg.batch *= microbatches;  // the Trainer draws the replica's batch; its stage 0 splits it
   cfg.data_rank = replica;
   cfg.data_world = replicas;
-  remat::models::Trainer trainer(cfg);
+  remat::models::Trainer trainer(cfg, init.rank() == 0 ? &std::cout : nullptr);
   const auto mine = trainer.pipeline_parameters(stage, stages);
   const auto tied = trainer.tied_embedding();
   {  // Release what other stages run: each rank holds its stage only.
@@ -293,7 +377,11 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
                   p.forward_ms, p.backward_ms, p.recv_ms, p.send_ms, 100.0 * p.bubble, p.max_in_flight);
     say(tag + remat::models::format_step(s, cfg.steps, "tok") + line);
   }
-  if (trainer.planner() != nullptr) say(tag + pipe.explain(trainer.planner()));
+  if (trainer.planner() != nullptr) {
+    // The planner's budget is all tracked memory: say what it adds to --memory-budget.
+    if (const std::string b = trainer.describe_auto_budget(); !b.empty()) say(tag + b);
+    say(tag + pipe.explain(trainer.planner()));
+  }
 }
 
 }  // namespace
@@ -361,6 +449,11 @@ int main(int argc, char** argv) {
   app.add_option("--threads", cfg.threads, "torch intra-op threads")->capture_default_str();
   app.add_option("--save", cfg.save_path, "write a checkpoint here at the end (atomically)");
   app.add_option("--resume", cfg.resume_path, "continue from a checkpoint written by --save");
+  std::string token_cache = default_token_cache();
+  app.add_option("--token-cache", token_cache,
+                 "GPT with a SentencePiece tokenizer: directory keeping the corpus's token ids between runs (one "
+                 "file per corpus and tokenizer; none: encode every run)")
+      ->capture_default_str();
   app.add_option("--optimizer", cfg.optimizer, "adamw or sgd")
       ->check(CLI::IsMember({"adamw", "sgd"}))
       ->capture_default_str();
@@ -375,7 +468,10 @@ int main(int argc, char** argv) {
   app.add_option("--world-size", world_size, "multi-host: the number of processes in all")->capture_default_str();
   app.add_option("--master-addr", master_addr, "address of rank 0's store (every rank the same)")
       ->capture_default_str();
-  app.add_option("--master-port", master_port, "port of rank 0's store (every rank the same)")->capture_default_str();
+  app.add_option("--master-port", master_port,
+                 "port of rank 0's store (every rank the same; with --nproc or --pipeline on one machine: default a "
+                 "free port)")
+      ->capture_default_str();
   bool shard = false;
   app.add_flag("--shard", shard,
                "with --nproc or --rank: shard parameters, gradients and optimizer state across the ranks "
@@ -408,6 +504,19 @@ int main(int argc, char** argv) {
   }
   try {
     cfg.checkpoint = remat::models::parse_strategy(checkpoint);
+    cfg.token_cache_dir = token_cache == "none" ? "" : token_cache;
+    // Flags that only one strategy reads: refused under the others rather than ignored.
+    const auto used_by = [&](const char* flag, const char* strategy, const char* what) -> std::string {
+      if (app.count(flag) == 0 || checkpoint == strategy) return "";
+      return std::string("[remat::train] ") + flag + " " + what + " --checkpoint " + strategy +
+             ", and this run uses --checkpoint " + checkpoint + "; add --checkpoint " + strategy + ", or drop " + flag +
+             ".";
+    };
+    if (seq_cap.empty() && batch_cap.empty()) {  // --max-*-under refuses --memory-budget itself
+      if (auto e = used_by("--memory-budget", "auto", "is the budget of"); !e.empty()) return fail(e);
+    }
+    if (auto e = used_by("--policy", "selective", "picks what is kept by"); !e.empty()) return fail(e);
+    if (auto e = used_by("--offload-dir", "offload", "is where the activations go under"); !e.empty()) return fail(e);
     const bool distributed = nproc > 1 || world_size > 1 || rank >= 0;
     if (nproc < 1) return fail("[remat::train] --nproc must be at least 1, got " + std::to_string(nproc) + ".");
     if (distributed && (!seq_cap.empty() || !batch_cap.empty() || explain_memory)) {
@@ -471,10 +580,54 @@ int main(int argc, char** argv) {
                     std::to_string(world_size) + ".");
       }
     }
+    if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
+    // What every rank would refuse, refused here once, before any starts
+    // (--max-*-under sets its budget itself, and checks in each probe).
+    if (seq_cap.empty() && batch_cap.empty()) {
+      auto checked = cfg;
+      if (rank > 0) checked.save_path.clear();  // only rank 0 saves
+      remat::models::check_config(checked);
+    }
+    if (shard && !cfg.resume_path.empty()) {
+      return fail(
+          "[remat::train] --resume does not combine with --shard (--save writes the full model only, without the "
+          "optimizer's state); resume without --shard.");
+    }
+    if (!cfg.resume_path.empty()) {
+      const int64_t saved = remat::models::saved_steps(cfg.resume_path);
+      if (cfg.steps <= saved) {
+        return fail("[remat::train] --resume '" + cfg.resume_path + "' is at step " + std::to_string(saved) +
+                    " and --steps is " + std::to_string(cfg.steps) +
+                    ": nothing left to train (--steps counts the resumed steps). Pass --steps above " +
+                    std::to_string(saved) + ".");
+      }
+    }
+    if (pipeline > 0) {
+      const int64_t blocks = cfg.layers > 0 ? cfg.layers : 6;  // the Trainer's default
+      if (pipeline > blocks) {
+        return fail("[remat::train] --pipeline " + std::to_string(pipeline) + " is more stages than the GPT's " +
+                    std::to_string(blocks) + " blocks; give at most " + std::to_string(blocks) +
+                    " (or more --layers).");
+      }
+    }
     if (nproc > 1 || (pipeline > 0 && rank < 0)) {
       if (master_port < 1 || master_port > 65535) {
         return fail("[remat::parallel] master_port " + std::to_string(master_port) +
                     " is not a TCP port; pick one in 1..65535 that is free on the master (e.g. 29500).");
+      }
+      if (app.count("--master-port") == 0) {
+        master_port = bindable_port(0);
+        if (master_port < 0) {
+          return fail(std::string("[remat::train] no free TCP port for rank 0's store (") + std::strerror(errno) +
+                      "); pass one with --master-port.");
+        }
+      } else if (bindable_port(master_port) < 0) {
+        const std::string why =
+            errno == EADDRINUSE
+                ? std::string(" is in use on this machine (another process listens there)")
+                : std::string(" cannot be used for rank 0's store on this machine (") + std::strerror(errno) + ")";
+        return fail("[remat::train] --master-port " + std::to_string(master_port) + why +
+                    ". Pick another, or leave --master-port out for a free one.");
       }
       // The cores are shared: without --threads, each rank gets its share.
       std::vector<std::string> extra;
@@ -489,7 +642,6 @@ int main(int argc, char** argv) {
     }
     if (distributed) {
       if (rank < 0) return fail("[remat::train] --world-size " + std::to_string(world_size) + " needs --rank.");
-      if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
       const auto init = remat::parallel::InitOptions(rank, world_size)
                             .master_addr(master_addr)
                             .master_port(master_port)
@@ -503,7 +655,6 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
-    if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
     if (!seq_cap.empty() || !batch_cap.empty()) {
       if (!seq_cap.empty() && !batch_cap.empty()) {
         return fail(
@@ -524,12 +675,12 @@ int main(int argc, char** argv) {
       }
       fit.step = fit_step;
       if (cfg.checkpoint == remat::models::Strategy::kAuto) cfg.memory_budget_bytes = fit.cap_bytes;
-      std::cout << remat::models::Trainer(cfg).summary() << "\n";
+      std::cout << remat::models::Trainer(cfg, &std::cout).summary() << "\n";
       const auto r = remat::models::max_under(cfg, fit, &std::cout);
       std::cout << remat::models::format_fit(r, cfg);
       return 0;
     }
-    remat::models::Trainer trainer(cfg);
+    remat::models::Trainer trainer(cfg, &std::cout);
     if (explain_memory) {
       std::cout << trainer.summary() << "\n" << trainer.explain_memory();
       return 0;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -43,8 +44,11 @@ class Tokenizer {
   static Tokenizer load(const std::string& model_path);
 
   /** Token ids of text, each in [0, vocab_size()). Character level: throws
-   *  remat::Error for a byte that is not in the vocabulary. */
-  std::vector<int64_t> encode(std::string_view text) const;
+   *  remat::Error for a byte that is not in the vocabulary. A long text
+   *  encodes in pieces (SentencePiece: 64 KiB, cut after a newline); after
+   *  each, progress (when given) gets the bytes of text encoded so far. */
+  std::vector<int64_t> encode(std::string_view text,
+                              const std::function<void(int64_t done_bytes)>& progress = {}) const;
   /** The text of ids (the inverse of encode()). Throws remat::Error for an
    *  id outside [0, vocab_size()). */
   std::string decode(const std::vector<int64_t>& ids) const;

@@ -115,6 +115,14 @@ struct TrainConfig {
   /** For Strategy::kOffload: an existing, writable directory for the saved
    *  activations' files (required there, ignored otherwise). */
   std::string offload_dir;
+  /** GPT with a SentencePiece tokenizer: a directory where the corpus's
+   *  token ids are kept between runs, one file per (corpus, tokenizer)
+   *  pair, named by a hash of the corpus's bytes and the tokenizer's
+   *  fingerprint (a changed corpus or tokenizer misses the cache), written
+   *  atomically (a temporary file, then rename). Created when missing; a
+   *  directory that cannot be used only costs the encoding. "" (default):
+   *  no cache, every run encodes. */
+  std::string token_cache_dir;
   /** Micro-batches per optimizer step; the loss is their mean. */
   int64_t grad_accum = 1;
   /** Max global gradient norm; 0 disables clipping. */
@@ -254,6 +262,13 @@ struct FitResult {
 int64_t largest_fitting(int64_t cap_bytes, int64_t step, int64_t max_value, const std::function<int64_t(int64_t)>& peak,
                         std::vector<FitProbe>* probes = nullptr);
 
+/** What a step was for the planner of Strategy::kAuto. */
+enum class StepPhase {
+  kNormal,    ///< any strategy's ordinary step; kAuto's planned steps
+  kWarmup,    ///< kAuto's first step: plain, so that gradients and optimizer state exist
+  kProfiled,  ///< kAuto's profiled step: plain, and every unit's options measured (many times a step's time)
+};
+
 /** One optimizer step, as run() prints it. */
 struct StepStats {
   int64_t step = 0;          ///< 1-based index of the step just taken
@@ -268,7 +283,24 @@ struct StepStats {
   /** Strategy::kOffload: bytes of the saved tensors the blocks sent to disk
    *  (all micro-batches; OffloadStats::bytes_raw), else 0. */
   int64_t offloaded_bytes = 0;
+  /** kAuto: the warm-up or the profiled step (their peaks and times are the
+   *  plain step's, not the plan's); else kNormal. */
+  StepPhase phase = StepPhase::kNormal;
 };
+
+/** Refuses what Trainer's constructor would refuse before building anything,
+ *  without building anything (no model, no tokenizer training): values out
+ *  of range, a missing or unreadable --data file (or a directory), a
+ *  missing --tokenizer file, an unusable --offload-dir, a --save path
+ *  whose folder does not exist or is not writable (checked by creating a
+ *  file there), --checkpoint auto without a budget. remat-train runs it
+ *  before starting ranks, so that an error prints once. Throws
+ *  remat::Error naming the flag. */
+void check_config(const TrainConfig& config);
+
+/** The step count a checkpoint written by Trainer::save() holds. Throws
+ *  remat::Error when path is not such a checkpoint. */
+int64_t saved_steps(const std::string& checkpoint_path);
 
 /** Builds a model, its data and optimizer from a TrainConfig and trains
  *  it; the engine of remat-train and the demo. */
@@ -276,8 +308,15 @@ class Trainer {
  public:
   /** Builds data, model and optimizer (seeded), resuming from
    *  config.resume_path if set. Throws remat::Error on bad values, a missing
-   *  data file or an incompatible checkpoint. */
-  explicit Trainer(TrainConfig config);
+   *  data file or an incompatible checkpoint (check_config(), then more).
+   *  With a log, it reports its long phases there, a line at a time:
+   *  training the tokenizer and encoding the corpus (every few seconds),
+   *  the token cache, and under Strategy::kAuto the profiled step's
+   *  progress (which unit is being measured), the budget as asked and as
+   *  applied, and the plan (AutoCheckpoint::explain()) once planned (not
+   *  when StepHooks::forward_backward runs the steps: a pipeline's driver
+   *  reports each stage's plan). */
+  explicit Trainer(TrainConfig config, std::ostream* log = nullptr);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -338,6 +377,12 @@ class Trainer {
   /** Strategy::kAuto: the whole-step planner (its explain(), plan and
    *  figures); nullptr for the other strategies. */
   const AutoCheckpoint* planner() const;
+  /** Strategy::kAuto once planned: the budget as asked (--memory-budget,
+   *  above the step's start) and as applied to the planner (the bytes of
+   *  tracked memory it bounds), and what makes up the difference: what is
+   *  live at the step's start (parameters, their gradients, the
+   *  optimizer's state, the rest). One line; "" before a plan. */
+  std::string describe_auto_budget() const;
   /** The config, with defaults resolved (e.g. layers 0 -> 6 for the GPT). */
   const TrainConfig& config() const;
   /** Allocates the parameter gradients (zeros) and, with Strategy::kAuto,
@@ -361,7 +406,10 @@ class Trainer {
    *  Throws remat::Error for the ResNet (but kAuto) or an infeasible budget. */
   StepPrediction predict_step(int64_t cap_bytes = 0);
   /** What one block saves for backward on a batch (remat::saved_residuals,
-   *  with the selective policy when there is one), and the switch's state. */
+   *  with the selective policy when there is one), and the switch's state.
+   *  Strategy::kAuto: prepare() (the warm-up and profiled steps), then the
+   *  budget (describe_auto_budget()), the plan (AutoCheckpoint::explain())
+   *  and the switches as the plan sets them. */
   std::string explain_memory();
 
  private:
@@ -384,7 +432,8 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
 /** "--max-seq-len-under 1.00 GiB, checkpoint block: seq_len 1536 ..." (several lines). */
 std::string format_fit(const FitResult& r, const TrainConfig& config);
 
-/** "step   3/20  loss 2.813402  12.3k tok/s  84.1 ms  peak 14.25 MiB". */
+/** "step   3/20  loss 2.813402  12.3k tok/s  84.1 ms  peak 14.25 MiB", and
+ *  for kAuto's warm-up and profiled steps what they were (s.phase). */
 std::string format_step(const StepStats& s, int64_t total_steps, std::string_view unit);
 
 }  // namespace remat::models
