@@ -867,12 +867,13 @@ namespace detail {
 // shared by every wrapper of that Sequential, throws when a backward
 // reaches it while no wrapper of the Sequential has run a forward yet
 // (their chains' backwards reach it only after such a forward) and one of
-// them is held by a registry: by a handle besides the user's (a holder
-// passed to replace_module), or by no CheckpointedSequential holder at all
-// (replace_module with a temporary holder, the usual way to write it: the
-// holders count themselves in holder_count()). A wrapper held by the user's
-// holder alone, built next to its Sequential to compare with a plain run or
-// to look at a plan, is left alone. The hook is removed when the last
+// them is held by a registry: by a reference that is no
+// CheckpointedSequential holder (the holders count themselves in
+// holder_count()): a model's children beside the user's holder
+// (replace_module(name, ck.ptr())), or alone (replace_module with a
+// temporary holder, the usual way to write it). A wrapper held by the
+// user's holders alone (copies included), built next to its Sequential to
+// compare with a plain run or to look at a plan, is left alone. The hook is removed when the last
 // wrapper of the Sequential is destroyed. Not covered: a model that calls
 // the wrapper once and then its plain member, and a wrapper registered in a
 // model through which nothing has run while its Sequential is also run
@@ -883,13 +884,14 @@ struct Tripwire {
   unsigned hook = 0;
   std::mutex mu;
   std::vector<const CheckpointedSequentialImpl*> owners;  // the wrappers alive
-  /** One wrapper is held by a registry: by a handle besides the user's, or
-   *  by no CheckpointedSequential holder at all (the user's was a
-   *  temporary). A wrapper held by the user's holder alone is left alone. */
+  /** One wrapper is held by a registry: by a reference that is no
+   *  CheckpointedSequential holder (a model's children, beside the user's
+   *  holder or alone when the user's was a temporary). A wrapper held by the
+   *  user's holders alone (copies included) is left alone. */
   bool registered() {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto* o : owners) {
-      if (o->weak_from_this().use_count() >= 2 || o->holder_count()->load() == 0) return true;
+      if (o->weak_from_this().use_count() > o->holder_count()->load()) return true;
     }
     return false;
   }
