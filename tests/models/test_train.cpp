@@ -788,11 +788,11 @@ TEST(TrainCli, AutoReportsProfilingTheBudgetAndThePlan) {
 // the switches before planning (all off).
 TEST(TrainCli, ExplainMemoryUnderAutoDescribesThePlan) {
   auto [code, out] = run_cli(
-      "--layers 2 --d-model 32 --seq-len 64 --batch 4 --threads 1 --checkpoint auto --memory-budget 1MiB "
+      "--layers 2 --d-model 32 --seq-len 64 --batch 4 --threads 1 --checkpoint auto --memory-budget 1.25MiB "
       "--explain-memory");
   ASSERT_EQ(code, 0) << out;
   for (const char* want :
-       {"the auto plan for this step (after the warm-up and profiled steps):", "auto: budget 1.00 MiB as asked",
+       {"the auto plan for this step (after the warm-up and profiled steps):", "auto: budget 1.25 MiB as asked",
         "remat::auto_checkpoint: budget ", "plan: predicted peak ", "checkpointable modules on"}) {
     EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
   }
