@@ -390,6 +390,15 @@ void check_config(const TrainConfig& config) {
   }
 }
 
+namespace {
+/** The error of a checkpoint file torch cannot read (its message's first line). */
+[[noreturn]] void unreadable_checkpoint(const std::string& path, const std::exception& e) {
+  const std::string what = e.what();
+  throw Error("[remat::train] cannot read checkpoint '" + path + "': " + what.substr(0, what.find('\n')) +
+              ". Pass a file written by --save.");
+}
+}  // namespace
+
 int64_t saved_steps(const std::string& checkpoint_path) {
   torch::serialize::InputArchive archive;
   torch::Tensor steps;
@@ -397,9 +406,7 @@ int64_t saved_steps(const std::string& checkpoint_path) {
     archive.load_from(checkpoint_path);
     archive.read("steps_done", steps);
   } catch (const std::exception& e) {
-    std::string what = e.what();
-    throw Error("[remat::train] cannot read checkpoint '" + checkpoint_path + "': " + what.substr(0, what.find('\n')) +
-                ". Pass a file written by --save.");
+    unreadable_checkpoint(checkpoint_path, e);
   }
   return steps.item<int64_t>();
 }
@@ -913,9 +920,7 @@ void Trainer::load(const std::string& path) {
     archive.load_from(path);
     archive.read("config", config);
   } catch (const std::exception& e) {
-    std::string what = e.what();
-    throw Error("[remat::train] cannot read checkpoint '" + path + "': " + what.substr(0, what.find('\n')) +
-                ". Pass a file written by --save.");
+    unreadable_checkpoint(path, e);
   }
   if (config.toStringRef() != m.fingerprint()) {
     // " vocab=N[ tokenizer=...]" up to the next field: another vocabulary
