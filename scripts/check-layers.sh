@@ -22,18 +22,21 @@ cd "$(dirname "$0")/.."
 #   core    mechanisms: hooks, op interception, memory, replay, write guard
 #   offload stores for saved tensors (host, disk, codecs)
 #   region  checkpoint, selective policies, module switch; may use offload
+#   optim   the optimizer step in backward, its state in a store; a peer of
+#           region (uses offload's stores)
 #   chain   CheckpointedSequential and its profiler
 #   auto    the whole-step planner (profiles a step, plans every unit)
 #   models, parallel  reference models and trainer; c10d data parallel.
 #           Both may use every layer above (a data-parallel model may be
 #           checkpointed or a planned chain), never each other.
-LAYERS=(plan core offload region chain auto "models parallel")
+LAYERS=(plan core offload "region optim" chain auto "models parallel")
 
 # Public headers of include/remat/ by layer (the folders plan/, models/ and
 # parallel/ are their layers). remat.h, the umbrella, is above every layer:
 # no source includes it.
 PUBLIC=(error.h:core hooks.h:core memory.h:core
   offload.h:offload
+  optim.h:optim
   policy.h:region checkpoint.h:region selective.h:region checkpointable.h:region chunked.h:region
   profile.h:chain sequential.h:chain
   auto.h:auto

@@ -14,6 +14,7 @@
 #include <remat/hooks.h>
 #include <remat/memory.h>
 #include <remat/offload.h>
+#include <remat/optim.h>
 #include <remat/plan/plan.h>
 #include <remat/policy.h>
 #include <remat/profile.h>

@@ -184,6 +184,7 @@ struct OffloadStore::Entry {
   bool file_exists = false;
   bool writing = false;
   bool released = false;
+  bool kept_after_failed_write = false;  // kKept holding the region (create_isolated)
   Read read = Read::kNone;
   at::Tensor ready;  // prefetched, or cached for the other handles sharing it
   std::string error;
@@ -216,6 +217,8 @@ struct OffloadStore::State {
   int64_t inflight_bytes = 0;
   std::string error;  // first background error
   OffloadStats st;
+  int64_t isolated_failures = 0;  // create_isolated: writes that failed, tensors kept
+  std::string last_isolated_error;
 
   void add_on_disk(const std::shared_ptr<Entry>& e) { on_disk[e->saver][e->id] = e; }
   void forget_on_disk(const Entry& e) {
@@ -337,6 +340,43 @@ std::shared_ptr<OffloadStore> OffloadStore::create(const OffloadOptions& o) {
     store->s_->threads.emplace_back([p = store.get()] { p->reader_loop(); });
   }
   return store;
+}
+
+std::shared_ptr<OffloadStore> OffloadStore::create_isolated(const OffloadOptions& options) {
+  auto store = create(options);
+  store->isolated_ = true;  // before any pack: the threads read it under the lock
+  return store;
+}
+
+void OffloadStore::prefetch(const Handle& h) {
+  const std::shared_ptr<Entry>& e = h.entry_;
+  if (!e) return;
+  State& s = *s_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (e->released || e->where != Where::kDisk || e->read != Read::kNone || e->ready.defined() || !e->error.empty())
+    return;
+  if (s.inflight_bytes > 0 && s.inflight_bytes + e->meta.nbytes > options_.max_inflight_bytes()) return;
+  s.forget_on_disk(*e);
+  s.add_prefetch(e);
+  s.cv.notify_all();
+}
+
+bool OffloadStore::resident(const Handle& h) const {
+  const std::shared_ptr<Entry>& e = h.entry_;
+  if (!e) return false;
+  std::lock_guard<std::mutex> lock(s_->mu);
+  switch (e->where) {
+    case Where::kDisk: return e->read == Read::kReady || e->ready.defined();
+    case Where::kPending: return e->tensor.defined();
+    case Where::kFailed: return false;
+    default: return true;
+  }
+}
+
+int64_t OffloadStore::failures(std::string* last_error) const {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  if (last_error) *last_error = s_->last_isolated_error;
+  return s_->isolated_failures;
 }
 
 OffloadStore::~OffloadStore() {
@@ -557,6 +597,16 @@ void OffloadStore::writer_loop() {
     e->writing = false;
     s.writes_active--;
     s.inflight_bytes -= e->meta.nbytes;
+    if (isolated_ && !err.empty()) {
+      // Independent entries: this one stays in memory, nothing else changes.
+      if (created) ::unlink(path.c_str());
+      e->where = Where::kKept;
+      e->kept_after_failed_write = true;
+      s.isolated_failures++;
+      s.last_isolated_error = err;
+      s.cv.notify_all();
+      continue;
+    }
     e->tensor = at::Tensor();
     if (!err.empty() || !s.error.empty()) {
       if (created) ::unlink(path.c_str());
@@ -648,6 +698,8 @@ void OffloadStore::reader_loop() {
       // may have removed the file before the read opened it. Nothing will
       // unpack it, so neither its value nor a failure to read it matters.
       s.end_prefetch(*e);
+    } else if (!err.empty() && isolated_) {
+      s.end_prefetch(*e);  // unpack reads the file itself and reports
     } else if (!err.empty()) {
       e->error = err;
       s.end_prefetch(*e);
@@ -774,6 +826,7 @@ at::Tensor OffloadStore::unpack(Handle& h) {
           lock.lock();
           // A failure elsewhere may have removed the file meanwhile: report the first.
           if (!s.error.empty()) throw Error(s.error);
+          if (isolated_) throw;  // the file stays: another unpack may read it
           e->error = ex.what();
           fail_locked(e->error);
           throw;
@@ -804,7 +857,7 @@ at::Tensor OffloadStore::unpack(Handle& h) {
   } else if (e->read != Read::kReady) {
     e->ready = at::Tensor();
   }
-  if (e->where == Where::kKept) return v;
+  if (e->where == Where::kKept && !e->kept_after_failed_write) return v;
   return v.as_strided(h.sizes_, h.strides_, h.offset_);  // the saved tensor within its region
 }
 

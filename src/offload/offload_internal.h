@@ -45,6 +45,12 @@ class OffloadStore {
   /** Validates the options and the directory (throws remat::Error naming
    *  the field or directory and a remedy), starts the threads. */
   static std::shared_ptr<OffloadStore> create(const OffloadOptions& options);
+  /** As create(), for a store whose entries are independent of each other
+   *  (optimizer state, StepInBackward): a failed write keeps its tensor in
+   *  memory (unpack returns it; failures() counts it) and a failed read
+   *  leaves the file for another try; neither removes the other entries'
+   *  files nor fails the store. */
+  static std::shared_ptr<OffloadStore> create_isolated(const OffloadOptions& options);
   /** The process's one store for options equal to these, created at the
    *  first call (as create(); a call that throws records nothing, so the
    *  next one tries again). A kDisk store starts threads, so the regions,
@@ -63,6 +69,16 @@ class OffloadStore {
    *  (lossy); throws remat::Error if it cannot be read back or was modified
    *  in place since pack. Any thread. */
   at::Tensor unpack(Handle& h);
+  /** Queues a read of h's tensor ahead of its unpack, if it is in a file
+   *  and max_inflight_bytes has room (a no-op otherwise); unlike the
+   *  automatic read-ahead, the caller says what comes next. */
+  void prefetch(const Handle& h);
+  /** Whether h's tensor is in memory now (kept, encoded in memory, pending
+   *  its write, or read ahead): its unpack will not wait for a file. */
+  bool resident(const Handle& h) const;
+  /** create_isolated stores: writes that failed (their tensors stayed in
+   *  memory), and the last such error. */
+  int64_t failures(std::string* last_error = nullptr) const;
   /** Waits for every pending write; throws the first background error. */
   void wait();
   /** Throws the first background error, if any (does not wait). */
@@ -80,6 +96,7 @@ class OffloadStore {
   void writer_loop();
   void reader_loop();
   OffloadOptions options_;
+  bool isolated_ = false;
   std::weak_ptr<OffloadStore> self_;
   std::unique_ptr<State> s_;
 };

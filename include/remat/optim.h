@@ -1,0 +1,178 @@
+// The optimizer step inside backward: each parameter is updated as soon as
+// its gradient is final in the current backward (every use of the
+// parameter in the graph has contributed), and that gradient is freed right
+// after, so the gradients of a model never all live at once. Optionally,
+// each parameter's optimizer state (Adam's moments, SGD's momentum) lives
+// in a store between its updates and is read back ahead of the next one.
+// The update math is the optimizer's own, one parameter at a time: the
+// result is bitwise the plain step's for LibTorch's SGD, Adam, AdamW,
+// RMSprop and Adagrad. See docs/training.md ("Optimizer step in backward").
+// Leaves out: LBFGS (its step re-evaluates the whole loss), global-norm
+// clipping (it needs every gradient before any update), higher-order
+// gradients (create_graph).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/optim/optimizer.h>
+
+#include <remat/offload.h>
+
+namespace remat {
+
+/** Options of a StepInBackward; every field optional, validated when the
+ *  StepInBackward is created. */
+class StepInBackwardOptions {
+ public:
+  /** Where each parameter's optimizer state goes between its updates: a
+   *  store with these options (kDisk with a directory; kMemory with
+   *  Codec::kBFloat16 for state compressed in memory; kHost on a GPU). Each
+   *  state comes back before its parameter's next update, read ahead in the
+   *  order the previous backward updated the parameters. Lossless unless a
+   *  lossy codec is chosen. Default: the state stays where the optimizer
+   *  keeps it. */
+  StepInBackwardOptions& state_offload(OffloadOptions options) {
+    state_offload_ = std::move(options);
+    return *this;
+  }
+  /** The state store's options, if the state is offloaded. */
+  const std::optional<OffloadOptions>& state_offload() const { return state_offload_; }
+  /** Parameters whose state is read ahead of their update (state_offload).
+   *  Default 2. */
+  StepInBackwardOptions& state_prefetch(int64_t parameters) {
+    state_prefetch_ = parameters;
+    return *this;
+  }
+  /** Parameters whose state is read ahead. Default 2. */
+  int64_t state_prefetch() const { return state_prefetch_; }
+  /** The state tensors of your own optimizer's per-parameter state, for
+   *  state_offload (LibTorch's SGD, Adam, AdamW, RMSprop and Adagrad are
+   *  known). Return pointers into the state object; undefined tensors are
+   *  skipped. */
+  using StateTensors = std::function<std::vector<at::Tensor*>(torch::optim::OptimizerParamState&)>;
+  StepInBackwardOptions& state_tensors(StateTensors fn) {
+    state_tensors_ = std::move(fn);
+    return *this;
+  }
+  /** The function set by state_tensors(StateTensors), or empty. */
+  const StateTensors& state_tensors() const { return state_tensors_; }
+
+ private:
+  std::optional<OffloadOptions> state_offload_;
+  int64_t state_prefetch_ = 2;
+  StateTensors state_tensors_;
+};
+
+/** Counters of a StepInBackward since it was created. */
+struct StepInBackwardStats {
+  /** Parameter updates applied inside backward. */
+  int64_t updates = 0;
+  /** Backward passes that only accumulated (under accumulate()): the
+   *  parameters' hooks that kept their gradient. */
+  int64_t accumulated = 0;
+  /** Bytes of optimizer state in the store now (state_offload). */
+  int64_t state_offloaded_bytes = 0;
+  /** Highest state_offloaded_bytes. */
+  int64_t peak_state_offloaded_bytes = 0;
+  /** States read back when their update needed them (not read ahead). */
+  int64_t state_misses = 0;
+  /** States whose write to the store failed: they stayed in memory, the
+   *  update was applied; the last such error is in last_state_error. */
+  int64_t state_write_failures = 0;
+  std::string last_state_error;
+};
+
+namespace detail {
+struct StepInBackwardImpl;
+}
+
+/** Applies the optimizer's update to each parameter inside backward, as soon
+ *  as the parameter's gradient is final, then frees that gradient:
+ *
+ *    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+ *    remat::StepInBackward in_backward(opt);
+ *    for (auto& batch : data) {
+ *      loss_fn(model, batch).backward();  // each parameter steps here
+ *      opt.step();                        // no-op for the parameters stepped in backward
+ *      opt.zero_grad();
+ *    }
+ *
+ *  A parameter's gradient is final once the backward's engine has summed
+ *  every use of it (tied weights, a module called twice, recomputed
+ *  regions): the update runs in the parameter's post-accumulate-grad hook,
+ *  once per backward. A parameter that gets no gradient in a backward is not
+ *  updated, as with zero_grad(set_to_none = true), LibTorch's default; a
+ *  gradient left by an accumulate() pass is stepped by the optimizer's own
+ *  step(), which is why the loop above keeps calling it. The optimizer's
+ *  options are read at each update, so learning-rate schedulers work.
+ *  Gradient accumulation: backward passes while accumulate()'s guard lives
+ *  keep their gradients; the next one outside it updates.
+ *
+ *  Your own optimizer works if its step() updates each parameter of
+ *  param_groups() that has a gradient from that parameter's gradient and
+ *  state alone, and skips parameters whose gradient is undefined (as
+ *  LibTorch's do): each update calls step() with one parameter left in its
+ *  group.
+ *
+ *  Refused with remat::Error: LBFGS; a parameter that already has a
+ *  post-accumulate-grad hook (another StepInBackward); a backward with
+ *  create_graph (thrown from the first parameter's update, before anything
+ *  changed); state_offload with an optimizer whose state remat does not know
+ *  and no state_tensors(). Global-norm clipping cannot work (it needs every
+ *  gradient before any update); remat's own clip_grad_norm functions refuse
+ *  parameters stepped in backward, and torch::nn::utils::clip_grad_norm_
+ *  after backward sees no gradients. Not copyable or movable; destroying it
+ *  brings every offloaded state back into the optimizer and removes the
+ *  hooks. */
+class StepInBackward {
+ public:
+  explicit StepInBackward(torch::optim::Optimizer& optimizer,
+                          const StepInBackwardOptions& options = StepInBackwardOptions());
+  ~StepInBackward();
+  StepInBackward(const StepInBackward&) = delete;
+  StepInBackward& operator=(const StepInBackward&) = delete;
+
+  /** RAII: while it lives, backward passes keep their gradients (earlier
+   *  micro-batches of an accumulated step). */
+  class Accumulating {
+   public:
+    ~Accumulating();
+    Accumulating(const Accumulating&) = delete;
+    Accumulating& operator=(const Accumulating&) = delete;
+    Accumulating(Accumulating&& other) noexcept;
+    Accumulating& operator=(Accumulating&&) = delete;
+
+   private:
+    friend class StepInBackward;
+    explicit Accumulating(std::shared_ptr<detail::StepInBackwardImpl> impl);
+    std::shared_ptr<detail::StepInBackwardImpl> impl_;
+  };
+  /** Backward passes while the returned guard lives only accumulate. */
+  [[nodiscard]] Accumulating accumulate();
+
+  /** Brings every offloaded state back into the optimizer (before saving
+   *  or reading it); each goes to the store again after its parameter's
+   *  next update. Throws remat::Error naming the parameter whose state
+   *  cannot be read; the others are brought back. */
+  void fetch_state();
+  /** Blocks until every state write to the store is done (a failed write
+   *  keeps its state in memory; stats() counts it). */
+  void wait();
+  StepInBackwardStats stats() const;
+  /** What it does: the optimizer, the parameters, where the state lives,
+   *  the counters. */
+  std::string describe() const;
+  /** Whether any live StepInBackward updates p in backward (remat's
+   *  clip_grad_norm functions refuse such parameters). */
+  static bool steps_in_backward(const at::Tensor& p);
+
+ private:
+  std::shared_ptr<detail::StepInBackwardImpl> impl_;
+};
+
+}  // namespace remat

@@ -1,0 +1,393 @@
+// remat::StepInBackward: the optimizer's update of each parameter inside
+// backward (include/remat/optim.h). Leaves out: LBFGS, global-norm clipping,
+// create_graph (refused), an optimizer whose step() does not skip parameters
+// without a gradient (documented requirement, not checkable).
+//
+// NOTE [one parameter's update]: each parameter gets a post-accumulate-grad
+// hook (AccumulateGrad runs it once per backward, after the engine summed
+// every use of the parameter: tied weights, modules called twice, the
+// recomputed regions, whose parameter gradients reach the same accumulator).
+// The hook leaves the optimizer's param_groups() holding that one parameter
+// (in its own group, so its group's options apply), calls step() and puts
+// the groups back: the optimizer's own math, state and options, one
+// parameter at a time, which is bitwise the plain step for optimizers whose
+// update of a parameter reads only its own gradient and state. Then the
+// gradient is freed. Hooks of several devices may run on several engine
+// threads at once: one mutex serialises the updates.
+//
+// NOTE [state between updates]: with state_offload, each state tensor goes
+// to an isolated store (offload_internal.h) after its parameter's update and
+// comes back before the next; the order of the updates of the last backward
+// says which states to read ahead. A failed write keeps that state in
+// memory (the update was applied; stats() says so). A failed read throws
+// from that parameter's hook before its update: the parameters before it in
+// this backward were updated with their states, it and those after were not,
+// and every state is where it was (the file stays for another try).
+#include <remat/optim.h>
+
+#include <algorithm>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <remat/error.h>
+
+#include "../offload/offload_internal.h"
+
+namespace remat {
+namespace detail {
+namespace {
+
+/** Parameters stepped in backward by any live StepInBackward, by TensorImpl. */
+std::mutex g_registry_mu;
+std::unordered_map<const void*, int> g_registry;
+
+std::string describe_param(int64_t index, const at::Tensor& p) {
+  std::ostringstream os;
+  os << "parameter #" << index << " (shape " << p.sizes() << ")";
+  return os.str();
+}
+
+/** The state tensors of LibTorch's optimizers; empty when the type is not
+ *  one of them. */
+std::vector<at::Tensor*> known_state_tensors(torch::optim::OptimizerParamState& st) {
+  using namespace torch::optim;
+  if (auto* a = dynamic_cast<AdamParamState*>(&st)) return {&a->exp_avg(), &a->exp_avg_sq(), &a->max_exp_avg_sq()};
+  if (auto* a = dynamic_cast<AdamWParamState*>(&st)) return {&a->exp_avg(), &a->exp_avg_sq(), &a->max_exp_avg_sq()};
+  if (auto* s = dynamic_cast<SGDParamState*>(&st)) return {&s->momentum_buffer()};
+  if (auto* r = dynamic_cast<RMSpropParamState*>(&st)) return {&r->square_avg(), &r->momentum_buffer(), &r->grad_avg()};
+  if (auto* g = dynamic_cast<AdagradParamState*>(&st)) return {&g->sum()};
+  return {};
+}
+
+bool known_optimizer(const torch::optim::Optimizer& o) {
+  using namespace torch::optim;
+  return dynamic_cast<const Adam*>(&o) || dynamic_cast<const AdamW*>(&o) || dynamic_cast<const SGD*>(&o) ||
+         dynamic_cast<const RMSprop*>(&o) || dynamic_cast<const Adagrad*>(&o);
+}
+
+}  // namespace
+
+struct StepInBackwardImpl {
+  torch::optim::Optimizer& opt;
+  StepInBackwardOptions options;
+  struct Param {
+    at::Tensor tensor;
+    size_t group = 0;
+    int64_t index = 0;                        // in the optimizer's order, for messages
+    std::vector<OffloadStore::Handle> state;  // one per state tensor (state_offload), in state_tensors() order
+    std::vector<char> had;                    // which state tensors were defined when stored
+    int64_t state_bytes = 0;
+    bool seen_this_pass = false;
+  };
+  std::vector<Param> params;
+  std::unordered_map<const void*, size_t> by_impl;
+  std::shared_ptr<OffloadStore> store;
+  mutable std::mutex mu;
+  int accumulating = 0;
+  StepInBackwardStats st;
+  // NOTE [state between updates]: the order of the last backward's updates.
+  std::vector<size_t> order, last_order;
+  std::vector<int64_t> pos_in_last;  // per parameter, its place in last_order or -1
+
+  StepInBackwardImpl(torch::optim::Optimizer& o, StepInBackwardOptions opts) : opt(o), options(std::move(opts)) {}
+
+  std::vector<at::Tensor*> state_tensors_of(torch::optim::OptimizerParamState& s) const {
+    if (options.state_tensors()) return options.state_tensors()(s);
+    return known_state_tensors(s);
+  }
+
+  torch::optim::OptimizerParamState* state_of(const Param& p) {
+    auto it = opt.state().find(p.tensor.unsafeGetTensorImpl());
+    return it == opt.state().end() ? nullptr : it->second.get();
+  }
+
+  /** Brings p's state back from the store (NOTE [state between updates]).
+   *  Call with mu held. Throws naming the parameter; nothing changes then. */
+  void fetch(Param& p, bool count_miss) {
+    if (p.state.empty()) return;
+    auto* s = state_of(p);
+    if (!s) {
+      throw Error("[remat::StepInBackward] internal: the optimizer lost the state of " +
+                  describe_param(p.index, p.tensor) + " while it was in the store; please report a bug.");
+    }
+    auto slots = state_tensors_of(*s);
+    std::vector<at::Tensor> back(p.state.size());
+    for (size_t k = 0; k < p.state.size(); ++k) {
+      if (!p.had[k]) continue;
+      if (count_miss && !store->resident(p.state[k])) st.state_misses++;
+      try {
+        back[k] = store->unpack(p.state[k]);
+      } catch (const std::exception& e) {
+        throw Error(std::string("[remat::StepInBackward] the optimizer state of ") + describe_param(p.index, p.tensor) +
+                    " cannot be read back from its store: " + e.what() + " Its file is kept; " +
+                    std::to_string(st.updates) + " parameter updates were applied so far, each with its own state.");
+      }
+    }
+    for (size_t k = 0; k < p.state.size() && k < slots.size(); ++k) {
+      if (p.had[k]) *slots[k] = std::move(back[k]);
+    }
+    p.state.clear();
+    p.had.clear();
+    st.state_offloaded_bytes -= p.state_bytes;
+    p.state_bytes = 0;
+  }
+
+  /** Sends p's state to the store; call with mu held. */
+  void put(Param& p) {
+    auto* s = state_of(p);
+    if (!s) return;
+    auto slots = state_tensors_of(*s);
+    for (at::Tensor* t : slots) {
+      p.had.push_back(t->defined());
+      if (t->defined()) {
+        p.state.push_back(store->pack(*t));
+        p.state_bytes += static_cast<int64_t>(t->nbytes());
+        *t = at::Tensor();
+      } else {
+        p.state.emplace_back();
+      }
+    }
+    st.state_offloaded_bytes += p.state_bytes;
+    st.peak_state_offloaded_bytes = std::max(st.peak_state_offloaded_bytes, st.state_offloaded_bytes);
+  }
+
+  /** Reads ahead the states of the parameters updated after p in the last
+   *  backward (wrapping to its first: the next backward starts there). */
+  void read_ahead(const Param& p) {
+    if (!store || last_order.empty()) return;
+    const int64_t at = pos_in_last[static_cast<size_t>(&p - params.data())];
+    const int64_t n = static_cast<int64_t>(last_order.size());
+    for (int64_t k = 1; k <= std::min<int64_t>(options.state_prefetch(), n - 1); ++k) {
+      const Param& q = params[last_order[static_cast<size_t>(((at < 0 ? -1 : at) + k) % n)]];
+      for (const auto& h : q.state) store->prefetch(h);
+    }
+  }
+
+  void begin_order(Param& p) {
+    if (!p.seen_this_pass) return;
+    // A parameter updated twice: a new backward began. Its order guides the next.
+    last_order = std::move(order);
+    order.clear();
+    pos_in_last.assign(params.size(), -1);
+    for (size_t k = 0; k < last_order.size(); ++k) pos_in_last[last_order[k]] = static_cast<int64_t>(k);
+    for (auto& q : params) q.seen_this_pass = false;
+  }
+
+  void on_grad(const at::Tensor& t) {
+    if (at::GradMode::is_enabled()) {
+      // A backward with create_graph runs its nodes with grad mode on. The
+      // first hook throws, before any parameter changed.
+      throw Error(
+          "[remat::StepInBackward] a backward with create_graph (higher-order gradients) reached a parameter "
+          "that is updated in backward; its update would not be differentiable and would change the parameter "
+          "the second derivative needs. Destroy the StepInBackward for that step (call the optimizer's step() "
+          "after backward instead).");
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = by_impl.find(t.unsafeGetTensorImpl());
+    if (it == by_impl.end()) return;
+    Param& p = params[it->second];
+    if (accumulating > 0) {
+      st.accumulated++;
+      if (store) fetch(p, /*count_miss=*/false);  // a kept gradient may meet opt.step(): its state must be there
+      return;
+    }
+    if (store) {
+      fetch(p, /*count_miss=*/true);
+      begin_order(p);
+    }
+    step_one(p);
+    st.updates++;
+    if (store) {
+      p.seen_this_pass = true;
+      order.push_back(it->second);
+      put(p);
+      read_ahead(p);
+      st.state_write_failures = store->failures(&st.last_state_error);
+    }
+  }
+
+  /** NOTE [one parameter's update]. */
+  void step_one(Param& p) {
+    auto& groups = opt.param_groups();
+    std::vector<std::vector<at::Tensor>> held(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) held[g].swap(groups[g].params());
+    struct PutBack {
+      std::vector<torch::optim::OptimizerParamGroup>& groups;
+      std::vector<std::vector<at::Tensor>>& held;
+      ~PutBack() {
+        for (size_t g = 0; g < groups.size() && g < held.size(); ++g) groups[g].params().swap(held[g]);
+      }
+    } put_back{groups, held};
+    groups[p.group].params().push_back(p.tensor);
+    opt.step();
+    p.tensor.mutable_grad() = at::Tensor();  // freed: the point of stepping here
+  }
+};
+
+namespace {
+
+struct Hook final : torch::autograd::PostAccumulateGradHook {
+  std::shared_ptr<StepInBackwardImpl> impl;
+  explicit Hook(std::shared_ptr<StepInBackwardImpl> i) : impl(std::move(i)) {}
+  void operator()(const torch::autograd::Variable& tensor) override { impl->on_grad(tensor); }
+};
+
+}  // namespace
+}  // namespace detail
+
+StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInBackwardOptions& options)
+    : impl_(std::make_shared<detail::StepInBackwardImpl>(optimizer, options)) {
+  auto& impl = *impl_;
+  if (dynamic_cast<torch::optim::LBFGS*>(&optimizer)) {
+    throw Error(
+        "[remat::StepInBackward] LBFGS cannot step inside backward: its step re-evaluates the whole loss through "
+        "a closure. Call its step(closure) after backward.");
+  }
+  if (options.state_prefetch() < 0) {
+    throw Error("[remat::StepInBackward] StepInBackwardOptions::state_prefetch is " +
+                std::to_string(options.state_prefetch()) + "; it must be >= 0 (0 reads each state when needed).");
+  }
+  if (options.state_offload() && !options.state_tensors() && !detail::known_optimizer(optimizer)) {
+    throw Error(
+        "[remat::StepInBackward] state_offload: remat knows the state of LibTorch's SGD, Adam, AdamW, RMSprop and "
+        "Adagrad, not of this optimizer. Pass StepInBackwardOptions::state_tensors(fn) returning the tensors of "
+        "its per-parameter state.");
+  }
+  int64_t index = 0;
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    for (const auto& t : optimizer.param_groups()[g].params()) {
+      const void* key = t.unsafeGetTensorImpl();
+      if (impl.by_impl.count(key)) {
+        throw Error("[remat::StepInBackward] " + detail::describe_param(index, t) +
+                    " is in the optimizer twice; LibTorch's optimizers refuse that too.");
+      }
+      if (torch::autograd::impl::post_acc_grad_hooks(t) != nullptr) {
+        throw Error("[remat::StepInBackward] " + detail::describe_param(index, t) +
+                    " already has a post-accumulate-grad hook (another StepInBackward on the same parameters?); "
+                    "one StepInBackward per parameter.");
+      }
+      impl.by_impl.emplace(key, impl.params.size());
+      detail::StepInBackwardImpl::Param p;
+      p.tensor = t;
+      p.group = g;
+      p.index = index++;
+      impl.params.push_back(std::move(p));
+    }
+  }
+  if (options.state_offload()) {
+    // Reads ahead are ours, in update order (NOTE [state between updates]),
+    // not the store's reverse save order.
+    OffloadOptions store_options = *options.state_offload();
+    store_options.prefetch_depth(0);
+    impl.store = detail::OffloadStore::create_isolated(store_options);
+  }
+  impl.pos_in_last.assign(impl.params.size(), -1);
+  {
+    std::lock_guard<std::mutex> lock(detail::g_registry_mu);
+    for (const auto& p : impl.params) detail::g_registry[p.tensor.unsafeGetTensorImpl()]++;
+  }
+  for (const auto& p : impl.params) {
+    torch::autograd::impl::set_post_acc_grad_hooks(p.tensor, std::make_unique<detail::Hook>(impl_));
+  }
+}
+
+StepInBackward::~StepInBackward() {
+  auto& impl = *impl_;
+  for (const auto& p : impl.params) {
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(p.tensor);
+    auto* mine = dynamic_cast<detail::Hook*>(slot.get());
+    if (mine && mine->impl == impl_) slot.reset();
+  }
+  {
+    std::lock_guard<std::mutex> lock(detail::g_registry_mu);
+    for (const auto& p : impl.params) {
+      auto it = detail::g_registry.find(p.tensor.unsafeGetTensorImpl());
+      if (it != detail::g_registry.end() && --it->second == 0) detail::g_registry.erase(it);
+    }
+  }
+  try {
+    fetch_state();
+  } catch (const std::exception& e) {
+    TORCH_WARN("[remat::StepInBackward] destroyed with optimizer state it could not read back: ", e.what());
+  }
+}
+
+StepInBackward::Accumulating::Accumulating(std::shared_ptr<detail::StepInBackwardImpl> impl) : impl_(std::move(impl)) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->accumulating++;
+}
+StepInBackward::Accumulating::Accumulating(Accumulating&& other) noexcept : impl_(std::move(other.impl_)) {}
+StepInBackward::Accumulating::~Accumulating() {
+  if (!impl_) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->accumulating--;
+}
+
+StepInBackward::Accumulating StepInBackward::accumulate() { return Accumulating(impl_); }
+
+void StepInBackward::fetch_state() {
+  auto& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mu);
+  if (!impl.store) return;
+  std::string first;
+  for (auto& p : impl.params) {
+    try {
+      impl.fetch(p, /*count_miss=*/false);
+    } catch (const std::exception& e) {
+      if (first.empty()) first = e.what();
+    }
+  }
+  if (!first.empty()) throw Error(first);
+}
+
+void StepInBackward::wait() {
+  if (!impl_->store) return;
+  try {
+    impl_->store->wait();
+  } catch (const std::exception&) {  // an isolated store has no store-wide error; nothing to report
+  }
+}
+
+StepInBackwardStats StepInBackward::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  StepInBackwardStats s = impl_->st;
+  if (impl_->store) s.state_write_failures = impl_->store->failures(&s.last_state_error);
+  return s;
+}
+
+std::string StepInBackward::describe() const {
+  const StepInBackwardStats s = stats();
+  std::ostringstream os;
+  os << "StepInBackward: " << impl_->params.size() << " parameters in " << impl_->opt.param_groups().size()
+     << " group(s) updated in backward; " << s.updates << " updates";
+  if (s.accumulated > 0) os << ", " << s.accumulated << " gradients kept for accumulation";
+  if (impl_->store) {
+    os << "; state between updates in " << impl_->store->describe() << " (" << s.state_offloaded_bytes
+       << " B there now, at most " << s.peak_state_offloaded_bytes << " B; " << s.state_misses
+       << " states read when needed";
+    if (s.state_write_failures > 0)
+      os << "; " << s.state_write_failures << " writes failed, those states kept in memory: " << s.last_state_error;
+    os << ")";
+  } else {
+    os << "; state kept by the optimizer";
+  }
+  return os.str();
+}
+
+bool StepInBackward::steps_in_backward(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(detail::g_registry_mu);
+  return p.defined() && detail::g_registry.count(p.unsafeGetTensorImpl()) > 0;
+}
+
+}  // namespace remat

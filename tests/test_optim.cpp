@@ -1,0 +1,536 @@
+// remat::StepInBackward: the optimizer step inside backward, against the
+// plain step (backward, then optimizer.step()). Parameters, optimizer state
+// and buffers are compared bitwise after every step, for LibTorch's SGD,
+// Adam, AdamW, RMSprop and Adagrad, on the reference GPT's shape (tied
+// embedding and head, a block called twice, a frozen and a sometimes-unused
+// parameter) under every way remat runs backward; then the state in a store
+// (lossless, files, failures), memory, and what is refused.
+#include <filesystem>
+#include <optional>
+
+#include <remat/models/gpt.h>
+#include <remat/optim.h>
+
+#include "../src/offload/offload_internal.h"
+#include "common.h"
+
+namespace {
+
+using namespace remat_test;
+namespace F = torch::nn::functional;
+
+constexpr int kSteps = 4;
+
+/** The state tensors of LibTorch's optimizers (and Adam's step counts as a
+ *  tensor), for comparison. */
+std::vector<torch::Tensor> state_tensors(torch::optim::Optimizer& opt) {
+  using namespace torch::optim;
+  std::vector<torch::Tensor> out;
+  for (auto& g : opt.param_groups()) {
+    for (auto& p : g.params()) {
+      auto it = opt.state().find(p.unsafeGetTensorImpl());
+      if (it == opt.state().end()) {
+        out.push_back(torch::Tensor());
+        continue;
+      }
+      auto* s = it->second.get();
+      if (auto* a = dynamic_cast<AdamParamState*>(s)) {
+        out.insert(out.end(), {a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq(), torch::tensor(a->step())});
+      } else if (auto* w = dynamic_cast<AdamWParamState*>(s)) {
+        out.insert(out.end(), {w->exp_avg(), w->exp_avg_sq(), w->max_exp_avg_sq(), torch::tensor(w->step())});
+      } else if (auto* m = dynamic_cast<SGDParamState*>(s)) {
+        out.push_back(m->momentum_buffer());
+      } else if (auto* r = dynamic_cast<RMSpropParamState*>(s)) {
+        out.insert(out.end(), {r->square_avg(), r->momentum_buffer(), r->grad_avg(), torch::tensor(r->step())});
+      } else if (auto* a2 = dynamic_cast<AdagradParamState*>(s)) {
+        out.insert(out.end(), {a2->sum(), torch::tensor(a2->step())});
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+  for (auto& b : m.buffers()) out.push_back(b.clone());
+  return out;
+}
+std::vector<torch::Tensor> cloned(const std::vector<torch::Tensor>& v) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : v) out.push_back(t.defined() ? t.clone() : t);
+  return out;
+}
+
+enum class Opt { kSgd, kAdam, kAdamW, kRmsprop, kAdagrad };
+std::string name_of(Opt o) {
+  switch (o) {
+    case Opt::kSgd: return "SGD";
+    case Opt::kAdam: return "Adam";
+    case Opt::kAdamW: return "AdamW";
+    case Opt::kRmsprop: return "RMSprop";
+    case Opt::kAdagrad: return "Adagrad";
+  }
+  return "";
+}
+
+/** Two groups (weights with weight decay, the rest without), as training
+ *  scripts do; every option that changes the math is on. */
+std::unique_ptr<torch::optim::Optimizer> make_opt(Opt o, torch::nn::Module& m) {
+  using namespace torch::optim;
+  std::vector<torch::Tensor> decay, rest;
+  for (auto& p : m.parameters()) (p.dim() >= 2 ? decay : rest).push_back(p);
+  switch (o) {
+    case Opt::kSgd: {
+      auto opt = std::make_unique<SGD>(std::vector<OptimizerParamGroup>{OptimizerParamGroup(decay)},
+                                       SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01));
+      opt->add_param_group(OptimizerParamGroup(rest, std::make_unique<SGDOptions>(SGDOptions(0.1).momentum(0.5))));
+      return opt;
+    }
+    case Opt::kAdam: {
+      auto opt = std::make_unique<Adam>(std::vector<OptimizerParamGroup>{OptimizerParamGroup(decay)},
+                                        AdamOptions(1e-3).amsgrad(true).weight_decay(0.01));
+      opt->add_param_group(OptimizerParamGroup(rest, std::make_unique<AdamOptions>(AdamOptions(2e-3))));
+      return opt;
+    }
+    case Opt::kAdamW: {
+      auto opt = std::make_unique<AdamW>(std::vector<OptimizerParamGroup>{OptimizerParamGroup(decay)},
+                                         AdamWOptions(1e-3).weight_decay(0.1));
+      opt->add_param_group(
+          OptimizerParamGroup(rest, std::make_unique<AdamWOptions>(AdamWOptions(1e-3).weight_decay(0.0))));
+      return opt;
+    }
+    case Opt::kRmsprop: {
+      auto opt = std::make_unique<RMSprop>(std::vector<OptimizerParamGroup>{OptimizerParamGroup(decay)},
+                                           RMSpropOptions(1e-3).momentum(0.9).centered(true).weight_decay(0.01));
+      opt->add_param_group(OptimizerParamGroup(rest, std::make_unique<RMSpropOptions>(RMSpropOptions(1e-3))));
+      return opt;
+    }
+    case Opt::kAdagrad: {
+      // Adagrad makes its state at construction, so both groups go in there.
+      std::vector<OptimizerParamGroup> groups;
+      groups.emplace_back(decay);
+      groups.emplace_back(rest, std::make_unique<AdagradOptions>(AdagradOptions(2e-2)));
+      return std::make_unique<Adagrad>(groups, AdagradOptions(1e-2).lr_decay(0.01).weight_decay(0.01));
+    }
+  }
+  return nullptr;
+}
+
+/** How a step runs backward. */
+enum class Mode { kPlain, kPerBlock, kSelective, kDiskOffload, kChain, kAccumulate2 };
+std::string name_of(Mode m) {
+  switch (m) {
+    case Mode::kPlain: return "plain";
+    case Mode::kPerBlock: return "per-block checkpoint";
+    case Mode::kSelective: return "Megatron policy";
+    case Mode::kDiskOffload: return "disk offload";
+    case Mode::kChain: return "CheckpointedSequential";
+    case Mode::kAccumulate2: return "2 micro-batches";
+  }
+  return "";
+}
+
+/** The reference GPT's shape at a test size: tied embedding and head; block
+ *  1 called twice per forward; block 0's first LayerNorm frozen; an
+ *  auxiliary projection used on even steps only. */
+struct Net {
+  remat::models::Gpt gpt{nullptr};
+  torch::nn::Linear aux{nullptr};
+  std::shared_ptr<torch::nn::Module> root;
+  std::optional<remat::CheckpointedSequential> chain;
+
+  explicit Net(Mode mode) {
+    torch::manual_seed(7);
+    remat::models::GptConfig c;
+    c.vocab = 96;
+    c.seq_len = 16;
+    c.d_model = 32;
+    c.heads = 4;
+    c.layers = 3;
+    root = std::make_shared<torch::nn::Module>();
+    gpt = root->register_module("gpt", remat::models::Gpt(c));
+    aux = root->register_module("aux", torch::nn::Linear(32, 32));
+    for (auto& p : gpt->blocks[0]->named_parameters()) {
+      if (p.key().rfind("ln1", 0) == 0) p.value().requires_grad_(false);
+    }
+    if (mode == Mode::kPerBlock) {
+      remat::enable_checkpointing(*gpt, remat::select::type<remat::models::GptBlockImpl>());
+    } else if (mode == Mode::kSelective) {
+      remat::enable_checkpointing(*gpt, remat::select::type<remat::models::GptBlockImpl>(),
+                                  remat::CheckpointOptions().policy(remat::models::megatron_policy()));
+    } else if (mode == Mode::kChain) {
+      chain.emplace(gpt->blocks, remat::SequentialOptions().memory_budget_fraction(0.8));
+    }
+  }
+
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, int step, Mode mode) {
+    auto h = gpt->embed(idx);
+    if (chain) {
+      h = (*chain)->forward(h);
+    } else {
+      h = gpt->blocks->forward(h);
+    }
+    h = gpt->blocks[1]->as<remat::models::GptBlock>()->forward(h);  // block 1 again: a second use
+    if (step % 2 == 0) h = h + aux(h);
+    (void)mode;
+    return gpt->loss(h, targets);
+  }
+};
+
+struct Batch {
+  torch::Tensor idx, targets;
+};
+std::vector<Batch> batches(int n) {
+  torch::manual_seed(11);
+  std::vector<Batch> out;
+  for (int k = 0; k < n; ++k) out.push_back({torch::randint(96, {4, 16}), torch::randint(96, {4, 16})});
+  return out;
+}
+
+struct Trained {
+  std::vector<std::vector<torch::Tensor>> model, state;  // after each step
+  remat::StepInBackwardStats stats;
+};
+
+/** kSteps steps of Net under mode; in_backward: StepInBackward with
+ *  options; the optimizer's own step() and zero_grad() follow every
+ *  backward either way, as a user's loop keeps them. */
+Trained train(Opt o, Mode mode, std::optional<remat::StepInBackwardOptions> in_backward, bool scheduler = false) {
+  Net net(mode);
+  auto opt = make_opt(o, *net.root);
+  std::optional<torch::optim::StepLR> sched;
+  if (scheduler) sched.emplace(*opt, 1, 0.5);
+  std::optional<remat::StepInBackward> sib;
+  if (in_backward) sib.emplace(*opt, *in_backward);
+  const auto data = batches(2 * kSteps);
+  Trained r;
+  for (int k = 0; k < kSteps; ++k) {
+    torch::manual_seed(100 + k);
+    auto one = [&](const Batch& b) {
+      if (mode == Mode::kDiskOffload) {
+        torch::Tensor loss;
+        {
+          remat::OffloadScope scope(remat::OffloadOptions(remat::OffloadTarget::kDisk)
+                                        .directory(fresh_dir("optim-activations"))
+                                        .min_bytes(0));
+          loss = net.loss(b.idx, b.targets, k, mode);
+        }
+        loss.backward();
+      } else {
+        net.loss(b.idx, b.targets, k, mode).backward();
+      }
+    };
+    if (mode == Mode::kAccumulate2) {
+      {
+        std::optional<remat::StepInBackward::Accumulating> acc;
+        if (sib) acc.emplace(sib->accumulate());
+        one(data[2 * k]);
+      }
+      one(data[2 * k + 1]);
+    } else {
+      one(data[k]);
+    }
+    opt->step();
+    opt->zero_grad();
+    if (sched) sched->step();
+    if (sib) sib->fetch_state();  // to compare it; offload resumes at the next update
+    r.model.push_back(snapshot(*net.root));
+    r.state.push_back(cloned(state_tensors(*opt)));
+  }
+  if (sib) r.stats = sib->stats();
+  return r;
+}
+
+void expect_same(const Trained& a, const Trained& b, const std::string& what) {
+  ASSERT_EQ(a.model.size(), b.model.size());
+  for (size_t k = 0; k < a.model.size(); ++k) {
+    SCOPED_TRACE(what + ", step " + std::to_string(k));
+    expect_bitwise_equal(a.model[k], b.model[k]);
+    expect_bitwise_equal(a.state[k], b.state[k]);
+  }
+}
+
+class EachOptimizer : public ::testing::TestWithParam<Opt> {};
+
+TEST_P(EachOptimizer, BitwiseThePlainStepWithTiedFrozenTwiceCalledAndSometimesUnusedParameters) {
+  const Trained plain = train(GetParam(), Mode::kPlain, std::nullopt);
+  const Trained ib = train(GetParam(), Mode::kPlain, remat::StepInBackwardOptions());
+  expect_same(plain, ib, name_of(GetParam()));
+  // Every trainable parameter each step, aux every other step: the frozen
+  // LayerNorm never; tied wte once per step.
+  Net probe(Mode::kPlain);
+  int64_t trainable = 0;
+  for (auto& p : probe.root->parameters()) trainable += p.requires_grad();
+  EXPECT_EQ(ib.stats.updates, kSteps * (trainable - 2) + (kSteps / 2) * 2) << "aux (weight, bias) on even steps";
+}
+
+TEST_P(EachOptimizer, BitwiseUnderALearningRateScheduler) {
+  expect_same(train(GetParam(), Mode::kPlain, std::nullopt, true),
+              train(GetParam(), Mode::kPlain, remat::StepInBackwardOptions(), true), name_of(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, EachOptimizer,
+                         ::testing::Values(Opt::kSgd, Opt::kAdam, Opt::kAdamW, Opt::kRmsprop, Opt::kAdagrad),
+                         [](const auto& info) { return name_of(info.param); });
+
+class EachMode : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(EachMode, AdamWInBackwardIsBitwiseThePlainStep) {
+  // The plain reference runs the same mode (checkpointing does not change
+  // the math), so each comparison isolates the step in backward.
+  const Trained plain = train(Opt::kAdamW, GetParam(), std::nullopt);
+  const Trained ib = train(Opt::kAdamW, GetParam(), remat::StepInBackwardOptions());
+  expect_same(plain, ib, name_of(GetParam()));
+  EXPECT_GT(ib.stats.updates, 0);
+  if (GetParam() == Mode::kAccumulate2) {
+    EXPECT_GT(ib.stats.accumulated, 0);
+  }
+}
+
+TEST_P(EachMode, StateInADiskStoreIsBitwiseKeepingIt) {
+  const std::string dir = fresh_dir("optim-state");
+  const Trained plain = train(Opt::kAdam, GetParam(), std::nullopt);
+  const Trained ib = train(Opt::kAdam, GetParam(),
+                           remat::StepInBackwardOptions().state_offload(
+                               remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0)));
+  expect_same(plain, ib, name_of(GetParam()));
+  EXPECT_GT(ib.stats.peak_state_offloaded_bytes, 0);
+  EXPECT_EQ(files_in(dir), 0u) << "the state came back and its files went";
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, EachMode,
+                         ::testing::Values(Mode::kPlain, Mode::kPerBlock, Mode::kSelective, Mode::kDiskOffload,
+                                           Mode::kChain, Mode::kAccumulate2),
+                         [](const auto& info) {
+                           std::string n = name_of(info.param);
+                           std::string out;
+                           for (char ch : n) out += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                           return out;
+                         });
+
+/** 8 x Linear(512, 512): 1 MiB of weight gradient each. */
+torch::nn::Sequential wide_mlp() {
+  torch::manual_seed(3);
+  torch::nn::Sequential s;
+  for (int i = 0; i < 8; ++i) {
+    s->push_back(torch::nn::Linear(512, 512));
+    s->push_back(torch::nn::Tanh());
+  }
+  return s;
+}
+
+TEST(StepInBackward, GradientsNeverAllLiveAtOnce) {
+  // Counted by remat's allocator counter: the plain step's peak holds all 8
+  // MiB of gradients at the end of backward; in backward at most ~2 live.
+  remat::memory::enable_tracking();
+  auto peak_of = [](bool in_backward) {
+    auto m = wide_mlp();
+    torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.01));
+    std::optional<remat::StepInBackward> sib;
+    if (in_backward) sib.emplace(opt);
+    const auto x = torch::randn({8, 512});
+    int64_t peak = 0;
+    for (int k = 0; k < 2; ++k) {
+      remat::memory::reset_peak();
+      const int64_t start = remat::memory::current_bytes();
+      m->forward(x).square().mean().backward();
+      opt.step();
+      opt.zero_grad();
+      peak = remat::memory::peak_bytes() - start;
+    }
+    return peak;
+  };
+  const int64_t plain = peak_of(false), ib = peak_of(true);
+  std::printf("peak above the step's start: plain %lld B, in backward %lld B\n", static_cast<long long>(plain),
+              static_cast<long long>(ib));
+  EXPECT_LE(ib, plain - 5 * (int64_t{1} << 20));
+}
+
+TEST(StepInBackward, StateOffloadedBetweenStepsLeavesOnlyWhatIsReadAhead) {
+  remat::memory::enable_tracking();
+  const std::string dir = fresh_dir("optim-state-mem");
+  auto resident_after = [&](bool offload) {
+    auto m = wide_mlp();
+    torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
+    remat::StepInBackwardOptions o;
+    if (offload) o.state_offload(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)).state_prefetch(1);
+    std::optional<remat::StepInBackward> sib;
+    sib.emplace(opt, o);
+    const auto x = torch::randn({8, 512});
+    for (int k = 0; k < 3; ++k) {
+      m->forward(x).square().mean().backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    // What the optimizer holds between steps (its state), with the model.
+    return remat::memory::current_bytes();
+  };
+  const int64_t kept = resident_after(false), off = resident_after(true);
+  std::printf("between steps: state kept %lld B, offloaded %lld B\n", static_cast<long long>(kept),
+              static_cast<long long>(off));
+  // Adam's two moments of 8 MiB of weights are 16 MiB; read ahead: one
+  // parameter's (2 MiB) plus writes not yet done.
+  EXPECT_LE(off, kept - 10 * (int64_t{1} << 20));
+  EXPECT_EQ(files_in(dir), 0u);
+}
+
+TEST(StepInBackward, StateReadAheadInTheOrderOfTheLastBackward) {
+  const std::string dir = fresh_dir("optim-state-order");
+  auto m = wide_mlp();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
+  remat::StepInBackward sib(
+      opt, remat::StepInBackwardOptions()
+               .state_offload(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0))
+               .state_prefetch(2));
+  // Batch 512: each layer's backward (~0.3 GFLOP) outlasts reading the
+  // next states (2 MiB each), so a state read ahead is there when needed.
+  const auto x = torch::randn({512, 512});
+  for (int k = 0; k < 4; ++k) {
+    m->forward(x).square().mean().backward();
+    // Let the writes and the reads ahead finish, as a forward would.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  const auto s = sib.stats();
+  // Step 1 has no order yet: its 16 states were never stored. Step 2 learns
+  // the order (each read when needed); steps 3 and 4 read ahead.
+  EXPECT_EQ(s.updates, 4 * 16);
+  EXPECT_LE(s.state_misses, 16 + 4) << sib.describe();
+}
+
+TEST(StepInBackward, AStateWriteThatFailsKeepsTheStateAndTheStepIsApplied) {
+  const std::string dir = fresh_dir("optim-state-wfail");
+  const Trained plain = train(Opt::kAdam, Mode::kPlain, std::nullopt);
+  remat::detail::inject_offload_write_failure(5);
+  const Trained ib = train(Opt::kAdam, Mode::kPlain,
+                           remat::StepInBackwardOptions().state_offload(
+                               remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0)));
+  remat::detail::inject_offload_write_failure(0);
+  expect_same(plain, ib, "a write failed");
+  EXPECT_EQ(ib.stats.state_write_failures, 1);
+  EXPECT_NE(ib.stats.last_state_error.find("failed"), std::string::npos) << ib.stats.last_state_error;
+  EXPECT_EQ(files_in(dir), 0u);
+}
+
+TEST(StepInBackward, AStateReadThatFailsStopsBeforeThatParameterAndEachParameterMatchesItsState) {
+  // Step 2 reads states back; the 3rd read fails. Every parameter is then
+  // either stepped with its state (as plain's step 2) or neither (as plain's
+  // step 1), the one whose read failed among the latter; the file is kept,
+  // so fetch_state() brings everything back and nothing is lost.
+  const std::string dir = fresh_dir("optim-state-rfail");
+  auto m = wide_mlp();
+  auto m_ref = wide_mlp();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
+  torch::optim::Adam ref(m_ref->parameters(), torch::optim::AdamOptions(1e-3));
+  remat::StepInBackward sib(
+      opt, remat::StepInBackwardOptions()
+               .state_offload(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0))
+               .state_prefetch(0));
+  const auto x = torch::randn({8, 512});
+  auto step = [&](torch::nn::Sequential& net, torch::optim::Optimizer& o) {
+    net->forward(x).square().mean().backward();
+    o.step();
+    o.zero_grad();
+  };
+  step(m, opt);
+  step(m_ref, ref);
+  const auto p1 = snapshot(*m_ref);
+  const auto s1 = cloned(state_tensors(ref));
+  step(m_ref, ref);
+  const auto p2 = snapshot(*m_ref);
+  const auto s2 = cloned(state_tensors(ref));
+
+  sib.wait();  // the writes are done: step 2 reads files
+  remat::detail::inject_offload_read_failure(3);
+  const std::string err = error_of([&] { m->forward(x).square().mean().backward(); });
+  remat::detail::inject_offload_read_failure(0);
+  // Reads 1 and 2 are the first updated parameter's two moments (no
+  // amsgrad); read 3 is the next one's first moment.
+  EXPECT_NE(err.find("[remat::StepInBackward] the optimizer state of parameter #"), std::string::npos) << err;
+  EXPECT_NE(err.find("cannot be read back from its store"), std::string::npos) << err;
+  EXPECT_NE(err.find("Its file is kept; 17 parameter updates were applied so far, each with its own state."),
+            std::string::npos)
+      << err;
+  sib.fetch_state();
+  const auto p_now = snapshot(*m);
+  const auto s_now = state_tensors(opt);
+  int stepped = 0, not_stepped = 0;
+  for (size_t i = 0; i < p_now.size(); ++i) {
+    auto same = [&](const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& s) {
+      if (!torch::equal(p_now[i], p[i])) return false;
+      for (size_t k = 4 * i; k < 4 * i + 4; ++k) {
+        if (s_now[k].defined() != s[k].defined() || (s[k].defined() && !torch::equal(s_now[k], s[k]))) return false;
+      }
+      return true;
+    };
+    if (same(p2, s2)) {
+      ++stepped;
+    } else if (same(p1, s1)) {
+      ++not_stepped;
+    } else {
+      ADD_FAILURE() << "parameter " << i << " matches neither its step-1 nor its step-2 value with its state";
+    }
+  }
+  EXPECT_EQ(stepped, 1);
+  EXPECT_EQ(not_stepped, 15);
+  EXPECT_EQ(files_in(dir), 0u);
+}
+
+TEST(StepInBackward, RefusesWhatCannotWork) {
+  auto m = wide_mlp();
+  torch::optim::LBFGS lbfgs(m->parameters());
+  EXPECT_EQ(error_of([&] { remat::StepInBackward s(lbfgs); }),
+            "[remat::StepInBackward] LBFGS cannot step inside backward: its step re-evaluates the whole loss through "
+            "a closure. Call its step(closure) after backward.");
+  torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1));
+  EXPECT_EQ(error_of([&] { remat::StepInBackward s(sgd, remat::StepInBackwardOptions().state_prefetch(-1)); }),
+            "[remat::StepInBackward] StepInBackwardOptions::state_prefetch is -1; it must be >= 0 (0 reads each "
+            "state when needed).");
+  {
+    remat::StepInBackward first(sgd);
+    torch::optim::SGD again(m->parameters(), torch::optim::SGDOptions(0.1));
+    EXPECT_EQ(error_of([&] { remat::StepInBackward s(again); }),
+              "[remat::StepInBackward] parameter #0 (shape [512, 512]) already has a post-accumulate-grad hook "
+              "(another StepInBackward on the same parameters?); one StepInBackward per parameter.");
+    EXPECT_TRUE(remat::StepInBackward::steps_in_backward(m->parameters()[0]));
+  }
+  EXPECT_FALSE(remat::StepInBackward::steps_in_backward(m->parameters()[0]));
+  remat::StepInBackward fine(sgd);  // the first one gave its hooks back
+}
+
+TEST(StepInBackward, ACreateGraphBackwardIsRefusedBeforeAnythingChanges) {
+  auto m = wide_mlp();
+  torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.1));
+  remat::StepInBackward sib(opt);
+  const auto before = snapshot(*m);
+  const auto x = torch::randn({8, 512});
+  const std::string err = error_of([&] {
+    auto loss = m->forward(x).square().mean();
+    torch::autograd::backward({loss}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+  });
+  EXPECT_NE(err.find("[remat::StepInBackward] a backward with create_graph (higher-order gradients) reached a "
+                     "parameter that is updated in backward"),
+            std::string::npos)
+      << err;
+  expect_bitwise_equal(before, snapshot(*m));
+  EXPECT_EQ(sib.stats().updates, 0);
+}
+
+TEST(StepInBackward, AnUnknownOptimizersStateNeedsItsTensorsNamed) {
+  struct Plain : torch::optim::Optimizer {
+    explicit Plain(std::vector<torch::Tensor> p)
+        : Optimizer(std::move(p), std::make_unique<torch::optim::SGDOptions>(0.1)) {}
+    torch::Tensor step(LossClosure) override { return {}; }
+  };
+  auto m = wide_mlp();
+  Plain opt(m->parameters());
+  EXPECT_EQ(error_of([&] {
+              remat::StepInBackward s(opt, remat::StepInBackwardOptions().state_offload(
+                                               remat::OffloadOptions(remat::OffloadTarget::kMemory)));
+            }),
+            "[remat::StepInBackward] state_offload: remat knows the state of LibTorch's SGD, Adam, AdamW, RMSprop "
+            "and Adagrad, not of this optimizer. Pass StepInBackwardOptions::state_tensors(fn) returning the "
+            "tensors of its per-parameter state.");
+}
+
+}  // namespace
