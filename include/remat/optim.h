@@ -77,6 +77,9 @@ struct StepInBackwardStats {
   int64_t accumulated = 0;
   /** Bytes of optimizer state in the store now (state_offload). */
   int64_t state_offloaded_bytes = 0;
+  /** Gradients left to the optimizer's step() because a parallel wrapper
+   *  finishes them after backward (DataParallel). */
+  int64_t deferred = 0;
   /** Highest state_offloaded_bytes. */
   int64_t peak_state_offloaded_bytes = 0;
   /** States read back when their update needed them (not read ahead). */
@@ -89,7 +92,39 @@ struct StepInBackwardStats {
 
 namespace detail {
 struct StepInBackwardImpl;
-}
+
+/** For the parallel wrappers. While a DeferredGradients lives, a
+ *  StepInBackward leaves its parameters' gradients to the optimizer's own
+ *  step() after backward: their gradients are final only once backward has
+ *  ended (DataParallel's Reducer averages them then). */
+class DeferredGradients {
+ public:
+  /** `why` completes "left to the optimizer's step(): ..." in describe(). */
+  DeferredGradients(std::vector<at::Tensor> params, std::string why);
+  ~DeferredGradients();
+  DeferredGradients(const DeferredGradients&) = delete;
+  DeferredGradients& operator=(const DeferredGradients&) = delete;
+
+ private:
+  std::vector<at::Tensor> params_;
+};
+
+/** For Pipeline: while one lives (any thread), every StepInBackward keeps
+ *  the gradients of the backward passes that run, as under accumulate():
+ *  the micro-batches before a stage's last. */
+class AccumulateEverywhere {
+ public:
+  AccumulateEverywhere();
+  ~AccumulateEverywhere();
+  AccumulateEverywhere(const AccumulateEverywhere&) = delete;
+  AccumulateEverywhere& operator=(const AccumulateEverywhere&) = delete;
+};
+
+/** Updates p now, as its hook would (FullyShard, once the shard's gradient
+ *  is reduced; it never passes through an AccumulateGrad): false when no
+ *  StepInBackward owns p or its gradient is undefined. */
+bool step_in_backward_now(const at::Tensor& p);
+}  // namespace detail
 
 /** Applies the optimizer's update to each parameter inside backward, as soon
  *  as the parameter's gradient is final, then frees that gradient:

@@ -41,6 +41,7 @@
 #include <remat/models/resnet.h>
 #include <remat/models/tokenizer.h>
 #include <remat/offload.h>
+#include <remat/optim.h>
 #include <remat/plan/error.h>
 #include <remat/plan/solve.h>
 #include <remat/profile.h>
@@ -315,11 +316,26 @@ void check_config(const TrainConfig& config) {
     throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) +
                 ".");
   }
-  if (c.checkpoint == Strategy::kOffload) {
+  if (!c.optimizer_state.empty() && c.optimizer_state != "disk" && c.optimizer_state != "host" &&
+      c.optimizer_state != "bf16") {
+    throw Error("[remat::train] --optimizer-state '" + c.optimizer_state + "' is not one of disk, host, bf16.");
+  }
+  if (!c.optimizer_state.empty() && !c.optimizer_in_backward) {
+    throw Error("[remat::train] --optimizer-state " + c.optimizer_state +
+                " moves each parameter's state between its updates inside backward; add --optimizer-in-backward.");
+  }
+  if (c.optimizer_in_backward && c.clip_norm > 0.0) {
+    throw Error("[remat::train] --clip-norm " + std::to_string(c.clip_norm) +
+                " cannot be combined with --optimizer-in-backward: the global gradient norm needs every gradient "
+                "before any update. Drop one of the two.");
+  }
+  if (c.checkpoint == Strategy::kOffload || c.optimizer_state == "disk") {
     if (c.offload_dir.empty()) {
-      throw Error(
-          "[remat::train] --checkpoint offload needs --offload-dir DIR, an existing writable directory for the "
-          "saved activations' files (e.g. --offload-dir /tmp).");
+      throw Error(std::string("[remat::train] ") +
+                  (c.checkpoint == Strategy::kOffload ? "--checkpoint offload" : "--optimizer-state disk") +
+                  " needs --offload-dir DIR, an existing writable directory for the " +
+                  (c.checkpoint == Strategy::kOffload ? "saved activations'" : "optimizer state's") +
+                  " files (e.g. --offload-dir /tmp).");
     }
     std::error_code ec;
     const auto st = std::filesystem::status(c.offload_dir, ec);
@@ -423,6 +439,7 @@ struct Trainer::Impl {
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss;
   torch::nn::Sequential blocks{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer;  // AdamW, or SGD (TrainConfig::optimizer)
+  std::unique_ptr<StepInBackward> in_backward;         // TrainConfig::optimizer_in_backward
   at::Generator data_gen;
   torch::Tensor tokens;   // (N) int64 ids of the text (GPT)
   int64_t vocab = 0;      // tok->vocab_size() (GPT)
@@ -759,11 +776,23 @@ void Trainer::set_step_hooks(StepHooks hooks) { impl_->hooks = std::move(hooks);
 void Trainer::use_optimizer_parameters(std::vector<at::Tensor> parameters) {
   auto& m = *impl_;
   const auto& c = m.cfg;
+  m.in_backward.reset();  // its hooks go with the optimizer they step
   if (c.optimizer == "sgd") {
     m.optimizer = std::make_unique<torch::optim::SGD>(std::move(parameters), torch::optim::SGDOptions(c.lr));
   } else {
     m.optimizer = std::make_unique<torch::optim::AdamW>(std::move(parameters),
                                                         torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
+  }
+  if (c.optimizer_in_backward) {
+    StepInBackwardOptions o;
+    if (c.optimizer_state == "disk") {
+      o.state_offload(OffloadOptions(OffloadTarget::kDisk).directory(c.offload_dir));
+    } else if (c.optimizer_state == "host") {
+      o.state_offload(OffloadOptions(OffloadTarget::kHost));
+    } else if (c.optimizer_state == "bf16") {
+      o.state_offload(OffloadOptions(OffloadTarget::kMemory).codec(Codec::kBFloat16).min_bytes(0));
+    }
+    m.in_backward = std::make_unique<StepInBackward>(*m.optimizer, o);
   }
 }
 
@@ -796,6 +825,10 @@ StepStats Trainer::step(memory::Timeline* timeline) {
       for (int64_t k = 0; k < m.cfg.grad_accum; ++k) {
         auto [x, y] = m.batch();
         const bool sync = k + 1 == m.cfg.grad_accum;
+        // Micro-batches before the last keep their gradients; the last one's
+        // backward updates (optimizer_in_backward).
+        std::optional<StepInBackward::Accumulating> accumulating;
+        if (m.in_backward && !sync) accumulating.emplace(m.in_backward->accumulate());
         const double f0 = timeline ? timeline->now_us() : 0.0;
         if (m.hooks.before_every_forward) m.hooks.before_every_forward();
         if (sync && m.hooks.before_forward) m.hooks.before_forward();
@@ -889,6 +922,7 @@ void Trainer::save(const std::string& path) const {
   const auto& m = *impl_;
   torch::serialize::OutputArchive archive, model, optim;
   m.module->save(model);
+  if (m.in_backward) m.in_backward->fetch_state();  // the state in a store comes back to be saved
   m.optimizer->save(optim);
   archive.write("model", model);
   archive.write("optimizer", optim);
@@ -1547,6 +1581,12 @@ std::string Trainer::summary() const {
   if (m.gpt && c.loss_chunks > 0) os << "; head + loss in " << c.loss_chunks << " chunks";
   if (m.gpt && c.mlp_chunks > 0) os << "; MLP in " << c.mlp_chunks << " chunks";
   if (c.bf16) os << "; bf16 autocast";
+  if (c.optimizer_in_backward) {
+    os << "; optimizer step in backward";
+    if (!c.optimizer_state.empty())
+      os << " (state between updates: " << c.optimizer_state
+         << (c.optimizer_state == "disk" ? " in " + c.offload_dir : std::string()) << ")";
+  }
   const int threads = torch::get_num_threads();
   os << "; " << threads << (threads == 1 ? " thread" : " threads");
   if (m.steps_done > 0) os << "; resumed at step " << m.steps_done;

@@ -26,6 +26,7 @@
 #include <remat/optim.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -47,9 +48,19 @@ namespace remat {
 namespace detail {
 namespace {
 
-/** Parameters stepped in backward by any live StepInBackward, by TensorImpl. */
+/** Parameters stepped in backward by any live StepInBackward, by TensorImpl;
+ *  and those a DeferredGradients leaves to the optimizer's step(). */
 std::mutex g_registry_mu;
 std::unordered_map<const void*, int> g_registry;
+std::unordered_map<const void*, std::pair<int, std::string>> g_deferred;
+std::atomic<int> g_accumulate_everywhere{0};
+
+/** Why p's update is left to step(), or "" (takes the registry lock). */
+std::string deferred_why(const at::Tensor& p) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = g_deferred.find(p.unsafeGetTensorImpl());
+  return it == g_deferred.end() ? std::string() : it->second.second;
+}
 
 std::string describe_param(int64_t index, const at::Tensor& p) {
   std::ostringstream os;
@@ -95,6 +106,7 @@ struct StepInBackwardImpl {
   mutable std::mutex mu;
   int accumulating = 0;
   StepInBackwardStats st;
+  std::string deferred_reason;  // the last DeferredGradients' why
   // NOTE [state between updates]: the order of the last backward's updates.
   std::vector<size_t> order, last_order;
   std::vector<int64_t> pos_in_last;  // per parameter, its place in last_order or -1
@@ -193,11 +205,18 @@ struct StepInBackwardImpl {
           "the second derivative needs. Destroy the StepInBackward for that step (call the optimizer's step() "
           "after backward instead).");
     }
+    const std::string why = deferred_why(t);
     std::lock_guard<std::mutex> lock(mu);
     auto it = by_impl.find(t.unsafeGetTensorImpl());
     if (it == by_impl.end()) return;
     Param& p = params[it->second];
-    if (accumulating > 0) {
+    if (!why.empty()) {
+      st.deferred++;
+      deferred_reason = why;
+      if (store) fetch(p, /*count_miss=*/false);  // step() needs it
+      return;
+    }
+    if (accumulating > 0 || g_accumulate_everywhere.load() > 0) {
       st.accumulated++;
       if (store) fetch(p, /*count_miss=*/false);  // a kept gradient may meet opt.step(): its state must be there
       return;
@@ -244,6 +263,36 @@ struct Hook final : torch::autograd::PostAccumulateGradHook {
 };
 
 }  // namespace
+
+DeferredGradients::DeferredGradients(std::vector<at::Tensor> params, std::string why) : params_(std::move(params)) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  for (const auto& p : params_) {
+    auto& d = g_deferred[p.unsafeGetTensorImpl()];
+    d.first++;
+    d.second = why;
+  }
+}
+
+DeferredGradients::~DeferredGradients() {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  for (const auto& p : params_) {
+    auto it = g_deferred.find(p.unsafeGetTensorImpl());
+    if (it != g_deferred.end() && --it->second.first == 0) g_deferred.erase(it);
+  }
+}
+
+AccumulateEverywhere::AccumulateEverywhere() { g_accumulate_everywhere++; }
+AccumulateEverywhere::~AccumulateEverywhere() { g_accumulate_everywhere--; }
+
+bool step_in_backward_now(const at::Tensor& p) {
+  if (!p.defined() || !p.grad().defined()) return false;
+  auto& slot = torch::autograd::impl::post_acc_grad_hooks(p);
+  auto* hook = dynamic_cast<Hook*>(slot.get());
+  if (!hook) return false;
+  (*hook)(p);
+  return true;
+}
+
 }  // namespace detail
 
 StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInBackwardOptions& options)
@@ -372,6 +421,10 @@ std::string StepInBackward::describe() const {
   os << "StepInBackward: " << impl_->params.size() << " parameters in " << impl_->opt.param_groups().size()
      << " group(s) updated in backward; " << s.updates << " updates";
   if (s.accumulated > 0) os << ", " << s.accumulated << " gradients kept for accumulation";
+  if (s.deferred > 0) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    os << ", " << s.deferred << " left to the optimizer's step(): " << impl_->deferred_reason;
+  }
   if (impl_->store) {
     os << "; state between updates in " << impl_->store->describe() << " (" << s.state_offloaded_bytes
        << " B there now, at most " << s.peak_state_offloaded_bytes << " B; " << s.state_misses

@@ -31,6 +31,8 @@
 #include <torch/serialize.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <remat/optim.h>
+
 #include <remat/error.h>
 
 #include "common.h"
@@ -389,6 +391,9 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       } else {
         g = mine.clone();
       }
+      // The shard's gradient is final: a StepInBackward updates it now and
+      // frees it (no AccumulateGrad ever sees a shard).
+      remat::detail::step_in_backward_now(f.shard);
     }
     pending.clear();
   }
@@ -847,6 +852,14 @@ double FullyShard::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0.0) || !std::isfinite(max_norm)) {
     throw Error("[remat::parallel] FullyShard::clip_grad_norm: max_norm " + std::to_string(max_norm) +
                 " must be a positive finite number.");
+  }
+  for (const auto& u : m.units) {
+    if (StepInBackward::steps_in_backward(u.flats[Impl::kTrainable].shard)) {
+      throw Error(
+          "[remat::parallel] FullyShard::clip_grad_norm: unit '" + u.name +
+          "' is updated inside backward (remat::StepInBackward), so no gradient is left to clip: the global norm "
+          "needs every gradient before any update. Destroy the StepInBackward to clip, or train without clipping.");
+    }
   }
   torch::NoGradGuard no_grad;
   at::Tensor sq =

@@ -24,6 +24,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <remat/error.h>
+#include <remat/optim.h>
 
 #include "backends.h"
 #include "common.h"
@@ -393,6 +394,9 @@ struct DataParallel::Impl {
   // reducer), as DDP deletes its logger before its reducer.
   std::shared_ptr<c10d::Logger> logger;
   std::shared_ptr<Recorder> rec = std::make_shared<Recorder>();
+  /** The Reducer averages the gradients at the end of backward: a
+   *  StepInBackward leaves these parameters to the optimizer's step(). */
+  std::unique_ptr<remat::detail::DeferredGradients> deferred;
   bool armed = false;  // prepare_for_backward called, its backward's stats not yet folded
 
   void broadcast(std::vector<at::Tensor>& ts) const {
@@ -471,6 +475,10 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGro
                                           /*output_device=*/-1, options.broadcast_buffers(), /*has_sync_bn=*/false,
                                           /*static_graph=*/false);
   m.reducer->register_comm_hook(std::make_unique<TimedAllReduce>(m.group.c10d(), m.rec, m.group.timeout()));
+  m.deferred = std::make_unique<remat::detail::DeferredGradients>(
+      m.params,
+      "DataParallel averages their gradients at the end of backward, and its buckets hold every gradient "
+      "anyway");
 }
 
 DataParallel::~DataParallel() = default;

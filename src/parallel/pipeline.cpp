@@ -28,6 +28,7 @@
 #include <remat/auto.h>
 #include <remat/error.h>
 #include <remat/memory.h>
+#include <remat/optim.h>
 
 #include "common.h"
 
@@ -155,6 +156,9 @@ StageFn sequential_stage(torch::nn::Sequential part) {
 
 struct Pipeline::Impl {
   ProcessGroup group;
+  /** Tied parameters are summed across stages after the last micro-batch:
+   *  a StepInBackward leaves them to the optimizer's step(). */
+  std::unique_ptr<remat::detail::DeferredGradients> deferred_tied;
   StageFn fn;
   PipelineOptions options;
   int rank = 0, P = 1, M = 1;
@@ -519,6 +523,10 @@ Pipeline::Pipeline(ProcessGroup group, StageFn stage, PipelineOptions options) :
       }
     }
   }
+  if (!m.options.tied().empty()) {
+    m.deferred_tied = std::make_unique<remat::detail::DeferredGradients>(
+        m.options.tied(), "tied across pipeline stages, their gradients are summed after the last micro-batch");
+  }
   if (m.P > 1) {
     // Every rank must run the same schedule on the same number of
     // micro-batches and tie as many elements, or the messages would not
@@ -603,12 +611,22 @@ at::Tensor Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vect
     }
     if (m.rank == m.P - 1 && !targets.empty()) tg = m.split(targets, "targets");
     int in_flight = 0;
-    for (const auto& op : schedule_ops(m.options.schedule(), m.rank, m.P, m.M)) {
+    const auto ops = schedule_ops(m.options.schedule(), m.rank, m.P, m.M);
+    // A StepInBackward updates in this stage's last backward only: the
+    // micro-batches before it accumulate, as one step's gradient.
+    size_t last_backward = ops.size();
+    for (size_t k = 0; k < ops.size(); ++k) {
+      if (!ops[k].forward) last_backward = k;
+    }
+    for (size_t k = 0; k < ops.size(); ++k) {
+      const auto& op = ops[k];
       if (op.forward) {
         m.forward(op.m, mbs[op.m], in, tg, loss);
         m.stats.max_in_flight = std::max(m.stats.max_in_flight, ++in_flight);
         if (m.rank == m.P - 1) total += mbs[op.m].loss.detach().item<double>();
       } else {
+        std::optional<remat::detail::AccumulateEverywhere> keep;
+        if (k != last_backward) keep.emplace();
         m.backward(op.m, mbs[op.m]);
         --in_flight;
       }
@@ -702,6 +720,14 @@ double Pipeline::clip_grad_norm(const std::vector<at::Tensor>& parameters, doubl
   if (!(max_norm > 0.0) || !std::isfinite(max_norm)) {
     throw Error("[remat::parallel] clip_grad_norm: max_norm " + std::to_string(max_norm) +
                 " must be a positive finite number.");
+  }
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (StepInBackward::steps_in_backward(parameters[i])) {
+      throw Error("[remat::parallel] clip_grad_norm: parameter #" + str(static_cast<int64_t>(i)) +
+                  " is updated inside backward (remat::StepInBackward), so no gradient is left to clip: the global "
+                  "norm needs every gradient before any update. Destroy the StepInBackward to clip, or train "
+                  "without clipping.");
+    }
   }
   // A tied parameter's gradient is the same sum on every rank that steps
   // it; it is counted once, by the lowest rank whose `parameters` list it

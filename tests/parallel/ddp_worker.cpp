@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@
 
 #include <remat/error.h>
 #include <remat/models/trainer.h>
+#include <remat/optim.h>
 #include <remat/parallel/data_parallel.h>
 
 #include "worker_args.h"
@@ -79,7 +81,13 @@ void run_mlp(int argc, char** argv, int rank, int world, const remat::parallel::
       model.ptr(), group,
       remat::parallel::DataParallelOptions().find_unused_parameters(flag(argc, argv, "find-unused")));
   if (!out.empty()) torch::save(snapshot(*model), prefix + ".init");
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr));
+  // --step-in-backward (with momentum, so that state matters): the Reducer
+  // averages at the end of backward, so the updates are left to opt.step()
+  // and the result must not change.
+  const bool in_bw = flag(argc, argv, "step-in-backward");
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr).momentum(in_bw ? 0.9 : 0.0));
+  std::optional<remat::StepInBackward> in_backward;
+  if (in_bw) in_backward.emplace(opt);
   for (int step = 0; step < steps; ++step) {
     // The same global batch on every rank and in the 1-process run; each rank takes its rows.
     auto gen = at::detail::createCPUGenerator(1000 + step);
@@ -90,6 +98,11 @@ void run_mlp(int argc, char** argv, int rank, int world, const remat::parallel::
     auto loss = ddp.forward([&] { return (model->forward(x, branch) - t).square().mean(); });
     loss.backward();
     opt.step();
+  }
+  if (in_backward && (in_backward->stats().deferred == 0 || in_backward->stats().updates != 0)) {
+    std::fprintf(stderr, "ddp_worker: DataParallel's parameters were not left to opt.step(): %s\n",
+                 in_backward->describe().c_str());
+    std::exit(3);
   }
   if (!out.empty()) torch::save(snapshot(*model), prefix);
 }

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,6 +39,7 @@
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
 #include <remat/offload.h>
+#include <remat/optim.h>
 #include <remat/parallel/fully_shard.h>
 #include <remat/sequential.h>
 
@@ -121,6 +123,10 @@ int main(int argc, char** argv) {
     if (strategy == "auto")
       planner.emplace(remat::auto_checkpoint(gpt, remat::AutoOptions().memory_budget_fraction(1.0)));
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
+    // --step-in-backward: each shard updated once reduced, in backward's end
+    // (the optimizer's step() after it then finds nothing to do).
+    std::optional<remat::StepInBackward> in_backward;
+    if (flag(argc, argv, "step-in-backward")) in_backward.emplace(opt);
     if (!plain && !arg(argc, argv, "load-sharded", "").empty()) fsdp->load_sharded(arg(argc, argv, "load-sharded", ""));
     double norm = 0;
     remat::parallel::ShardStats last;
@@ -162,6 +168,10 @@ int main(int argc, char** argv) {
       }
       opt.step();
       if (fsdp) last = fsdp->stats();
+    }
+    if (in_backward && in_backward->stats().updates == 0) {
+      std::fprintf(stderr, "fsdp_worker: nothing was updated in backward: %s\n", in_backward->describe().c_str());
+      return 3;
     }
     // A collective's buffers may be freed on the process group's thread a
     // little after the step returns (seen on a loaded machine: 200 KB more

@@ -311,6 +311,21 @@ TEST(DataParallelProcesses, FindUnusedParametersWithABranchTakenOnSomeSteps) {
             << d0 << " (rank 0), " << d1 << " (rank 1)\n";
 }
 
+// With a StepInBackward, DataParallel's parameters are left to the
+// optimizer's step() (the Reducer averages at the end of backward): the
+// worker checks that, and the result is as without it (SGD with momentum).
+TEST(DataParallelProcesses, AStepInBackwardLeavesTheAveragedGradientsToTheOptimizer) {
+  Dir dir;
+  const std::vector<std::string> args{"--steps", "3", "--step-in-backward"};
+  auto two = run_mlp(dir, "two", 2, args);
+  auto one = run_mlp(dir, "one", 1, args);
+  for (const auto& p : two) ASSERT_EQ(p.status, 0) << read_file(p.err);
+  ASSERT_EQ(one[0].status, 0) << read_file(one[0].err);
+  const auto r0 = load_params(dir.path() / "two.rank0"), ref = load_params(dir.path() / "one.rank0");
+  EXPECT_LE(max_abs_diff(r0, ref), 1e-6);
+  EXPECT_GT(max_abs_diff(ref, load_params(dir.path() / "one.rank0.init")), 1e-3);
+}
+
 // Python's DDP broadcasts every parameter, frozen ones included, and the
 // buffers: a frozen parameter gets no gradient, so nothing else would make
 // the ranks agree.
@@ -807,11 +822,13 @@ std::vector<Proc> run_fsdp(const Dir& dir, const std::string& tag, int world, st
 
 /** `world` sharded ranks at batch 4 / world against one plain process at
  *  batch 4 (same data, AdamW): parameters after the steps within 1e-6. */
-void expect_sharded_equals_plain(int world, const std::string& strategy, std::vector<std::string> extra = {}) {
+void expect_sharded_equals_plain(int world, const std::string& strategy, std::vector<std::string> extra = {},
+                                 const std::vector<std::string>& sharded_only = {}) {
   Dir dir;
   std::vector<std::string> common{"--strategy", strategy, "--steps", "3"};
   common.insert(common.end(), extra.begin(), extra.end());
   auto sharded_args = common;
+  sharded_args.insert(sharded_args.end(), sharded_only.begin(), sharded_only.end());
   sharded_args.insert(sharded_args.end(), {"--batch", std::to_string(4 / world)});
   auto plain_args = common;
   plain_args.insert(plain_args.end(), {"--batch", "4", "--plain"});
@@ -872,6 +889,11 @@ TEST(FullyShardProcesses, TwoRanksEqualOneAuto) { expect_sharded_equals_plain(2,
 // The blocks as stages of a CheckpointedSequential, whose stage backwards
 // run inside the outer backward.
 TEST(FullyShardProcesses, TwoRanksEqualOneChain) { expect_sharded_equals_plain(2, "chain"); }
+// Each shard updated inside backward once its reduce-scatter is done
+// (remat::StepInBackward), against one plain process stepping after backward.
+TEST(FullyShardProcesses, TwoRanksUpdatingInBackwardEqualOnePlain) {
+  expect_sharded_equals_plain(2, "block", {}, {"--step-in-backward"});
+}
 TEST(FullyShardProcesses, TwoRanksEqualOneOffloadToDisk) {
   Dir scratch;
   expect_sharded_equals_plain(2, "offload", {"--offload-dir", scratch.path().string()});

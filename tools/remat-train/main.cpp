@@ -438,6 +438,14 @@ int main(int argc, char** argv) {
   app.add_option("--fit-step", fit_step, "granularity of --max-*-under (tokens or sequences)")->capture_default_str();
   app.add_option("--grad-accum", cfg.grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_option("--clip-norm", cfg.clip_norm, "max global gradient norm (0: off)")->capture_default_str();
+  app.add_flag("--optimizer-in-backward", cfg.optimizer_in_backward,
+               "update each parameter inside backward as soon as its gradient is final, then free that gradient "
+               "(the same training; gradients never all live at once; not with --clip-norm)");
+  app.add_option("--optimizer-state", cfg.optimizer_state,
+                 "with --optimizer-in-backward: keep each parameter's optimizer state between its updates on disk "
+                 "(files in --offload-dir, lossless), in pinned host memory (host; from a GPU), or in memory as "
+                 "bfloat16 (bf16: half the bytes, lossy)")
+      ->check(CLI::IsMember({"disk", "host", "bf16"}));
   app.add_flag("--bf16", cfg.bf16, "forward under CPU autocast to bfloat16");
   app.add_option("--data", cfg.data_path, "text file for the GPT")->capture_default_str();
   app.add_option("--tokenizer", cfg.tokenizer,

@@ -127,6 +127,17 @@ struct TrainConfig {
   int64_t grad_accum = 1;
   /** Max global gradient norm; 0 disables clipping. */
   double clip_norm = 0.0;
+  /** Update each parameter inside backward as soon as its gradient is
+   *  final (remat::StepInBackward): the gradients never all live at once;
+   *  bitwise the same training. Refused with clip_norm (the global norm
+   *  needs every gradient before any update). Default false. */
+  bool optimizer_in_backward = false;
+  /** With optimizer_in_backward, where the optimizer's state lives between
+   *  a parameter's updates: "" (default) where the optimizer keeps it;
+   *  "disk" (files in offload_dir, read ahead of each update, lossless);
+   *  "host" (pinned host memory from a GPU; on CPU the state stays put);
+   *  "bf16" (in memory, rounded to bfloat16: half the bytes, lossy). */
+  std::string optimizer_state;
   /** Forward under CPU autocast to bfloat16. */
   bool bf16 = false;
   /** Text the GPT trains on (character level unless tokenizer or vocab_size is set). */
