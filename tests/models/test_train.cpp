@@ -388,6 +388,40 @@ TEST(Train, GptStrategiesGiveBitwiseEqualLosses) {
   EXPECT_LT(reference.back(), reference.front()) << "the loss should fall";
 }
 
+// The optimizer step in backward trains the same model bit for bit (AdamW,
+// 2 micro-batches, dropout; GPT with its tied head; ResNet with BatchNorm),
+// with the state kept, on disk or (lossy) in bfloat16; per block too.
+TEST(Train, OptimizerInBackwardGivesBitwiseEqualLossesAndState) {
+  for (auto base : {tiny_gpt(), tiny_resnet()}) {
+    base.clip_norm = 0.0;  // refused with the step in backward
+    base.grad_accum = 2;
+    rm::Trainer plain(base);
+    const auto reference = losses_of(plain.run());
+    const auto reference_state = state_of(*plain.module());
+    for (const char* state : {"", "disk", "bf16"}) {
+      for (auto s : {Strategy::kNone, Strategy::kBlock}) {
+        auto c = base;
+        c.checkpoint = s;
+        c.optimizer_in_backward = true;
+        c.optimizer_state = state;
+        rm::Trainer t(c);
+        const auto losses = losses_of(t.run());
+        const std::string what = base.model + " " + std::string(rm::to_string(s)) + " state '" + state + "'";
+        if (std::string(state) == "bf16") {  // rounded state: close, not equal
+          ASSERT_EQ(losses.size(), reference.size());
+          for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], reference[i], 1e-2) << what;
+          EXPECT_NE(t.summary().find("optimizer step in backward (state between updates: bf16)"), std::string::npos)
+              << t.summary();
+          continue;
+        }
+        EXPECT_EQ(losses, reference) << what;
+        expect_same_state(state_of(*t.module()), reference_state, what);
+      }
+    }
+    EXPECT_EQ(offload_files(), 0u) << "the state's files went with the trainer";
+  }
+}
+
 TEST(Train, ResNetStrategiesGiveBitwiseEqualLosses) {
   std::vector<double> reference;
   std::vector<torch::Tensor> reference_state;
@@ -662,6 +696,37 @@ TEST(TrainCli, OffloadNeedsAUsableDirectory) {
   EXPECT_NE(out.find("checkpoint offload (files in " + offload_dir() + ")"), std::string::npos) << out;
   EXPECT_NE(out.find("step 2/2  loss "), std::string::npos) << out;
   EXPECT_NE(out.find("  offloaded "), std::string::npos) << out;
+  EXPECT_EQ(offload_files(), 0u);
+}
+
+TEST(TrainCli, OptimizerInBackwardFlags) {
+  auto [code, out] = run_cli("--steps 1 --optimizer-state disk");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --optimizer-state disk moves each parameter's state between its "
+            "updates inside backward; add --optimizer-in-backward.\n");
+  std::tie(code, out) = run_cli("--steps 1 --optimizer-in-backward --clip-norm 1");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --clip-norm 1.000000 cannot be combined with --optimizer-in-backward: "
+            "the global gradient norm needs every gradient before any update. Drop one of the two.\n");
+  std::tie(code, out) = run_cli("--steps 1 --optimizer-in-backward --optimizer-state disk");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --optimizer-state disk needs --offload-dir DIR, an existing writable "
+            "directory for the optimizer state's files (e.g. --offload-dir /tmp).\n");
+  std::tie(code, out) = run_cli("--steps 1 --optimizer-in-backward --optimizer-state ssd");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("--optimizer-state: ssd not in {disk,host,bf16}"), std::string::npos) << out;
+  std::tie(code, out) = run_cli(
+      "--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 2 --threads 1 --optimizer-in-backward "
+      "--optimizer-state disk --offload-dir " +
+      offload_dir());
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("optimizer step in backward (state between updates: disk in " + offload_dir() + ")"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("step 2/2  loss "), std::string::npos) << out;
   EXPECT_EQ(offload_files(), 0u);
 }
 

@@ -524,7 +524,9 @@ int main(int argc, char** argv) {
       if (auto e = used_by("--memory-budget", "auto", "is the budget of"); !e.empty()) return fail(e);
     }
     if (auto e = used_by("--policy", "selective", "picks what is kept by"); !e.empty()) return fail(e);
-    if (auto e = used_by("--offload-dir", "offload", "is where the activations go under"); !e.empty()) return fail(e);
+    if (cfg.optimizer_state != "disk") {  // where the optimizer's state goes too
+      if (auto e = used_by("--offload-dir", "offload", "is where the activations go under"); !e.empty()) return fail(e);
+    }
     const bool distributed = nproc > 1 || world_size > 1 || rank >= 0;
     if (nproc < 1) return fail("[remat::train] --nproc must be at least 1, got " + std::to_string(nproc) + ".");
     if (distributed && (!seq_cap.empty() || !batch_cap.empty() || explain_memory)) {
