@@ -55,6 +55,8 @@ class StepInBackwardOptions {
    *  known). Return pointers into the state object; undefined tensors are
    *  skipped. */
   using StateTensors = std::function<std::vector<at::Tensor*>(torch::optim::OptimizerParamState&)>;
+  /** Sets the function that lists your optimizer's state tensors (see
+   *  StateTensors). Default: none (LibTorch's optimizers only). */
   StepInBackwardOptions& state_tensors(StateTensors fn) {
     state_tensors_ = std::move(fn);
     return *this;
@@ -87,6 +89,7 @@ struct StepInBackwardStats {
   /** States whose write to the store failed: they stayed in memory, the
    *  update was applied; the last such error is in last_state_error. */
   int64_t state_write_failures = 0;
+  /** The last failed write's error; "" when none failed. */
   std::string last_state_error;
 };
 
@@ -166,6 +169,9 @@ bool step_in_backward_now(const at::Tensor& p);
  *  hooks. */
 class StepInBackward {
  public:
+  /** Hooks every parameter of optimizer's param_groups() (add groups
+   *  before this); validates options and opens the state store (throws
+   *  remat::Error, changing nothing). The optimizer must outlive it. */
   explicit StepInBackward(torch::optim::Optimizer& optimizer,
                           const StepInBackwardOptions& options = StepInBackwardOptions());
   ~StepInBackward();
@@ -179,6 +185,7 @@ class StepInBackward {
     ~Accumulating();
     Accumulating(const Accumulating&) = delete;
     Accumulating& operator=(const Accumulating&) = delete;
+    /** Moves the guard: other no longer counts. */
     Accumulating(Accumulating&& other) noexcept;
     Accumulating& operator=(Accumulating&&) = delete;
 
@@ -198,6 +205,7 @@ class StepInBackward {
   /** Blocks until every state write to the store is done (a failed write
    *  keeps its state in memory; stats() counts it). */
   void wait();
+  /** The counters so far (a snapshot). */
   StepInBackwardStats stats() const;
   /** What it does: the optimizer, the parameters, where the state lives,
    *  the counters. */
