@@ -1,0 +1,131 @@
+// The plan put in force (the last stage of the whole-step planner): the
+// units' switches noted and given back, every unit switched to its chosen
+// option (a Checkpointable's checkpoint and offload options, a chain's
+// forced schedule, nested recompute), and the planned steps measured, with
+// a new solve when offload runs slow or the step overruns its budget.
+// Leaves out the solving (step_model.cpp) and the text of the reports
+// (explain.cpp).
+//
+// NOTE [switches given back]: the planner owns the units' switches while
+// it lives (every unit plain until planned, then the plan). What they
+// were before (a Checkpointable's checkpoint and offload options, a
+// chain's forced schedule, or none: its own budget's plan) is noted at
+// construction and put back when the planner is destroyed, so that a
+// model outliving its planner runs as it did before (a chain with a
+// budget of its own plans under it again). A moved-from AutoCheckpoint
+// holds no Impl: only the planner that owns the switches gives them back.
+#include "internal.h"
+
+#include <remat/error.h>
+#include <remat/memory.h>
+
+namespace remat {
+
+using detail::Clock;
+using detail::ms_since;
+
+void AutoCheckpoint::Impl::note_switches() {
+  before.clear();
+  for (const Unit& u : units) {
+    Switches s;
+    if (u.chain != nullptr) {
+      s.forced = detail::ChainAccess::forced(*u.chain);
+    } else {
+      s.checkpointing = u.c->checkpointing_options();
+      s.offloading = u.c->offloading_options();
+    }
+    before.push_back(std::move(s));
+  }
+}
+
+AutoCheckpoint::Impl::~Impl() {
+  for (size_t i = 0; i < before.size() && i < units.size(); ++i) {
+    Unit& u = units[i];
+    if (u.chain != nullptr) {
+      detail::ChainAccess::force(*u.chain, before[i].forced);
+    } else {
+      u.c->set_checkpointing(before[i].checkpointing);
+      u.c->set_offloading(before[i].offloading);
+    }
+  }
+}
+
+void AutoCheckpoint::Impl::solve_and_apply(int64_t target) {
+  transfer_price.restart();  // a new plan: its own steps count
+  step_plan = solve(target);
+  planned = true;
+  apply();
+}
+
+void AutoCheckpoint::Impl::apply() {
+  switch_off();
+  const std::vector<size_t> mu = model_units();
+  for (size_t j = 0; j < mu.size(); ++j) {
+    Unit& u = units[mu[j]];
+    const Option& o = u.menu[u.offered[static_cast<size_t>(step_plan.prediction.choice[j])]];
+    if (u.chain != nullptr) {
+      auto forced = std::make_shared<detail::ForcedSchedule>();
+      forced->store_all = !o.schedule.has_value();
+      if (o.schedule) forced->schedule = *o.schedule;
+      detail::ChainAccess::force(*u.chain, std::move(forced));
+      continue;
+    }
+    u.c->set_checkpointing(o.switch_state);
+    u.c->set_offloading(o.offload);
+  }
+  // Nested recompute: the inner units are at option 0 (the nesting rule).
+  for (size_t j = 0; j < mu.size(); ++j) {
+    const Unit& u = units[mu[j]];
+    if (!u.menu[u.offered[static_cast<size_t>(step_plan.prediction.choice[j])]].inner) continue;
+    for (size_t i : u.inner) units[i].c->set_checkpointing(options.checkpoint_options());
+  }
+}
+
+/** Every unit plain: no recompute, nothing offloaded. */
+void AutoCheckpoint::Impl::switch_off() {
+  for (auto& u : units) {
+    if (u.chain != nullptr) {
+      detail::ChainAccess::force(*u.chain, std::make_shared<detail::ForcedSchedule>());  // store-all
+      continue;
+    }
+    u.c->set_checkpointing(std::nullopt);
+    u.c->set_offloading(std::nullopt);
+  }
+}
+
+void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
+  memory::enable_tracking();
+  memory::reset_peak();
+  const auto t0 = Clock::now();
+  fn();
+  measured_ms = ms_since(t0);
+  measured_peak = memory::peak_bytes();
+  const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
+  if (overrun) transfer_price.restart();
+  if (!overrun && reprice_offload(measured_ms)) {
+    try {
+      solve_and_apply(step_plan.budget_bytes);
+    } catch (const Error&) {
+      // The plan in force stays.
+    }
+    return;
+  }
+  if (options.replan_on_overrun() && overrun) {
+    const int64_t excess = measured_peak - budget;
+    const int64_t target = step_plan.budget_bytes - excess;
+    try {
+      solve_and_apply(target);
+      ++replans;
+    } catch (const Error&) {
+      // NOTE [overruns reported]: nothing fits a lower target. The plan
+      // in force stays, and the user hears of it: the budget is a bound
+      // on the measured peak, and this step broke it.
+      const std::string report = overrun_report(excess, target);
+      overrun_reports.push_back(report);
+      if (options.overrun_throws()) throw Error(report);
+      TORCH_WARN(report);
+    }
+  }
+}
+
+}  // namespace remat

@@ -1,0 +1,411 @@
+// The step model (the third stage of the whole-step planner): turns the
+// profiled step's record (calls, windows, the memory timeline, each
+// option's costs) into the torch-free plan::StepModel, solves it under a
+// budget with plan's step solver (with the offload stores' in-flight margin
+// in tiers), and reprices offload from measured steps. Leaves out how the
+// record is made (profiled_step.cpp, menu.cpp), how a plan is put in force
+// (apply.cpp) and the text of its errors (explain.cpp).
+#include "internal.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include <remat/error.h>
+
+namespace remat {
+
+using detail::kDisagree;
+using detail::shown;
+
+/** The profiled step as a plan::StepModel (profile_fresh() calls it at the
+ *  step's end): the timeline cut into segments at the calls' windows, the
+ *  segments' peaks, and per call its options' costs, the inputs it lets go
+ *  and the earlier call it shares one with. */
+void AutoCheckpoint::Impl::build_model(const memory::Timeline& tl, int64_t start_bytes, double begin_us,
+                                       double end_us) {
+  // Samples outside the isolated runs.
+  samples.clear();
+  size_t w = 0;
+  for (const memory::Sample& s : tl.samples()) {
+    while (w < trial_windows.size() && s.time_us > trial_windows[w].second) ++w;
+    if (w < trial_windows.size() && s.time_us >= trial_windows[w].first) continue;
+    samples.push_back(s);
+  }
+  double trials_ms = 0;
+  for (const auto& [a, b] : trial_windows) trials_ms += (b - a) / 1000.0;
+  // The isolated runs slow the step around them (caches): a plain
+  // warm-up step, when one ran, times the plain step better.
+  profiled_ms = (end_us - begin_us) / 1000.0 - trials_ms;
+  if (warmup_ms > 0) profiled_ms = std::min(profiled_ms, warmup_ms);
+
+  // Segment boundaries: the step's ends and every window's ends.
+  points_us = {begin_us, end_us};
+  largest_input_sent = 0;
+  for (const auto& c : calls) {
+    if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
+    if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
+    for (double t : {c->forward_begin_us, c->forward_end_us, c->first_unpack_us, c->last_unpack_us}) {
+      points_us.push_back(t);
+    }
+    // NOTE [released inputs]: from when every input that some option
+    // lets go (and that the step saw held only by this call) is free to go.
+    // The credit ends at the earliest last sighting of such an input
+    // alive in the call's backward (keep may free it there).
+    c->release_us = c->release_end_us = -1;
+    for (size_t i = 0; i < c->exclusive_us.size(); ++i) {
+      bool let_go = false;
+      for (const auto& k : c->lets_go) let_go |= i < k.size() && k[i];
+      if (!let_go || c->exclusive_us[i] < 0) continue;
+      c->release_us = std::max(c->release_us, c->exclusive_us[i]);
+      const double alive = std::max(c->alive_us[i], c->first_unpack_us);
+      c->release_end_us = c->release_end_us < 0 ? alive : std::min(c->release_end_us, alive);
+    }
+    if (c->release_us >= 0 && c->forward_end_us <= c->first_unpack_us) {
+      c->release_us = std::clamp(c->release_us, c->forward_end_us, c->first_unpack_us);
+      c->release_end_us = std::clamp(c->release_end_us, c->first_unpack_us, c->last_unpack_us);
+      points_us.push_back(c->release_us);
+      points_us.push_back(c->release_end_us);
+    } else {
+      c->release_us = c->release_end_us = -1;
+    }
+    // NOTE [inputs two calls hold]: from when only the two hold it.
+    if (c->pair && c->pair_us >= 0 && c->exclusive_us[c->pair_slot] < 0 && c->forward_end_us <= c->first_unpack_us) {
+      c->pair_us = std::clamp(c->pair_us, c->forward_end_us, c->first_unpack_us);
+      points_us.push_back(c->pair_us);
+    } else {
+      c->pair_us = -1;
+    }
+    c->packs.clear();  // the weak references are needed no more
+    c->out_packs.clear();
+    // The largest input of a unit that may send its inputs to a store.
+    bool sends_inputs = false;
+    for (const Option& o : units[c->unit].menu) sends_inputs |= o.store >= 0 && o.switch_state.has_value();
+    if (sends_inputs) {
+      for (int64_t b : c->input_bytes) largest_input_sent = std::max(largest_input_sent, b);
+    }
+  }
+  std::sort(points_us.begin(), points_us.end());
+  points_us.erase(std::unique(points_us.begin(), points_us.end()), points_us.end());
+  auto at = [&](double t) {
+    return static_cast<int64_t>(std::lower_bound(points_us.begin(), points_us.end(), t) - points_us.begin());
+  };
+  const size_t segments = points_us.size() - 1;
+  plan::StepModel m;
+  m.step_time_ms = profiled_ms;
+  m.segment_peak_bytes.assign(segments, 0);
+  int64_t level = start_bytes;
+  size_t k = 0;
+  for (size_t s = 0; s < segments; ++s) {
+    int64_t peak = level;
+    while (k < samples.size() && samples[k].time_us < points_us[s + 1]) {
+      if (samples[k].time_us >= points_us[s]) peak = std::max(peak, samples[k].bytes);
+      level = samples[k].bytes;
+      ++k;
+    }
+    m.segment_peak_bytes[s] = peak;
+  }
+  // NOTE [what the profiled step leaves behind]
+  for (size_t s = 0; s < segments; ++s) {
+    m.segment_peak_bytes[s] += s == 0 ? grown : grown_everywhere;
+  }
+  profiled_peak = 0;
+  for (int64_t p : m.segment_peak_bytes) profiled_peak = std::max(profiled_peak, p);
+
+  std::vector<int64_t> model_index(units.size(), -1);
+  std::vector<size_t> now_modeled;
+  std::vector<std::vector<double>> now_input_bytes;
+  for (size_t i = 0, j = 0; i < units.size(); ++i) {
+    if (units[i].calls.empty()) continue;
+    model_index[i] = static_cast<int64_t>(j++);
+    now_modeled.push_back(i);
+    now_input_bytes.emplace_back();
+    for (size_t ci : units[i].calls) {
+      const CallRecord& r = *calls[ci];
+      double bytes = 0;
+      for (size_t x = 0; x < r.input_ids.size(); ++x) {
+        const auto first = std::find(r.input_ids.begin(), r.input_ids.end(), r.input_ids[x]);
+        if (r.input_ids[x] != nullptr && first == r.input_ids.begin() + static_cast<int64_t>(x)) {
+          bytes += static_cast<double>(r.input_bytes[x]);
+        }
+      }
+      now_input_bytes.back().push_back(bytes);
+    }
+  }
+  // NOTE [inputs two calls hold]: the earlier call c shares its input
+  // with, and that call's output slot, or null. An inner call's output
+  // that the calls around it return as theirs is theirs too: the pair is
+  // the outermost plannable one, whose recompute or offload lets go of
+  // it (while the inner call's choice is then moot) and which keeps a
+  // chain of blocks a chain for the solver.
+  auto pair_of = [&](const CallRecord& c) {
+    std::pair<const CallRecord*, size_t> found{nullptr, 0};
+    if (c.pair_us < 0 || c.pair == nullptr) return found;
+    const c10::StorageImpl* st = c.pair->output_ids[c.pair_out];
+    size_t out = c.pair_out;
+    for (const CallRecord* r = c.pair.get(); r != nullptr; r = r->enclosing.get()) {
+      if (r != c.pair.get()) {
+        const auto o = std::find(r->output_ids.begin(), r->output_ids.end(), st);
+        // Not its output, or a call around c too (its forward goes on).
+        if (o == r->output_ids.end() || r->forward_end_us > c.forward_begin_us) break;
+        out = static_cast<size_t>(o - r->output_ids.begin());
+        if (!units[r->unit].plannable) continue;
+      }
+      if (model_index[r->unit] >= 0 && r->out_lets_go.size() == units[r->unit].menu.size()) found = {r, out};
+    }
+    return found;
+  };
+  for (size_t i = 0; i < units.size(); ++i) {
+    Unit& u = units[i];
+    if (u.calls.empty()) continue;
+    plan::StepUnit su;
+    su.name = shown(u.name);
+    su.parent = u.parent >= 0 ? model_index[static_cast<size_t>(u.parent)] : -1;
+    u.offered.clear();
+    for (size_t k = 0; k < u.menu.size(); ++k) {
+      // "inner units too" switches them on wherever they run: offered only
+      // when each of them runs inside this unit alone.
+      if (u.menu[k].inner && !inner_calls_inside(i)) continue;
+      u.offered.push_back(k);
+      su.options.push_back(u.menu[k].name);
+    }
+    // Not plannable, or called inside different units (or inside a unit
+    // that is, whose options were measured with it plain): kept.
+    bool disagrees = u.parent == kDisagree;
+    for (int64_t a = u.parent; a >= 0 && !disagrees; a = units[static_cast<size_t>(a)].parent) {
+      disagrees = units[static_cast<size_t>(a)].parent == kDisagree;
+    }
+    if (!u.plannable || disagrees) {
+      su.options.resize(1);
+      u.offered.resize(1);
+    }
+    for (size_t ci : u.calls) {
+      const CallRecord& c = *calls[ci];
+      plan::StepCall sc;
+      sc.forward_begin = at(c.forward_begin_us);
+      sc.forward_end = at(c.forward_end_us);
+      sc.backward_begin = at(c.first_unpack_us);
+      sc.backward_end = at(c.last_unpack_us);
+      for (size_t k : u.offered) {
+        plan::StepCost cost = c.costs[k];
+        if (c.release_us >= 0) {  // what it lets go of the inputs held only here, each storage once
+          std::vector<const c10::StorageImpl*> counted;
+          for (size_t i = 0; i < c.exclusive_us.size(); ++i) {
+            if (!c.lets_go[k][i] || c.exclusive_us[i] < 0 || c.input_ids[i] == nullptr) continue;
+            if (std::find(counted.begin(), counted.end(), c.input_ids[i]) != counted.end()) continue;
+            counted.push_back(c.input_ids[i]);
+            cost.released_bytes += c.input_bytes[i];
+          }
+        }
+        sc.costs.push_back(cost);
+      }
+      if (c.release_us >= 0) {
+        sc.release_begin = at(c.release_us);
+        sc.release_end = at(c.release_end_us);
+      }
+      const auto [other, other_out] = pair_of(c);
+      const Unit& a = units[other != nullptr ? other->unit : 0];
+      const auto pos =
+          std::find_if(a.calls.begin(), a.calls.end(), [&](size_t ci2) { return calls[ci2].get() == other; });
+      if (other != nullptr && pos != a.calls.end()) {
+        sc.pair_unit = model_index[other->unit];
+        sc.pair_call = pos - a.calls.begin();
+        sc.pair_bytes = c.input_bytes[c.pair_slot];
+        sc.pair_begin = at(c.pair_us);
+        for (size_t k : u.offered) sc.pair_lets_go.push_back(c.lets_go[k][c.pair_slot] != 0);
+        // Per option of the earlier unit's menu (its offered ones below).
+        for (size_t k = 0; k < a.menu.size(); ++k) {
+          sc.pair_other_lets_go.push_back(other_out < other->out_lets_go[k].size() &&
+                                          other->out_lets_go[k][other_out] != 0);
+        }
+      }
+      su.calls.push_back(std::move(sc));
+    }
+    m.units.push_back(std::move(su));
+  }
+  // The earlier calls' flags, from their unit's menu to its offered options.
+  for (auto& su : m.units) {
+    for (auto& sc : su.calls) {
+      if (sc.pair_unit < 0) continue;
+      const Unit& a = units[now_modeled[static_cast<size_t>(sc.pair_unit)]];
+      std::vector<bool> flags;
+      for (size_t k : a.offered) flags.push_back(sc.pair_other_lets_go[k]);
+      sc.pair_other_lets_go = std::move(flags);
+    }
+  }
+  step_model = std::move(m);
+  surcharge_ms_per_byte.assign(options.offload().size(), 0.0);  // fresh prices: nothing added
+  offload_ms_per_gib = 0;
+  transfer_price.reset();
+  modeled = std::move(now_modeled);
+  input_bytes_of = std::move(now_input_bytes);
+  inflight_seen = inflight_trial;
+}
+
+/** True when every inner unit of units[i] that ran in the profiled step
+ *  ran only inside units[i] (at any depth). */
+bool AutoCheckpoint::Impl::inner_calls_inside(size_t i) const {
+  for (size_t d : units[i].inner) {
+    if (units[d].calls.empty()) continue;
+    int64_t a = units[d].parent;
+    while (a >= 0 && static_cast<size_t>(a) != i) a = units[static_cast<size_t>(a)].parent;
+    if (a < 0) return false;
+  }
+  return true;
+}
+
+/** Bytes the offload stores may hold in flight at once (pending writes,
+ *  reads ahead), beyond what the isolated runs measured: each kDisk
+ *  store's max_inflight_bytes, or the largest entry it held in flight,
+ *  which a store lets go alone (NOTE [offload margin measured]); with
+ *  inputs_only (plans whose units send only their inputs), of the inputs. */
+int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only) const {
+  int64_t m = 0;
+  for (size_t i = 0; i < options.offload().size(); ++i) {
+    const OffloadOptions& o = options.offload()[i];
+    if (o.target() != OffloadTarget::kDisk) continue;
+    const int64_t seen = i < inflight_seen.size() ? inflight_seen[i] : 0;
+    m += std::max(o.max_inflight_bytes(), inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
+  }
+  return m;
+}
+
+// NOTE [offload margin measured]: a disk store holds a tensor from its
+// save until its file is written, and a read from its prefetch until its
+// unpack: at most max_inflight_bytes at once, or one entry alone when it
+// is larger. The entries are what the store takes: the saved activations
+// (a view's dense base), not the parameters, which it keeps where they
+// are. The largest one is measured, not guessed from the largest tensor a
+// unit saves (a 4 MiB weight where the largest activation is 8 KiB): each
+// plain offload option's isolated runs save to a store of their own with
+// one entry in flight at a time, whose counters give the largest entry it
+// wrote or read back. Options that send a unit's inputs send those
+// storages whole (largest_input_sent).
+
+std::vector<AutoCheckpoint::Impl::Tier> AutoCheckpoint::Impl::tiers() const {
+  const int64_t all = inflight_margin(), inputs = inflight_margin(/*inputs_only=*/true);
+  if (all == 0) return {{step_model, 0}};
+  return {
+      {without_offload(/*plain_only=*/false), 0}, {without_offload(/*plain_only=*/true), inputs}, {step_model, all}};
+}
+
+/** The store an option of step-model unit j sends to (an index in
+ *  options.offload()), or -1. */
+int AutoCheckpoint::Impl::store_of(size_t j, size_t k) const {
+  const Unit& u = units[model_units()[j]];
+  return u.menu[u.offered[k]].store;
+}
+
+/** The step model with the options that send to a store left out (they
+ *  end each menu), or with plain_only those that send what the unit saves
+ *  (they end it). */
+plan::StepModel AutoCheckpoint::Impl::without_offload(bool plain_only) const {
+  plan::StepModel m = step_model;
+  const std::vector<size_t> mu = model_units();
+  for (size_t j = 0; j < m.units.size(); ++j) {
+    const Unit& unit = units[mu[j]];
+    size_t n = m.units[j].options.size();
+    while (n > 1 && (plain_only ? unit.menu[unit.offered[n - 1]].offload.has_value() : store_of(j, n - 1) >= 0)) --n;
+    plan::truncate_options(m, j, n);
+  }
+  return m;
+}
+
+/** The fastest plan whose predicted peak fits target. Plans that offload
+ *  through a disk store must fit with the stores' in-flight bytes added
+ *  (inflight_margin), so that bound holds whatever the disk's pace. */
+plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
+  const plan::StepSolveOptions so{options.solver_time_limit_s()};
+  std::optional<plan::StepPlan> best;
+  for (const Tier& t : tiers()) {
+    if (target <= t.margin) continue;
+    try {
+      plan::StepPlan p = plan::solve_step(t.model, target - t.margin, so);
+      p.budget_bytes = target;
+      if (!best || p.prediction.time_ms < best->prediction.time_ms) {
+        best = std::move(p);
+        plan_margin = t.margin;
+      }
+    } catch (const Error&) {
+    }
+  }
+  if (best) return *best;
+  throw Error(no_plan_fits(target));
+}
+
+/** The smallest peak a plan reaches, its in-flight margin included. */
+AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
+  const plan::StepSolveOptions so{options.solver_time_limit_s()};
+  std::optional<Leanest> best;
+  for (const Tier& t : tiers()) {
+    const plan::StepPlan lean = plan::min_peak_step(t.model, so);
+    const plan::StepPrediction& p = lean.prediction;
+    if (!best || p.peak_bytes + t.margin < best->peak)
+      best = Leanest{p.peak_bytes + t.margin, p.peak_segment, t.margin, lean.optimal};
+  }
+  return *best;
+}
+
+/** NOTE [offload priced by the step]: an isolated run writes and reads
+ *  one call's tensors through a warm page cache; a real step sends every
+ *  offloaded unit's at once, and a disk (or a machine whose fresh pages
+ *  are slow) can take far longer for that. When a planned step that
+ *  offloads runs more than 10% over its predicted time, the excess is
+ *  charged to the offload options the plan uses, per byte they send (what
+ *  keep would have kept less what the option keeps), on every call of
+ *  every unit, and the plan is solved again: the step measures the transfer
+ *  bandwidth that the isolated runs could not. Two steps in a row that
+ *  offload and run more than 10% under the prediction give the charge
+ *  back, down to no surcharge at most (plan::TransferPrice has the rule,
+ *  which CheckpointedSequential shares). The isolated runs' own prices (no
+ *  overlap assumed: upper ones) are never lowered. Returns true when it
+ *  repriced. */
+bool AutoCheckpoint::Impl::reprice_offload(double step_ms) {
+  const plan::StepPrediction& p = step_plan.prediction;
+  if (options.offload().empty()) return false;
+  const std::vector<size_t> mu = model_units();
+  // Bytes option k of unit j sends per call: its inputs when it recomputes
+  // (each storage once), else what keep would keep less what it keeps.
+  auto sent_by = [&](size_t j, size_t ci, size_t k) -> double {
+    const Unit& u = units[mu[j]];
+    const plan::StepCall& c = step_model.units[j].calls[ci];
+    if (!u.menu[u.offered[k]].switch_state) {
+      return static_cast<double>(std::max<int64_t>(0, c.costs[0].kept_bytes - c.costs[k].kept_bytes));
+    }
+    return input_bytes_of[j][ci];
+  };
+  double sent = 0;                                          // bytes the plan's offloading calls send
+  std::vector<bool> used(options.offload().size(), false);  // which of options.offload() the plan uses
+  for (size_t j = 0; j < step_model.units.size(); ++j) {
+    const size_t k = static_cast<size_t>(p.choice[j]);
+    const int store = store_of(j, k);
+    if (store < 0) continue;
+    used[static_cast<size_t>(store)] = true;
+    for (size_t ci = 0; ci < step_model.units[j].calls.size(); ++ci) sent += sent_by(j, ci, k);
+  }
+  // The smallest surcharge in force on a store in use: what a give-back
+  // may take back at most.
+  double room = std::numeric_limits<double>::infinity();
+  for (size_t st = 0; st < used.size(); ++st) {
+    if (used[st]) room = std::min(room, surcharge_ms_per_byte[st]);
+  }
+  const double per_byte = transfer_price.observe(step_ms, p.time_ms, sent, std::isfinite(room) ? room : 0.0);
+  if (per_byte == 0) return false;
+  for (size_t j = 0; j < step_model.units.size(); ++j) {
+    plan::StepUnit& su = step_model.units[j];
+    for (size_t k = 1; k < su.options.size(); ++k) {
+      const int store = store_of(j, k);
+      if (store < 0 || !used[static_cast<size_t>(store)]) continue;
+      for (size_t ci = 0; ci < su.calls.size(); ++ci) su.calls[ci].costs[k].time_ms += per_byte * sent_by(j, ci, k);
+    }
+  }
+  for (size_t s = 0; s < used.size(); ++s) {
+    if (used[s]) surcharge_ms_per_byte[s] = std::max(0.0, surcharge_ms_per_byte[s] + per_byte);
+  }
+  offload_ms_per_gib = *std::max_element(surcharge_ms_per_byte.begin(), surcharge_ms_per_byte.end()) *
+                       static_cast<double>(int64_t{1} << 30);
+  ++reprices;
+  return true;
+}
+
+}  // namespace remat
