@@ -2,8 +2,9 @@
 // function through the units' checkpoint switch (Checkpointable's
 // UnitObserver) and its chains (CheckpointedSequential's ChainObserver),
 // turns it into a plan::StepModel, solves it and applies the choice through
-// the same switches (and a forced schedule per chain). Leaves out CUDA memory (auto.h says
-// what that means for users).
+// the same switches (and a forced schedule per chain). Memory is read and
+// work timed on the device of the model's parameters (NOTE [memory sources],
+// core/memory_source.h; auto.h says what that means for users).
 //
 // NOTE [what a profiled step measures]: the step runs plain. Each unit call
 // is first run again in isolation under every option of its unit, on clones
@@ -24,7 +25,7 @@
 // bytes it keeps, its backward peak (a probe each, above the bytes live at
 // the call's start) and its time. The real call then runs under a
 // saved-tensor hook that only notes the time of the first and last unpack:
-// the call's backward window. A memory::Timeline records every allocation
+// the call's backward window. A memory::Recording records every allocation
 // of the step, with the isolated runs' windows cut out; the windows of all
 // calls cut it into segments, whose peaks are the model's baseline.
 //
@@ -70,16 +71,15 @@
 
 #include "../chain/observe.h"
 #include "../core/dispatch.h"
+#include "../core/memory_source.h"
 #include "../core/replay.h"
 #include "../core/write_guard.h"
 #include "../offload/offload_internal.h"
 #include "../region/levels.h"
+#include "measure.h"
 
 namespace remat {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 std::string shown(const std::string& name) { return name.empty() ? std::string("(root)") : name; }
 
@@ -385,7 +385,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<std::pair<double, double>> trial_windows;  // us on the timeline
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
-  memory::Timeline* timeline = nullptr;                  // while profiling
+  memory::Recording* timeline = nullptr;                 // while profiling
   int64_t largest_input_sent = 0;       // bytes of the largest input of a unit that may send its inputs
   std::vector<int64_t> inflight_seen;   // per store of options.offload(): NOTE [offload margin measured]
   std::vector<int64_t> inflight_trial;  // the same, for the profile under way
@@ -395,8 +395,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   // completed, so that a profile that throws leaves them matching step_model.
   std::vector<size_t> modeled;
   std::vector<std::vector<double>> input_bytes_of;
-  std::shared_ptr<memory::Timeline> timeline_owner;  // the same, for the unpack hooks (weakly)
-  std::vector<std::shared_ptr<CallRecord>> active;   // observed calls running now, outermost first
+  std::shared_ptr<memory::Recording> timeline_owner;  // the same, for the unpack hooks (weakly)
+  // NOTE [memory sources]: the bytes of the units' device (the model's parameters'), set by each profile.
+  std::shared_ptr<memory::Source> mem = memory::source_for(c10::Device(c10::kCPU));
+  std::vector<std::shared_ptr<CallRecord>> active;  // observed calls running now, outermost first
   bool in_trial = false;
 
   std::vector<std::string> overrun_reports;  // NOTE [overruns reported]
@@ -458,7 +460,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
                 rec->packed(std::any_cast<const at::Tensor&>(kept));  // NOTE [released inputs]
                 return kept;
               },
-              [rec, weak = std::weak_ptr<memory::Timeline>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
+              [rec, weak = std::weak_ptr<memory::Recording>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
                 if (auto tl = weak.lock()) rec->unpacked(tl->now_us());
                 return std::any_cast<const at::Tensor&>(p);
               })) {
@@ -571,15 +573,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::unique_ptr<Call> begin_call(size_t unit, const std::vector<at::Tensor>& inputs, const RunOption& run,
                                    const detail::ChainMenu* menu) {
     Unit& u = units[unit];
-    for (const auto& x : inputs) {
-      if (x.defined() && !x.device().is_cpu()) {
-        throw Error("[remat::auto] unit '" + shown(u.name) + "' runs on " + x.device().str() +
-                    "; the whole-step planner measures CPU memory only. On a CUDA device, use " +
-                    (u.chain != nullptr ? "the chain's own memory budget (SequentialOptions) without auto_checkpoint."
-                                        : "CheckpointedSequential's memory budget or the per-module switch "
-                                          "(enable_checkpointing)."));
-      }
-    }
+    detail::check_unit_device(shown(u.name), u.chain != nullptr, inputs, mem->device());
     auto rec = std::make_shared<CallRecord>();
     rec->unit = unit;
     for (const auto& x : inputs) {
@@ -804,8 +798,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     std::shared_ptr<detail::OffloadStore> own_store;
     if (opt.offload && !is_recomputing()) own_store = detail::OffloadStore::create(trial_store(*opt.offload));
     detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
-    memory::Probe probe;
-    auto t0 = Clock::now();
+    memory::Probe probe(mem->device());
+    memory::DeviceTimer t0(mem->device());
     std::vector<at::Tensor> out;
     const bool sends = opt.offload || (opt.switch_state && opt.switch_state->offload());
     {
@@ -821,7 +815,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     }
     if (own_store) own_store->wait();
     if (sends) wait_checkpoint_offloads();
-    double ms = ms_since(t0);
+    double ms = t0.elapsed_ms();
     cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
     cost.forward_peak_bytes = probe.peak_bytes();
     // What a compressing store holds depends on the batch (NOTE
@@ -854,11 +848,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     }
     const int64_t at_backward = probe.delta_bytes();
     {
-      memory::Probe backward;
-      t0 = Clock::now();
+      memory::Probe backward(mem->device());
+      t0.restart();
       std::vector<at::Tensor> grads = torch::autograd::grad(roots, wrt, grads_out, /*retain_graph=*/false,
                                                             /*create_graph=*/false, /*allow_unused=*/true);
-      ms += ms_since(t0);
+      ms += t0.elapsed_ms();
       cost.backward_peak_bytes = std::max<int64_t>(0, at_backward + backward.peak_bytes()) + codec_extra;
     }
     cost.time_ms = ms;
@@ -904,11 +898,12 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
 
   void profile_fresh(const std::function<void()>& fn) {
     inflight_trial.assign(options.offload().size(), 0);
-    memory::enable_tracking();
-    const int64_t start_bytes = memory::current_bytes();
+    mem = memory::source_for(memory::measured_device(model.parameters()));
+    mem->enable();
+    const int64_t start_bytes = mem->current_bytes();
     const Grads grads_start = grads_now();
-    timeline_owner = std::make_shared<memory::Timeline>();
-    memory::Timeline& tl = *timeline_owner;
+    timeline_owner = mem->record();
+    memory::Recording& tl = *timeline_owner;
     timeline = &tl;
     detail::UnitObserver* previous = detail::set_unit_observer(this);
     detail::ChainObserver* previous_chain = detail::set_chain_observer(this);
@@ -945,7 +940,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     const double end_us = tl.now_us();
     tl.stop();
     // NOTE [what the profiled step leaves behind]
-    grown = std::max<int64_t>(0, memory::current_bytes() - start_bytes);
+    grown = std::max<int64_t>(0, mem->current_bytes() - start_bytes);
     grown_everywhere = grown;
     if (grown > 0) {
       const Grads grads_end = grads_now();
@@ -989,7 +984,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     return g;
   }
 
-  void build_model(const memory::Timeline& tl, int64_t start_bytes, double begin_us, double end_us) {
+  void build_model(const memory::Recording& tl, int64_t start_bytes, double begin_us, double end_us) {
     // Samples outside the isolated runs.
     samples.clear();
     size_t w = 0;
@@ -1453,12 +1448,12 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   }
 
   void measured_step(const std::function<void()>& fn) {
-    memory::enable_tracking();
-    memory::reset_peak();
-    const auto t0 = Clock::now();
+    mem->enable();
+    mem->reset_peak();
+    memory::DeviceTimer t0(mem->device());
     fn();
-    measured_ms = ms_since(t0);
-    measured_peak = memory::peak_bytes();
+    measured_ms = t0.elapsed_ms();
+    measured_peak = mem->peak_bytes();
     const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
     if (overrun) transfer_price.restart();
     if (!overrun && reprice_offload(measured_ms)) {
@@ -1608,9 +1603,9 @@ void AutoCheckpoint::step(const std::function<void()>& fn) {
   if (m.planned) {
     m.measured_step(fn);
   } else if (m.steps_run < m.options.warmup_steps()) {
-    const auto t0 = Clock::now();
+    memory::DeviceTimer t0(memory::measured_device(m.model.parameters()));
     fn();
-    m.warmup_ms = ms_since(t0);
+    m.warmup_ms = t0.elapsed_ms();
     ++m.steps_run;
   } else {
     profile_step(fn);
