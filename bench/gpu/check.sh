@@ -8,11 +8,16 @@
 #   1. configure and build remat against that LibTorch with -DREMAT_CUDA=ON,
 #      only the targets needed (remat, remat_models, remat_gpu_bench, and
 #      test_cuda when tests/test_cuda.cpp and GoogleTest are there);
-#   2. run test_engine_order and test_cuda;
+#   2. run test_engine_order and test_cuda, then the CUDA cases of the other
+#      suites: test_memory_source (the caching allocator's trace replayed
+#      against its statistics on the device) and test_auto's Cuda* tests
+#      (the whole-step planner on the device);
 #   3. the GPT benchmark at the reference GPU size (bf16 autocast,
 #      explicit and SDPA attention): C++ remat (bench/gpu/remat_gpu_bench.cpp:
-#      plain, per-block checkpoint, selective save_matmuls, CheckpointedSequential
-#      auto) and Python PyTorch (bench/gpu/gpu_bench.py: plain, per-block
+#      plain, per-block checkpoint, selective save_matmuls, Megatron policy,
+#      per-block with inputs offloaded to pinned host memory,
+#      CheckpointedSequential auto, the whole-step planner at 0.5 and at its
+#      leanest plan) and Python PyTorch (bench/gpu/gpu_bench.py: plain, per-block
 #      torch.utils.checkpoint, SAC, then torch.compile with
 #      activation_memory_budget under what time is left): peak CUDA memory,
 #      step time, tokens/s, largest batch within --budget-gib (default 40);
@@ -20,12 +25,14 @@
 #      step with a 32k vocabulary, plain and per-block against the chunked
 #      head + loss and MLP: peaks, step times, longest sequence under a cap.
 # Every phase has a timeout cut to what is left of the deadline (470 s).
-# Writes check.log, build.log, tests.log, bench.log, longctx.log, longctx.json, results.json and
+# Writes check.log, build.log, tests.log, tests-source.log, tests-auto.log, bench.log, longctx.log,
+# longctx.json, results.json and
 # summary.md to $OUT if set, else bench/gpu/out.
 #
 # Usage: bench/gpu/check.sh [--quick] [--build-only] [--skip-build]
 #                           [--no-compile] [--jobs N]
-#   --quick       CPU smoke run at a toy size (no GPU needed; REMAT_CUDA=AUTO)
+#   --quick       CPU smoke run at a toy size (no GPU needed; REMAT_CUDA=AUTO):
+#                 the CUDA test cases skip, the benchmarks run on the CPU
 #   --build-only  phases 0-1 only (a compile check against a CUDA LibTorch)
 #   --skip-build  use the binaries already in the build folder
 # Environment: PYTHON (python3), BUILD_DIR (bench/gpu/build), DEPS_DIR
@@ -332,12 +339,12 @@ else
     fi
   fi
   if [[ ${phases[-1]} == configure*"|ok|"* ]]; then
-    [[ $tests == ON ]] && targets+=(test_cuda test_engine_order)
+    [[ $tests == ON ]] && targets+=(test_cuda test_engine_order test_memory_source test_auto)
     keep_going=()  # a test that does not compile must not cost the benchmark its binary
     [[ $gen == Ninja ]] && keep_going=(-- -k 0)
     [[ $gen != Ninja ]] && keep_going=(-- -k)
     rm -f "$build/bench/gpu/remat_gpu_bench" "$build/bench/gpu/remat_longctx_gpu" "$build/tests/test_cuda" \
-      "$build/tests/test_engine_order"
+      "$build/tests/test_engine_order" "$build/tests/test_memory_source" "$build/tests/auto/test_auto"
     run_phase build "$(budget "${BUILD_TIMEOUT_S:-300}" 150)" "$out/build.log" \
       cmake --build "$build" -j"$jobs" --target "${targets[@]}" "${keep_going[@]}"
     [[ -x $build/bench/gpu/remat_gpu_bench ]] && built=1
@@ -360,8 +367,26 @@ else
   order_bin=$(dirname "$test_bin")/test_engine_order
   [[ -x $order_bin ]] && test_bin_cmd=(bash -c "'$order_bin' --gtest_color=no; r=\$?; '$test_bin' --gtest_color=no && exit \$r") ||
     test_bin_cmd=("$test_bin" --gtest_color=no)
+  ((quick)) && say "quick: a CPU run; the CUDA test cases skip (no device), their CPU cases run"
   run_phase tests "$(budget 60 200)" "$out/tests.log" "${test_bin_cmd[@]}"
   say "tests: $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \] [0-9]' "$out/tests.log" | tr '\n' ' ')"
+  # The CUDA cases of the other suites (each binary's CPU cases run in CI).
+  src_bin=$(dirname "$test_bin")/test_memory_source
+  auto_bin=$(dirname "$test_bin")/auto/test_auto
+  if [[ -x $src_bin ]]; then
+    : >"$out/tests-source.log"
+    run_phase tests-source "$(budget 30 180)" "$out/tests-source.log" "$src_bin" --gtest_color=no
+    say "test_memory_source: $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \] [0-9]' "$out/tests-source.log" | tr '\n' ' ')"
+  else
+    record tests-source skipped 0 "no test_memory_source binary"
+  fi
+  if [[ -x $auto_bin ]]; then
+    : >"$out/tests-auto.log"
+    run_phase tests-auto "$(budget 60 170)" "$out/tests-auto.log" "$auto_bin" --gtest_color=no '--gtest_filter=Cuda*'
+    say "test_auto Cuda*: $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \] [0-9]' "$out/tests-auto.log" | tr '\n' ' ')"
+  else
+    record tests-auto skipped 0 "no test_auto binary"
+  fi
 fi
 
 # --- 3. benchmarks ------------------------------------------------------------------

@@ -10,6 +10,16 @@
 //   matmuls  remat::checkpoint per block with policy::save_matmuls()
 //   auto     CheckpointedSequential, budget = --budget-gib minus the bytes
 //            live before the step (parameters, gradients, input)
+//   megatron remat::checkpoint per block with models::megatron_policy()
+//   offload  remat::checkpoint per block, each block's input sent to pinned
+//            host memory on a side stream (OffloadTarget::kHost; a no-op on CPU)
+//   step@F   the whole-step planner (remat::auto_checkpoint over the blocks,
+//            menu: recompute, Megatron, save_matmuls, and on CUDA host offload) at
+//            memory_budget_fraction F of the profiled step's peak; step@lean:
+//            replanned at its leanest feasible peak. One plain warm-up step,
+//            one profiled step, then the measured steps; not interleaved
+//            with the others (the planner owns the blocks' switches while it
+//            lives) and not searched for the largest batch.
 // Per strategy and attention: peak device memory of one step (the caching
 // allocator's allocated bytes, what torch.cuda.max_memory_allocated reads;
 // remat::memory on CPU), the median of --steps device-synchronized step times
@@ -36,6 +46,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <remat/auto.h>
 #include <remat/models/gpt.h>
 #include <remat/remat.h>
 #include <remat/sequential.h>
@@ -173,6 +184,24 @@ Strategy make(const std::string& name, Model& m, const Bench& b, const torch::Te
             opts, [&blk](const torch::Tensor& t) { return blk->forward(t); }, h);
       return h;
     };
+  } else if (name == "megatron") {
+    s.fn = [&m](const torch::Tensor& in) {
+      const auto opts = remat::CheckpointOptions().policy(remat::models::megatron_policy());
+      torch::Tensor h = in;
+      for (auto& blk : m.blocks)
+        h = remat::checkpoint(
+            opts, [&blk](const torch::Tensor& t) { return blk->forward(t); }, h);
+      return h;
+    };
+  } else if (name == "offload") {
+    s.fn = [&m](const torch::Tensor& in) {
+      const auto opts = remat::CheckpointOptions().offload(remat::OffloadOptions(remat::OffloadTarget::kHost));
+      torch::Tensor h = in;
+      for (auto& blk : m.blocks)
+        h = remat::checkpoint(
+            opts, [&blk](const torch::Tensor& t) { return blk->forward(t); }, h);
+      return h;
+    };
   } else if (name == "auto") {
     // Activation budget: the fixed budget less what is live before the step.
     Bench::zero_grads(m);
@@ -190,7 +219,10 @@ Strategy make(const std::string& name, Model& m, const Bench& b, const torch::Te
     s.fn = [net](const torch::Tensor& in) { return (*net)->forward(in); };
     s.note = "activation budget " + std::to_string(act) + " bytes";
   } else {
-    std::fprintf(stderr, "remat_gpu_bench: unknown strategy %s (plain, block, matmuls, auto)\n", name.c_str());
+    std::fprintf(
+        stderr,
+        "remat_gpu_bench: unknown strategy %s (plain, block, matmuls, megatron, offload, auto, step@F, step@lean)\n",
+        name.c_str());
     std::exit(2);
   }
   return s;
@@ -220,6 +252,51 @@ int64_t probe(Model& m, const std::string& name, const Bench& b, int64_t batch, 
     b.dev.empty_cache();
     return -1;
   }
+}
+
+/** A whole-step planner strategy ("step@0.5", "step@lean"): plans, then
+ *  measures its own steps (peak, then `steps` timed). The planner is
+ *  destroyed at the end, giving the blocks' switches back. */
+void run_whole_step(Model& m, const Bench& b, const torch::Tensor& x, int steps, Result& r) {
+  const std::string arg = r.strategy.substr(5);
+  const bool lean = arg == "lean";
+  const double fraction = lean ? 1.0 : std::stod(arg);
+  auto options = remat::AutoOptions().memory_budget_fraction(fraction).warmup_steps(1).policies(
+      {remat::models::megatron_policy(), remat::policy::save_matmuls()});
+  // Pinned host memory is for accelerator tensors (the planner refuses kHost on the CPU).
+  if (b.dev.cuda()) options.offload({remat::OffloadOptions(remat::OffloadTarget::kHost)});
+  auto planner = remat::auto_checkpoint(*m.seq, options);
+  auto body = [&] {
+    Bench::zero_grads(m);
+    torch::Tensor loss;
+    {
+      Autocast ac(b.dev.device.type(), b.autocast);
+      loss = m.seq->forward(x).sum();
+    }
+    loss.backward();
+  };
+  auto timed = [&] {
+    b.dev.sync();
+    auto t0 = Clock::now();
+    planner.step(body);
+    b.dev.sync();
+    return secs_since(t0);
+  };
+  timed();  // the plain warm-up
+  timed();  // the profiled step: plans
+  if (!planner.planned()) throw remat::Error("[remat_gpu_bench] the planner made no plan");
+  if (lean) planner.replan(planner.leanest_peak_bytes());
+  r.predicted = planner.plan().prediction.peak_bytes;
+  timed();  // the plan's first step (its stores warm up)
+  b.dev.sync();
+  b.dev.reset_peak();
+  r.base = b.dev.current();
+  timed();
+  r.peak = b.dev.peak();
+  for (int i = 0; i < steps && !b.out_of_time(); ++i) r.ms.push_back(1e3 * timed());
+  r.note = "budget " + std::to_string(planner.plan().budget_bytes) + " bytes (" +
+           (lean ? std::string("its leanest plan") : "fraction " + arg) + "), replans " +
+           std::to_string(planner.replans());
 }
 
 void search(Model& m, const Bench& b, Result& r, int max_probes, int64_t max_batch) {
@@ -282,7 +359,8 @@ int main(int argc, char** argv) {
            int_arg(argc, argv, "--seq-len", quick ? "64" : "2048"), int_arg(argc, argv, "--batch", quick ? "2" : "8"),
            int_arg(argc, argv, "--blocks", quick ? "4" : "24")};
   const auto attentions = split(arg(argc, argv, "--attention", "explicit,sdpa"), ',');
-  const auto strategies = split(arg(argc, argv, "--strategies", "plain,block,matmuls,auto"), ',');
+  const auto strategies =
+      split(arg(argc, argv, "--strategies", "plain,block,matmuls,megatron,offload,auto,step@0.5,step@lean"), ',');
   const auto searched = split(arg(argc, argv, "--search", "plain,block,matmuls,auto"), ',');
   const int steps = static_cast<int>(int_arg(argc, argv, "--steps", quick ? "2" : "5"));
   const int warmup = static_cast<int>(int_arg(argc, argv, "--warmup", quick ? "1" : "2"));
@@ -344,6 +422,7 @@ int main(int argc, char** argv) {
     };
     std::vector<Live> live;
     for (const auto& name : strategies) {
+      if (name.rfind("step@", 0) == 0) continue;  // after the interleaved ones
       Live l;
       l.r.attention = attention;
       l.r.strategy = name;
@@ -383,6 +462,30 @@ int main(int argc, char** argv) {
       results.push_back(l.r);
     }
     live.clear();
+    for (const auto& name : strategies) {
+      if (name.rfind("step@", 0) != 0) continue;
+      Result r;
+      r.attention = attention;
+      r.strategy = name;
+      if (b.out_of_time()) {
+        r.note = "skipped: time limit";
+      } else {
+        try {
+          run_whole_step(m, b, x, steps, r);
+        } catch (const std::exception& e) {
+          r.note = (is_oom(e) ? std::string("out of memory") : "failed: " + first_line(e.what()));
+          Bench::zero_grads(m);
+          dev.sync();
+          dev.empty_cache();
+        }
+      }
+      if (!r.ms.empty()) {
+        auto v = r.ms;
+        std::sort(v.begin(), v.end());
+        r.median_ms = v[v.size() / 2];
+      }
+      results.push_back(r);
+    }
     x = torch::Tensor();
     if (dev.cuda()) {  // on CPU a parked model would count in the next one's peaks: built again instead
       park(m);

@@ -86,7 +86,9 @@ def main():
                 tok = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s", -1) > 0 else "-"
                 note = r.get("note", "")
                 if r.get("predicted_bytes", -1) >= 0:
-                    note = (note + "; " if note else "") + f"plan predicted {gib(r['predicted_bytes'])} of activations"
+                    # step@...: the whole-step planner predicts the step's peak; auto: the chain's activations.
+                    what = "step peak" if r["strategy"].startswith("step@") else "of activations"
+                    note = (note + "; " if note else "") + f"plan predicted {gib(r['predicted_bytes'])} {what}"
                 md.append(f"| {attention} | {side} | {r['strategy']} | {gib(r.get('peak_bytes', -1))} | {ms} | {tok} "
                           f"| {mbs} | {note.replace('|', '/')} |")
     else:

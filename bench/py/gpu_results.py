@@ -14,7 +14,10 @@ from common import RESULTS, load_json  # noqa: E402
 
 GIB = 1 << 30
 LABELS = {"plain": "plain", "block": "checkpoint per block", "matmuls": "selective, save_matmuls",
-          "nonreentrant": "torch.utils.checkpoint per block", "sac": "SAC, save mm/addmm/bmm"}
+          "nonreentrant": "torch.utils.checkpoint per block", "sac": "SAC, save mm/addmm/bmm",
+          "megatron": "Megatron policy per block", "offload": "per block, inputs to pinned host",
+          "step@0.5": "whole-step planner at 0.5",
+          "step@lean": "whole-step planner, leanest plan"}
 
 
 def blocks(res):

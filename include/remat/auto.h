@@ -57,8 +57,11 @@
 // saves hold it (its caller moved on) to the end of its backward, never
 // when something else holds it (a skip, a ReLU's saved output); writes are
 // priced as if they did not overlap compute.
-// Leaves out: CUDA memory (the planner measures CPU memory; a unit whose
-// inputs are on a CUDA device is refused).
+// Memory is measured on the device of the model's parameters (the first
+// CUDA one, else the CPU): on CUDA, in a build with REMAT_WITH_CUDA, the
+// caching allocator's allocated bytes (docs/gpu.md), units timed with CUDA
+// events; a unit whose inputs are on another device is refused.
+// Leaves out: a model spread over several devices.
 #pragma once
 
 #include <cstdint>
@@ -242,7 +245,8 @@ class AutoCheckpoint {
   int64_t profiled_peak_bytes() const;
   double profiled_time_ms() const;
   ///@}
-  /** The last planned step's measured peak (tracked CPU bytes) and time;
+  /** The last planned step's measured peak (bytes of the measured device:
+   *  tracked CPU bytes, or the CUDA caching allocator's allocated bytes) and time;
    *  -1 before one ran. */
   ///@{
   int64_t measured_peak_bytes() const;

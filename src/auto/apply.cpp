@@ -94,12 +94,12 @@ void AutoCheckpoint::Impl::switch_off() {
 }
 
 void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
-  memory::enable_tracking();
-  memory::reset_peak();
-  const auto t0 = Clock::now();
+  mem->enable();
+  mem->reset_peak();
+  memory::DeviceTimer t0(mem->device());
   fn();
-  measured_ms = ms_since(t0);
-  measured_peak = memory::peak_bytes();
+  measured_ms = t0.elapsed_ms();
+  measured_peak = mem->peak_bytes();
   const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
   if (overrun) transfer_price.restart();
   if (!overrun && reprice_offload(measured_ms)) {

@@ -2,8 +2,9 @@
 // function through the units' checkpoint switch (Checkpointable's
 // UnitObserver) and its chains (CheckpointedSequential's ChainObserver),
 // turns it into a plan::StepModel, solves it and applies the choice through
-// the same switches (and a forced schedule per chain). Leaves out CUDA
-// memory (auto.h says what that means for users).
+// the same switches (and a forced schedule per chain). Memory is read and
+// work timed on the device of the model's parameters (NOTE [memory sources],
+// core/memory_source.h; auto.h says what that means for users).
 //
 // This file is the public API: AutoCheckpoint's construction (the units
 // found in the module tree, the options checked), step(), replan() and the
@@ -134,9 +135,9 @@ void AutoCheckpoint::step(const std::function<void()>& fn) {
   if (m.planned) {
     m.measured_step(fn);
   } else if (m.steps_run < m.options.warmup_steps()) {
-    const auto t0 = Clock::now();
+    memory::DeviceTimer t0(memory::measured_device(m.model.parameters()));
     fn();
-    m.warmup_ms = ms_since(t0);
+    m.warmup_ms = t0.elapsed_ms();
     ++m.steps_run;
   } else {
     profile_step(fn);

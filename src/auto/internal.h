@@ -30,6 +30,7 @@
 #include <remat/sequential.h>
 
 #include "../chain/observe.h"
+#include "../core/memory_source.h"
 #include "../offload/offload_internal.h"
 
 namespace remat::detail {
@@ -168,7 +169,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   std::vector<std::pair<double, double>> trial_windows;  // us on the timeline
   std::vector<memory::Sample> samples;                   // the step's, trials cut out
   std::vector<double> points_us;                         // segment boundaries
-  memory::Timeline* timeline = nullptr;                  // while profiling
+  memory::Recording* timeline = nullptr;                 // while profiling
   int64_t largest_input_sent = 0;       // bytes of the largest input of a unit that may send its inputs
   std::vector<int64_t> inflight_seen;   // per store of options.offload(): NOTE [offload margin measured]
   std::vector<int64_t> inflight_trial;  // the same, for the profile under way
@@ -178,8 +179,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   // completed, so that a profile that throws leaves them matching step_model.
   std::vector<size_t> modeled;
   std::vector<std::vector<double>> input_bytes_of;
-  std::shared_ptr<memory::Timeline> timeline_owner;  // the same, for the unpack hooks (weakly)
-  std::vector<std::shared_ptr<CallRecord>> active;   // observed calls running now, outermost first
+  std::shared_ptr<memory::Recording> timeline_owner;  // the same, for the unpack hooks (weakly)
+  // NOTE [memory sources]: the bytes of the units' device (the model's parameters'), set by each profile.
+  std::shared_ptr<memory::Source> mem = memory::source_for(c10::Device(c10::kCPU));
+  std::vector<std::shared_ptr<CallRecord>> active;  // observed calls running now, outermost first
   bool in_trial = false;
 
   std::vector<std::string> overrun_reports;  // NOTE [overruns reported]
@@ -234,7 +237,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   static OffloadOptions trial_store(OffloadOptions o);
 
   // --- step_model.cpp: the step model, solved and repriced -----------------
-  void build_model(const memory::Timeline& tl, int64_t start_bytes, double begin_us, double end_us);
+  void build_model(const memory::Recording& tl, int64_t start_bytes, double begin_us, double end_us);
   bool inner_calls_inside(size_t i) const;
   /** Units of the step model, in model order, as indices into units. */
   std::vector<size_t> model_units() const { return modeled; }

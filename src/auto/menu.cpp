@@ -359,8 +359,8 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   std::shared_ptr<detail::OffloadStore> own_store;
   if (opt.offload && !is_recomputing()) own_store = detail::OffloadStore::create(trial_store(*opt.offload));
   detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
-  memory::Probe probe;
-  auto t0 = Clock::now();
+  memory::Probe probe(mem->device());
+  memory::DeviceTimer t0(mem->device());
   std::vector<at::Tensor> out;
   const bool sends = opt.offload || (opt.switch_state && opt.switch_state->offload());
   {
@@ -376,7 +376,7 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   }
   if (own_store) own_store->wait();
   if (sends) wait_checkpoint_offloads();
-  double ms = ms_since(t0);
+  double ms = t0.elapsed_ms();
   cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
   cost.forward_peak_bytes = probe.peak_bytes();
   // What a compressing store holds depends on the batch (NOTE
@@ -409,11 +409,11 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   }
   const int64_t at_backward = probe.delta_bytes();
   {
-    memory::Probe backward;
-    t0 = Clock::now();
+    memory::Probe backward(mem->device());
+    t0.restart();
     std::vector<at::Tensor> grads = torch::autograd::grad(roots, wrt, grads_out, /*retain_graph=*/false,
                                                           /*create_graph=*/false, /*allow_unused=*/true);
-    ms += ms_since(t0);
+    ms += t0.elapsed_ms();
     cost.backward_peak_bytes = std::max<int64_t>(0, at_backward + backward.peak_bytes()) + codec_extra;
   }
   cost.time_ms = ms;

@@ -16,7 +16,7 @@
 // keeps, its backward peak (a probe each, above the bytes live at the
 // call's start) and its time. The real call then runs under a saved-tensor
 // hook that only notes the time of the first and last unpack: the call's
-// backward window. A memory::Timeline records every allocation of the
+// backward window. A memory::Recording records every allocation of the
 // step, with the isolated runs' windows cut out; the windows of all calls
 // cut it into segments, whose peaks are the model's baseline.
 //
@@ -31,6 +31,7 @@
 // inner units checkpointed (nested checkpoints), so its backward holds one
 // inner unit's working set at a time instead of all of them.
 #include "internal.h"
+#include "measure.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
@@ -147,7 +148,7 @@ class AutoCheckpoint::Impl::ObservedCall : public Call {
               rec->packed(std::any_cast<const at::Tensor&>(kept));  // NOTE [released inputs]
               return kept;
             },
-            [rec, weak = std::weak_ptr<memory::Timeline>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
+            [rec, weak = std::weak_ptr<memory::Recording>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
               if (auto tl = weak.lock()) rec->unpacked(tl->now_us());
               return std::any_cast<const at::Tensor&>(p);
             })) {
@@ -258,15 +259,7 @@ CallPtr AutoCheckpoint::Impl::begin(CheckpointedSequentialImpl& chain, const std
 CallPtr AutoCheckpoint::Impl::begin_call(size_t unit, const std::vector<at::Tensor>& inputs, const RunOption& run,
                                          const detail::ChainMenu* menu) {
   Unit& u = units[unit];
-  for (const auto& x : inputs) {
-    if (x.defined() && !x.device().is_cpu()) {
-      throw Error("[remat::auto] unit '" + shown(u.name) + "' runs on " + x.device().str() +
-                  "; the whole-step planner measures CPU memory only. On a CUDA device, use " +
-                  (u.chain != nullptr ? "the chain's own memory budget (SequentialOptions) without auto_checkpoint."
-                                      : "CheckpointedSequential's memory budget or the per-module switch "
-                                        "(enable_checkpointing)."));
-    }
-  }
+  detail::check_unit_device(shown(u.name), u.chain != nullptr, inputs, mem->device());
   auto rec = std::make_shared<CallRecord>();
   rec->unit = unit;
   for (const auto& x : inputs) {
@@ -344,11 +337,12 @@ void AutoCheckpoint::Impl::profile(const std::function<void()>& fn) {
 // a warm-up step, AutoOptions::warmup_steps, gives the exact profile).
 void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
   inflight_trial.assign(options.offload().size(), 0);
-  memory::enable_tracking();
-  const int64_t start_bytes = memory::current_bytes();
+  mem = memory::source_for(memory::measured_device(model.parameters()));
+  mem->enable();
+  const int64_t start_bytes = mem->current_bytes();
   const Grads grads_start = grads_now();
-  timeline_owner = std::make_shared<memory::Timeline>();
-  memory::Timeline& tl = *timeline_owner;
+  timeline_owner = mem->record();
+  memory::Recording& tl = *timeline_owner;
   timeline = &tl;
   detail::UnitObserver* previous = detail::set_unit_observer(this);
   detail::ChainObserver* previous_chain = detail::set_chain_observer(this);
@@ -385,7 +379,7 @@ void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
   const double end_us = tl.now_us();
   tl.stop();
   // NOTE [what the profiled step leaves behind]
-  grown = std::max<int64_t>(0, memory::current_bytes() - start_bytes);
+  grown = std::max<int64_t>(0, mem->current_bytes() - start_bytes);
   grown_everywhere = grown;
   if (grown > 0) {
     const Grads grads_end = grads_now();

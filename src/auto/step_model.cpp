@@ -22,7 +22,7 @@ using detail::shown;
  *  step's end): the timeline cut into segments at the calls' windows, the
  *  segments' peaks, and per call its options' costs, the inputs it lets go
  *  and the earlier call it shares one with. */
-void AutoCheckpoint::Impl::build_model(const memory::Timeline& tl, int64_t start_bytes, double begin_us,
+void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t start_bytes, double begin_us,
                                        double end_us) {
   // Samples outside the isolated runs.
   samples.clear();

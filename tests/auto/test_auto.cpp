@@ -1868,3 +1868,43 @@ TEST(Auto, TheOffloadMarginIsWhatTheStoreHeldInFlight) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == plain.states.back()[i]) << "tensor " << i;
   EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
 }
+
+// --- on a CUDA device (skipped without one) ------------------------------------
+// The planner reads the device of the model's parameters through its memory
+// source (NOTE [memory sources], src/core/memory_source.h): on CUDA the
+// caching allocator's allocated bytes, and times units with CUDA events.
+TEST(CudaAuto, GptBlocksPlannedOnTheDeviceWithinBudget) {
+  if (!remat::memory::built_with_cuda()) GTEST_SKIP() << "CPU build";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const c10::Device d(c10::kCUDA, 0);
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int i = 0; i < 4; ++i) net->push_back(remat::models::GptBlock(256, 4, 0.0, /*sdpa=*/true));
+  net->to(d);
+  const auto x = torch::randn({4, 256, 256}, torch::TensorOptions().device(d)).requires_grad_(true);
+  auto run = [&] {
+    net->zero_grad();
+    net->forward(x).sum().backward();
+  };
+  run();
+  std::vector<torch::Tensor> plain;
+  for (const auto& p : net->parameters()) plain.push_back(p.grad().clone());
+  {
+    auto planner = remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(0.5).warmup_steps(1));
+    for (int i = 0; i < 4; ++i) planner.step(run);
+    ASSERT_TRUE(planner.planned());
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(planner.budget_bytes()))
+        << planner.explain();
+    const auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(params[i].grad(), plain[i], 1e-4, 1e-5)) << "parameter " << i;
+    }
+  }
+  // A unit whose input is on the CPU is refused by name.
+  auto cpu_x = torch::randn({4, 256, 256}).requires_grad_(true);
+  auto other = remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(0.5).warmup_steps(0));
+  EXPECT_NE(remat_test::error_of([&] {
+              other.step([&] { net->forward(cpu_x).sum().backward(); });
+            }).find("the whole-step planner measures cuda:0 (the device of the model's parameters)"),
+            std::string::npos);
+}
