@@ -74,6 +74,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
 
 #include <remat/checkpoint.h>
 #include <remat/offload.h>
@@ -157,6 +158,24 @@ struct AutoOptions {
    *  remat::Error. The warning suits runs where a rank that throws takes the
    *  job down (a collective's buffers freed late can push one rank over). */
   TORCH_ARG(bool, overrun_throws) = false;
+  /** The optimizers the step function steps (a GAN's two). Each then
+   *  updates its parameters inside backward (remat::StepInBackward, made by
+   *  the planner before the first step and kept while it lives): each
+   *  gradient is freed once its parameter is updated, so the gradients
+   *  never all live at once and every step, the profiled one included,
+   *  measures that; the step's own optimizer.step() finds nothing left to
+   *  do. Not with a step that reads the gradients after backward
+   *  (global-norm clipping: leave the optimizer out). Each must outlive the
+   *  planner. Default none. */
+  TORCH_ARG(std::vector<torch::optim::Optimizer*>, optimizers);
+  /** With optimizers: a store the optimizers' state may live in between a
+   *  parameter's updates (StepInBackwardOptions::state_offload). Where each
+   *  param group's state lives, kept or in the store, is then part of the
+   *  plan: the store saves that state's bytes at every point of the step
+   *  but what it holds in flight, and costs the time to write and read it
+   *  back, measured after the profiled step. Default none: the state stays
+   *  with the optimizer. */
+  TORCH_ARG(std::optional<OffloadOptions>, optimizer_state_store);
 };
 
 /** One unit of a plan, as explain() shows it. */

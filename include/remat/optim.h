@@ -205,6 +205,17 @@ class StepInBackward {
   /** Blocks until every state write to the store is done (a failed write
    *  keeps its state in memory; stats() counts it). */
   void wait();
+  /** Which of the optimizer's param_groups() send their state to the store
+   *  (state_offload): one flag per group; all of them unless set here. A
+   *  group turned off gets its state back now; one turned on sends it now
+   *  (and after each update). Throws remat::Error without
+   *  state_offload, or for a size other than the number of groups. */
+  void offload_groups(const std::vector<bool>& groups);
+  /** Per param group, bytes of optimizer state its parameters have now,
+   *  wherever it lives (with the optimizer or in the store). */
+  std::vector<int64_t> state_bytes_per_group() const;
+  /** Per param group, the most state bytes one parameter has. */
+  std::vector<int64_t> largest_state_bytes_per_group() const;
   /** The counters so far (a snapshot). */
   StepInBackwardStats stats() const;
   /** What it does: the optimizer, the parameters, where the state lives,

@@ -59,6 +59,7 @@ void AutoCheckpoint::Impl::solve_and_apply(int64_t target) {
 
 void AutoCheckpoint::Impl::apply() {
   switch_off();
+  apply_state();
   const std::vector<size_t> mu = model_units();
   for (size_t j = 0; j < mu.size(); ++j) {
     Unit& u = units[mu[j]];

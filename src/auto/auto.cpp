@@ -67,6 +67,15 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
                               ", codec " + to_string(off.codec()) + ")";
     detail::check_menu_offload(which, off, /*on_cpu=*/true);
   }
+  if (o.optimizer_state_store()) {
+    if (o.optimizers().empty()) {
+      throw Error(
+          "[remat::auto] optimizer_state_store needs the optimizers whose state it would hold: give "
+          "AutoOptions().optimizers({&opt}) too.");
+    }
+    // Its options and directory, checked now rather than after the profiled step.
+    detail::OffloadStore::create_isolated(*o.optimizer_state_store());
+  }
   std::unordered_map<const torch::nn::Module*, bool> seen;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     torch::nn::Module* m = item.value().get();
@@ -120,6 +129,8 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
   // Counted from here on: the warm-up's gradients and optimizer state are
   // then in every step's figures, the profiled one's included.
   memory::enable_tracking();
+  // NOTE [model state in the plan]: every step runs with the updates in backward.
+  impl_->start_in_backward();
   // The planner owns the switches: every unit runs plain until planned
   // (NOTE [switches given back]).
   impl_->note_switches();
@@ -148,7 +159,10 @@ void AutoCheckpoint::profile_step(const std::function<void()>& fn) {
   Impl& m = *impl_;
   m.switch_off();
   m.planned = false;
+  m.placement = Impl::Placement{};  // NOTE [model state in the plan]: profiled with every state kept
+  m.apply_state();
   m.profile(fn);
+  m.measure_state();
   ++m.steps_run;
   if (m.step_model.units.empty()) {
     throw Error("[remat::auto] the profiled step called none of the model's " + std::to_string(m.units.size()) +

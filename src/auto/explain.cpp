@@ -136,6 +136,7 @@ std::string AutoCheckpoint::explain() const {
                     m.offload_ms_per_gib);
       os << b;
     }
+    os << m.explain_state();
     if (const int64_t inflight = inflight_bytes(); inflight > 0 && p.peak_bytes + inflight <= m.budget) {
       os << "offload: up to " << plan::format_bytes(inflight)
          << " of writes and reads in flight on top of the prediction, within the budget\n";

@@ -26,6 +26,7 @@
 #include <remat/checkpointable.h>
 #include <remat/memory.h>
 #include <remat/offload.h>
+#include <remat/optim.h>
 #include <remat/plan/transfer.h>
 #include <remat/sequential.h>
 
@@ -186,6 +187,32 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   bool in_trial = false;
 
   std::vector<std::string> overrun_reports;  // NOTE [overruns reported]
+
+  // NOTE [model state in the plan] (state.cpp).
+  std::vector<std::unique_ptr<StepInBackward>> in_backward;  // per options.optimizers()
+  struct StateGroup {
+    size_t opt = 0, group = 0;  // options.optimizers()[opt]->param_groups()[group]
+    int64_t bytes = 0;          // its parameters' optimizer state
+    int64_t largest = 0;        // the most one parameter has
+  };
+  std::vector<StateGroup> state_groups;  // as of the last profile
+  double state_ms_per_byte = 0;          // measured: written to the store and read back
+  /** One placement of the state groups: which go to the store, the bytes
+   *  that saves at every point of the step (their state less what the
+   *  store holds in flight) and the time it costs. */
+  struct Placement {
+    std::vector<bool> in_store;  // per state_groups
+    int64_t saved_bytes = 0;
+    double ms = 0;
+  };
+  std::vector<Placement> placements() const;
+  Placement placement;               // of the plan in force
+  std::vector<bool> state_in_force;  // per state_groups, as applied
+  int64_t state_inflight_bytes(const std::vector<bool>& in_store) const;
+  void start_in_backward();
+  void measure_state();
+  void apply_state();
+  std::string explain_state() const;
 
   /** What a unit's switch was before the planner (NOTE [switches given back]). */
   struct Switches {

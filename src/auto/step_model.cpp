@@ -317,16 +317,23 @@ plan::StepModel AutoCheckpoint::Impl::without_offload(bool plain_only) const {
 plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
   const plan::StepSolveOptions so{options.solver_time_limit_s()};
   std::optional<plan::StepPlan> best;
-  for (const Tier& t : tiers()) {
-    if (target <= t.margin) continue;
-    try {
-      plan::StepPlan p = plan::solve_step(t.model, target - t.margin, so);
-      p.budget_bytes = target;
-      if (!best || p.prediction.time_ms < best->prediction.time_ms) {
-        best = std::move(p);
-        plan_margin = t.margin;
+  // NOTE [model state in the plan] (state.cpp): each placement of the
+  // optimizers' state takes the same bytes off every point.
+  for (const Placement& pl : placements()) {
+    for (const Tier& t : tiers()) {
+      if (target + pl.saved_bytes <= t.margin) continue;
+      try {
+        plan::StepPlan p = plan::solve_step(t.model, target - t.margin + pl.saved_bytes, so);
+        p.budget_bytes = target;
+        p.prediction.peak_bytes -= pl.saved_bytes;
+        p.prediction.time_ms += pl.ms;
+        if (!best || p.prediction.time_ms < best->prediction.time_ms) {
+          best = std::move(p);
+          plan_margin = t.margin;
+          placement = pl;
+        }
+      } catch (const Error&) {
       }
-    } catch (const Error&) {
     }
   }
   if (best) return *best;
@@ -337,11 +344,14 @@ plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
 AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
   const plan::StepSolveOptions so{options.solver_time_limit_s()};
   std::optional<Leanest> best;
+  const std::vector<Placement> pls = placements();
   for (const Tier& t : tiers()) {
     const plan::StepPlan lean = plan::min_peak_step(t.model, so);
     const plan::StepPrediction& p = lean.prediction;
-    if (!best || p.peak_bytes + t.margin < best->peak)
-      best = Leanest{p.peak_bytes + t.margin, p.peak_segment, t.margin, lean.optimal};
+    for (const Placement& pl : pls) {  // NOTE [model state in the plan]
+      const int64_t peak = p.peak_bytes + t.margin - pl.saved_bytes;
+      if (!best || peak < best->peak) best = Leanest{peak, p.peak_segment, t.margin, lean.optimal};
+    }
   }
   return *best;
 }

@@ -101,6 +101,7 @@ struct StepInBackwardImpl {
     bool seen_this_pass = false;
   };
   std::vector<Param> params;
+  std::vector<char> group_offloaded;  // per param group: its state goes to the store (state_offload)
   std::unordered_map<const void*, size_t> by_impl;
   std::shared_ptr<OffloadStore> store;
   mutable std::mutex mu;
@@ -154,10 +155,21 @@ struct StepInBackwardImpl {
     p.state_bytes = 0;
   }
 
+  /** Bytes of p's state with the optimizer now (not in the store). */
+  int64_t resident_state_bytes(Param& p) {
+    auto* s = state_of(p);
+    if (!s) return 0;
+    int64_t b = 0;
+    for (at::Tensor* t : state_tensors_of(*s)) {
+      if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+    }
+    return b;
+  }
+
   /** Sends p's state to the store; call with mu held. */
   void put(Param& p) {
     auto* s = state_of(p);
-    if (!s) return;
+    if (!s || !p.state.empty()) return;  // no state yet, or in the store already
     auto slots = state_tensors_of(*s);
     for (at::Tensor* t : slots) {
       p.had.push_back(t->defined());
@@ -230,7 +242,7 @@ struct StepInBackwardImpl {
     if (store) {
       p.seen_this_pass = true;
       order.push_back(it->second);
-      put(p);
+      if (group_offloaded[p.group]) put(p);
       read_ahead(p);
       st.state_write_failures = store->failures(&st.last_state_error);
     }
@@ -342,6 +354,7 @@ StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInB
     impl.store = detail::OffloadStore::create_isolated(store_options);
   }
   impl.pos_in_last.assign(impl.params.size(), -1);
+  impl.group_offloaded.assign(optimizer.param_groups().size(), 1);
   {
     std::lock_guard<std::mutex> lock(detail::g_registry_mu);
     for (const auto& p : impl.params) detail::g_registry[p.tensor.unsafeGetTensorImpl()]++;
@@ -406,6 +419,45 @@ void StepInBackward::wait() {
     impl_->store->wait();
   } catch (const std::exception&) {  // an isolated store has no store-wide error; nothing to report
   }
+}
+
+void StepInBackward::offload_groups(const std::vector<bool>& groups) {
+  auto& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mu);
+  if (!impl.store) {
+    throw Error(
+        "[remat::StepInBackward] offload_groups: there is no state store; give StepInBackwardOptions::"
+        "state_offload to choose where the state goes.");
+  }
+  if (groups.size() != impl.group_offloaded.size()) {
+    throw Error("[remat::StepInBackward] offload_groups: " + std::to_string(groups.size()) +
+                " flags for an optimizer of " + std::to_string(impl.group_offloaded.size()) +
+                " param groups; give one per group.");
+  }
+  for (size_t g = 0; g < groups.size(); ++g) impl.group_offloaded[g] = groups[g];
+  for (auto& p : impl.params) {
+    if (impl.group_offloaded[p.group]) {
+      impl.put(p);  // now, not at its next update: the step before that update holds less
+    } else {
+      impl.fetch(p, /*count_miss=*/false);
+    }
+  }
+}
+
+std::vector<int64_t> StepInBackward::state_bytes_per_group() const {
+  auto& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mu);
+  std::vector<int64_t> out(impl.group_offloaded.size(), 0);
+  for (auto& p : impl.params) out[p.group] += impl.resident_state_bytes(p) + p.state_bytes;
+  return out;
+}
+
+std::vector<int64_t> StepInBackward::largest_state_bytes_per_group() const {
+  auto& impl = *impl_;
+  std::lock_guard<std::mutex> lock(impl.mu);
+  std::vector<int64_t> out(impl.group_offloaded.size(), 0);
+  for (auto& p : impl.params) out[p.group] = std::max(out[p.group], impl.resident_state_bytes(p) + p.state_bytes);
+  return out;
 }
 
 StepInBackwardStats StepInBackward::stats() const {
