@@ -78,6 +78,7 @@
 
 #include <remat/checkpoint.h>
 #include <remat/offload.h>
+#include <remat/optim.h>
 #include <remat/plan/step.h>
 #include <remat/policy.h>
 
@@ -280,6 +281,15 @@ class AutoCheckpoint {
   /** A report: per unit the option chosen, bytes kept and time added;
    *  predicted against measured peak and time; the solver's figures. */
   std::string explain() const;
+  /** With AutoOptions::optimizers: backward passes while the returned
+   *  guards live keep their gradients (the micro-batches before a step's
+   *  last), as StepInBackward::accumulate(). Empty without optimizers. */
+  [[nodiscard]] std::vector<StepInBackward::Accumulating> accumulate();
+  /** With optimizer_state_store: brings every optimizer state back from the
+   *  store (before saving or reading the optimizer); each goes again after
+   *  its parameter's next update, as the plan says, so the steps until then
+   *  hold it. */
+  void fetch_optimizer_state();
   /** Writes the profiled step's memory, the plan's predicted memory per
    *  segment and the units' windows as Chrome trace JSON (Perfetto). */
   void write_trace(const std::string& path) const;

@@ -197,6 +197,16 @@ void AutoCheckpoint::apply() {
 }
 
 bool AutoCheckpoint::planned() const { return impl_->planned; }
+
+std::vector<StepInBackward::Accumulating> AutoCheckpoint::accumulate() {
+  std::vector<StepInBackward::Accumulating> guards;
+  for (auto& s : impl_->in_backward) guards.push_back(s->accumulate());
+  return guards;
+}
+
+void AutoCheckpoint::fetch_optimizer_state() {
+  for (auto& s : impl_->in_backward) s->fetch_state();
+}
 int64_t AutoCheckpoint::leanest_peak_bytes() const {
   if (impl_->step_model.units.empty()) {
     throw Error("[remat::auto] leanest_peak_bytes() before a profiled step; run step() (or profile_step()) first.");

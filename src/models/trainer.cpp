@@ -680,6 +680,18 @@ Policy selective_policy(const std::string& name, bool gpt) {
               "'. Use megatron (GPT), save_matmuls, save_nothing or attention.");
 }
 
+namespace {
+
+/** Where --optimizer-state puts the state between updates; nullopt: kept. */
+std::optional<OffloadOptions> state_store_options(const TrainConfig& c) {
+  if (c.optimizer_state == "disk") return OffloadOptions(OffloadTarget::kDisk).directory(c.offload_dir);
+  if (c.optimizer_state == "host") return OffloadOptions(OffloadTarget::kHost);
+  if (c.optimizer_state == "bf16") return OffloadOptions(OffloadTarget::kMemory).codec(Codec::kBFloat16).min_bytes(0);
+  return std::nullopt;
+}
+
+}  // namespace
+
 Trainer::Trainer(TrainConfig config, std::ostream* log) : impl_(std::make_unique<Impl>()) {
   auto& m = *impl_;
   m.cfg = std::move(config);
@@ -751,9 +763,14 @@ Trainer::Trainer(TrainConfig config, std::ostream* log) : impl_(std::make_unique
   if (c.checkpoint == Strategy::kAuto) {
     // Step 1 plain (warm-up: gradients and AdamW state appear), step 2
     // profiled (plain), then replanned for --memory-budget above step 2's
-    // start (Trainer::step).
-    m.auto_ck.emplace(
-        auto_checkpoint(*m.module, AutoOptions().memory_budget_fraction(1.0).warmup_steps(kAutoWarmupSteps)));
+    // start (Trainer::step). --optimizer-in-backward: the planner updates in
+    // backward, and places the state (--optimizer-state) as its plan says.
+    AutoOptions ao = AutoOptions().memory_budget_fraction(1.0).warmup_steps(kAutoWarmupSteps);
+    if (c.optimizer_in_backward) {
+      ao.optimizers({m.optimizer.get()});
+      if (auto store = state_store_options(c)) ao.optimizer_state_store(*store);
+    }
+    m.auto_ck.emplace(auto_checkpoint(*m.module, ao));
   }
   if (c.bf16) {
     try {
@@ -776,6 +793,12 @@ void Trainer::set_step_hooks(StepHooks hooks) { impl_->hooks = std::move(hooks);
 void Trainer::use_optimizer_parameters(std::vector<at::Tensor> parameters) {
   auto& m = *impl_;
   const auto& c = m.cfg;
+  if (m.auto_ck && c.optimizer_in_backward) {
+    throw Error(
+        "[remat::train] --optimizer-in-backward under --checkpoint auto plans the optimizer the trainer was built "
+        "with, and this run replaces it (--shard or a pipeline); drop --optimizer-in-backward, or use another "
+        "--checkpoint.");
+  }
   m.in_backward.reset();  // its hooks go with the optimizer they step
   if (c.optimizer == "sgd") {
     m.optimizer = std::make_unique<torch::optim::SGD>(std::move(parameters), torch::optim::SGDOptions(c.lr));
@@ -783,15 +806,9 @@ void Trainer::use_optimizer_parameters(std::vector<at::Tensor> parameters) {
     m.optimizer = std::make_unique<torch::optim::AdamW>(std::move(parameters),
                                                         torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
   }
-  if (c.optimizer_in_backward) {
+  if (c.optimizer_in_backward && c.checkpoint != Strategy::kAuto) {  // under auto, the planner makes it
     StepInBackwardOptions o;
-    if (c.optimizer_state == "disk") {
-      o.state_offload(OffloadOptions(OffloadTarget::kDisk).directory(c.offload_dir));
-    } else if (c.optimizer_state == "host") {
-      o.state_offload(OffloadOptions(OffloadTarget::kHost));
-    } else if (c.optimizer_state == "bf16") {
-      o.state_offload(OffloadOptions(OffloadTarget::kMemory).codec(Codec::kBFloat16).min_bytes(0));
-    }
+    if (auto store = state_store_options(c)) o.state_offload(*store);
     m.in_backward = std::make_unique<StepInBackward>(*m.optimizer, o);
   }
 }
@@ -828,7 +845,9 @@ StepStats Trainer::step(memory::Timeline* timeline) {
         // Micro-batches before the last keep their gradients; the last one's
         // backward updates (optimizer_in_backward).
         std::optional<StepInBackward::Accumulating> accumulating;
+        std::vector<StepInBackward::Accumulating> auto_accumulating;
         if (m.in_backward && !sync) accumulating.emplace(m.in_backward->accumulate());
+        if (m.auto_ck && !sync) auto_accumulating = m.auto_ck->accumulate();
         const double f0 = timeline ? timeline->now_us() : 0.0;
         if (m.hooks.before_every_forward) m.hooks.before_every_forward();
         if (sync && m.hooks.before_forward) m.hooks.before_forward();
@@ -922,7 +941,9 @@ void Trainer::save(const std::string& path) const {
   const auto& m = *impl_;
   torch::serialize::OutputArchive archive, model, optim;
   m.module->save(model);
-  if (m.in_backward) m.in_backward->fetch_state();  // the state in a store comes back to be saved
+  // The state in a store comes back to be saved.
+  if (m.in_backward) m.in_backward->fetch_state();
+  if (impl_->auto_ck) impl_->auto_ck->fetch_optimizer_state();
   m.optimizer->save(optim);
   archive.write("model", model);
   archive.write("optimizer", optim);
@@ -1585,7 +1606,8 @@ std::string Trainer::summary() const {
     os << "; optimizer step in backward";
     if (!c.optimizer_state.empty())
       os << " (state between updates: " << c.optimizer_state
-         << (c.optimizer_state == "disk" ? " in " + c.offload_dir : std::string()) << ")";
+         << (c.optimizer_state == "disk" ? " in " + c.offload_dir : std::string())
+         << (c.checkpoint == Strategy::kAuto ? ", where the plan says" : "") << ")";
   }
   const int threads = torch::get_num_threads();
   os << "; " << threads << (threads == 1 ? " thread" : " threads");
