@@ -58,7 +58,10 @@ clean:
 # those test binaries and runs only their tests (ctest labels = binary names);
 # empty: everything.
 SAN_TESTS ?=
-# SAN_EXCLUDE: a ctest -E regex of tests not to run in the sanitizer build (no "$": make would expand it).
+# SAN_EXCLUDE: GoogleTest tests not to run in the sanitizer build, as a
+# GTEST_FILTER list (Suite.Name:Suite.Other, wildcards allowed): each ctest
+# test is a whole binary (remat_gtest in CMakeLists.txt), run with
+# GTEST_FILTER=-$(SAN_EXCLUDE).
 SAN_EXCLUDE ?=
 SAN_CONFIGURE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 \
   -DREMAT_BUILD_EXAMPLES=OFF -DREMAT_BUILD_BENCH=OFF \
@@ -67,8 +70,9 @@ san_empty :=
 san_space := $(san_empty) $(san_empty)
 SAN_CTEST_FILTER = $(if $(strip $(SAN_TESTS)),-L '^($(subst $(san_space),|,$(strip $(SAN_TESTS))))$$')
 SUPP = $(CURDIR)/cmake/sanitizers
-# Why each option (they are exported to the build too: gtest_discover_tests
-# runs every test binary once at build time to list its tests):
+# Why each option (they are exported to the build too: with
+# REMAT_CTEST_PER_TEST=ON, gtest_discover_tests runs every test binary once
+# at build time to list its tests):
 #  detect_leaks=1: leaks are findings. LibTorch is not instrumented, but LSan
 #    still sees its allocations; none leaked in our runs, so the suppressions
 #    file (cmake/sanitizers/lsan.supp) is empty: add "leak:libtorch_cpu.so"
@@ -85,19 +89,20 @@ ASAN_ENV = ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:abort_on_error=0:detect_s
 #  TSan: second_deadlock_stack=1 for lock-order reports; suppressions for races
 #  TSan cannot judge inside the uninstrumented LibTorch (cmake/sanitizers/tsan.supp).
 TSAN_ENV = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(SUPP)/tsan.supp
-# test-tsan runs the thread tests (tests whose name contains Thread).
-TSAN_CTEST_FILTER ?= -R Thread
+# test-tsan runs the thread tests (GoogleTest tests whose name contains Thread).
+TSAN_GTEST_FILTER ?= *Thread*
 
 .PHONY: test-asan test-tsan fuzz format format-fix
 test-asan: setup
 	@$(SAN_CONFIGURE) -B build-asan -DREMAT_SANITIZE=address,undefined >/dev/null
 	@$(ASAN_ENV) cmake --build build-asan -j $(JOBS) $(if $(strip $(SAN_TESTS)),--target $(SAN_TESTS))
-	@cd build-asan && $(ASAN_ENV) ctest --output-on-failure -j $(JOBS) $(SAN_CTEST_FILTER) $(if $(strip $(SAN_EXCLUDE)),-E '$(SAN_EXCLUDE)')
+	@cd build-asan && $(ASAN_ENV) $(if $(strip $(SAN_EXCLUDE)),GTEST_FILTER='-$(strip $(SAN_EXCLUDE))') \
+	  ctest --output-on-failure -j $(JOBS) $(SAN_CTEST_FILTER)
 
 test-tsan: setup
 	@$(SAN_CONFIGURE) -B build-tsan -DREMAT_SANITIZE=thread >/dev/null
 	@$(TSAN_ENV) cmake --build build-tsan -j $(JOBS) $(if $(strip $(SAN_TESTS)),--target $(SAN_TESTS))
-	@cd build-tsan && $(TSAN_ENV) ctest --output-on-failure -j $(JOBS) $(TSAN_CTEST_FILTER)
+	@cd build-tsan && $(TSAN_ENV) GTEST_FILTER='$(TSAN_GTEST_FILTER)' ctest --output-on-failure -j $(JOBS) $(SAN_CTEST_FILTER)
 
 # fuzz: libFuzzer targets of fuzz/ (clang), FUZZ_SECONDS each (scripts/fuzz.sh).
 FUZZ_SECONDS ?= 60

@@ -174,6 +174,27 @@ std::vector<Row> rows_of(const StepModel& m) {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
+// GLPK's objective tolerance: it prunes a branch whose LP bound is within
+// tol_obj * (1 + |best|) of the best plan found so far. Its default, 1e-7,
+// let it call a plan optimal that was 0.02 ms slower in 631372 ms (3.2e-8:
+// two options that hold the same bytes; step_fuzz, fuzz/FINDINGS.md).
+// 1e-11 leaves GLPK's proof good to the rounding of the summed times.
+constexpr double kGlpTolObj = 1e-11;
+
+// The sums of a model's times (the step's and every option's): two
+// choices' times that differ by less than kTimeRel of it are equal to
+// within the rounding of adding them up.
+double time_scale(const StepModel& m) {
+  double scale = std::abs(m.step_time_ms);
+  for (const StepUnit& u : m.units) {
+    for (const StepCall& c : u.calls) {
+      for (const StepCost& cost : c.costs) scale += std::abs(cost.time_ms);
+    }
+  }
+  return std::max(scale, 1.0);
+}
+constexpr double kTimeRel = 1e-12;
+
 struct MipResult {
   std::vector<int> choice;
   bool optimal = false;
@@ -359,6 +380,7 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
   parm.presolve = GLP_ON;
   parm.msg_lev = GLP_MSG_OFF;
   parm.tm_lim = static_cast<int>(std::min(opt.time_limit_s * 1000.0, 2e9));
+  parm.tol_obj = kGlpTolObj;
   Gap gap;
   parm.cb_func = gap_callback;
   parm.cb_info = &gap;
@@ -411,6 +433,33 @@ std::vector<Row> binding_rows(const std::vector<Row>& rows, int64_t budget_bytes
     if (worst > budget_bytes) out.push_back(r);
   }
   return out;
+}
+
+// GLPK decides in doubles, within its tolerances; its answer is checked
+// against the exact rule: one unit's option changed at a time (the nesting
+// kept), in integer bytes. A change that fits the budget and is faster by
+// more than rounding is taken, until none is; returns whether one was
+// (then GLPK's "optimal" was not).
+bool improve_one_at_a_time(const StepModel& m, int64_t budget_bytes, StepPrediction* pred) {
+  const double eps = kTimeRel * time_scale(m);
+  bool improved = false;
+  for (bool again = true; again;) {
+    again = false;
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      for (size_t k = 0; k < m.units[u].options.size(); ++k) {
+        std::vector<int> c = pred->choice;
+        if (c[u] == static_cast<int>(k)) continue;
+        c[u] = static_cast<int>(k);
+        if (nesting_violation(m, c).first >= 0) continue;
+        StepPrediction p = simulate_step(m, c);
+        if (p.peak_bytes <= budget_bytes && p.time_ms < pred->time_ms - eps) {
+          *pred = std::move(p);
+          improved = again = true;
+        }
+      }
+    }
+  }
+  return improved;
 }
 
 // NOTE [the chain DP]: when the outermost units (parent -1) are each
@@ -1210,8 +1259,12 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
   // GLPK works in doubles: a choice it accepts within its tolerance is
   // checked in integer bytes and, if over, solved again with the budget
   // lowered by the excess and a margin that grows (64 B, 256 B, ...).
+  // A plan solved at a lowered budget is optimal only if it is as fast as
+  // the first program's optimum (over every choice GLPK accepted within
+  // the budget: no faster choice fits).
   int64_t target = budget_bytes;
   bool timed_out = false;
+  std::optional<double> bound;  // the first program's optimum, ms, when GLPK proved it
   for (int attempt = 0; attempt < 6; ++attempt) {
     const std::vector<Row> rows = binding_rows(all, target);
     MipResult r;
@@ -1227,7 +1280,20 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
     }
     if (!found) break;
     StepPrediction pred = simulate_step(m, r.choice);
+    if (attempt == 0 && r.optimal) bound = pred.time_ms;
     if (pred.peak_bytes <= budget_bytes) {
+      const bool improved = improve_one_at_a_time(m, budget_bytes, &pred);
+      if (r.optimal && (improved || attempt > 0)) {
+        // Optimal only as fast as the first program's optimum; else the gap
+        // to it, less GLPK's objective tolerance.
+        r.optimal = !improved && bound && pred.time_ms <= *bound + kTimeRel * time_scale(m);
+        if (!r.optimal && bound) {
+          const double low = *bound - kGlpTolObj * (1 + std::abs(*bound - m.step_time_ms));
+          r.gap = std::max(0.0, pred.time_ms - low) / std::max(std::abs(low), 1e-300);
+        } else if (!r.optimal) {
+          r.gap = std::numeric_limits<double>::infinity();
+        }
+      }
       plan.prediction = std::move(pred);
       plan.optimal = r.optimal;
       plan.relative_gap = r.gap;

@@ -727,3 +727,53 @@ TEST(StepSolve, ValidateNamesTheProblem) {
     EXPECT_STREQ(e.what(), "[remat::plan] budget_bytes is 0; give a positive budget.");
   }
 }
+
+// step_fuzz's GLPK finding (fuzz/FINDINGS.md): unit c's two slow options
+// hold the same bytes and differ by 0.02 ms in 631372 ms, 3.2e-8 of the
+// objective. GLPK prunes a branch whose bound is within its objective
+// tolerance (tol_obj, 1e-7 of the objective by default) of the best plan
+// found so far, so it called the slower one optimal. Not a chain (c's
+// input is shared with a's call): GLPK solves it, and the answer must be
+// the brute force's fastest within 13 TiB.
+TEST(StepSolve, GlpkTellsApartOptionsCloserThanItsDefaultObjectiveTolerance) {
+  const int64_t TiB = int64_t{1} << 40;
+  rp::StepModel m;
+  m.step_time_ms = 1;
+  m.segment_peak_bytes = {15 * TiB, 3 * TiB, 16 * TiB, 11 * TiB};
+  m.units.push_back({"a",
+                     {"keep", "opt1", "opt2"},
+                     {{0,
+                       3,
+                       3,
+                       3,
+                       {{12.304238875371567, 4 * TiB, 15 * TiB, 8 * TiB, 0},
+                        {5, 16 * TiB, 7 * TiB, 12 * TiB, 16 * TiB},
+                        {417999.28323679324, 7 * TiB, 2 * TiB, 3 * TiB, 12 * TiB}}}}});
+  m.units.push_back(
+      {"b",
+       {"keep", "opt1"},
+       {{0, 2, 3, 3, {{190256.89207077291, 5 * TiB, 15 * TiB, 16 * TiB, 0}, {7, 12 * TiB, 15 * TiB, 8 * TiB, 0}}}},
+       /*parent=*/0});
+  rp::StepCall c{0,
+                 0,
+                 4,
+                 4,
+                 {{135020.84821686725, 6 * TiB, 16 * TiB, 8 * TiB, 8 * TiB},
+                  {631372.54901960783, 8 * TiB, 8 * TiB, 8 * TiB, 0},
+                  {631372.52853051119, 8 * TiB, 8 * TiB, 8 * TiB, 0}}};
+  c.pair_unit = 0;
+  c.pair_bytes = 14 * TiB;
+  c.pair_begin = 1;
+  c.pair_lets_go = {false, false, false};
+  c.pair_other_lets_go = {false, false, false};
+  m.units.push_back({"c", {"keep", "opt1", "opt2"}, {c}});
+  ASSERT_EQ(validate_error(m), "valid");
+  const int64_t budget = 13 * TiB;
+  const Brute b = brute(m, budget);
+  const rp::StepPlan plan = rp::solve_step(m, budget);
+  EXPECT_EQ(plan.solver, "GLPK");
+  EXPECT_TRUE(plan.optimal);
+  EXPECT_LE(plan.prediction.peak_bytes, budget);
+  EXPECT_NEAR(plan.prediction.time_ms, b.best_time, 1e-6);
+  EXPECT_EQ(plan.prediction.choice, (std::vector<int>{0, 0, 2}));
+}
