@@ -616,6 +616,29 @@ struct WritersPaused {
   ~WritersPaused() { remat::detail::pause_offload_writers(false); }
 };
 
+// A tensor that is not a view but starts inside its storage (what detach()
+// of a slice gives, or an op's chunked outputs): the store keeps its own
+// span, whose storage offset is not 0. Unpacked while its write is still
+// pending (or kept after a failed write), it must come back from that span,
+// not from the storage's start.
+TEST(Offload, ATensorStartingInsideItsStorageComesBackWhilePending) {
+  TempDir dir;
+  const auto base = torch::arange(100, torch::kFloat);
+  const auto w = base.narrow(0, 37, 50).detach();  // offset 37, not a view
+  ASSERT_EQ(w.storage_offset(), 37);
+  auto x = torch::ones({50}, torch::requires_grad());
+  torch::Tensor loss;
+  {
+    WritersPaused paused;
+    {
+      remat::OffloadScope scope(disk(dir).min_bytes(0));
+      loss = (x * w).sum();  // saves w for x's gradient
+    }
+    loss.backward();
+  }
+  EXPECT_TRUE(torch::equal(x.grad(), w)) << x.grad().slice(0, 0, 3);
+}
+
 TEST(Offload, LossyCodecOnDiskIsTheSameWhetherWritesArePendingOrDone) {
   TempDir dir;
   Gpt m;

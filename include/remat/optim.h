@@ -123,6 +123,9 @@ class AccumulateEverywhere {
   AccumulateEverywhere& operator=(const AccumulateEverywhere&) = delete;
 };
 
+/** Whether a DeferredGradients leaves p to the optimizer's step(). */
+bool is_deferred(const at::Tensor& p);
+
 /** Updates p now, as its hook would (FullyShard, once the shard's gradient
  *  is reduced; it never passes through an AccumulateGrad): false when no
  *  StepInBackward owns p or its gradient is undefined. */

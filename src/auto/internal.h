@@ -194,6 +194,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
     size_t opt = 0, group = 0;  // options.optimizers()[opt]->param_groups()[group]
     int64_t bytes = 0;          // its parameters' optimizer state
     int64_t largest = 0;        // the most one parameter has
+    bool float32 = true;        // every parameter float32 (a lossy codec shrinks only those)
   };
   std::vector<StateGroup> state_groups;  // as of the last profile
   double state_ms_per_byte = 0;          // measured: written to the store and read back

@@ -9,14 +9,15 @@
 // one included, runs with the updates in backward, so the gradients it
 // measures are the ones that live then. The profiled step keeps every
 // state with its optimizer: its timeline holds every group's state at every
-// point. A group whose state is in the store holds at most what the store
-// has in flight: the states written but not yet on disk and those read
-// ahead (the store's max_inflight_bytes, set to (read-ahead + 1) x the
-// largest state of one parameter of the groups in the store), plus the
-// state of the parameter being updated. So a placement lowers every point
-// of the step by the same bytes, saved = the groups' state x what the store
-// takes off (all of it on disk, half in bfloat16, none on the host from a
-// CPU) - that margin, and costs the time to write the state and read it
+// point. A group whose state is in the store holds at most what its
+// optimizer's store has in flight: the states written but not yet on disk
+// and those read ahead (the store's max_inflight_bytes: (read-ahead + 1) x
+// three of the optimizer's largest parameter, a bound on one parameter's
+// state), plus the state of the parameter being updated. So a placement
+// lowers every point of the step by the same bytes, saved = the groups'
+// state x what the store takes off (all of it on disk, half of float32
+// state in bfloat16, none on the host from a CPU) - that margin (each
+// optimizer's store counted once), and costs the time to write the state and read it
 // back once per step (measured on one parameter's state after the profiled
 // step; no overlap with compute assumed). solve() asks the step model for
 // the fastest plan under target + saved for every placement (every subset
@@ -52,10 +53,23 @@ double kept_share(const OffloadOptions& o, const c10::Device& device) {
   return 1.0;
 }
 
-OffloadOptions store_options(OffloadOptions o, int64_t largest) {
-  o.min_bytes(0);  // every state tensor goes, or the saving would be less than counted
+/** A bound on one parameter's state, bytes: LibTorch's optimizers keep at
+ *  most three tensors of the parameter's size (Adam with AMSGrad). */
+int64_t state_bound(const torch::optim::Optimizer& opt) {
+  int64_t largest = 0;
+  for (const auto& g : opt.param_groups()) {
+    for (const auto& p : g.params()) largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
+  }
+  return 3 * largest;
+}
+
+/** The store of one optimizer: every state tensor goes (else the saving
+ *  would be less than counted), read ahead by the StepInBackward, and at
+ *  most (read-ahead + 1) parameters' states in flight. */
+OffloadOptions store_options(OffloadOptions o, int64_t bound) {
+  o.min_bytes(0);
   o.prefetch_depth(0);
-  o.max_inflight_bytes(std::max<int64_t>(1, (kStatePrefetch + 1) * largest));
+  o.max_inflight_bytes(std::max<int64_t>(1, (kStatePrefetch + 1) * bound));
   return o;
 }
 
@@ -65,16 +79,33 @@ void AutoCheckpoint::Impl::start_in_backward() {
   for (size_t k = 0; k < options.optimizers().size(); ++k) {
     torch::optim::Optimizer* o = options.optimizers()[k];
     if (o == nullptr) throw Error("[remat::auto] optimizers()[" + std::to_string(k) + "] is null.");
-    in_backward.push_back(std::make_unique<StepInBackward>(*o));
+    // One StepInBackward per optimizer for the planner's life: a plan only
+    // changes which groups send their state (accumulate()'s guards stay
+    // valid through replans).
+    StepInBackwardOptions so;
+    if (options.optimizer_state_store()) {
+      so.state_offload(store_options(*options.optimizer_state_store(), state_bound(*o))).state_prefetch(kStatePrefetch);
+    }
+    in_backward.push_back(std::make_unique<StepInBackward>(*o, so));
+    if (options.optimizer_state_store())
+      in_backward.back()->offload_groups(std::vector<bool>(o->param_groups().size()));
   }
 }
 
 int64_t AutoCheckpoint::Impl::state_inflight_bytes(const std::vector<bool>& in_store) const {
-  int64_t largest = 0;
+  // Each optimizer's store with a group in it holds its in-flight bound, and
+  // one parameter's state is out of the store while it is updated.
+  int64_t bytes = 0, in_use = 0;
+  std::vector<bool> counted(in_backward.size(), false);
   for (size_t g = 0; g < state_groups.size(); ++g) {
-    if (in_store[g]) largest = std::max(largest, state_groups[g].largest);
+    if (!in_store[g]) continue;
+    const size_t k = state_groups[g].opt;
+    in_use = std::max(in_use, state_groups[g].largest);
+    if (counted[k]) continue;
+    counted[k] = true;
+    bytes += (kStatePrefetch + 1) * state_bound(*options.optimizers()[k]);
   }
-  return (kStatePrefetch + 2) * largest;
+  return bytes + in_use;
 }
 
 void AutoCheckpoint::Impl::measure_state() {
@@ -84,8 +115,12 @@ void AutoCheckpoint::Impl::measure_state() {
   for (size_t k = 0; k < in_backward.size(); ++k) {
     const auto bytes = in_backward[k]->state_bytes_per_group();
     const auto largest = in_backward[k]->largest_state_bytes_per_group();
+    const auto& groups = options.optimizers()[k]->param_groups();
     for (size_t g = 0; g < bytes.size(); ++g) {
-      if (bytes[g] > 0) state_groups.push_back({k, g, bytes[g], largest[g]});
+      if (bytes[g] <= 0) continue;
+      bool float32 = true;  // a lossy codec shrinks float32 state only
+      for (const auto& p : groups[g].params()) float32 &= p.scalar_type() == at::kFloat;
+      state_groups.push_back({k, g, bytes[g], largest[g], float32});
     }
   }
   if (state_groups.empty()) return;
@@ -96,7 +131,8 @@ void AutoCheckpoint::Impl::measure_state() {
   const int64_t bytes = it->largest;
   // Not random: drawing would move the generator the step's dropout uses.
   std::vector<at::Tensor> tensors{at::full({std::max<int64_t>(1, bytes / 4)}, 0.5, at::kFloat)};
-  auto store = detail::OffloadStore::create_isolated(store_options(*options.optimizer_state_store(), it->largest));
+  auto store = detail::OffloadStore::create_isolated(
+      store_options(*options.optimizer_state_store(), state_bound(*options.optimizers()[it->opt])));
   memory::DeviceTimer t0(mem->device());
   std::vector<detail::OffloadStore::Handle> handles;
   for (const auto& t : tensors) handles.push_back(store->pack(t));
@@ -143,25 +179,13 @@ std::vector<AutoCheckpoint::Impl::Placement> AutoCheckpoint::Impl::placements() 
 void AutoCheckpoint::Impl::apply_state() {
   std::vector<bool> want = placement.in_store;
   want.resize(state_groups.size(), false);
-  if (want == state_in_force) return;
-  int64_t largest = 0;
-  for (size_t g = 0; g < state_groups.size(); ++g) {
-    if (want[g]) largest = std::max(largest, state_groups[g].largest);
-  }
+  if (!options.optimizer_state_store() || want == state_in_force) return;
   for (size_t k = 0; k < in_backward.size(); ++k) {
-    torch::optim::Optimizer& opt = *options.optimizers()[k];
-    std::vector<bool> groups(opt.param_groups().size(), false);
-    bool any = false;
+    std::vector<bool> groups(options.optimizers()[k]->param_groups().size(), false);
     for (size_t g = 0; g < state_groups.size(); ++g) {
-      if (state_groups[g].opt == k && want[g]) groups[state_groups[g].group] = any = true;
+      if (state_groups[g].opt == k && want[g]) groups[state_groups[g].group] = true;
     }
-    // A new StepInBackward: the old one gives its state back first, and the
-    // store's in-flight bound follows the groups it now takes.
-    in_backward[k].reset();
-    StepInBackwardOptions so;
-    if (any) so.state_offload(store_options(*options.optimizer_state_store(), largest)).state_prefetch(kStatePrefetch);
-    in_backward[k] = std::make_unique<StepInBackward>(opt, so);
-    if (any) in_backward[k]->offload_groups(groups);
+    in_backward[k]->offload_groups(groups);  // a group that goes sends its state now
   }
   state_in_force = want;
 }

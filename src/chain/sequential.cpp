@@ -59,6 +59,7 @@
 #include <remat/error.h>
 #include <remat/hooks.h>
 #include <remat/memory.h>
+#include <remat/optim.h>
 
 #include "../core/dispatch.h"
 #include "../core/replay.h"
@@ -107,6 +108,22 @@ struct Execution : std::enable_shared_from_this<Execution> {
   std::vector<std::vector<Meta>> out_meta;            // a_1..a_L
   std::vector<std::optional<ReplayState>> first_run;  // per stage
   std::vector<char> writes_input;                     // per stage (NOTE [stages that write their input])
+  /** Leaves a stage uses without registering them (a tensor its forward
+   *  closes over, a weight tied LibTorch-style) get their gradient in parts,
+   *  one per delivery (accumulate_into), which a parameter's
+   *  post-accumulate-grad hook cannot tell from a final one: while this
+   *  execution lives, a StepInBackward leaves them to the optimizer's
+   *  step(). */
+  std::vector<std::unique_ptr<remat::detail::DeferredGradients>> deferred_leaves;
+  void defer_unregistered_leaves(const Redirected& r) {
+    if (r.other_leaves.empty()) return;
+    std::vector<at::Tensor> leaves;
+    for (const auto& [leaf, nr] : r.other_leaves) leaves.push_back(leaf);
+    deferred_leaves.push_back(std::make_unique<remat::detail::DeferredGradients>(
+        std::move(leaves),
+        "used inside a CheckpointedSequential stage without being its parameter, so its "
+        "gradient arrives in parts"));
+  }
   // NOTE [side effects of planned re-runs]: the guard of the re-runs whose
   // writes are not undone yet, and per stage whether its re-run's graph
   // awaits its backward.
@@ -345,7 +362,10 @@ struct Execution : std::enable_shared_from_this<Execution> {
         if (j < n_in) {
           if (want[j]) grads[j] = grads[j].defined() ? grads[j] + g[k] : g[k];
         } else {
-          accumulate_into(o[k], g[k]);  // a leaf returned as is, not this stage's input
+          // A leaf returned as is, not this stage's input: a part of its gradient.
+          deferred_leaves.push_back(std::make_unique<remat::detail::DeferredGradients>(
+              std::vector<at::Tensor>{o[k]}, "returned as is by a CheckpointedSequential stage"));
+          accumulate_into(o[k], g[k]);
         }
         continue;
       }
@@ -517,6 +537,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
         std::vector<at::Tensor> targets = in.ts;
         targets.insert(targets.end(), params[i].begin(), params[i].end());
         st.edges[i] = redirect_gradient_edges(y.ts, targets, seq0);
+        defer_unregistered_leaves(st.edges[i]);
         st.from_forward[i] = in_forward_part;
         st.leaf[i] = std::move(in);
         st.a[i + 1] = y.detached();

@@ -858,7 +858,10 @@ at::Tensor OffloadStore::unpack(Handle& h) {
     e->ready = at::Tensor();
   }
   if (e->where == Where::kKept && !e->kept_after_failed_write) return v;
-  return v.as_strided(h.sizes_, h.strides_, h.offset_);  // the saved tensor within its region
+  // The saved tensor within its region; as_strided's offset is the
+  // storage's, and a region still in memory (pending, kept after a failed
+  // write) starts where the tensor's storage had it, not at 0.
+  return v.as_strided(h.sizes_, h.strides_, v.storage_offset() + h.offset_);
 }
 
 void OffloadStore::release(const std::shared_ptr<Entry>& e) noexcept {

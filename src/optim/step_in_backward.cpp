@@ -31,7 +31,9 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -98,7 +100,11 @@ struct StepInBackwardImpl {
     std::vector<OffloadStore::Handle> state;  // one per state tensor (state_offload), in state_tensors() order
     std::vector<char> had;                    // which state tensors were defined when stored
     int64_t state_bytes = 0;
+    /** The state object the stored tensors came from: a load() into the
+     *  optimizer since then replaced it, and the stored copy is stale. */
+    const torch::optim::OptimizerParamState* stored_for = nullptr;
     bool seen_this_pass = false;
+    bool pending = false;  // holds a gradient an accumulate() pass kept
   };
   std::vector<Param> params;
   std::vector<char> group_offloaded;  // per param group: its state goes to the store (state_offload)
@@ -108,6 +114,8 @@ struct StepInBackwardImpl {
   int accumulating = 0;
   StepInBackwardStats st;
   std::string deferred_reason;  // the last DeferredGradients' why
+  bool end_queued = false;      // fetch_pending queued for the backward under way
+  std::weak_ptr<StepInBackwardImpl> self_weak;
   // NOTE [state between updates]: the order of the last backward's updates.
   std::vector<size_t> order, last_order;
   std::vector<int64_t> pos_in_last;  // per parameter, its place in last_order or -1
@@ -129,9 +137,14 @@ struct StepInBackwardImpl {
   void fetch(Param& p, bool count_miss) {
     if (p.state.empty()) return;
     auto* s = state_of(p);
-    if (!s) {
-      throw Error("[remat::StepInBackward] internal: the optimizer lost the state of " +
-                  describe_param(p.index, p.tensor) + " while it was in the store; please report a bug.");
+    if (s != p.stored_for) {
+      // The optimizer's state was replaced (load(), or cleared) since it was
+      // stored: what it holds now wins, and the stored copy goes.
+      p.state.clear();
+      p.had.clear();
+      st.state_offloaded_bytes -= p.state_bytes;
+      p.state_bytes = 0;
+      return;
     }
     auto slots = state_tensors_of(*s);
     std::vector<at::Tensor> back(p.state.size());
@@ -170,12 +183,18 @@ struct StepInBackwardImpl {
   void put(Param& p) {
     auto* s = state_of(p);
     if (!s || !p.state.empty()) return;  // no state yet, or in the store already
+    p.stored_for = s;
     auto slots = state_tensors_of(*s);
     for (at::Tensor* t : slots) {
       p.had.push_back(t->defined());
       if (t->defined()) {
         p.state.push_back(store->pack(*t));
-        p.state_bytes += static_cast<int64_t>(t->nbytes());
+        // What the store keeps as it is (below min_bytes; kHost from a CPU
+        // tensor) never left memory.
+        const auto& o = store->options();
+        const bool moved = static_cast<int64_t>(t->nbytes()) >= o.min_bytes() &&
+                           !(o.target() == OffloadTarget::kHost && t->device().is_cpu());
+        if (moved) p.state_bytes += static_cast<int64_t>(t->nbytes());
         *t = at::Tensor();
       } else {
         p.state.emplace_back();
@@ -229,15 +248,28 @@ struct StepInBackwardImpl {
       return;
     }
     if (accumulating > 0 || g_accumulate_everywhere.load() > 0) {
+      // NOTE [state between updates]: the state stays in the store; the
+      // backward that updates brings back the states of kept gradients it
+      // does not reach (they meet the optimizer's step() after it).
       st.accumulated++;
-      if (store) fetch(p, /*count_miss=*/false);  // a kept gradient may meet opt.step(): its state must be there
+      p.pending = true;
       return;
+    }
+    if (store && !end_queued && torch::autograd::get_current_graph_task_id() != -1) {
+      bool any_pending = false;
+      for (const auto& q : params) any_pending |= q.pending && !q.state.empty();
+      if (any_pending) {
+        end_queued = true;
+        torch::autograd::Engine::get_default_engine().queue_callback(
+            [self = self_weak.lock()] { self ? self->fetch_pending() : void(); });
+      }
     }
     if (store) {
       fetch(p, /*count_miss=*/true);
       begin_order(p);
     }
     step_one(p);
+    p.pending = false;
     st.updates++;
     if (store) {
       p.seen_this_pass = true;
@@ -245,6 +277,22 @@ struct StepInBackwardImpl {
       if (group_offloaded[p.group]) put(p);
       read_ahead(p);
       st.state_write_failures = store->failures(&st.last_state_error);
+    }
+  }
+
+  /** End of a backward that updated: the states of gradients kept by
+   *  earlier passes that it did not reach come back for the optimizer's
+   *  step(). */
+  void fetch_pending() {
+    std::lock_guard<std::mutex> lock(mu);
+    end_queued = false;
+    for (auto& q : params) {
+      if (!q.pending) continue;
+      try {
+        fetch(q, /*count_miss=*/false);
+      } catch (const std::exception& e) {
+        TORCH_WARN("[remat::StepInBackward] ", e.what(), " Call fetch_state() before the optimizer's step().");
+      }
     }
   }
 
@@ -293,6 +341,8 @@ DeferredGradients::~DeferredGradients() {
   }
 }
 
+bool is_deferred(const at::Tensor& p) { return p.defined() && !deferred_why(p).empty(); }
+
 AccumulateEverywhere::AccumulateEverywhere() { g_accumulate_everywhere++; }
 AccumulateEverywhere::~AccumulateEverywhere() { g_accumulate_everywhere--; }
 
@@ -310,6 +360,7 @@ bool step_in_backward_now(const at::Tensor& p) {
 StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInBackwardOptions& options)
     : impl_(std::make_shared<detail::StepInBackwardImpl>(optimizer, options)) {
   auto& impl = *impl_;
+  impl.self_weak = impl_;
   if (dynamic_cast<torch::optim::LBFGS*>(&optimizer)) {
     throw Error(
         "[remat::StepInBackward] LBFGS cannot step inside backward: its step re-evaluates the whole loss through "
@@ -318,6 +369,17 @@ StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInB
   if (options.state_prefetch() < 0) {
     throw Error("[remat::StepInBackward] StepInBackwardOptions::state_prefetch is " +
                 std::to_string(options.state_prefetch()) + "; it must be >= 0 (0 reads each state when needed).");
+  }
+  if (options.state_offload() && options.state_offload()->codec() == Codec::kFloat8) {
+    throw Error(
+        "[remat::StepInBackward] state_offload with Codec::kFloat8: one scale per tensor flushes the small values "
+        "of Adam's second moment to zero and the updates blow up. Use Codec::kBFloat16, or a lossless store.");
+  }
+  if (options.state_offload() && options.state_offload()->target() == OffloadTarget::kMemory &&
+      options.state_offload()->codec() == Codec::kNone) {
+    throw Error(
+        "[remat::StepInBackward] state_offload to OffloadTarget::kMemory without a codec keeps every byte where "
+        "it was. Give a codec (Codec::kBFloat16 halves the state), or OffloadTarget::kDisk.");
   }
   if (options.state_offload() && !options.state_tensors() && !detail::known_optimizer(optimizer)) {
     throw Error(

@@ -239,6 +239,14 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
   if (!group.defined()) {
     throw Error("[remat::parallel] average_gradients on a ProcessGroup that was not joined; use init_process_group().");
   }
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (StepInBackward::steps_in_backward(parameters[i]) && !remat::detail::is_deferred(parameters[i])) {
+      throw Error("[remat::parallel] average_gradients: parameter #" + std::to_string(i) +
+                  " is updated inside backward (remat::StepInBackward), before this average: each replica would "
+                  "step on its own gradient. Destroy the StepInBackward, or keep its gradients until the average "
+                  "(StepInBackward::accumulate() around the backward, then the optimizer's step()).");
+    }
+  }
   if (group.world_size() == 1 || parameters.empty()) return;
   at::NoGradGuard no_grad;
   // One flat buffer per dtype, in the parameters' order.

@@ -44,6 +44,7 @@
 #include <remat/error.h>
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
+#include <remat/optim.h>
 #include <remat/parallel/pipeline.h>
 
 #include "fsdp_model.h"
@@ -114,6 +115,11 @@ int main(int argc, char** argv) {
       planner.emplace(remat::auto_checkpoint(gpt, remat::AutoOptions().memory_budget_fraction(1.0)));
     }
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
+    // --step-in-backward: each stage's parameters are updated in its last
+    // micro-batch's backward; the tied embedding, summed across stages after
+    // it, by opt.step().
+    std::optional<remat::StepInBackward> in_backward;
+    if (flag(argc, argv, "step-in-backward")) in_backward.emplace(opt);
     remat::parallel::ProcessGroup group, stages_group, data_group;
     std::optional<remat::parallel::Pipeline> pipe;
     int calls = 0;  // of the stage function (outlives the Pipeline that calls it)
@@ -211,6 +217,10 @@ int main(int argc, char** argv) {
       } else {
         body();
       }
+    }
+    if (in_backward && (in_backward->stats().updates == 0 || (pipe && in_backward->stats().deferred == 0))) {
+      std::fprintf(stderr, "pipe_worker: not updated in backward as expected: %s\n", in_backward->describe().c_str());
+      return 3;
     }
     if (!out.empty()) {
       torch::serialize::OutputArchive archive;

@@ -1345,6 +1345,11 @@ TEST(PipelineProcesses, TwoStages1F1BEqualOnePlannedEightMicroBatches) {
 TEST(PipelineProcesses, AStageStartingWithAnInPlaceReluEqualsOne) {
   expect_pipeline_equals_plain(2, 4, "1f1b", "none", {"--inplace-relu"});
 }
+// Each stage updates in its last micro-batch's backward (remat::StepInBackward),
+// the tied embedding after the stages' sum: as one process.
+TEST(PipelineProcesses, TwoStages1F1BUpdatingInBackwardEqualOne) {
+  expect_pipeline_equals_plain(2, 4, "1f1b", "block", {"--step-in-backward"});
+}
 TEST(PipelineProcesses, TwoStagesGPipeEqualOnePlanned) { expect_pipeline_equals_plain(2, 4, "gpipe", "auto"); }
 TEST(PipelineProcesses, FourStages1F1BEqualOnePlain) { expect_pipeline_equals_plain(4, 4, "1f1b", "none"); }
 TEST(PipelineProcesses, FourStagesGPipeEqualOnePerBlock) { expect_pipeline_equals_plain(4, 4, "gpipe", "block"); }

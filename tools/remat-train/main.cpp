@@ -21,6 +21,7 @@
 #include <cstring>
 #include <exception>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +35,7 @@
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
 #include <remat/models/trainer.h>
+#include <remat/optim.h>
 #include <remat/parallel/data_parallel.h>
 #include <remat/parallel/fully_shard.h>
 #include <remat/parallel/pipeline.h>
@@ -338,6 +340,10 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
           .microbatches(microbatches)
           .schedule(remat::parallel::parse_pipeline_schedule(schedule))
           .tied({tied}));
+  // Replicas average the stage's gradients after the pipeline's step: a
+  // StepInBackward (--optimizer-in-backward) leaves them to the optimizer.
+  std::optional<remat::detail::DeferredGradients> averaged_after;
+  if (replicas > 1) averaged_after.emplace(mine, "averaged over the pipeline's data-parallel replicas after backward");
   remat::models::StepHooks hooks;
   hooks.forward_backward = [&](const at::Tensor& x, const at::Tensor& y, double scale) {
     auto loss = [&](const std::vector<at::Tensor>& o, const std::vector<at::Tensor>& t) {
