@@ -6,7 +6,9 @@ Fragments: `auto-frontier` (every strategy's step time and peak against plain, a
 predictions and plans; PyTorch's eager strategies and torch.compile at each activation_memory_budget),
 `auto-in-backward` and `auto-in-backward-resnet` (the strategies with the optimizer step in backward,
 remat::StepInBackward and PyTorch's post-accumulate-grad hooks, beside their counterparts with the step after
-backward; the targets and the chart's frontier leave them out: they change what lives between steps),
+backward, all of one run; the targets and the chart's frontier leave them out: they change what lives between
+steps; from auto.json and auto-py.json (auto-resnet.json) when they hold such strategies, else from a run kept
+apart in auto-ib.json and auto-py-ib.json (auto-resnet-ib.json), one that is not to replace the others' figures),
 `auto-targets` (the targets, met or missed, computed from those tables), `auto-compile` (auto's points
 against torch.compile's at each budget fraction), `auto-frontier-resnet` and `auto-targets-resnet` (the same
 for the ResNet, remat only) and `auto-solver` (solve time against the number of units).
@@ -295,7 +297,11 @@ def in_backward(recs, py=None):
     prof_ib = next((r for r in recs if r["kind"] == "profile_ib"), None)
     by = {r["name"]: r for r in recs if r["kind"] == "strategy"}
     state = "AdamW" if meta.get("model", "gpt") == "gpt" else "momentum"
-    rows = ["| strategy | optimizer step | optimizer state between updates | peak | x plain | step time x plain | "
+    load = meta.get("load_1min")
+    head = (f"Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}, {meta['rounds']} rounds"
+            + (f", the machine's 1-minute load average {min(load):.1f}-{max(load):.1f} during the rounds" if load
+               else "") + "; time ratios: medians of per-round ratios to plain [min-max].")
+    rows = [head, "","| strategy | optimizer step | optimizer state between updates | peak | x plain | step time x plain | "
             "state in the store after the step | states read when needed per step |",
             "|---|---|---|---|---|---|---|---|"]
     seen = []
@@ -346,7 +352,7 @@ def in_backward(recs, py=None):
     if off:
         text += (f". The disk store: {off['target']} files with {_mib(off['max_inflight_bytes'])} in flight, "
                  f"{off['state_prefetch']} parameters' states read ahead")
-    text += f". {meta['rounds']} rounds, every strategy of the section interleaved step by step."
+    text += ". Every strategy of the run interleaved step by step."
     return "\n".join(rows) + "\n\n" + text + "\n"
 
 
@@ -537,23 +543,36 @@ def images(quick=False):
     return {"auto-frontier.png": lambda out: chart(recs, py, out)}
 
 
+def _with_ib(name, quick):
+    """NAME.json's records if it holds strategies in backward, else NAME-ib.json's (a run kept apart), else None
+    (-quick files with quick)."""
+    q = "-quick" if quick else ""
+    for path in (f"{name}{q}.json", f"{name}-ib{q}.json"):
+        recs = _lines(os.path.join(RESULTS, path))
+        if recs and any(r["kind"] in ("strategy", "compile") and _ib(r) for r in recs):
+            return recs
+    return None
+
+
 def fragments(quick=False):
     frags = {}
     recs = _lines(os.path.join(RESULTS, "auto-quick.json" if quick else "auto.json"))
     py = _lines(os.path.join(RESULTS, "auto-py-quick.json" if quick else "auto-py.json"))
+    ib = _with_ib("auto", quick)
+    if ib:
+        frags["auto-in-backward"] = in_backward(ib, _with_ib("auto-py", quick))
+    ib = _with_ib("auto-resnet", quick)
+    if ib:
+        frags["auto-in-backward-resnet"] = in_backward(ib)
     if recs:
         frags["auto-frontier"] = frontier(recs, py)
         frags["auto-targets"] = targets(recs, py)
-        if any(r["kind"] == "strategy" and _ib(r) for r in recs):
-            frags["auto-in-backward"] = in_backward(recs, py)
         if _compiled(py):
             frags["auto-compile"] = compare_compile(recs, py)
     resnet = _lines(os.path.join(RESULTS, "auto-resnet-quick.json" if quick else "auto-resnet.json"))
     if resnet:
         frags["auto-frontier-resnet"] = frontier(resnet)
         frags["auto-targets-resnet"] = targets(resnet)
-        if any(r["kind"] == "strategy" and _ib(r) for r in resnet):
-            frags["auto-in-backward-resnet"] = in_backward(resnet)
     solves = _lines(os.path.join(RESULTS, "step_solve.json"))
     if solves and not quick:
         frags["auto-solver"] = solver(solves)

@@ -11,12 +11,14 @@ batch 8, AdamW lr 1e-3, seed 1337) for --steps steps (300) three ways from the s
 and writes their loss curves as JSON lines to bench/results/optim-state.json (--quick: 30 steps,
 optim-state-quick.json): a meta record (run metadata, the shared flags), then one {"kind": "run"} per way with its
 extra flags, the loss of every step as remat-train prints it (6 decimals; remat-train has no machine-readable log,
-so its step lines are parsed), its step time and peak, and the SHA-256 of the checkpoint it saved at the end
-(--save: parameters, AdamW state, step count, RNG states; its config line does not name the optimizer-in-backward
-flags, so equal files mean the training was the same bit for bit). Without --run it prints the table that
+so its step lines are parsed), its step time and peak, and a digest of the tensors of the checkpoint it saved at
+the end (--save: parameters, AdamW state, step count, RNG states): the SHA-256 of the sorted SHA-256s of the
+archive's tensor payloads (its data/N entries). Not the file's own bytes: every archive has a random
+serialization id, and the optimizer's states are stored in the order they were created, which the step in
+backward changes (the last parameters first); equal digests mean the same tensors, byte for byte. Without --run it prints the table that
 fragments() renders (bench/py/gen_docs.py: fragment `optim-state-accuracy`): the loss at steps 50, 100, 200 and
 300, the mean loss of the last 50 steps, the largest and the mean |loss - plain's loss| over the whole curve, the
-steps whose printed loss equals plain's, and whether the saved checkpoint is plain's byte for byte.
+steps whose printed loss equals plain's, and whether the saved checkpoint's tensors are plain's.
 Leaves out: the disk store (lossless, like the in-memory state), other models and optimizers, more seeds.
 """
 import argparse
@@ -27,6 +29,7 @@ import hashlib
 import subprocess
 import sys
 import tempfile
+import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -61,6 +64,14 @@ def parse(stdout):
     return losses, ms, peaks
 
 
+def tensors_digest(path):
+    """SHA-256 over the sorted SHA-256s of a LibTorch archive's tensor payloads (entries .../data/N)."""
+    with zipfile.ZipFile(path) as z:
+        blobs = sorted(hashlib.sha256(z.read(n)).hexdigest() for n in z.namelist()
+                       if re.search(r"/data/\d+$", n))
+    return hashlib.sha256("\n".join(blobs).encode()).hexdigest(), len(blobs)
+
+
 def run(a):
     exe = os.path.join(a.build, "tools", "remat-train", "remat-train")
     if not os.path.exists(exe):
@@ -84,11 +95,10 @@ def run(a):
         losses, ms, peaks = parse(p.stdout)
         if len(losses) != steps:
             sys.exit(f"optim_state.py: {name}: {len(losses)} step lines, expected {steps}:\n{p.stdout[-2000:]}")
-        with open(ckpt, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        digest, count = tensors_digest(ckpt)
         os.remove(ckpt)
         lines.append(dict(kind="run", name=name, label=label, flags=extra, losses=losses, step_ms=ms, peaks=peaks,
-                          checkpoint_sha256=digest))
+                          checkpoint_tensors_sha256=digest, checkpoint_tensors=count))
         print(f"  final loss {losses[-1]:.6f}", flush=True)
     out = a.out or os.path.join(RESULTS, f"optim-state{'-quick' if a.quick else ''}.json")
     with open(out + ".tmp", "w") as f:
@@ -109,15 +119,16 @@ def table(recs):
         marks.append(meta["steps"])
     rows = ["| run | " + " | ".join(f"loss at step {s}" for s in marks) + " | max abs difference to plain over "
             f"the {meta['steps']} steps (at step) | mean abs difference to plain | mean loss, last 50 steps | "
-            "steps whose printed loss equals plain's | final checkpoint equal to plain's |",
+            "steps whose printed loss equals plain's | final checkpoint's tensors equal to plain's |",
             "|---|" + "---|" * len(marks) + "---|---|---|---|---|"]
     for r in runs:
         diff = [abs(x - y) for x, y in zip(r["losses"], plain["losses"])]
         worst = max(range(len(diff)), key=lambda i: diff[i])
         same = sum(x == y for x, y in zip(r["losses"], plain["losses"]))
         last = r["losses"][-50:]
-        ckpt = ("-" if "checkpoint_sha256" not in r else
-                "yes, byte for byte" if r["checkpoint_sha256"] == plain.get("checkpoint_sha256") else "no")
+        ckpt = ("-" if "checkpoint_tensors_sha256" not in r else
+                f"yes, all {r['checkpoint_tensors']} byte for byte"
+                if r["checkpoint_tensors_sha256"] == plain.get("checkpoint_tensors_sha256") else "no")
         rows.append(f"| {r['label']} | " + " | ".join(f"{r['losses'][s - 1]:.6f}" for s in marks) +
                     f" | {diff[worst]:.6f} (step {worst + 1}) | {sum(diff) / len(diff):.6f} | "
                     f"{sum(last) / len(last):.6f} | {same} of {len(diff)} | {ckpt} |")
