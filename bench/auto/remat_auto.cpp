@@ -32,11 +32,33 @@
 //                  replan on overrun, so the recorded peak is the plan's own)
 //   auto=S        auto at the peak hand-placed strategy S measured in a warm
 //                 step before the rounds (the comparison at equal memory)
+// and with the optimizer step in backward (remat::StepInBackward on the same
+// optimizer: each parameter updated as soon as its gradient is final, that
+// gradient freed at once):
+//   plain+ib       every block plain, the step in backward
+//   block+ib       every block checkpointed, the step in backward
+//   block+ib+disk  block+ib with the optimizer's state (AdamW's moments, SGD's
+//                  momentum) in a disk store in --offload-dir between its
+//                  updates (StepInBackwardOptions().state_offload, the store's
+//                  options below, read ahead 2 parameters)
+//   auto+ib@leanest  auto at its leanest plan, profiled (and calibrated) by a
+//                  second planner while a StepInBackward lives, so that it
+//                  measures the step with the updates in backward
+// A StepInBackward lives only around its strategy's step (one per parameter
+// at a time): each such step starts with the gradients freed (set to
+// none), as they are between steps in backward-stepped training, and ends
+// with zeroed gradients put back, so the other strategies' steps start as
+// they always do (gradients allocated, zero_grad(false)). block+ib+disk runs
+// one untimed step after creating its StepInBackward, which sends the state
+// to the store and learns the update order for the read-ahead (the state
+// comes back into memory when it is destroyed after the timed step), so
+// the timed step is a steady-state one.
 // auto_checkpoint profiles once (1 plain warm-up step, 1 profiled step),
 // then runs two measured steps under the leanest of 8 budgets whose plan
 // offloads, which price offload by what the real step pays for it;
 // then the strategies run interleaved, one step each in turn, for --rounds
-// rounds (3). Per step: wall time (zero_grad to the end of the AdamW step)
+// rounds (3), the 1-minute load average noted before and after each
+// ("load_1min" in the meta record). Per step: wall time (zero_grad to the end of the AdamW step)
 // and the peak of remat::memory's tracked CPU bytes during the step, all
 // tensors counted (parameters, gradients, AdamW state, activations, the
 // loss), which is what auto's budget bounds. Ratios are paired with plain's
@@ -46,7 +68,10 @@
 // record and the settings, {"kind": "profile"} (profile and solver figures;
 // state_bytes: the tracked bytes between two steps, which every plan holds
 // throughout; leanest_where: where the leanest plan's predicted peak is),
-// then one {"kind": "strategy"} per strategy. Prints a table.
+// then one {"kind": "strategy"} per strategy (with "in_backward",
+// "optimizer_state" and "covers"; the StepInBackward's counters of the
+// timed steps for those in backward; "profile_ib" for auto+ib's own
+// profile). Prints a table.
 // The offload store: OffloadTarget::kDisk in --offload-dir (default: a new
 // directory under /tmp, removed at the end), max_inflight_bytes 16 MiB (what
 // auto adds to a plan that offloads, so small keeps its plans lean), the
@@ -59,6 +84,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +95,7 @@
 #include <remat/memory.h>
 #include <remat/models/gpt.h>
 #include <remat/models/resnet.h>
+#include <remat/optim.h>
 #include <remat/plan/step.h>
 
 #include "bench.h"
@@ -97,6 +124,11 @@ struct Record {
   int64_t inflight = 0;        // auto only: room kept above the prediction for disk writes and reads in flight
   double predicted_ms = 0;     // auto only (profiled plain step + the plan's added time)
   std::string plan;            // auto only: option per unit
+  bool in_backward = false;    // the optimizer step inside backward (a StepInBackward around the step)
+  bool state_disk = false;     // in_backward: the optimizer's state in the disk store between its updates
+  remat::AutoCheckpoint* planner = nullptr;  // auto+ib: its own planner (apply() sets its plan)
+  std::vector<int64_t> state_offloaded;      // in_backward: state bytes in the store at the end of each timed step
+  std::vector<int64_t> state_misses;         // in_backward: states read when needed in each timed step
   std::vector<double> ms;
   std::vector<int64_t> peaks;
   std::vector<double> time_ratios;
@@ -188,16 +220,20 @@ int main(int argc, char** argv) {
   // disk"), so that auto prices offload by what a real step pays for it
   // (NOTE [offload priced by the step]). A plan that only sends inputs
   // ("recompute, inputs to disk") writes too little to show the disk's pace.
-  int calibration_steps = 0;
-  for (int i = 0; i < 8 && calibration_steps == 0; ++i) {
-    const int64_t lo = planner.leanest_peak_bytes(), hi = planner.profiled_peak_bytes();
-    planner.replan(lo + (hi - lo) * i / 7);
-    bool offloads = false;
-    for (const auto& u : planner.units()) offloads |= u.options[u.choice].rfind("offload", 0) == 0;
-    if (!offloads) continue;
-    for (; calibration_steps < 2; ++calibration_steps) planner.step(step);
-    std::printf("%s", planner.explain().c_str());
-  }
+  auto calibrate = [&](remat::AutoCheckpoint& pl) {
+    int steps = 0;
+    for (int i = 0; i < 8 && steps == 0; ++i) {
+      const int64_t lo = pl.leanest_peak_bytes(), hi = pl.profiled_peak_bytes();
+      pl.replan(lo + (hi - lo) * i / 7);
+      bool offloads = false;
+      for (const auto& u : pl.units()) offloads |= u.options[u.choice].rfind("offload", 0) == 0;
+      if (!offloads) continue;
+      for (; steps < 2; ++steps) pl.step(step);
+      std::printf("%s", pl.explain().c_str());
+    }
+    return steps;
+  };
+  const int calibration_steps = calibrate(planner);
   const auto& model = planner.step_model();
   const auto l0 = Clock::now();
   const int64_t low = planner.leanest_peak_bytes(), high = planner.profiled_peak_bytes();
@@ -220,16 +256,45 @@ int main(int argc, char** argv) {
   }
   hand_names.push_back({"offload", "every block offloaded to disk"});
   hand_names.push_back({"block+offload", "every block checkpointed, its input on disk"});
+  const std::string state_name = gpt_model ? "AdamW state" : "SGD momentum";
+  hand_names.push_back({"plain+ib", "plain, optimizer step in backward"});
+  hand_names.push_back({"block+ib", "every block checkpointed, optimizer step in backward"});
+  hand_names.push_back(
+      {"block+ib+disk", "every block checkpointed, optimizer step in backward, " + state_name + " on disk"});
   std::vector<Record> recs;
   for (const auto& [name, label] : hand_names) {
     Record r;
     r.name = name;
     r.label = label;
+    r.in_backward = name.find("+ib") != std::string::npos;
+    r.state_disk = name == "block+ib+disk";
     recs.push_back(r);
   }
+  // The step in backward (NOTE in the file comment): gradients freed before
+  // a StepInBackward's step, zeroed ones put back after it.
+  auto free_grads = [&] {
+    for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+  };
+  auto restore_grads = [&] {
+    torch::NoGradGuard no_grad;
+    for (auto& p : net->parameters()) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  };
+  auto ib_options = [&](const Record& r) {
+    remat::StepInBackwardOptions o;
+    if (r.state_disk) o.state_offload(store);
+    return o;
+  };
   auto configure = [&](Record& r) {
     remat::disable_checkpointing(*net);
-    if (r.name == "block") remat::enable_checkpointing(*net, blocks);
+    if (r.planner != nullptr) {  // auto+ib: its own planner's plan
+      r.planner->apply();
+      return;
+    }
+    if (r.name == "block" || r.name == "block+ib" || r.name == "block+ib+disk") {
+      remat::enable_checkpointing(*net, blocks);
+    }
     if (r.name == "half") remat::enable_checkpointing(*net, remat::select::every_n(2, blocks));
     if (r.name == "megatron") {
       remat::enable_checkpointing(*net, blocks, remat::CheckpointOptions().policy(remat::models::megatron_policy()));
@@ -262,6 +327,7 @@ int main(int argc, char** argv) {
     recs.push_back(r);
   }
   for (size_t h = 1; h < hand; ++h) {
+    if (recs[h].in_backward) continue;  // auto's plans step after backward
     configure(recs[h]);
     step();  // the first step of a strategy may differ (an offload store's writers starting)
     remat::memory::reset_peak();
@@ -274,18 +340,100 @@ int main(int argc, char** argv) {
     r.label = "auto at " + recs[h].name + "'s peak";
     recs.push_back(r);
   }
+  // auto+ib: a second planner, profiled (warm-up, profiled step,
+  // calibration) while a StepInBackward lives, so that its profile is the
+  // step with the updates in backward; its leanest plan runs in the rounds.
+  std::optional<remat::AutoCheckpoint> planner_ib;
+  double profile_ib_s = 0;
+  int calibration_ib = 0;
+  int64_t low_ib = 0, high_ib = 0, state_ib = 0;
+  std::string where_ib;
+  {
+    remat::disable_checkpointing(*net);
+    free_grads();
+    remat::StepInBackward in_backward(*opt);
+    const auto t0 = Clock::now();
+    planner_ib.emplace(remat::auto_checkpoint(*net, options));
+    planner_ib->step(step);  // warm-up
+    planner_ib->step(step);  // profiled
+    profile_ib_s = secs_since(t0);
+    state_ib = remat::memory::current_bytes();  // between steps: parameters, optimizer state, no gradients
+    calibration_ib = calibrate(*planner_ib);
+    low_ib = planner_ib->leanest_peak_bytes();
+    high_ib = planner_ib->profiled_peak_bytes();
+    planner_ib->replan(low_ib);
+    where_ib = remat::plan::describe_segment(planner_ib->step_model(), planner_ib->plan().prediction.peak_segment);
+    std::printf("auto+ib, the leanest plan (profiled with the step in backward):\n%s", planner_ib->explain().c_str());
+    std::printf("auto+ib profile: %.1f s, profiled peak %s, leanest plan %s, between steps %s\n", profile_ib_s,
+                remat::format_bytes(high_ib).c_str(), remat::format_bytes(low_ib).c_str(),
+                remat::format_bytes(state_ib).c_str());
+    std::fflush(stdout);
+  }
+  restore_grads();
+  {
+    Record r;
+    r.name = "auto+ib@leanest";
+    r.label = "auto at its leanest, optimizer step in backward";
+    r.in_backward = true;
+    r.planner = &*planner_ib;
+    r.budget = low_ib;
+    r.predicted_peak = planner_ib->plan().prediction.peak_bytes;
+    r.inflight = planner_ib->inflight_bytes();
+    r.predicted_ms = planner_ib->plan().prediction.time_ms;
+    for (const auto& u : planner_ib->units())
+      r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
+    recs.push_back(r);
+  }
+  // One step of a strategy: a StepInBackward around it for those in
+  // backward (block+ib+disk: one untimed step first, see the file comment).
+  auto run = [&](Record& r, bool timed) {
+    configure(r);
+    std::optional<remat::StepInBackward> in_backward;
+    if (r.in_backward) {
+      free_grads();
+      in_backward.emplace(*opt, ib_options(r));
+      if (r.state_disk) step();
+    }
+    const int64_t misses0 = in_backward ? in_backward->stats().state_misses : 0;
+    remat::memory::reset_peak();
+    const auto t0 = Clock::now();
+    step();
+    const double ms = ms_since(t0);
+    const int64_t peak = remat::memory::peak_bytes();
+    if (in_backward) {
+      const auto st = in_backward->stats();
+      if (timed) {
+        r.state_offloaded.push_back(st.state_offloaded_bytes);
+        r.state_misses.push_back(st.state_misses - misses0);
+      }
+      in_backward.reset();  // hooks removed, offloaded state back in the optimizer
+      restore_grads();
+    }
+    if (timed) {
+      r.ms.push_back(ms);
+      r.peaks.push_back(peak);
+    }
+    return std::make_pair(ms, peak);
+  };
+  for (auto& r : recs) {  // one untimed step of each strategy in backward (the others had theirs above)
+    if (r.in_backward) run(r, false);
+  }
+  // The machine's 1-minute load average before the rounds and after each:
+  // other processes on the cores show in the time ratios' ranges.
+  std::vector<double> load;
+  auto note_load = [&] {
+    double l[1] = {0};
+    if (getloadavg(l, 1) == 1) load.push_back(l[0]);
+  };
+  note_load();
   for (int round = 0; round < rounds; ++round) {
     for (auto& r : recs) {
-      configure(r);
-      remat::memory::reset_peak();
-      const auto t0 = Clock::now();
-      step();
-      r.ms.push_back(ms_since(t0));
-      r.peaks.push_back(remat::memory::peak_bytes());
-      std::printf("round %d %-14s %9.1f ms  peak %s\n", round, r.name.c_str(), r.ms.back(),
+      run(r, true);
+      std::printf("round %d %-16s %9.1f ms  peak %s\n", round, r.name.c_str(), r.ms.back(),
                   remat::format_bytes(r.peaks.back()).c_str());
       std::fflush(stdout);
     }
+    note_load();
   }
   const Record& plain = recs[0];
   std::ofstream out(out_path);
@@ -299,25 +447,52 @@ int main(int argc, char** argv) {
         << ", \"batch\": " << isize.batch << ", \"classes\": " << isize.classes << "}";
   }
   out << ", \"rounds\": " << rounds << ", \"quick\": " << (quick ? "true" : "false")
-      << ", \"offload\": {\"target\": \"kDisk\", \"max_inflight_bytes\": " << store.max_inflight_bytes() << "}}\n";
+      << ", \"load_1min\": " << json_list(load, 2)
+      << ", \"offload\": {\"target\": \"kDisk\", \"max_inflight_bytes\": " << store.max_inflight_bytes() << "}"
+      << ", \"optimizer\": " << quoted(gpt_model ? "AdamW" : "SGD momentum 0.9")
+      << ", \"state_offload\": {\"target\": \"kDisk\", \"max_inflight_bytes\": " << store.max_inflight_bytes()
+      << ", \"state_prefetch\": " << remat::StepInBackwardOptions().state_prefetch() << "}"
+      << ", \"peak\": "
+      << quoted(
+             "the step's peak of remat::memory's tracked CPU bytes, everything alive counted (see "
+             "each strategy's covers)")
+      << "}\n";
   out << "{\"kind\": \"profile\", \"profile_s\": " << num(profile_s) << ", \"calibration_steps\": " << calibration_steps
       << ", \"units\": " << model.units.size() << ", \"segments\": " << model.segment_peak_bytes.size()
       << ", \"profiled_peak\": " << high << ", \"profiled_ms\": " << num(planner.profiled_time_ms())
       << ", \"leanest_peak\": " << low << ", \"leanest_solve_ms\": " << num(leanest_ms)
       << ", \"leanest_where\": " << quoted(leanest_where) << ", \"state_bytes\": " << state_bytes << "}\n";
-  std::printf("\n%-14s %10s %8s %14s %10s %10s\n", "strategy", "step ms", "x plain", "peak", "x plain", "budget");
+  out << "{\"kind\": \"profile_ib\", \"profile_s\": " << num(profile_ib_s)
+      << ", \"calibration_steps\": " << calibration_ib << ", \"profiled_peak\": " << high_ib
+      << ", \"profiled_ms\": " << num(planner_ib->profiled_time_ms()) << ", \"leanest_peak\": " << low_ib
+      << ", \"leanest_where\": " << quoted(where_ib) << ", \"state_bytes\": " << state_ib << "}\n";
+  std::printf("\n%-16s %10s %8s %14s %10s %10s\n", "strategy", "step ms", "x plain", "peak", "x plain", "budget");
   for (auto& r : recs) {
     for (int i = 0; i < rounds; ++i) r.time_ratios.push_back(r.ms[i] / plain.ms[i]);
     const int64_t peak = *std::max_element(r.peaks.begin(), r.peaks.end());
     const double peak_ratio = static_cast<double>(peak) / static_cast<double>(plain.peaks[0]);
-    std::printf("%-14s %10.1f %8.3f %14s %10.3f %10s\n", r.name.c_str(), median(r.ms), median(r.time_ratios),
+    std::printf("%-16s %10.1f %8.3f %14s %10.3f %10s\n", r.name.c_str(), median(r.ms), median(r.time_ratios),
                 remat::format_bytes(peak).c_str(), peak_ratio, r.budget ? remat::format_bytes(r.budget).c_str() : "-");
     out << "{\"kind\": \"strategy\", \"name\": " << quoted(r.name) << ", \"label\": " << quoted(r.label)
         << ", \"ms\": " << json_list(r.ms) << ", \"peaks\": " << json_list(r.peaks)
         << ", \"time_ratio\": {\"median\": " << num(median(r.time_ratios))
         << ", \"min\": " << num(*std::min_element(r.time_ratios.begin(), r.time_ratios.end()))
         << ", \"max\": " << num(*std::max_element(r.time_ratios.begin(), r.time_ratios.end()))
-        << "}, \"peak\": " << peak << ", \"peak_ratio\": " << num(peak_ratio);
+        << "}, \"peak\": " << peak << ", \"peak_ratio\": " << num(peak_ratio)
+        << ", \"in_backward\": " << (r.in_backward ? "true" : "false")
+        << ", \"optimizer_state\": " << quoted(r.state_disk ? "disk" : "memory") << ", \"covers\": "
+        << quoted(!r.in_backward
+                      ? "parameters, gradients (alive throughout the step), " + state_name + ", activations, the loss"
+                  : !r.state_disk ? "parameters, " + state_name +
+                                        " (in memory), gradients from their accumulation to their parameter's update, "
+                                        "activations, the loss"
+                                  : "parameters, the " + state_name +
+                                        " in memory (read ahead, being updated, writes in flight), gradients from "
+                                        "their accumulation to their parameter's update, activations, the loss");
+    if (r.in_backward) {
+      out << ", \"state_offloaded\": " << json_list(r.state_offloaded)
+          << ", \"state_misses\": " << json_list(r.state_misses);
+    }
     if (r.budget) {
       out << ", \"budget\": " << r.budget << ", \"predicted_peak\": " << r.predicted_peak
           << ", \"inflight\": " << r.inflight << ", \"predicted_ms\": " << num(r.predicted_ms)

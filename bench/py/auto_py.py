@@ -11,6 +11,10 @@ Eager:
   sac_matmuls     the same saving aten.mm, aten.addmm and aten.bmm
   seqK            torch.utils.checkpoint.checkpoint_sequential over the blocks in K segments (non-reentrant;
                   K = round(sqrt(blocks)), 2 and blocks / 2; its last segment runs plain, as it does in PyTorch)
+  plain+ib        the optimizer step in backward, PyTorch's recipe: one AdamW per parameter (same settings),
+                  stepped in the parameter's register_post_accumulate_grad_hook, its gradient set to None
+                  after; no optimizer step after backward (remat_auto's plain+ib)
+  block+ib        the same with torch.utils.checkpoint per block (use_reentrant=False) (remat_auto's block+ib)
 torch.compile (inductor on the CPU), phase two:
   compile:B       the forward and loss (embedding to cross-entropy) compiled whole with
                   torch._functorch.config.activation_memory_budget B, for B = 1.0 (its own plain step) and each
@@ -23,7 +27,9 @@ the strategies of a phase interleaved, one step each in turn, for --warmup-round
 timed ones (3); phase two runs the eager plain step too, for
 compiled plain against eager plain. Per step: wall time, and the peak of the preload counter (bench/preload,
 LD_PRELOAD) above the bytes alive at the step's start, plus the model's parameter, gradient and AdamW-state
-bytes, so that the figure covers what remat_auto's does (everything of one model); eager strategies are
+bytes, so that the figure covers what remat_auto's does (everything of one model; with the step in backward
+the gradients are not alive between steps, so only the parameters and AdamW state are added: the gradients
+alive during the step are in the counter's figure; each record's "covers" says so); eager strategies are
 reported relative to this script's own eager plain step, compiled ones to the compiled plain step (budget 1.0)
 of the same rounds. Writes JSON lines to bench/results/auto-py.json (--quick: auto-py-quick.json): a meta
 record, one record per eager strategy, then one per compiled budget.
@@ -47,6 +53,11 @@ REFERENCE = dict(d_model=512, heads=8, blocks=8, seq_len=512, batch=4, vocab=819
 QUICK = dict(d_model=64, heads=4, blocks=4, seq_len=64, batch=4, vocab=512)  # its kQuick
 LABELS = {"plain": "PyTorch plain", "block": "PyTorch checkpoint per block",
           "sac_addmm": "PyTorch SAC saving addmm", "sac_matmuls": "PyTorch SAC saving mm, addmm, bmm"}
+IN_BACKWARD = {"plain+ib": "PyTorch plain, optimizer step in backward (post-accumulate-grad hooks)",
+               "block+ib": "PyTorch checkpoint per block, optimizer step in backward (post-accumulate-grad hooks)"}
+COVERS = {False: "parameters, gradients (alive throughout the step), AdamW state, activations, the loss",
+          True: "parameters, AdamW state, gradients from their accumulation to their parameter's update, "
+                "activations, the loss"}
 
 
 def segment_counts(blocks):
@@ -122,9 +133,11 @@ def main(argv=None):
     for k in segs:
         sqrt = " (round(sqrt(blocks)))" if k == round(math.sqrt(size["blocks"])) else ""
         labels[f"seq{k}"] = f"PyTorch checkpoint_sequential, {k} segments{sqrt}"
+    labels.update(IN_BACKWARD)
 
     def blocks_of(name, net):
         """The blocks as one function (B, T, C) -> (B, T, C) under the eager strategy `name`."""
+        name = name.removesuffix("+ib")  # the step in backward: the same forward
         if name.startswith("seq"):
             return lambda h: checkpoint_sequential(net.blocks, int(name[3:]), h, use_reentrant=False)
 
@@ -147,25 +160,44 @@ def main(argv=None):
             return net.loss(blocks(net.embed(x)), y)
         return whole_step
 
+    def in_backward(net):
+        """PyTorch's optimizer step in backward: an AdamW per parameter, stepped in its post-accumulate-grad hook
+        (once its gradient is final: after every use, the tied embedding's too), the gradient freed after."""
+        opts = {p: torch.optim.AdamW([p], lr=1e-3, foreach=False) for p in net.parameters()}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad(set_to_none=True)
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        return opts
+
     def new_run(name, label):
         net = longctx.build(size, a.seed)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
-        return dict(name=name, label=label, net=net, opt=opt, fn=forward_loss("plain" if name.startswith(
+        ib = name.endswith("+ib")
+        opt = None if ib else torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+        r = dict(name=name, label=label, net=net, opt=opt, ib=ib, fn=forward_loss("plain" if name.startswith(
             "compile:") else name, net), ms=[], peak=[])
+        if ib:
+            r["opts"] = in_backward(net)
+        return r
 
     def step(r, idx):
         net, opt = r["net"], r["opt"]
         x, y = idx[:, :-1], idx[:, 1:]
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
+        if opt is not None:
+            opt.zero_grad(set_to_none=False)
         base = meter.current()
         meter.reset()
         loss = r["fn"](x, y)
-        loss.backward()
-        opt.step()
+        loss.backward()  # with the step in backward, every parameter is updated in here
+        if opt is not None:
+            opt.step()
         ms = (time.perf_counter() - t0) * 1e3
-        # The model's own state (parameters, gradients, AdamW's two moments) is alive throughout.
-        state = sum(p.nbytes for p in net.parameters()) * 4
+        # The model's own state (parameters, gradients, AdamW's two moments) is alive throughout; with the step in
+        # backward the gradients are not (they are in the counter's figure while they live).
+        state = sum(p.nbytes for p in net.parameters()) * (3 if r["ib"] else 4)
         return ms, meter.peak() - base + state
 
     gen = torch.Generator().manual_seed(7)
@@ -200,7 +232,8 @@ def main(argv=None):
     for r in runs:
         peak = max(r["peak"])
         lines.append(dict(kind="strategy", name=r["name"], label=r["label"], ms=r["ms"], peaks=r["peak"],
-                          time_ratio=paired(r["ms"], plain["ms"]), peak=peak, peak_ratio=peak / max(plain["peak"])))
+                          time_ratio=paired(r["ms"], plain["ms"]), peak=peak, peak_ratio=peak / max(plain["peak"]),
+                          in_backward=r["ib"], covers=COVERS[r["ib"]]))
         print(f"{r['label']:<60} {lines[-1]['time_ratio']['median']:.3f}x time  {lines[-1]['peak_ratio']:.3f}x peak",
               flush=True)
 
@@ -209,6 +242,7 @@ def main(argv=None):
     if fractions:
         for r in runs[1:]:
             del r["net"], r["opt"], r["fn"]
+            r.pop("opts", None)
         gc.collect()
         eager = dict(plain, name="plain", ms=[], peak=[])
         idx = batch()

@@ -4,6 +4,11 @@ step_solve.json (bench/plan/step_solve.cpp, JSON lines).
 
 Fragments: `auto-frontier` (every strategy's step time and peak against plain, auto's budgets,
 predictions and plans; PyTorch's eager strategies and torch.compile at each activation_memory_budget),
+`auto-in-backward` and `auto-in-backward-resnet` (the strategies with the optimizer step in backward,
+remat::StepInBackward and PyTorch's post-accumulate-grad hooks, beside their counterparts with the step after
+backward, all of one run; the targets and the chart's frontier leave them out: they change what lives between
+steps; from auto.json and auto-py.json (auto-resnet.json) when they hold such strategies, else from a run kept
+apart in auto-ib.json and auto-py-ib.json (auto-resnet-ib.json), one that is not to replace the others' figures),
 `auto-targets` (the targets, met or missed, computed from those tables), `auto-compile` (auto's points
 against torch.compile's at each budget fraction), `auto-frontier-resnet` and `auto-targets-resnet` (the same
 for the ResNet, remat only) and `auto-solver` (solve time against the number of units).
@@ -31,6 +36,11 @@ def _mib(b):
     return f"{b / 2**20:.1f} MiB"
 
 
+def _ib(r):
+    """Whether the strategy steps the optimizer inside backward (records before it have no such field)."""
+    return r.get("in_backward", False)
+
+
 def _ratio(r):
     t = r["time_ratio"]
     return f"{t['median']:.3f} [{t['min']:.3f}-{t['max']:.3f}]"
@@ -39,6 +49,7 @@ def _ratio(r):
 def frontier(recs, py=None):
     meta = next(r for r in recs if r["kind"] == "meta")
     prof = next(r for r in recs if r["kind"] == "profile")
+    prof_ib = next((r for r in recs if r["kind"] == "profile_ib"), None)
     strat = [r for r in recs if r["kind"] == "strategy"]
     s = meta["size"]
     if meta.get("model", "gpt") == "gpt":
@@ -51,6 +62,9 @@ def frontier(recs, py=None):
     if off:
         what += (f"; offload to {off['target']} files on this machine's disk with "
                  f"{_mib(off['max_inflight_bytes'])} in flight")
+    load = meta.get("load_1min")
+    if load:
+        what += f"; the machine's 1-minute load average {min(load):.1f}-{max(load):.1f} during the rounds"
     out = [f"{what}; 1 intra-op thread; {meta['rounds']} rounds, "
            f"strategies interleaved step by step; time ratios are medians of per-round ratios to plain "
            f"[min-max]; peaks are the step's tracked CPU bytes, everything counted (parameters, gradients, "
@@ -64,9 +78,15 @@ def frontier(recs, py=None):
     for r in strat:
         budget = _mib(r["budget"]) if "budget" in r else "-"
         pred = _mib(r["predicted_peak"]) if "budget" in r else "-"
-        pt = f"{r['predicted_ms'] / prof['profiled_ms']:.3f}" if "budget" in r else "-"
+        own = prof_ib if _ib(r) and prof_ib else prof  # auto+ib: its own profile's plain step
+        pt = f"{r['predicted_ms'] / own['profiled_ms']:.3f}" if "budget" in r else "-"
         out.append(f"| {r['label']} | {_ratio(r)} | {_mib(r['peak'])} | {r['peak_ratio']:.3f} | {budget} | {pred} "
                    f"| {pt} |")
+    ib = [r for r in strat if _ib(r)]
+    if ib and "covers" in ib[0]:
+        out += ["", f"With the optimizer step in backward, the peak covers {ib[0]['covers']}"
+                    + "".join(f"; with the state on disk, {r['covers']}" for r in ib if r.get("optimizer_state") == "disk")
+                    + ". The auto row in backward has its own profile and budget (table \"optimizer step in backward\")."]
     if py:
         pmeta = next(r for r in py if r["kind"] == "meta")
         warm = pmeta["meta"].get("settings", {}).get("warmup_rounds")
@@ -132,7 +152,7 @@ def compare_compile(recs, py):
     torch.compile's: torch.compile against the eager plain step of its rounds, remat against its own plain step
     (both eager, both the same model's bytes)."""
     prof = next(r for r in recs if r["kind"] == "profile")
-    autos = [r for r in recs if r["kind"] == "strategy" and r["name"].startswith("auto")]
+    autos = [r for r in recs if r["kind"] == "strategy" and r["name"].startswith("auto") and not _ib(r)]
     at = {round(r["budget"] / prof["profiled_peak"], 3): r for r in autos if r["name"].startswith("auto@")}
     comp = _compiled(py)
     base = comp[0]
@@ -160,7 +180,8 @@ def compare_compile(recs, py):
 
 
 def targets(recs, py=None):
-    strat = [r for r in recs if r["kind"] == "strategy"]
+    strat = [r for r in recs if r["kind"] == "strategy" and not _ib(r)]
+    py = [r for r in py if not _ib(r)] if py else py
     prof = next(r for r in recs if r["kind"] == "profile")
     autos = [r for r in strat if r["name"].startswith("auto")]
     hand = [r for r in strat if not r["name"].startswith("auto") and r["name"] != "plain"]
@@ -264,6 +285,77 @@ def targets(recs, py=None):
     return "\n".join(rows) + "\n"
 
 
+IB_PAIRS = [("plain", "plain+ib"), ("block", "block+ib"), ("block", "block+ib+disk"), ("auto@0", "auto+ib@leanest")]
+
+
+def in_backward(recs, py=None):
+    """The strategies with the optimizer step in backward beside their counterparts stepping after backward: the
+    whole step's peak (everything alive counted), against plain, and the step time against plain (median of
+    per-round ratios [min-max]); PyTorch's against its own plain step."""
+    meta = next(r for r in recs if r["kind"] == "meta")
+    prof = next(r for r in recs if r["kind"] == "profile")
+    prof_ib = next((r for r in recs if r["kind"] == "profile_ib"), None)
+    by = {r["name"]: r for r in recs if r["kind"] == "strategy"}
+    state = "AdamW" if meta.get("model", "gpt") == "gpt" else "momentum"
+    load = meta.get("load_1min")
+    head = (f"Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}, {meta['rounds']} rounds"
+            + (f", the machine's 1-minute load average {min(load):.1f}-{max(load):.1f} during the rounds" if load
+               else "") + "; time ratios: medians of per-round ratios to plain [min-max].")
+    rows = [head, "","| strategy | optimizer step | optimizer state between updates | peak | x plain | step time x plain | "
+            "state in the store after the step | states read when needed per step |",
+            "|---|---|---|---|---|---|---|---|"]
+    seen = []
+    for pair in IB_PAIRS:
+        for name in pair:
+            r = by.get(name)
+            if r is None or name in seen:
+                continue
+            seen.append(name)
+            label = "auto at its leanest" if name == "auto@0" else r["label"]
+            where = ("-" if not _ib(r) else "disk store" if r.get("optimizer_state") == "disk" else "memory")
+            stored = (_mib(statistics.median(r["state_offloaded"])) if r.get("state_offloaded") and
+                      max(r["state_offloaded"]) > 0 else "-")
+            misses = (f"{statistics.median(r['state_misses']):g}" if r.get("optimizer_state") == "disk" and
+                      "state_misses" in r else "-")
+            rows.append(f"| {label} | {'in backward' if _ib(r) else 'after backward'} | {where} | {_mib(r['peak'])} | "
+                        f"{r['peak_ratio']:.3f} | {_ratio(r)} | {stored} | {misses} |")
+    if py:
+        pmeta = next(r for r in py if r["kind"] == "meta")
+        pby = {r["name"]: r for r in py if r["kind"] == "strategy"}
+        for name in ("plain", "plain+ib", "block", "block+ib"):
+            r = pby.get(name)
+            if r is None:
+                continue
+            rows.append(f"| {r['label']} | "
+                        f"{'in backward' if _ib(r) else 'after backward'} | {'memory' if _ib(r) else '-'} | "
+                        f"{_mib(r['peak'])} | {r['peak_ratio']:.3f} | {_ratio(r)} | - | - |")
+    if py:
+        rows.append("")
+        rows.append(f"PyTorch {pmeta['meta']['torch']}'s rows: bench/py/auto_py.py (its run "
+                    f"{pmeta['meta']['date_utc']}), each against its own plain step; the peak is the preload "
+                    f"counter's above the step's start plus the parameters and AdamW state (and the gradients, "
+                    f"stepping after backward).")
+    plain = by["plain"]
+    notes = [f"Peaks: the step's tracked CPU bytes with everything alive counted: after backward, {plain['covers']}"
+             if "covers" in plain else "Peaks: the step's tracked CPU bytes with everything alive counted"]
+    for name in ("plain+ib", "block+ib+disk"):
+        if name in by and "covers" in by[name]:
+            notes.append(f"{name}: {by[name]['covers']}")
+    text = "; ".join(notes) + "."
+    text += (f" Between steps the tracked bytes are {_mib(prof['state_bytes'])} with the step after backward "
+             f"(parameters, gradients, {state} state)")
+    if prof_ib:
+        text += (f" and {_mib(prof_ib['state_bytes'])} in backward (parameters, {state} state); auto's own profile "
+                 f"with the step in backward peaked at {_mib(prof_ib['profiled_peak'])} (plain), its leanest plan "
+                 f"{_mib(prof_ib['leanest_peak'])}, predicted to peak {prof_ib['leanest_where']}")
+    off = meta.get("state_offload")
+    if off:
+        text += (f". The disk store: {off['target']} files with {_mib(off['max_inflight_bytes'])} in flight, "
+                 f"{off['state_prefetch']} parameters' states read ahead")
+    text += ". Every strategy of the run interleaved step by step."
+    return "\n".join(rows) + "\n\n" + text + "\n"
+
+
 SHAPES = {"chain": "a chain of blocks", "paired": "a chain of blocks, each sharing its input with the one before",
           "nested": "blocks with attention and MLP units inside",
           "twice": "a chain of blocks run for two micro-batches, one after the other (every unit called twice)",
@@ -342,7 +434,8 @@ def chart(recs, py, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     meta = next(r for r in recs if r["kind"] == "meta")
-    strat = [r for r in recs if r["kind"] == "strategy"]
+    strat = [r for r in recs if r["kind"] == "strategy" and not _ib(r)]
+    ib = [r for r in recs if r["kind"] == "strategy" and _ib(r)]
     autos = [r for r in strat if r["name"].startswith("auto")]
     hand = [r for r in strat if not r["name"].startswith("auto") and r["name"] != "plain"]
     t = lambda r: r["time_ratio"]["median"]  # noqa: E731
@@ -362,7 +455,15 @@ def chart(recs, py, path):
     pts += [(t(r), r["peak_ratio"]) for r in hand]
     labels = [(t(r), r["peak_ratio"], r["label"], "darkgreen") for r in hand]
     if py:
-        eager = [r for r in py if r["kind"] == "strategy" and r["name"] != "plain"]
+        ib += [dict(r, short=f"PyTorch {r['name']}") for r in py if r["kind"] == "strategy" and _ib(r)]
+    if ib:
+        ax.scatter([t(r) for r in ib], [r["peak_ratio"] for r in ib], s=46, marker="P", color="tab:purple",
+                   edgecolor="black", linewidth=0.5, zorder=3,
+                   label="optimizer step in backward (remat and PyTorch; not on auto's frontier)")
+        pts += [(t(r), r["peak_ratio"]) for r in ib]
+        labels += [(t(r), r["peak_ratio"], r.get("short", r["name"]), "indigo") for r in ib]
+    if py:
+        eager = [r for r in py if r["kind"] == "strategy" and r["name"] != "plain" and not _ib(r)]
         ax.scatter([t(r) for r in eager], [r["peak_ratio"] for r in eager], s=46, marker="s", color="tab:orange",
                    edgecolor="black", linewidth=0.5, zorder=3, label="PyTorch eager, placed by hand")
         pts += [(t(r), r["peak_ratio"]) for r in eager]
@@ -442,10 +543,27 @@ def images(quick=False):
     return {"auto-frontier.png": lambda out: chart(recs, py, out)}
 
 
+def _with_ib(name, quick):
+    """NAME.json's records if it holds strategies in backward, else NAME-ib.json's (a run kept apart), else None
+    (-quick files with quick)."""
+    q = "-quick" if quick else ""
+    for path in (f"{name}{q}.json", f"{name}-ib{q}.json"):
+        recs = _lines(os.path.join(RESULTS, path))
+        if recs and any(r["kind"] in ("strategy", "compile") and _ib(r) for r in recs):
+            return recs
+    return None
+
+
 def fragments(quick=False):
     frags = {}
     recs = _lines(os.path.join(RESULTS, "auto-quick.json" if quick else "auto.json"))
     py = _lines(os.path.join(RESULTS, "auto-py-quick.json" if quick else "auto-py.json"))
+    ib = _with_ib("auto", quick)
+    if ib:
+        frags["auto-in-backward"] = in_backward(ib, _with_ib("auto-py", quick))
+    ib = _with_ib("auto-resnet", quick)
+    if ib:
+        frags["auto-in-backward-resnet"] = in_backward(ib)
     if recs:
         frags["auto-frontier"] = frontier(recs, py)
         frags["auto-targets"] = targets(recs, py)

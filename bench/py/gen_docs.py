@@ -12,7 +12,8 @@ for longctx.json with longctx-py.json: `longctx`; long_context_fits.fragments
 for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
 gpu-h200.json: `gpu-blocks`, `gpu-longctx`; auto_results.fragments for
 auto.json, auto-resnet.json, auto-py.json and step_solve.json: `auto-frontier`, `auto-targets`,
-`auto-compile`, `auto-frontier-resnet`, `auto-targets-resnet`, `auto-solver`; shard_results.fragments for
+`auto-compile`, `auto-in-backward`, `auto-frontier-resnet`, `auto-targets-resnet`, `auto-in-backward-resnet`,
+`auto-solver`; optim_state.fragments for optim-state.json: `optim-state-accuracy`; shard_results.fragments for
 shard.json: `shard-reference`; pipeline_results.fragments for pipeline.json: `pipeline-reference`;
 headline.fragments: `readme-headline` from all of them. In the docs a fragment stands between
     <!-- generated: NAME -->
@@ -94,6 +95,8 @@ def fragments(quick):
     import auto_results  # JSON lines: auto.json (remat_auto) and step_solve.json (remat_step_solve)
     frags.update(auto_results.fragments(quick))
     images.update(auto_results.images(quick))  # auto-frontier.png: the README's chart
+    import optim_state  # JSON lines: optim-state.json (optim_state.py --run: remat-train's loss curves)
+    frags.update(optim_state.fragments(quick))
     import shard_results  # JSON lines: shard.json (remat_shard)
     frags.update(shard_results.fragments(quick))
     import pipeline_results  # JSON lines: pipeline.json (remat_pipeline)
