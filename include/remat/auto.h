@@ -290,6 +290,9 @@ class AutoCheckpoint {
    *  its parameter's next update, as the plan says, so the steps until then
    *  hold it. */
   void fetch_optimizer_state();
+  /** Bytes of the optimizers' state in optimizer_state_store now (they
+   *  left this process's memory). */
+  int64_t optimizer_state_in_store_bytes() const;
   /** Writes the profiled step's memory, the plan's predicted memory per
    *  segment and the units' windows as Chrome trace JSON (Perfetto). */
   void write_trace(const std::string& path) const;

@@ -204,6 +204,12 @@ std::vector<StepInBackward::Accumulating> AutoCheckpoint::accumulate() {
   return guards;
 }
 
+int64_t AutoCheckpoint::optimizer_state_in_store_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& s : impl_->in_backward) bytes += s->stats().state_offloaded_bytes;
+  return bytes;
+}
+
 void AutoCheckpoint::fetch_optimizer_state() {
   for (auto& s : impl_->in_backward) s->fetch_state();
 }

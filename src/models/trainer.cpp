@@ -886,9 +886,11 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   };
   StepPhase phase = StepPhase::kNormal;
   if (m.auto_ck) {
-    const int64_t start = memory::current_bytes();
     // The budget is --memory-budget above the step's start: what is live
-    // then (parameters, gradients, optimizer state) is added to it.
+    // then (parameters, gradients, optimizer state) is added to it, the
+    // optimizer state the plan keeps in a store counted as if kept (else
+    // moving it would only lower the budget by as much, and buy nothing).
+    const int64_t start = memory::current_bytes() + m.auto_ck->optimizer_state_in_store_bytes();
     if (m.auto_ck->planned() && start != m.auto_start_bytes) m.set_auto_budget(start);
     const bool was_planned = m.auto_ck->planned();
     if (!was_planned) phase = m.auto_steps < kAutoWarmupSteps ? StepPhase::kWarmup : StepPhase::kProfiled;

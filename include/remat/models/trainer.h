@@ -136,7 +136,9 @@ struct TrainConfig {
    *  a parameter's updates: "" (default) where the optimizer keeps it;
    *  "disk" (files in offload_dir, read ahead of each update, lossless);
    *  "host" (pinned host memory from a GPU; on CPU the state stays put);
-   *  "bf16" (in memory, rounded to bfloat16: half the bytes, lossy). */
+   *  "bf16" (in memory, rounded to bfloat16: half the bytes, lossy).
+   *  Under Strategy::kAuto the plan chooses which state goes there, and the
+   *  budget's "start of the step" counts that state as if kept. */
   std::string optimizer_state;
   /** Forward under CPU autocast to bfloat16. */
   bool bf16 = false;
