@@ -186,8 +186,13 @@ struct StepInBackwardImpl {
     p.stored_for = s;
     auto slots = state_tensors_of(*s);
     for (at::Tensor* t : slots) {
-      p.had.push_back(t->defined());
-      if (t->defined()) {
+      // A view, or a tensor sharing its storage (a flat buffer of your own
+      // optimizer), stays where it is: storing it would part it from the
+      // memory it shares.
+      const bool own = t->defined() && !t->is_view() && t->storage_offset() == 0 &&
+                       t->storage().nbytes() == static_cast<size_t>(t->nbytes()) && t->is_contiguous();
+      p.had.push_back(own);
+      if (own) {
         p.state.push_back(store->pack(*t));
         // What the store keeps as it is (below min_bytes; kHost from a CPU
         // tensor) never left memory.
@@ -393,7 +398,7 @@ StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInB
       const void* key = t.unsafeGetTensorImpl();
       if (impl.by_impl.count(key)) {
         throw Error("[remat::StepInBackward] " + detail::describe_param(index, t) +
-                    " is in the optimizer twice; LibTorch's optimizers refuse that too.");
+                    " is in the optimizer twice (two param groups hold it); give each parameter to one group.");
       }
       if (torch::autograd::impl::post_acc_grad_hooks(t) != nullptr) {
         throw Error("[remat::StepInBackward] " + detail::describe_param(index, t) +
