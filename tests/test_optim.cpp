@@ -299,8 +299,13 @@ Trained train(Opt o, Mode mode, std::optional<remat::StepInBackwardOptions> in_b
   if (sib) r.stats = sib->stats();
   if (planner) {
     EXPECT_TRUE(planner->planned());
-    EXPECT_LE(planner->measured_peak_bytes(), planner->budget_bytes() + planner->budget_bytes() / 100)
-        << planner->explain();
+    // A state store of the user's own is not auto's to bound: what it holds
+    // in flight depends on the disk's pace (AutoOptions::optimizer_state_store
+    // is the way to plan it; AutoModelState.* test that).
+    if (!(in_backward && in_backward->state_offload())) {
+      EXPECT_LE(planner->measured_peak_bytes(), planner->budget_bytes() + planner->budget_bytes() / 100)
+          << planner->explain();
+    }
     r.auto_peak = planner->measured_peak_bytes();
     r.auto_budget = planner->budget_bytes();
   }

@@ -186,10 +186,11 @@ struct StepInBackwardImpl {
     p.stored_for = s;
     auto slots = state_tensors_of(*s);
     for (at::Tensor* t : slots) {
-      // A view, or a tensor sharing its storage (a flat buffer of your own
-      // optimizer), stays where it is: storing it would part it from the
-      // memory it shares.
-      const bool own = t->defined() && !t->is_view() && t->storage_offset() == 0 &&
+      // A tensor sharing its storage (a slice of a flat buffer of your own
+      // optimizer) stays where it is: storing it would part it from the
+      // memory it shares. Not a test of is_view(): a state read back from
+      // the store is a view (as_strided) of a buffer it fills alone.
+      const bool own = t->defined() && t->storage_offset() == 0 &&
                        t->storage().nbytes() == static_cast<size_t>(t->nbytes()) && t->is_contiguous();
       p.had.push_back(own);
       if (own) {
