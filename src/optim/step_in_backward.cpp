@@ -114,7 +114,7 @@ struct StepInBackwardImpl {
   int accumulating = 0;
   StepInBackwardStats st;
   std::string deferred_reason;  // the last DeferredGradients' why
-  bool end_queued = false;      // fetch_pending queued for the backward under way
+  int queued_for = -1;          // the graph task fetch_pending is queued for
   std::weak_ptr<StepInBackwardImpl> self_weak;
   // NOTE [state between updates]: the order of the last backward's updates.
   std::vector<size_t> order, last_order;
@@ -261,11 +261,14 @@ struct StepInBackwardImpl {
       p.pending = true;
       return;
     }
-    if (store && !end_queued && torch::autograd::get_current_graph_task_id() != -1) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    // Queued once per backward (a backward that threw never ran its
+    // callback: the next one queues again).
+    if (store && task != -1 && queued_for != task) {
       bool any_pending = false;
       for (const auto& q : params) any_pending |= q.pending && !q.state.empty();
       if (any_pending) {
-        end_queued = true;
+        queued_for = task;
         torch::autograd::Engine::get_default_engine().queue_callback(
             [self = self_weak.lock()] { self ? self->fetch_pending() : void(); });
       }
@@ -291,7 +294,7 @@ struct StepInBackwardImpl {
    *  step(). */
   void fetch_pending() {
     std::lock_guard<std::mutex> lock(mu);
-    end_queued = false;
+    queued_for = -1;
     for (auto& q : params) {
       if (!q.pending) continue;
       try {
