@@ -130,14 +130,13 @@ void AutoCheckpoint::Impl::measure_state() {
                                    [](const StateGroup& a, const StateGroup& b) { return a.largest < b.largest; });
   const int64_t bytes = it->largest;
   // Not random: drawing would move the generator the step's dropout uses.
-  std::vector<at::Tensor> tensors{at::full({std::max<int64_t>(1, bytes / 4)}, 0.5, at::kFloat)};
+  const at::Tensor probe = at::full({std::max<int64_t>(1, bytes / 4)}, 0.5, at::kFloat);
   auto store = detail::OffloadStore::create_isolated(
       store_options(*options.optimizer_state_store(), state_bound(*options.optimizers()[it->opt])));
   memory::DeviceTimer t0(mem->device());
-  std::vector<detail::OffloadStore::Handle> handles;
-  for (const auto& t : tensors) handles.push_back(store->pack(t));
+  detail::OffloadStore::Handle h = store->pack(probe);
   store->wait();
-  for (auto& h : handles) (void)store->unpack(h);
+  (void)store->unpack(h);
   state_ms_per_byte = t0.elapsed_ms() / static_cast<double>(bytes);
 }
 

@@ -140,10 +140,7 @@ struct StepInBackwardImpl {
     if (s != p.stored_for) {
       // The optimizer's state was replaced (load(), or cleared) since it was
       // stored: what it holds now wins, and the stored copy goes.
-      p.state.clear();
-      p.had.clear();
-      st.state_offloaded_bytes -= p.state_bytes;
-      p.state_bytes = 0;
+      forget(p);
       return;
     }
     auto slots = state_tensors_of(*s);
@@ -162,17 +159,23 @@ struct StepInBackwardImpl {
     for (size_t k = 0; k < p.state.size() && k < slots.size(); ++k) {
       if (p.had[k]) *slots[k] = std::move(back[k]);
     }
+    forget(p);
+  }
+
+  /** Drops p's handles to the store (what they held came back, or is stale). */
+  void forget(Param& p) {
     p.state.clear();
     p.had.clear();
     st.state_offloaded_bytes -= p.state_bytes;
     p.state_bytes = 0;
   }
 
-  /** Bytes of p's state with the optimizer now (not in the store). */
-  int64_t resident_state_bytes(Param& p) {
+  /** Bytes of p's optimizer state wherever it lives: with the optimizer now,
+   *  or in the store. */
+  int64_t state_bytes(Param& p) {
+    int64_t b = p.state_bytes;
     auto* s = state_of(p);
-    if (!s) return 0;
-    int64_t b = 0;
+    if (!s) return b;
     for (at::Tensor* t : state_tensors_of(*s)) {
       if (t->defined()) b += static_cast<int64_t>(t->nbytes());
     }
@@ -519,7 +522,7 @@ std::vector<int64_t> StepInBackward::state_bytes_per_group() const {
   auto& impl = *impl_;
   std::lock_guard<std::mutex> lock(impl.mu);
   std::vector<int64_t> out(impl.group_offloaded.size(), 0);
-  for (auto& p : impl.params) out[p.group] += impl.resident_state_bytes(p) + p.state_bytes;
+  for (auto& p : impl.params) out[p.group] += impl.state_bytes(p);
   return out;
 }
 
@@ -527,7 +530,7 @@ std::vector<int64_t> StepInBackward::largest_state_bytes_per_group() const {
   auto& impl = *impl_;
   std::lock_guard<std::mutex> lock(impl.mu);
   std::vector<int64_t> out(impl.group_offloaded.size(), 0);
-  for (auto& p : impl.params) out[p.group] = std::max(out[p.group], impl.resident_state_bytes(p) + p.state_bytes);
+  for (auto& p : impl.params) out[p.group] = std::max(out[p.group], impl.state_bytes(p));
   return out;
 }
 
