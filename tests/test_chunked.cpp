@@ -274,6 +274,24 @@ TEST(ChunkedCrossEntropy, MatchesLibTorchWithIgnoreIndexSmoothingAndBothReductio
   }
 }
 
+TEST(ChunkedCrossEntropy, ZeroChunksIsLibTorchsCrossEntropyBitwise) {
+  CeCase c(2, 37, 24, 101, /*with_ignored=*/true);
+  for (double smoothing : {0.0, 0.1}) {
+    for (bool sum : {false, true}) {
+      auto ref = c.run([&] { return reference_ce(c, smoothing, sum); });
+      auto got = c.run([&] {
+        return remat::chunked_cross_entropy(c.h, c.w, c.t,
+                                            remat::ChunkedCrossEntropyOptions(0).label_smoothing(smoothing).reduction(
+                                                sum ? remat::LossReduction::kSum : remat::LossReduction::kMean),
+                                            c.b);
+      });
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(torch::equal(got[i], ref[i])) << "smoothing " << smoothing << (sum ? " sum" : " mean") << " " << i;
+      }
+    }
+  }
+}
+
 TEST(ChunkedCrossEntropy, ScaledRetainedAndNoGradUses) {
   CeCase c(2, 16, 8, 33, true);
   auto opts = remat::ChunkedCrossEntropyOptions(3);
@@ -352,9 +370,9 @@ TEST(ChunkedCrossEntropy, UnderAutocastCloseToTheUnchunkedBf16Loss) {
 TEST(ChunkedCrossEntropy, ErrorsNameTheValue) {
   CeCase c(1, 4, 8, 10, false);
   auto o = remat::ChunkedCrossEntropyOptions(2);
-  EXPECT_EQ(thrown([&] { remat::chunked_cross_entropy(c.h, c.w, c.t, remat::ChunkedCrossEntropyOptions(0)); }),
-            "[remat::chunked_cross_entropy] chunks must be >= 1, got 0. Pass the number of slices, e.g. 8 (1 runs "
-            "unchunked).");
+  EXPECT_EQ(thrown([&] { remat::chunked_cross_entropy(c.h, c.w, c.t, remat::ChunkedCrossEntropyOptions(-1)); }),
+            "[remat::chunked_cross_entropy] chunks must be >= 0, got -1. Pass the number of slices, e.g. 8 (0 runs "
+            "unchunked, through the whole logits).");
   EXPECT_EQ(thrown([&] {
               remat::chunked_cross_entropy(c.h, c.w, c.t, remat::ChunkedCrossEntropyOptions(2).label_smoothing(1.5));
             }),

@@ -177,7 +177,24 @@ struct AutoOptions {
    *  back, measured after the profiled step. Default none: the state stays
    *  with the optimizer. */
   TORCH_ARG(std::optional<OffloadOptions>, optimizer_state_store);
+  /** Chunk counts (each >= 1) offered to every remat::chunked_cross_entropy
+   *  and remat::chunked call of the step (a model's loss head: GptImpl::loss
+   *  with any loss_chunks, 0 included): each such call outside a recompute
+   *  is a unit named after its kind (inside a unit: "blocks.3.mlp/chunked"),
+   *  with its own count as option 0 and these, capped at the length it
+   *  slices, as its other options; more slices lower the peak of its
+   *  forward (one slice's logits at a time) for the time of smaller
+   *  products. A call inside another unit takes another count only while
+   *  that unit keeps everything. Calls are told apart by their order in
+   *  the step, so the step must make the same calls each time. Another count sums
+   *  the gradients over other slices: the step then equals the plain one
+   *  up to floating-point reassociation, not bitwise. default_chunk_counts()
+   *  is a good list. Default none: every call runs with its own count. */
+  TORCH_ARG(std::vector<int64_t>, chunk_counts);
 };
+
+/** The chunk counts AutoOptions::chunk_counts() can offer: 1, 2, 4, ..., 32. */
+std::vector<int64_t> default_chunk_counts();
 
 /** One unit of a plan, as explain() shows it. */
 struct AutoUnit {

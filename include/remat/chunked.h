@@ -20,8 +20,39 @@
 #include <torch/arg.h>
 
 #include <remat/checkpoint.h>
+#include <remat/checkpointable.h>
 
 namespace remat {
+
+namespace detail {
+/** Runs one chunked() or chunked_cross_entropy() call again on `inputs`
+ *  (the call's tensors, in argument order) with `chunks` slices (-1: the
+ *  call's own count; 0: chunked_cross_entropy's unchunked form), returning
+ *  its output. Valid only while ChunkObserver::begin() runs. */
+using ChunkRun = std::function<std::vector<at::Tensor>(int64_t chunks, const std::vector<at::Tensor>& inputs)>;
+
+/** Sees every chunked() and chunked_cross_entropy() call on this thread
+ *  while installed (the whole-step planner, auto.h), except those made
+ *  while a checkpoint recomputes or with grad mode off: each call is then a
+ *  unit whose options are chunk counts. */
+class ChunkObserver {
+ public:
+  virtual ~ChunkObserver() = default;
+  /** Before a call: `kind` ("chunked" or "chunked_cross_entropy"), the
+   *  most slices it can take (`limit`: the length sliced), its tensor
+   *  inputs and a way to run it again. *chunks holds the call's own count
+   *  and may be set to the count the call runs with (>= 1; 0 only where
+   *  the call's own count is 0). Returns an observed call, finished with
+   *  the output, or nullptr. */
+  virtual std::unique_ptr<UnitObserver::Call> begin(const char* kind, int64_t limit,
+                                                    const std::vector<at::Tensor>& inputs, const ChunkRun& run,
+                                                    int64_t* chunks) = 0;
+};
+/** This thread's chunk observer, or nullptr (the common case). */
+ChunkObserver* chunk_observer();
+/** Installs `o` on this thread (nullptr removes it); returns the previous one. */
+ChunkObserver* set_chunk_observer(ChunkObserver* o);
+}  // namespace detail
 
 /** How chunked() combines the outputs of its slices. */
 enum class ChunkReduce {
@@ -64,9 +95,11 @@ struct ChunkOptions {
  *  a per-token loss are; attention across the sequence is not); tensors it
  *  captures (weights) get their gradients summed over the slices.
  *  Gradients equal the unchunked run's up to floating-point reassociation
- *  of the sums over the slices. Throws remat::Error for chunks < 1, no
- *  inputs, an undefined input, a dim an input does not have, or inputs of
- *  different lengths along dim. */
+ *  of the sums over the slices. Under the whole-step planner
+ *  (AutoOptions::chunk_counts) each call outside a recompute is a unit
+ *  whose options are chunk counts, and may run with another count than
+ *  options.chunks(). Throws remat::Error for chunks < 1, no inputs, an undefined input, a dim an input does not have,
+ * or inputs of different lengths along dim. */
 at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& fn,
                    const std::vector<at::Tensor>& inputs, const ChunkOptions& options);
 
@@ -79,9 +112,14 @@ enum class LossReduction {
 /** Options of chunked_cross_entropy(): the number of row slices (required)
  *  and LibTorch's cross_entropy options that it supports. */
 struct ChunkedCrossEntropyOptions {
-  /** chunks: how many slices of the rows (tokens), >= 1. */
+  /** chunks: how many slices of the rows (tokens), >= 0 (0: unchunked). */
   explicit ChunkedCrossEntropyOptions(int64_t chunks) : chunks_(chunks) {}
-  /** Row slices; at most the number of rows. */
+  /** Row slices; at most the number of rows. 0: unchunked, the plain form
+   *  cross_entropy(linear(hidden, weight, bias)) through autograd, which
+   *  holds the whole logits and their log-softmax from forward to backward
+   *  (bitwise what LibTorch computes; the whole-step planner, auto.h, may
+   *  then choose a count for it). 1: one slice with the gradients computed
+   *  in forward (the logits exist only while it runs). */
   TORCH_ARG(int64_t, chunks);
   /** Targets equal to this add nothing to the loss or its gradient and are
    *  not counted by kMean. Default -100, as LibTorch. */
@@ -106,7 +144,10 @@ struct ChunkedCrossEntropyOptions {
  *  would; the softmax in float32. The gradient is not differentiable again:
  *  a backward with create_graph throws remat::Error (no double backward).
  *  Equal to the unchunked loss up to floating-point
- *  reassociation. Throws remat::Error for chunks < 1, label_smoothing
+ *  reassociation. Under the whole-step planner (AutoOptions::chunk_counts)
+ *  each call is a unit whose options are chunk counts, and it may run with
+ *  another count than options.chunks(). Throws remat::Error for chunks < 0,
+ *  label_smoothing
  *  outside [0, 1], shapes that do not match (naming them), or integer
  *  targets out of range. */
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,

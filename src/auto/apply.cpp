@@ -30,7 +30,7 @@ void AutoCheckpoint::Impl::note_switches() {
     Switches s;
     if (u.chain != nullptr) {
       s.forced = detail::ChainAccess::forced(*u.chain);
-    } else {
+    } else if (u.c != nullptr) {
       s.checkpointing = u.c->checkpointing_options();
       s.offloading = u.c->offloading_options();
     }
@@ -43,7 +43,7 @@ AutoCheckpoint::Impl::~Impl() {
     Unit& u = units[i];
     if (u.chain != nullptr) {
       detail::ChainAccess::force(*u.chain, before[i].forced);
-    } else {
+    } else if (u.c != nullptr) {
       u.c->set_checkpointing(before[i].checkpointing);
       u.c->set_offloading(before[i].offloading);
     }
@@ -71,6 +71,10 @@ void AutoCheckpoint::Impl::apply() {
       detail::ChainAccess::force(*u.chain, std::move(forced));
       continue;
     }
+    if (u.c == nullptr) {  // a chunked call (NOTE [chunked calls as units])
+      chunks_plan[mu[j]] = o.chunks;
+      continue;
+    }
     u.c->set_checkpointing(o.switch_state);
     u.c->set_offloading(o.offload);
   }
@@ -82,13 +86,15 @@ void AutoCheckpoint::Impl::apply() {
   }
 }
 
-/** Every unit plain: no recompute, nothing offloaded. */
+/** Every unit plain: no recompute, nothing offloaded, chunked calls as called. */
 void AutoCheckpoint::Impl::switch_off() {
+  chunks_plan.assign(units.size(), -1);  // chunked calls: their own counts
   for (auto& u : units) {
     if (u.chain != nullptr) {
       detail::ChainAccess::force(*u.chain, std::make_shared<detail::ForcedSchedule>());  // store-all
       continue;
     }
+    if (u.c == nullptr) continue;
     u.c->set_checkpointing(std::nullopt);
     u.c->set_offloading(std::nullopt);
   }

@@ -67,6 +67,13 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
                               ", codec " + to_string(off.codec()) + ")";
     detail::check_menu_offload(which, off, /*on_cpu=*/true);
   }
+  for (int64_t c : o.chunk_counts()) {
+    if (c < 1) {
+      throw Error("[remat::auto] chunk_counts holds " + std::to_string(c) +
+                  "; each count must be >= 1 (a call's own count, 0 included, is always its first option). Pass "
+                  "e.g. remat::default_chunk_counts().");
+    }
+  }
   if (o.optimizer_state_store()) {
     if (o.optimizers().empty()) {
       throw Error(
@@ -143,6 +150,7 @@ AutoCheckpoint& AutoCheckpoint::operator=(AutoCheckpoint&&) noexcept = default;
 
 void AutoCheckpoint::step(const std::function<void()>& fn) {
   Impl& m = *impl_;
+  Impl::StepScope chunked_calls(m);  // NOTE [chunked calls as units]
   if (m.planned) {
     m.measured_step(fn);
   } else if (m.steps_run < m.options.warmup_steps()) {
@@ -157,6 +165,7 @@ void AutoCheckpoint::step(const std::function<void()>& fn) {
 
 void AutoCheckpoint::profile_step(const std::function<void()>& fn) {
   Impl& m = *impl_;
+  Impl::StepScope chunked_calls(m);
   m.switch_off();
   m.planned = false;
   m.placement = Impl::Placement{};  // NOTE [model state in the plan]: profiled with every state kept

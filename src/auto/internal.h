@@ -24,6 +24,7 @@
 
 #include <remat/auto.h>
 #include <remat/checkpointable.h>
+#include <remat/chunked.h>
 #include <remat/memory.h>
 #include <remat/offload.h>
 #include <remat/optim.h>
@@ -50,7 +51,8 @@ struct Option {
   std::optional<OffloadOptions> offload;          // with switch_state nullopt: saves go to this store
   bool inner = false;                             // the unit's inner units recompute too (nested)
   std::optional<plan::Schedule> schedule;         // a chain's: nullopt = store-all
-  int store = -1;  // index in AutoOptions::offload of the store it sends to, or -1; such options end the menu
+  int store = -1;       // index in AutoOptions::offload of the store it sends to, or -1; such options end the menu
+  int64_t chunks = -1;  // a chunked call's: the slices it runs with (-1: its own count)
 
   Option() = default;
   Option(std::string n, std::optional<CheckpointOptions> s, std::optional<OffloadOptions> o, bool in = false)
@@ -66,12 +68,15 @@ constexpr int64_t kTop = -1;       // outside every unit
 constexpr int64_t kNotSeen = -2;   // not called yet
 constexpr int64_t kDisagree = -3;  // calls inside different units (or at the top and inside one)
 
-/** A checkpointable module of the tree, or a CheckpointedSequential. */
+/** A checkpointable module of the tree, a CheckpointedSequential, or a
+ *  chunked call (NOTE [chunked calls as units], chunks.cpp). */
 struct Unit {
   std::string name;
-  Checkpointable* c = nullptr;                  // nullptr for a chain
+  Checkpointable* c = nullptr;                  // nullptr for a chain or a chunked call
   CheckpointedSequentialImpl* chain = nullptr;  // a chain: its options are its schedules
-  torch::nn::Module* module = nullptr;          // whose parameters and buffers it uses
+  torch::nn::Module* module = nullptr;          // whose parameters and buffers it uses (nullptr: a chunked call)
+  std::string kind;                             // a chunked call's: "chunked" or "chunked_cross_entropy"
+  int64_t own_chunks = 0, limit = 0;            // a chunked call's: its own count, the length it slices
   std::vector<Option> menu;                     // built at its first observed call
   bool plannable = false;                       // has a backward and more than one option
   std::vector<size_t> calls;
@@ -133,7 +138,7 @@ struct Held;
 
 namespace remat {
 
-struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
+struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detail::ChunkObserver {
   using CallRecord = detail::CallRecord;
   using Held = detail::Held;
   using Option = detail::Option;
@@ -214,6 +219,25 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver {
   void measure_state();
   void apply_state();
   std::string explain_state() const;
+
+  // NOTE [chunked calls as units] (chunks.cpp).
+  std::vector<int64_t> site_units;   // per chunked call of a step, in order: its unit, or -1 (not planned)
+  size_t sites_seen = 0;             // chunked calls of the step under way so far
+  std::vector<int64_t> chunks_plan;  // per unit: the count the plan in force runs it with (-1: its own)
+  std::unique_ptr<Call> begin(const char* kind, int64_t limit, const std::vector<at::Tensor>& inputs,
+                              const detail::ChunkRun& run, int64_t* chunks) override;
+  void build_chunk_menu(Unit& u);
+  /** RAII: this planner sees the chunked calls of one step on this thread. */
+  class StepScope {
+   public:
+    explicit StepScope(Impl& impl) : previous_(detail::set_chunk_observer(&impl)) { impl.sites_seen = 0; }
+    ~StepScope() { detail::set_chunk_observer(previous_); }
+    StepScope(const StepScope&) = delete;
+    StepScope& operator=(const StepScope&) = delete;
+
+   private:
+    detail::ChunkObserver* previous_;
+  };
 
   /** What a unit's switch was before the planner (NOTE [switches given back]). */
   struct Switches {

@@ -178,6 +178,8 @@ void AutoCheckpoint::Impl::measure(Unit& u, const std::vector<at::Tensor>& input
   if (u.menu.empty()) {
     if (menu != nullptr) {
       build_chain_menu(u, *menu);
+    } else if (!u.kind.empty()) {
+      build_chunk_menu(u);
     } else {
       build_menu(u, inputs, run);
     }
@@ -338,7 +340,8 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   Restore restore;
   TrialInputs t = trial_inputs(inputs);
   std::vector<at::Tensor> wrt = t.leaves;
-  for (const auto& p : u.module->parameters()) {
+  // A chunked call's parameters are its inputs (NOTE [chunked calls as units]).
+  for (const auto& p : u.module != nullptr ? u.module->parameters() : std::vector<at::Tensor>{}) {
     if (p.requires_grad()) wrt.push_back(p);
   }
   struct InnerOn {  // the inner units checkpointed for this run (nested recompute)

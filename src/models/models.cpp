@@ -164,11 +164,10 @@ torch::Tensor GptImpl::head(const torch::Tensor& h) {  // (B, T, C)
 }
 
 torch::Tensor GptImpl::loss(const torch::Tensor& h, const torch::Tensor& targets) {  // (B, T, C), (B, T)
-  if (config_.loss_chunks > 0) {
-    return chunked_cross_entropy(ln_f(h), wte->weight, targets, ChunkedCrossEntropyOptions(config_.loss_chunks));
-  }
-  auto logits = head(h);  // (B, T, V)
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
+  // loss_chunks 0 is the plain head and loss (the whole logits); either way
+  // the call is a unit of the whole-step planner, which may chunk it
+  // (AutoOptions::chunk_counts).
+  return chunked_cross_entropy(ln_f(h), wte->weight, targets, ChunkedCrossEntropyOptions(config_.loss_chunks));
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) { return head(blocks->forward(embed(idx))); }

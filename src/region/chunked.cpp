@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -12,6 +13,8 @@
 
 namespace remat {
 namespace {
+
+thread_local detail::ChunkObserver* tls_chunk_observer = nullptr;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -28,45 +31,19 @@ std::vector<int64_t> slice_lengths(int64_t n, int64_t k) {
   return out;
 }
 
-void check_chunks(const char* what, int64_t chunks) {
-  if (chunks < 1) {
-    throw Error(std::string("[remat::") + what + "] chunks must be >= 1, got " + str(chunks) +
-                ". Pass the number of slices, e.g. 8 (1 runs unchunked).");
+void check_chunks(const char* what, int64_t chunks, int64_t least, const char* least_runs) {
+  if (chunks < least) {
+    throw Error(std::string("[remat::") + what + "] chunks must be >= " + str(least) + ", got " + str(chunks) +
+                ". Pass the number of slices, e.g. 8 (" + str(least) + " runs " + least_runs + ").");
   }
 }
 
-}  // namespace
-
-at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& fn,
-                   const std::vector<at::Tensor>& inputs, const ChunkOptions& options) {
-  check_chunks("chunked", options.chunks());
-  if (inputs.empty()) {
-    throw Error("[remat::chunked] no inputs to slice. Pass the tensors to slice (e.g. {x}); capture the others in fn.");
-  }
-  int64_t length = -1;
-  std::vector<int64_t> dims;  // per input, dim made non-negative
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const auto& t = inputs[i];
-    if (!t.defined()) {
-      throw Error("[remat::chunked] input " + str(static_cast<int64_t>(i)) +
-                  " is an undefined tensor. Pass defined tensors only; capture optional ones in fn.");
-    }
-    const int64_t d = options.dim() < 0 ? options.dim() + t.dim() : options.dim();
-    if (d < 0 || d >= t.dim()) {
-      throw Error("[remat::chunked] dim " + str(options.dim()) + " does not exist in input " +
-                  str(static_cast<int64_t>(i)) + " of shape " + shape(t) + " (" + str(t.dim()) +
-                  " dimensions). Pass a dim in [-" + str(t.dim()) + ", " + str(t.dim() - 1) + "].");
-    }
-    if (length >= 0 && t.size(d) != length) {
-      throw Error("[remat::chunked] input " + str(static_cast<int64_t>(i)) + " has length " + str(t.size(d)) +
-                  " along dim " + str(options.dim()) + ", input 0 has " + str(length) +
-                  ". Every input is sliced along dim: pass tensors of one length there, and capture the "
-                  "others in fn.");
-    }
-    length = t.size(d);
-    dims.push_back(d);
-  }
-  const int64_t k = std::max<int64_t>(1, std::min(options.chunks(), length));
+/** chunked()'s work after its checks: fn over `chunks` slices (at least 1,
+ *  at most length) of inputs along dims (one per input, non-negative). */
+at::Tensor run_chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& fn,
+                       const std::vector<at::Tensor>& inputs, const std::vector<int64_t>& dims, int64_t length,
+                       const ChunkOptions& options, int64_t chunks) {
+  const int64_t k = std::max<int64_t>(1, std::min(chunks, length));
   const auto lengths = slice_lengths(length, k);
   // One split per input: a single backward node gathers the slices'
   // gradients (k narrow()s would each build a full-size zero gradient).
@@ -102,6 +79,56 @@ at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&
                 " to concatenate along. Return per-position outputs, or use ChunkReduce::kSum or kMean.");
   }
   return k == 1 ? outs.front() : at::cat(outs, d);
+}
+
+}  // namespace
+
+namespace detail {
+ChunkObserver* chunk_observer() { return tls_chunk_observer; }
+ChunkObserver* set_chunk_observer(ChunkObserver* o) { return std::exchange(tls_chunk_observer, o); }
+}  // namespace detail
+
+at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& fn,
+                   const std::vector<at::Tensor>& inputs, const ChunkOptions& options) {
+  check_chunks("chunked", options.chunks(), 1, "unchunked");
+  if (inputs.empty()) {
+    throw Error("[remat::chunked] no inputs to slice. Pass the tensors to slice (e.g. {x}); capture the others in fn.");
+  }
+  int64_t length = -1;
+  std::vector<int64_t> dims;  // per input, dim made non-negative
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& t = inputs[i];
+    if (!t.defined()) {
+      throw Error("[remat::chunked] input " + str(static_cast<int64_t>(i)) +
+                  " is an undefined tensor. Pass defined tensors only; capture optional ones in fn.");
+    }
+    const int64_t d = options.dim() < 0 ? options.dim() + t.dim() : options.dim();
+    if (d < 0 || d >= t.dim()) {
+      throw Error("[remat::chunked] dim " + str(options.dim()) + " does not exist in input " +
+                  str(static_cast<int64_t>(i)) + " of shape " + shape(t) + " (" + str(t.dim()) +
+                  " dimensions). Pass a dim in [-" + str(t.dim()) + ", " + str(t.dim() - 1) + "].");
+    }
+    if (length >= 0 && t.size(d) != length) {
+      throw Error("[remat::chunked] input " + str(static_cast<int64_t>(i)) + " has length " + str(t.size(d)) +
+                  " along dim " + str(options.dim()) + ", input 0 has " + str(length) +
+                  ". Every input is sliced along dim: pass tensors of one length there, and capture the "
+                  "others in fn.");
+    }
+    length = t.size(d);
+    dims.push_back(d);
+  }
+  int64_t chunks = options.chunks();
+  std::unique_ptr<detail::UnitObserver::Call> call;
+  if (detail::ChunkObserver* obs = detail::chunk_observer();
+      obs != nullptr && !is_recomputing() && at::GradMode::is_enabled()) {
+    const detail::ChunkRun again = [&](int64_t c, const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+      return {run_chunked(fn, in, dims, length, options, c < 0 ? options.chunks() : c)};
+    };
+    call = obs->begin("chunked", length, inputs, again, &chunks);
+  }
+  at::Tensor out = run_chunked(fn, inputs, dims, length, options, chunks);
+  if (call) call->finish({out});
+  return out;
 }
 
 // --- chunked cross-entropy ----------------------------------------------------
@@ -194,11 +221,40 @@ struct ChunkedCe : torch::autograd::Function<ChunkedCe> {
   }
 };
 
+/** chunked_cross_entropy()'s work after its checks, over `chunks` slices
+ *  (0: the plain form through autograd). */
+at::Tensor run_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                             const ChunkedCrossEntropyOptions& options, const at::Tensor& bias, int64_t chunks) {
+  const int64_t N = targets.numel();
+  auto t1 = targets.reshape({N}).to(at::kLong);
+  if (chunks == 0) {
+    // As a model computes it: the logits at hidden's shape, then flattened in float32.
+    auto logits = at::linear(hidden, weight, bias);
+    return at::cross_entropy_loss(
+        logits.reshape({-1, logits.size(-1)}).to(at::kFloat), t1, {},
+        options.reduction() == LossReduction::kMean ? at::Reduction::Mean : at::Reduction::Sum, options.ignore_index(),
+        options.label_smoothing());
+  }
+  const int64_t counted =
+      options.reduction() == LossReduction::kMean ? t1.ne(options.ignore_index()).sum().item<int64_t>() : 1;
+  const double scale = counted == 0 ? 0.0 : 1.0 / static_cast<double>(counted);
+  // Mean over no counted target: 0 / 0, NaN, as LibTorch (gradients 0).
+  const double loss_scale = counted == 0 ? std::numeric_limits<double>::quiet_NaN() : scale;
+  CeWork work{options, hidden.reshape({N, hidden.size(-1)}),     weight, bias,
+              t1,      std::max<int64_t>(1, std::min(chunks, N))};
+  const bool grad = at::GradMode::is_enabled() &&
+                    (hidden.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+  if (!grad) return ce_slices(work, scale, nullptr, nullptr, nullptr) * loss_scale;
+  // apply() wants defined tensors: an empty stand-in for no bias (work.bias stays undefined).
+  return ChunkedCe::apply(hidden, weight, bias.defined() ? bias : at::empty({0}, weight.options()), targets, &work,
+                          scale, loss_scale);
+}
+
 }  // namespace
 
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  const ChunkedCrossEntropyOptions& options, const at::Tensor& bias) {
-  check_chunks("chunked_cross_entropy", options.chunks());
+  check_chunks("chunked_cross_entropy", options.chunks(), 0, "unchunked, through the whole logits");
   const double eps = options.label_smoothing();
   if (!(eps >= 0.0 && eps <= 1.0)) {
     throw Error("[remat::chunked_cross_entropy] label_smoothing must be in [0, 1], got " + std::to_string(eps) +
@@ -232,20 +288,21 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
       }
     }
   }
-  const int64_t counted =
-      options.reduction() == LossReduction::kMean ? t1.ne(options.ignore_index()).sum().item<int64_t>() : 1;
-  const double scale = counted == 0 ? 0.0 : 1.0 / static_cast<double>(counted);
-  // Mean over no counted target: 0 / 0, NaN, as LibTorch (gradients 0).
-  const double loss_scale = counted == 0 ? std::numeric_limits<double>::quiet_NaN() : scale;
-  CeWork work{options, hidden.reshape({N, hidden.size(-1)}),
-              weight,  bias,
-              t1,      std::max<int64_t>(1, std::min(options.chunks(), N))};
-  const bool grad = at::GradMode::is_enabled() &&
-                    (hidden.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-  if (!grad) return ce_slices(work, scale, nullptr, nullptr, nullptr) * loss_scale;
-  // apply() wants defined tensors: an empty stand-in for no bias (work.bias stays undefined).
-  return ChunkedCe::apply(hidden, weight, bias.defined() ? bias : at::empty({0}, weight.options()), targets, &work,
-                          scale, loss_scale);
+  int64_t chunks = options.chunks();
+  std::unique_ptr<detail::UnitObserver::Call> call;
+  if (detail::ChunkObserver* obs = detail::chunk_observer();
+      obs != nullptr && !is_recomputing() && at::GradMode::is_enabled()) {
+    const detail::ChunkRun again = [&](int64_t c, const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+      return {run_cross_entropy(in[0], in[1], in[2], options, in.size() > 3 ? in[3] : at::Tensor(),
+                                c < 0 ? options.chunks() : c)};
+    };
+    std::vector<at::Tensor> in{hidden, weight, targets};
+    if (bias.defined()) in.push_back(bias);
+    call = obs->begin("chunked_cross_entropy", N, in, again, &chunks);
+  }
+  at::Tensor out = run_cross_entropy(hidden, weight, targets, options, bias, chunks);
+  if (call) call->finish({out});
+  return out;
 }
 
 }  // namespace remat

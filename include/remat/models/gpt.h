@@ -152,7 +152,9 @@ class GptImpl : public torch::nn::Module {
   /** h (B, T, C) -> logits (B, T, vocab), through the tied token embedding. */
   torch::Tensor head(const torch::Tensor& h);
   /** Mean cross-entropy of head(h) against targets (B, T) int64, in
-   *  float32: chunked (GptConfig::loss_chunks) or through the full logits. */
+   *  float32, by remat::chunked_cross_entropy with GptConfig::loss_chunks
+   *  slices (0: through the full logits): a unit of the whole-step planner,
+   *  which may choose another count (AutoOptions::chunk_counts). */
   torch::Tensor loss(const torch::Tensor& h, const torch::Tensor& targets);
   /** head(blocks->forward(embed(idx))): (B, T) -> (B, T, vocab). */
   torch::Tensor forward(const torch::Tensor& idx);

@@ -1,0 +1,254 @@
+// The whole-step planner with chunked calls as units (AutoOptions::chunk_counts):
+// a GPT's head and loss (remat::chunked_cross_entropy) and its MLPs'
+// remat::chunked regions, planned with the blocks under one budget.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <remat/models/gpt.h>
+#include <remat/remat.h>
+
+#include "../common.h"
+
+namespace {
+
+constexpr int kSteps = 4;  // 1 warm-up, 1 profiled, 2 planned
+
+/** A GPT whose head dominates: vocabulary 2048 over 8 x 64 tokens (4 MiB
+ *  of float32 logits, held twice by the plain loss), 4 blocks of d_model 64. */
+remat::models::GptConfig head_heavy_gpt(int64_t loss_chunks, int64_t mlp_chunks = 0, double dropout = 0.1) {
+  remat::models::GptConfig c;
+  c.vocab = 2048;
+  c.seq_len = 64;
+  c.d_model = 64;
+  c.heads = 4;
+  c.layers = 4;
+  c.dropout = dropout;
+  c.loss_chunks = loss_chunks;
+  c.mlp_chunks = mlp_chunks;
+  return c;
+}
+
+struct Trial {
+  std::vector<std::vector<torch::Tensor>> params;  // after each step
+  std::vector<int64_t> peaks;                      // planned steps' measured peaks
+  int64_t budget = 0, leanest = 0, profiled = 0;
+  std::vector<remat::AutoUnit> units;
+  std::string explain;
+};
+
+/** The parameters, copied outside the tracked allocator (so that keeping
+ *  them does not change the peaks the planner measures). */
+std::vector<torch::Tensor> params_of(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) {
+    auto c = p.detach().contiguous();
+    auto bytes = std::make_shared<std::vector<float>>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+    out.push_back(torch::from_blob(
+        bytes->data(), c.sizes(), [bytes](void*) mutable { bytes.reset(); }, torch::kFloat));
+  }
+  return out;
+}
+
+/** kSteps AdamW steps of the GPT on fixed batches; plain without options,
+ *  else under auto_checkpoint with them. `budget_of` turns the planner's
+ *  profiled peak and leanest peak into the budget (after the profiled step). */
+Trial run(const remat::models::GptConfig& c, std::optional<remat::AutoOptions> options,
+          const std::function<int64_t(int64_t profiled, int64_t leanest)>& budget_of = nullptr) {
+  torch::manual_seed(0);
+  auto gpt = remat::models::Gpt(c);
+  torch::optim::AdamW opt(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::manual_seed(1234);
+  std::vector<torch::Tensor> idx;
+  for (int k = 0; k < kSteps; ++k) idx.push_back(torch::randint(c.vocab, {8, c.seq_len + 1}, torch::kLong));
+  torch::manual_seed(1);
+  auto step = [&](int k) {
+    auto x = idx[k].slice(1, 0, c.seq_len), y = idx[k].slice(1, 1, c.seq_len + 1);
+    opt.zero_grad();
+    gpt->loss(gpt->blocks->forward(gpt->embed(x)), y).backward();
+    opt.step();
+  };
+  Trial r;
+  if (!options) {
+    for (int k = 0; k < kSteps; ++k) {
+      step(k);
+      r.params.push_back(params_of(*gpt));
+    }
+    return r;
+  }
+  auto planner = remat::auto_checkpoint(gpt, options->memory_budget_fraction(1.0).profile_repeats(1));
+  for (int k = 0; k < kSteps; ++k) {
+    const bool planned = planner.planned();
+    planner.step([&] { step(k); });
+    if (!planned && planner.planned() && budget_of) {
+      planner.replan(budget_of(planner.profiled_peak_bytes(), planner.leanest_peak_bytes()));
+    }
+    if (planned) r.peaks.push_back(planner.measured_peak_bytes());
+    r.params.push_back(params_of(*gpt));
+  }
+  r.budget = planner.budget_bytes();
+  r.leanest = planner.leanest_peak_bytes();
+  r.profiled = planner.profiled_peak_bytes();
+  r.units = planner.units();
+  r.explain = planner.explain();
+  return r;
+}
+
+const remat::AutoUnit* unit_named(const Trial& r, const std::string& name) {
+  for (const auto& u : r.units) {
+    if (u.name == name) return &u;
+  }
+  return nullptr;
+}
+
+/** Every parameter after every step: bitwise (exact) or within float32
+ *  reassociation of the sums over slices, 4 steps of AdamW at lr 1e-3. */
+void expect_params(const Trial& plain, const Trial& got, bool exact, const std::string& what) {
+  ASSERT_EQ(plain.params.size(), got.params.size());
+  for (size_t k = 0; k < plain.params.size(); ++k) {
+    for (size_t i = 0; i < plain.params[k].size(); ++i) {
+      if (exact) {
+        ASSERT_TRUE(torch::equal(plain.params[k][i], got.params[k][i])) << what << ": param " << i << " step " << k;
+      } else {
+        ASSERT_TRUE(torch::allclose(plain.params[k][i], got.params[k][i], /*rtol=*/1e-4, /*atol=*/1e-5))
+            << what << ": param " << i << " step " << k << ", max |diff| "
+            << (plain.params[k][i] - got.params[k][i]).abs().max().item<double>();
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// The loss head is a unit: its menu is its own count, then the counts
+// asked for; the leanest plans chunk it, which lowers the least peak by
+// about the logits it no longer holds; every planned step stays within
+// its budget, and the parameters match the plain run's (bitwise through
+// the profiled step, which runs the call as written).
+TEST(AutoChunks, TheLossHeadIsAUnitChunkedAtLowBudgetsWithinBudget) {
+  for (int64_t own : {0, 8}) {
+    const auto c = head_heavy_gpt(own);
+    const Trial plain = run(c, std::nullopt);
+    const Trial without = run(c, remat::AutoOptions());
+    EXPECT_EQ(unit_named(without, "chunked_cross_entropy"), nullptr) << "no chunk_counts: the call is no unit";
+    expect_params(plain, without, /*exact=*/true, "no chunk counts");
+    for (double f : {0.0, 0.5, 1.0}) {
+      const std::string what = "own count " + std::to_string(own) + ", budget at " + std::to_string(f);
+      const Trial got =
+          run(c, remat::AutoOptions().chunk_counts(remat::default_chunk_counts()), [&](int64_t hi, int64_t lo) {
+            return lo + static_cast<int64_t>(f * static_cast<double>(hi - lo)) + (f == 0.0 ? lo / 100 : 0);
+          });
+      const remat::AutoUnit* head = unit_named(got, "chunked_cross_entropy");
+      ASSERT_NE(head, nullptr) << what << "\n" << got.explain;
+      EXPECT_EQ(head->options[0], own == 0 ? "unchunked (as called)" : "8 chunks (as called)") << what;
+      EXPECT_NE(std::find(head->options.begin(), head->options.end(), "32 chunks"), head->options.end()) << what;
+      EXPECT_NE(got.explain.find("chunked_cross_entropy"), std::string::npos) << got.explain;
+      for (size_t i = 0; i < got.peaks.size(); ++i) {
+        std::printf("%s: step %zu peak %lld, budget %lld (leanest %lld, plain %lld), head: %s\n", what.c_str(), i,
+                    static_cast<long long>(got.peaks[i]), static_cast<long long>(got.budget),
+                    static_cast<long long>(got.leanest), static_cast<long long>(got.profiled),
+                    head->options[head->choice].c_str());
+        EXPECT_LE(static_cast<double>(got.peaks[i]), 1.01 * static_cast<double>(got.budget)) << what << "\n"
+                                                                                             << got.explain;
+      }
+      // Steps 1 and 2 (warm-up, profiled) run the call as written.
+      for (size_t k = 0; k < 2; ++k) {
+        for (size_t i = 0; i < plain.params[k].size(); ++i) {
+          ASSERT_TRUE(torch::equal(plain.params[k][i], got.params[k][i])) << what << ": step " << k;
+        }
+      }
+      expect_params(plain, got, /*exact=*/head->choice == 0, what);
+      if (f == 0.0) {
+        EXPECT_NE(head->choice, 0) << what << ": the leanest plan chunks the head\n" << got.explain;
+        if (own == 0) {
+          // Plain holds the logits and their log-softmax (2 x 4 MiB) to backward.
+          EXPECT_LT(got.leanest, without.leanest - (4 << 20)) << what << "\n" << got.explain << "\n" << without.explain;
+        }
+      }
+    }
+  }
+}
+
+// A chunked region inside a unit (the GPT's MLP over slices of the
+// sequence) is that unit's inner unit: where the block recomputes it runs
+// with its own count, in forward and in the recompute alike (another
+// count there would save other tensors than the recompute makes).
+TEST(AutoChunks, ChunkedRegionsInsideBlocksRunTheirOwnCountWhereTheBlockRecomputes) {
+  // No dropout: inside a region, another count draws other masks.
+  const auto c = head_heavy_gpt(4, 4, 0.0);
+  const Trial plain = run(c, std::nullopt);
+  for (double f : {0.0, 0.5}) {
+    const std::string what = "budget at " + std::to_string(f);
+    const Trial got = run(c, remat::AutoOptions().chunk_counts({1, 2, 8}), [&](int64_t hi, int64_t lo) {
+      return lo + static_cast<int64_t>(f * static_cast<double>(hi - lo)) + (f == 0.0 ? lo / 100 : 0);
+    });
+    int sites = 0, inside_recompute = 0;
+    for (const auto& u : got.units) {
+      if (u.name.find("/chunked") == std::string::npos) continue;
+      ++sites;
+      EXPECT_EQ(u.options[0], "4 chunks (as called)") << u.name;
+      if (!u.runs_in.empty()) {
+        ++inside_recompute;
+        EXPECT_EQ(u.choice, 0) << u.name << " runs in " << u.runs_in;
+      }
+    }
+    EXPECT_EQ(sites, 4) << got.explain;  // blocks.k.mlp/chunked
+    if (f == 0.0) EXPECT_GT(inside_recompute, 0) << "the leanest plan recomputes blocks\n" << got.explain;
+    for (int64_t p : got.peaks) EXPECT_LE(static_cast<double>(p), 1.01 * static_cast<double>(got.budget)) << what;
+    expect_params(plain, got, /*exact=*/false, what);
+  }
+}
+
+// Two chunked calls in one step are two units, told apart by their order.
+TEST(AutoChunks, TwoCallsInAStepAreTwoUnits) {
+  struct Heads : torch::nn::Module, remat::Checkpointable {
+    Heads() {
+      body = register_module("body", torch::nn::Linear(32, 32));
+      a = register_parameter("a", torch::randn({512, 32}) * 0.1);
+      b = register_parameter("b", torch::randn({256, 32}) * 0.1);
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      return checkpointed([this](const torch::Tensor& h) { return torch::relu(body(h)); }, x);
+    }
+    torch::nn::Linear body{nullptr};
+    torch::Tensor a, b;
+  };
+  torch::manual_seed(0);
+  auto net = std::make_shared<Heads>();
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto x = torch::randn({256, 32});
+  auto ya = torch::randint(512, {256}), yb = torch::randint(256, {256});
+  auto planner = remat::auto_checkpoint(
+      *net,
+      remat::AutoOptions().memory_budget_fraction(1.0).chunk_counts(remat::default_chunk_counts()).profile_repeats(1));
+  for (int k = 0; k < 3; ++k) {
+    planner.step([&] {
+      opt.zero_grad();
+      auto h = net->forward(x);
+      auto la = remat::chunked_cross_entropy(h, net->a, ya, remat::ChunkedCrossEntropyOptions(0));
+      auto lb = remat::chunked_cross_entropy(h, net->b, yb, remat::ChunkedCrossEntropyOptions(2));
+      (la + lb).backward();
+      opt.step();
+    });
+  }
+  std::vector<std::string> names;
+  for (const auto& u : planner.units()) names.push_back(u.name + ": " + u.options[0]);
+  EXPECT_NE(std::find(names.begin(), names.end(), "chunked_cross_entropy: unchunked (as called)"), names.end())
+      << planner.explain();
+  EXPECT_NE(std::find(names.begin(), names.end(), "chunked_cross_entropy #2: 2 chunks (as called)"), names.end())
+      << planner.explain();
+}
+
+TEST(AutoChunks, ErrorsNameTheValue) {
+  auto gpt = remat::models::Gpt(head_heavy_gpt(0));
+  EXPECT_EQ(remat_test::error_of([&] {
+              remat::auto_checkpoint(gpt, remat::AutoOptions().memory_budget_fraction(1.0).chunk_counts({4, 0}));
+            }),
+            "[remat::auto] chunk_counts holds 0; each count must be >= 1 (a call's own count, 0 included, is always "
+            "its first option). Pass e.g. remat::default_chunk_counts().");
+}
