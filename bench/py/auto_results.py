@@ -356,6 +356,78 @@ def in_backward(recs, py=None):
     return "\n".join(rows) + "\n\n" + text + "\n"
 
 
+def levers(recs, hand=None):
+    """auto with every lever (bench/auto/remat_auto_levers: the optimizer step in backward, its state kept or in a
+    disk store as the plan says, the loss head's chunk count) at budgets from its leanest plan to its profiled peak,
+    each step paired with a plain step of the same round; then the targets of the leanest point and of the 0.5x and
+    0.25x budgets, met or missed, and how the points compare with `hand` (remat_auto's records: every hand-placed
+    strategy's peak and time against its own plain)."""
+    meta = next(r for r in recs if r["kind"] == "meta")
+    prof = next(r for r in recs if r["kind"] == "profile")
+    strat = [r for r in recs if r["kind"] == "strategy"]
+    plain = next(r for r in strat if r["name"] == "plain")
+    gpt = meta.get("model", "gpt") == "gpt"
+    s = meta["size"]
+    what = (f"GPT whole step: d_model {s['d_model']}, {s['heads']} heads, {s['blocks']} blocks, T {s['seq_len']}, "
+            f"batch {s['batch']}, vocabulary {s['vocab']}, AdamW" if gpt else
+            f"ResNet-{s['depth']} whole step: width {s['width']}, {s['image']}x{s['image']} images, batch "
+            f"{s['batch']}, {s['classes']} classes, SGD with momentum")
+    load = meta.get("load_1min")
+    rows = [f"{what}. Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}, {meta['rounds']} "
+            f"rounds" + (f", the machine's 1-minute load average {min(load):.1f}-{max(load):.1f}" if load else "")
+            + "; time ratios: medians of per-round ratios to plain [min-max].", "",
+            "| strategy | budget | predicted peak | measured peak | x plain | step time x plain | state in the store | "
+            "units not at keep | loss head |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in strat:
+        if r["name"] == "plain":
+            rows.append(f"| plain (step after backward) | - | - | {_mib(r['peak'])} | 1.000 | {_ratio(r)} | - | - | - |")
+            continue
+        stored = _mib(statistics.median(r["state_in_store"])) if r.get("state_in_store") else "-"
+        rows.append(f"| {r['label']} | {_mib(r['budget'])} | {_mib(r['predicted_peak'])} | {_mib(r['peak'])} | "
+                    f"{r['peak_ratio']:.3f} | {_ratio(r)} | {stored} | {r['units'] - r['units_keep']} of "
+                    f"{r['units']} | {r['loss_option'] or '-'} |")
+    autos = [r for r in strat if r["name"] != "plain"]
+    leanest = min(autos, key=lambda r: r["peak"])
+    over = [r for r in autos if r["peak"] > 1.01 * r["budget"]]
+    text = [f"Peaks: one model's whole step, everything alive counted (plain: {plain['covers']}; auto: "
+            f"{autos[0]['covers']}). auto's profile (the step in backward, every unit plain) peaked at "
+            f"{_mib(prof['profiled_peak'])}; its leanest plan is predicted at {_mib(prof['leanest_peak'])}, "
+            f"{prof['leanest_where']}. Chunk counts offered to the loss: {meta.get('chunk_counts')}; the disk "
+            f"store: {_mib(meta['offload']['max_inflight_bytes'])} in flight."]
+    tgt = []
+    lean_target = 0.22 if gpt else 0.35
+    tgt.append(f"- the leanest plan <= {lean_target}x plain's peak: **{'met' if leanest['peak_ratio'] <= lean_target else 'missed'}** "
+               f"({leanest['peak_ratio']:.3f}x at {leanest['time_ratio']['median']:.3f}x time)")
+    if gpt:
+        for frac, limit in ((0.5, 1.03), (0.25, 1.10)):
+            fits = [r for r in autos if r["peak_ratio"] <= frac]
+            best = min(fits, key=lambda r: r["time_ratio"]["median"]) if fits else None
+            if best is None:
+                tgt.append(f"- at {frac}x plain's peak, <= {limit}x plain's time: **missed** (no point at or under {frac}x)")
+            else:
+                t = best["time_ratio"]
+                verdict = ("met" if t["max"] <= limit else "missed" if t["min"] > limit else
+                           "not resolved (the range straddles the target)")
+                tgt.append(f"- at {frac}x plain's peak, <= {limit}x plain's time: **{verdict}** ({best['label']}: "
+                           f"{best['peak_ratio']:.3f}x peak, {_ratio(best)} time)")
+    tgt.append(f"- measured peak <= budget (+1%) on every point: **{'met' if not over else 'missed'}**"
+               + (f" ({', '.join(r['name'] for r in over)} over)" if over else ""))
+    if hand:
+        hs = [r for r in hand if r["kind"] == "strategy" and not r["name"].startswith("auto")]
+        beaten = []
+        for h in hs:
+            dom = [a for a in autos if a["peak_ratio"] <= h["peak_ratio"] * (1 + NOISE)
+                   and a["time_ratio"]["median"] <= h["time_ratio"]["median"] * (1 + NOISE)]
+            if dom:
+                beaten.append(h["name"])
+        tgt.append(f"- dominates every hand-placed point of remat_auto's run (peak and median time ratio within "
+                   f"{NOISE:.0%}; each point against its own run's plain): "
+                   f"**{'met' if len(beaten) == len(hs) else 'missed'}** ({len(beaten)} of {len(hs)} dominated"
+                   + (f"; not: {', '.join(h['name'] for h in hs if h['name'] not in beaten)}" if len(beaten) < len(hs)
+                      else "") + ")")
+    return "\n".join(rows) + "\n\n" + " ".join(text) + "\n\nTargets:\n\n" + "\n".join(tgt) + "\n"
+
+
 SHAPES = {"chain": "a chain of blocks", "paired": "a chain of blocks, each sharing its input with the one before",
           "nested": "blocks with attention and MLP units inside",
           "twice": "a chain of blocks run for two micro-batches, one after the other (every unit called twice)",
@@ -573,6 +645,11 @@ def fragments(quick=False):
     if resnet:
         frags["auto-frontier-resnet"] = frontier(resnet)
         frags["auto-targets-resnet"] = targets(resnet)
+    q = "-quick" if quick else ""
+    for name, frag, hand in (("auto-levers", "auto-levers", recs), ("auto-resnet-levers", "auto-levers-resnet", resnet)):
+        lv = _lines(os.path.join(RESULTS, f"{name}{q}.json"))
+        if lv:
+            frags[frag] = levers(lv, hand)
     solves = _lines(os.path.join(RESULTS, "step_solve.json"))
     if solves and not quick:
         frags["auto-solver"] = solver(solves)

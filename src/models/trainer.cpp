@@ -316,6 +316,12 @@ void check_config(const TrainConfig& config) {
     throw Error("[remat::train] --clip-norm must be >= 0 (0 disables clipping), got " + std::to_string(c.clip_norm) +
                 ".");
   }
+  if (c.plan_loss_chunks && (c.checkpoint != Strategy::kAuto || c.model != "gpt")) {
+    throw Error(
+        "[remat::train] --loss-chunks auto lets the auto planner choose the GPT's loss chunks; it needs "
+        "--model gpt and --checkpoint auto (got --model " +
+        c.model + ", --checkpoint " + std::string(to_string(c.checkpoint)) + "). Give a number of chunks instead.");
+  }
   if (!c.optimizer_state.empty() && c.optimizer_state != "disk" && c.optimizer_state != "host" &&
       c.optimizer_state != "bf16") {
     throw Error("[remat::train] --optimizer-state '" + c.optimizer_state + "' is not one of disk, host, bf16.");
@@ -770,6 +776,7 @@ Trainer::Trainer(TrainConfig config, std::ostream* log) : impl_(std::make_unique
       ao.optimizers({m.optimizer.get()});
       if (auto store = state_store_options(c)) ao.optimizer_state_store(*store);
     }
+    if (c.plan_loss_chunks) ao.chunk_counts(default_chunk_counts());
     m.auto_ck.emplace(auto_checkpoint(*m.module, ao));
   }
   if (c.bf16) {
@@ -1601,7 +1608,8 @@ std::string Trainer::summary() const {
     os << " (budget " << format_bytes(c.memory_budget_bytes) << " above the step's start)";
   if (c.checkpoint == Strategy::kOffload) os << " (files in " << c.offload_dir << ")";
   if (m.gpt && c.sdpa) os << "; sdpa attention";
-  if (m.gpt && c.loss_chunks > 0) os << "; head + loss in " << c.loss_chunks << " chunks";
+  if (m.gpt && c.plan_loss_chunks) os << "; head + loss chunks chosen by the auto plan";
+  if (m.gpt && !c.plan_loss_chunks && c.loss_chunks > 0) os << "; head + loss in " << c.loss_chunks << " chunks";
   if (m.gpt && c.mlp_chunks > 0) os << "; MLP in " << c.mlp_chunks << " chunks";
   if (c.bf16) os << "; bf16 autocast";
   if (c.optimizer_in_backward) {

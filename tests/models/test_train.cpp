@@ -734,6 +734,27 @@ TEST(TrainCli, OptimizerInBackwardFlags) {
   EXPECT_EQ(offload_files(), 0u);
 }
 
+TEST(TrainCli, LossChunksChosenByTheAutoPlan) {
+  auto [code, out] = run_cli(
+      "--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 3 --threads 1 --checkpoint auto --memory-budget 4MiB "
+      "--loss-chunks auto");
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("; head + loss chunks chosen by the auto plan"), std::string::npos) << out;
+  EXPECT_NE(out.find("chunked_cross_entropy"), std::string::npos) << "the head is a unit of the plan:\n" << out;
+  EXPECT_NE(out.find("step 3/3  loss "), std::string::npos) << out;
+  std::tie(code, out) = run_cli("--steps 1 --checkpoint block --loss-chunks auto");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --loss-chunks auto lets the auto planner choose the GPT's loss chunks; "
+            "it needs --model gpt and --checkpoint auto (got --model gpt, --checkpoint block). Give a number of "
+            "chunks instead.\n");
+  std::tie(code, out) = run_cli("--steps 1 --loss-chunks eight");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --loss-chunks 'eight' is neither a number of chunks nor auto. Pass "
+            "e.g. 8, 0 (off) or auto.\n");
+}
+
 TEST(TrainCli, MissingDataFileExits2) {
   auto [code, out] = run_cli("--data /nonexistent/text.txt");
   EXPECT_EQ(code, 2);

@@ -399,7 +399,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "remat-train, remat " REMAT_VERSION "\nLibTorch " TORCH_VERSION,
                        "print remat's version and LibTorch's, then exit");
   remat::models::TrainConfig cfg;
-  std::string checkpoint = "none", budget, seq_cap, batch_cap;
+  std::string checkpoint = "none", budget, seq_cap, batch_cap, loss_chunks = "0";
   int64_t fit_step = 1;
   app.add_option("--model", cfg.model, "gpt (character level on --data) or resnet (synthetic images)")
       ->check(CLI::IsMember({"gpt", "resnet"}))
@@ -414,8 +414,9 @@ int main(int argc, char** argv) {
   app.add_option("--lr", cfg.lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--dropout", cfg.dropout, "GPT dropout probability")->capture_default_str();
   app.add_flag("--sdpa", cfg.sdpa, "GPT attention through scaled_dot_product_attention (no T x T scores kept)");
-  app.add_option("--loss-chunks", cfg.loss_chunks,
-                 "GPT: head and cross-entropy over N slices of the tokens, never the whole logits (0: off)")
+  app.add_option("--loss-chunks", loss_chunks,
+                 "GPT: head and cross-entropy over N slices of the tokens, never the whole logits (0: off; auto: "
+                 "with --checkpoint auto, the plan chooses)")
       ->capture_default_str();
   app.add_option("--mlp-chunks", cfg.mlp_chunks, "GPT: each MLP over N checkpointed slices of the sequence (0: off)")
       ->capture_default_str();
@@ -518,6 +519,20 @@ int main(int argc, char** argv) {
   }
   try {
     cfg.checkpoint = remat::models::parse_strategy(checkpoint);
+    if (loss_chunks == "auto") {
+      cfg.plan_loss_chunks = true;
+    } else {
+      size_t used = 0;
+      try {
+        cfg.loss_chunks = std::stoll(loss_chunks, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != loss_chunks.size()) {
+        throw remat::Error("[remat::train] --loss-chunks '" + loss_chunks +
+                           "' is neither a number of chunks nor auto. Pass e.g. 8, 0 (off) or auto.");
+      }
+    }
     cfg.token_cache_dir = token_cache == "none" ? "" : token_cache;
     // Flags that only one strategy reads: refused under the others rather than ignored.
     const auto used_by = [&](const char* flag, const char* strategy, const char* what) -> std::string {

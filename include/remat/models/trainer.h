@@ -92,6 +92,10 @@ struct TrainConfig {
   /** GPT: > 0 computes the head and loss in this many slices of the tokens
    *  (GptConfig::loss_chunks, remat::chunked_cross_entropy). Default 0. */
   int64_t loss_chunks = 0;
+  /** GPT with Strategy::kAuto: the planner chooses the head and loss's
+   *  chunk count (remat::AutoOptions::chunk_counts, remat::default_chunk_counts;
+   *  loss_chunks is then the count as called). --loss-chunks auto. Default false. */
+  bool plan_loss_chunks = false;
   /** GPT: > 0 runs each MLP over this many checkpointed slices of the
    *  sequence (GptConfig::mlp_chunks, remat::chunked). Default 0. */
   int64_t mlp_chunks = 0;
