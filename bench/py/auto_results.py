@@ -9,7 +9,9 @@ remat::StepInBackward and PyTorch's post-accumulate-grad hooks, beside their cou
 backward, all of one run; the targets and the chart's frontier leave them out: they change what lives between
 steps; from auto.json and auto-py.json (auto-resnet.json) when they hold such strategies, else from a run kept
 apart in auto-ib.json and auto-py-ib.json (auto-resnet-ib.json), one that is not to replace the others' figures),
-`auto-targets` (the targets, met or missed, computed from those tables), `auto-compile` (auto's points
+`auto-levers` and `auto-levers-resnet` (auto with every lever, auto-levers.json and auto-resnet-levers.json from
+bench/auto/remat_auto_levers, with its targets), `auto-targets` (the targets, met or missed, computed from those
+tables), `auto-compile` (auto's points
 against torch.compile's at each budget fraction), `auto-frontier-resnet` and `auto-targets-resnet` (the same
 for the ResNet, remat only) and `auto-solver` (solve time against the number of units).
 --quick reads the -quick files.
@@ -413,15 +415,20 @@ def levers(recs, hand=None):
     tgt.append(f"- measured peak <= budget (+1%) on every point: **{'met' if not over else 'missed'}**"
                + (f" ({', '.join(r['name'] for r in over)} over)" if over else ""))
     if hand:
-        hs = [r for r in hand if r["kind"] == "strategy" and not r["name"].startswith("auto")]
+        hs = []
+        for lib, recs_ in hand:
+            for r in recs_ or []:
+                if r["kind"] == "strategy" and not r["name"].startswith("auto") and r["name"] != "plain":
+                    hs.append(dict(r, name=f"{lib} {r['name']}"))
         beaten = []
         for h in hs:
             dom = [a for a in autos if a["peak_ratio"] <= h["peak_ratio"] * (1 + NOISE)
                    and a["time_ratio"]["median"] <= h["time_ratio"]["median"] * (1 + NOISE)]
             if dom:
                 beaten.append(h["name"])
-        tgt.append(f"- dominates every hand-placed point of remat_auto's run (peak and median time ratio within "
-                   f"{NOISE:.0%}; each point against its own run's plain): "
+        tgt.append(f"- dominates every hand-placed point of both libraries (remat_auto's and auto_py.py's runs, "
+                   f"with and without the step in backward; peak and median time ratio within {NOISE:.0%}, each "
+                   f"point against its own run's plain, so the times compare across runs): "
                    f"**{'met' if len(beaten) == len(hs) else 'missed'}** ({len(beaten)} of {len(hs)} dominated"
                    + (f"; not: {', '.join(h['name'] for h in hs if h['name'] not in beaten)}" if len(beaten) < len(hs)
                       else "") + ")")
@@ -646,9 +653,12 @@ def fragments(quick=False):
         frags["auto-frontier-resnet"] = frontier(resnet)
         frags["auto-targets-resnet"] = targets(resnet)
     q = "-quick" if quick else ""
-    for name, frag, hand in (("auto-levers", "auto-levers", recs), ("auto-resnet-levers", "auto-levers-resnet", resnet)):
+    for name, frag, runs in (("auto-levers", "auto-levers", ("auto", "auto-ib", "auto-py", "auto-py-ib")),
+                             ("auto-resnet-levers", "auto-levers-resnet", ("auto-resnet", "auto-resnet-ib"))):
         lv = _lines(os.path.join(RESULTS, f"{name}{q}.json"))
         if lv:
+            hand = [("PyTorch" if "-py" in run else "remat", _lines(os.path.join(RESULTS, f"{run}{q}.json")))
+                    for run in runs]
             frags[frag] = levers(lv, hand)
     solves = _lines(os.path.join(RESULTS, "step_solve.json"))
     if solves and not quick:

@@ -11,9 +11,9 @@ alloc.json `alloc`, ddp_scaling.json and ddp_scaling-small.json
 for longctx.json with longctx-py.json: `longctx`; long_context_fits.fragments
 for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
 gpu-h200.json: `gpu-blocks`, `gpu-longctx`; auto_results.fragments for
-auto.json, auto-resnet.json, auto-py.json and step_solve.json: `auto-frontier`, `auto-targets`,
-`auto-compile`, `auto-in-backward`, `auto-frontier-resnet`, `auto-targets-resnet`, `auto-in-backward-resnet`,
-`auto-solver`; optim_state.fragments for optim-state.json: `optim-state-accuracy`; shard_results.fragments for
+auto.json, auto-resnet.json, auto-py.json, auto-levers.json, auto-resnet-levers.json and step_solve.json:
+`auto-frontier`, `auto-targets`, `auto-compile`, `auto-in-backward`, `auto-frontier-resnet`, `auto-targets-resnet`,
+`auto-in-backward-resnet`, `auto-levers`, `auto-levers-resnet`, `auto-solver`; optim_state.fragments for optim-state.json: `optim-state-accuracy`; shard_results.fragments for
 shard.json: `shard-reference`; pipeline_results.fragments for pipeline.json: `pipeline-reference`;
 headline.fragments: `readme-headline` from all of them. In the docs a fragment stands between
     <!-- generated: NAME -->
