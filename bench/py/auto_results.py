@@ -414,6 +414,12 @@ def levers(recs, hand=None):
                            f"{best['peak_ratio']:.3f}x peak, {_ratio(best)} time)")
     tgt.append(f"- measured peak <= budget (+1%) on every point: **{'met' if not over else 'missed'}**"
                + (f" ({', '.join(r['name'] for r in over)} over)" if over else ""))
+    off = [r for r in autos if abs(r["predicted_peak"] - r["peak"]) > 0.03 * r["peak"]]
+    tgt.append(f"- predicted peak within 3% of the measured one on every point: "
+               f"**{'met' if not off else 'missed'}**"
+               + (" (" + ", ".join(f"{r['name']}: predicted {_mib(r['predicted_peak'])}, measured {_mib(r['peak'])}"
+                                   for r in off) + "; a prediction above the measured peak is the plan's bound on "
+                  "what the stores hold in flight, which the step did not reach)" if off else ""))
     if hand:
         hs = []
         for lib, recs_ in hand:
