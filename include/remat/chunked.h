@@ -147,9 +147,10 @@ struct ChunkedCrossEntropyOptions {
  *  reassociation. Under the whole-step planner (AutoOptions::chunk_counts)
  *  each call is a unit whose options are chunk counts, and it may run with
  *  another count than options.chunks(). Throws remat::Error for chunks < 0,
- *  label_smoothing
- *  outside [0, 1], shapes that do not match (naming them), or integer
- *  targets out of range. */
+ *  label_smoothing outside [0, 1], shapes that do not match (naming them),
+ *  or, when chunked (chunks >= 1), integer targets out of range (the
+ *  unchunked form leaves that check to LibTorch's cross_entropy, whose
+ *  c10::Error names the target). */
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  const ChunkedCrossEntropyOptions& options, const at::Tensor& bias = {});
 

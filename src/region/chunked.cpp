@@ -225,8 +225,20 @@ struct ChunkedCe : torch::autograd::Function<ChunkedCe> {
  *  (0: the plain form through autograd). */
 at::Tensor run_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                              const ChunkedCrossEntropyOptions& options, const at::Tensor& bias, int64_t chunks) {
-  const int64_t N = targets.numel();
+  const int64_t N = targets.numel(), V = weight.size(0);
   auto t1 = targets.reshape({N}).to(at::kLong);
+  if (chunks > 0) {  // the unchunked form leaves the check to LibTorch's cross_entropy (no synchronization added)
+    auto valid = t1.ne(options.ignore_index());
+    if (valid.any().item<bool>()) {
+      auto ids = t1.masked_select(valid);
+      const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+      if (lo < 0 || hi >= V) {
+        throw Error("[remat::chunked_cross_entropy] target " + str(lo < 0 ? lo : hi) + " is out of range for " +
+                    str(V) + " classes (ignore_index " + str(options.ignore_index()) +
+                    "). Pass ids in [0, vocab) or the ignore_index.");
+      }
+    }
+  }
   if (chunks == 0) {
     // As a model computes it: the logits at hidden's shape, then flattened in float32.
     auto logits = at::linear(hidden, weight, bias);
@@ -274,20 +286,7 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
     throw Error("[remat::chunked_cross_entropy] targets are " + std::string(c10::toString(targets.scalar_type())) +
                 "; class probabilities are not supported. Pass class ids (int64, e.g. targets.to(torch::kLong)).");
   }
-  const int64_t N = targets.numel(), V = weight.size(0);
-  auto t1 = targets.reshape({N}).to(at::kLong);
-  {
-    auto valid = t1.ne(options.ignore_index());
-    if (valid.any().item<bool>()) {
-      auto ids = t1.masked_select(valid);
-      const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
-      if (lo < 0 || hi >= V) {
-        throw Error("[remat::chunked_cross_entropy] target " + str(lo < 0 ? lo : hi) + " is out of range for " +
-                    str(V) + " classes (ignore_index " + str(options.ignore_index()) +
-                    "). Pass ids in [0, vocab) or the ignore_index.");
-      }
-    }
-  }
+  const int64_t N = targets.numel();
   int64_t chunks = options.chunks();
   std::unique_ptr<detail::UnitObserver::Call> call;
   if (detail::ChunkObserver* obs = detail::chunk_observer();
