@@ -99,23 +99,12 @@
 #include <remat/plan/step.h>
 
 #include "bench.h"
+#include "workload.h"
 
 namespace {
 
-using remat::models::Gpt;
 using remat::models::GptBlockImpl;
-using remat::models::GptConfig;
-
-struct Size {
-  int64_t d_model, heads, blocks, seq_len, batch, vocab;
-};
-constexpr Size kReference{512, 8, 8, 512, 4, 8192};  // the CPU reference GPT
-constexpr Size kQuick{64, 4, 4, 64, 4, 512};         // a toy size for smoke runs
-struct ImageSize {
-  int64_t depth, width, image, batch, classes;
-};
-constexpr ImageSize kResNet{18, 32, 32, 100, 10};
-constexpr ImageSize kResNetQuick{10, 8, 16, 8, 10};
+using namespace bench::auto_step;
 
 struct Record {
   std::string name, label;
@@ -138,69 +127,22 @@ struct Record {
 
 int main(int argc, char** argv) {
   using namespace bench;
-  const bool quick = flag(argc, argv, "--quick");
-  const std::string model_name = arg(argc, argv, "--model", "gpt");
-  if (model_name != "gpt" && model_name != "resnet") {
-    std::fprintf(stderr, "remat_auto: --model must be gpt or resnet, got '%s'\n", model_name.c_str());
-    return 2;
-  }
-  const bool gpt_model = model_name == "gpt";
-  const Size size = quick ? kQuick : kReference;
-  const ImageSize isize = quick ? kResNetQuick : kResNet;
-  const int rounds = static_cast<int>(int_arg(argc, argv, "--rounds", quick ? "2" : "3"));
-  const int nbudgets = static_cast<int>(int_arg(argc, argv, "--budgets", "8"));
-  const std::string stem = gpt_model ? "bench/results/auto" : "bench/results/auto-resnet";
-  const std::string out_path = arg(argc, argv, "--out", stem + (quick ? "-quick.json" : ".json"));
-  torch::set_num_threads(static_cast<int>(int_arg(argc, argv, "--threads", "1")));
+  const Settings st = settings(argc, argv, "remat_auto", "bench/results/auto", "bench/results/auto-resnet");
+  const bool quick = st.quick, gpt_model = st.gpt_model;
+  const std::string model_name = gpt_model ? "gpt" : "resnet";
+  const Size size = st.size;
+  const ImageSize isize = st.isize;
+  const int rounds = st.rounds, nbudgets = st.budgets;
+  const std::string& out_path = st.out_path;
   const ScratchDir scratch(argc, argv, "remat_auto");
-  const std::string& offload_dir = scratch.path();
-  const auto store = remat::OffloadOptions(remat::OffloadTarget::kDisk)
-                         .directory(offload_dir)
-                         .max_inflight_bytes(int_arg(argc, argv, "--offload-inflight-kib", "16384") << 10);
+  const auto store = disk_store(argc, argv, scratch.path());
   remat::memory::enable_tracking();
-  torch::manual_seed(0);
-
-  std::shared_ptr<torch::nn::Module> net;
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  std::function<void()> step;
-  remat::Selector blocks = remat::select::all();
-  auto data_gen = at::detail::createCPUGenerator(7);
-  if (gpt_model) {
-    GptConfig c;
-    c.vocab = size.vocab;
-    c.seq_len = size.seq_len;
-    c.d_model = size.d_model;
-    c.heads = size.heads;
-    c.layers = size.blocks;
-    Gpt gpt(c);
-    net = gpt.ptr();
-    opt = std::make_unique<torch::optim::AdamW>(gpt->parameters(), torch::optim::AdamWOptions(1e-3));
-    blocks = remat::select::type<GptBlockImpl>();
-    step = [&, gpt]() mutable {
-      auto idx = torch::randint(size.vocab, {size.batch, size.seq_len + 1}, data_gen, torch::kLong);
-      auto x = idx.slice(1, 0, size.seq_len), y = idx.slice(1, 1, size.seq_len + 1);
-      opt->zero_grad(false);
-      auto loss = gpt->loss(gpt->blocks->forward(gpt->embed(x)), y);
-      loss.backward();
-      opt->step();
-    };
-  } else {
-    remat::models::ResNetConfig c;
-    c.depth = isize.depth;
-    c.width = isize.width;
-    c.classes = isize.classes;
-    remat::models::ResNet resnet(c);
-    net = resnet.ptr();
-    opt = std::make_unique<torch::optim::SGD>(resnet->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-    blocks = remat::select::type<remat::models::ResBlockImpl>();
-    step = [&, resnet]() mutable {
-      auto x = torch::randn({isize.batch, 3, isize.image, isize.image}, data_gen);
-      auto y = torch::randint(isize.classes, {isize.batch}, data_gen, torch::kLong);
-      opt->zero_grad(false);
-      torch::nn::functional::cross_entropy(resnet->forward(x), y).backward();
-      opt->step();
-    };
-  }
+  Net workload = make_net(gpt_model, size, isize, 7);
+  std::shared_ptr<torch::nn::Module> net = workload.module;
+  std::unique_ptr<torch::optim::Optimizer> opt = std::move(workload.opt);
+  const std::function<void()> step = workload.step;
+  const remat::Selector blocks =
+      gpt_model ? remat::select::type<GptBlockImpl>() : remat::select::type<remat::models::ResBlockImpl>();
 
   // One profile; every auto budget is a replan() of it.
   const auto p0 = Clock::now();
@@ -438,14 +380,7 @@ int main(int argc, char** argv) {
   const Record& plain = recs[0];
   std::ofstream out(out_path);
   out << "{\"kind\": \"meta\", \"meta\": " << metadata(argc, argv) << ", \"model\": " << quoted(model_name);
-  if (gpt_model) {
-    out << ", \"size\": {\"d_model\": " << size.d_model << ", \"heads\": " << size.heads
-        << ", \"blocks\": " << size.blocks << ", \"seq_len\": " << size.seq_len << ", \"batch\": " << size.batch
-        << ", \"vocab\": " << size.vocab << "}";
-  } else {
-    out << ", \"size\": {\"depth\": " << isize.depth << ", \"width\": " << isize.width << ", \"image\": " << isize.image
-        << ", \"batch\": " << isize.batch << ", \"classes\": " << isize.classes << "}";
-  }
+  write_size(out, gpt_model, size, isize);
   out << ", \"rounds\": " << rounds << ", \"quick\": " << (quick ? "true" : "false")
       << ", \"load_1min\": " << json_list(load, 2)
       << ", \"offload\": {\"target\": \"kDisk\", \"max_inflight_bytes\": " << store.max_inflight_bytes() << "}"
