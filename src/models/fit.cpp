@@ -385,7 +385,7 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
   const bool by_measurement = config.checkpoint == Strategy::kOffload;  // the "prediction" is a measurement
   auto peaks = [&](int64_t v, int64_t predicted, int64_t measured, int64_t parameters) {
     os << "  " << what << " " << v << ": ";
-    if (width) os << count(parameters) << " parameters, whole-step ";
+    if (width) os << parameters << " parameters (" << count(parameters) << "), whole-step ";
     if (by_measurement) os << "measured peak " << format_bytes(measured >= 0 ? measured : predicted);
     else os << "predicted peak " << format_bytes(predicted);
     if (measured >= 0 && !by_measurement) os << ", measured " << format_bytes(measured);

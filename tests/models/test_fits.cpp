@@ -442,7 +442,7 @@ TEST(FitsDModel, MaxDModelFitsTheWholeStepPerStrategy) {
               std::string::npos)
         << fit;
     EXPECT_NE(fit.find("the cap is on the whole step: every tracked byte at its peak"), std::string::npos) << fit;
-    EXPECT_NE(fit.find(" parameters, whole-step predicted peak "), std::string::npos) << fit;
+    EXPECT_NE(fit.find("), whole-step predicted peak "), std::string::npos) << fit;
     EXPECT_NE(log.str().find("  measure --d-model "), std::string::npos) << log.str();
   }
 }
@@ -576,5 +576,5 @@ TEST(FitsDModel, CliErrorsAndAnswer) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("max d_model under 8.00 MiB with checkpoint none: "), std::string::npos) << out;
   EXPECT_NE(out.find("widths in steps of 64"), std::string::npos) << out;
-  EXPECT_NE(out.find(" parameters, whole-step predicted peak "), std::string::npos) << out;
+  EXPECT_NE(out.find("), whole-step predicted peak "), std::string::npos) << out;
 }
