@@ -82,7 +82,9 @@ def run(a, key, label, flags, offload_dir):
            "measured_bytes": r["at"][3], "start_bytes": r["start"], "predicted_d_model": r["predicted_value"],
            "next_d_model": r["next"][0], "next_parameters": r["next"][1], "next_predicted_bytes": r["next"][2],
            "next_measured_bytes": r["next"][3], "fit_max": limit, "at_limit": r["at_limit"],
-           "predictions": r["predictions"], "measurements": r["measurements"], "seconds": round(time.time() - t0)}
+           "predictions": r["predictions"], "measurements": r["measurements"], "seconds": round(time.time() - t0),
+           # remat-train's own lines: each prediction and measured step, then the answer
+           "log": [ln for ln in p.stdout.splitlines() if re.match(r"^(  predict |  measure |max d_model|  d_model )", ln)]}
     print(f"  {label:22s} d_model {row['max_d_model']:5d} ({row['parameters'] / 1e6:.2f}M parameters"
           f"{', the search limit' if row['at_limit'] else ''}): predicted {size(row['predicted_bytes'])}, "
           f"measured {size(row['measured_bytes'])}; next {row['next_d_model']}: "
