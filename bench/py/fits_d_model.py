@@ -48,16 +48,17 @@ def parse(out):
     if not m:
         raise SystemExit(f"no answer in remat-train's output:\n{out[-3000:]}")
     rows = re.findall(r"^  d_model (\d+): (\d+) parameters \([^)]*\), whole-step predicted peak ([\d.]+ \w+)"
-                      r"(?:, measured ([\d.]+ \w+))?", out, re.M)
+                      r"(?:, measured ([\d.]+ \w+))?(, no auto plan fits it)?", out, re.M)
     r = {"value": int(m.group(1)), "at_limit": "the largest tried" in m.group(2),
          "predictions": len(re.findall(r"^  predict ", out, re.M)),
          "measurements": len(re.findall(r"^  measure ", out, re.M))}
     moved = re.search(r"\(predicted (\d+), stepped (down|up) by measurement\)", m.group(2))
     r["predicted_value"] = int(moved.group(1)) if moved else r["value"]
-    for key, (v, params, pred, meas) in zip(["at", "next"], rows):
+    for key, (v, params, pred, meas, no_plan) in zip(["at", "next"], rows):
         r[key] = (int(v), int(params), to_bytes(pred), to_bytes(meas) if meas else -1)
+        r[key + "_no_plan"] = bool(no_plan)  # auto: no plan meets the cap there, nothing measured
     if "next" not in r:
-        r["next"] = (0, 0, 0, -1)
+        r["next"], r["next_no_plan"] = (0, 0, 0, -1), False
     start = re.search(r"at d_model \d+, ([\d.]+ \w+) live at the step's start", out)
     r["start"] = to_bytes(start.group(1)) if start else -1
     return r
@@ -81,14 +82,15 @@ def run(a, key, label, flags, offload_dir):
            "max_d_model": r["value"], "parameters": r["at"][1], "predicted_bytes": r["at"][2],
            "measured_bytes": r["at"][3], "start_bytes": r["start"], "predicted_d_model": r["predicted_value"],
            "next_d_model": r["next"][0], "next_parameters": r["next"][1], "next_predicted_bytes": r["next"][2],
-           "next_measured_bytes": r["next"][3], "fit_max": limit, "at_limit": r["at_limit"],
+           "next_measured_bytes": r["next"][3], "next_no_plan": r["next_no_plan"], "fit_max": limit, "at_limit": r["at_limit"],
            "predictions": r["predictions"], "measurements": r["measurements"], "seconds": round(time.time() - t0),
            # remat-train's own lines: each prediction and measured step, then the answer
            "log": [ln for ln in p.stdout.splitlines() if re.match(r"^(  predict |  measure |max d_model|  d_model )", ln)]}
     print(f"  {label:22s} d_model {row['max_d_model']:5d} ({row['parameters'] / 1e6:.2f}M parameters"
           f"{', the search limit' if row['at_limit'] else ''}): predicted {size(row['predicted_bytes'])}, "
           f"measured {size(row['measured_bytes'])}; next {row['next_d_model']}: "
-          f"{size(row['next_predicted_bytes'])} / {size(row['next_measured_bytes'])}  ({row['predictions']} "
+          f"{size(row['next_predicted_bytes'])} / "
+          f"{'no plan fits' if row['next_no_plan'] else size(row['next_measured_bytes'])}  ({row['predictions']} "
           f"predictions, {row['measurements']} measured, {row['seconds']} s)", flush=True)
     return row
 
@@ -100,8 +102,12 @@ def table(rows):
     for r in rows:
         at_least = ">= " if r["at_limit"] else ""
         vs = f"{at_least}{r['parameters'] / base:.2f}x" if base else "-"
-        nxt = (f"{r['next_d_model']}: {r['next_parameters'] / 1e6:.2f}M, {size(r['next_predicted_bytes'])} / "
-               f"{size(r['next_measured_bytes'])}" if r["next_d_model"] else "- (the search's limit)")
+        if not r["next_d_model"]:
+            nxt = "- (the search's limit)"
+        else:
+            meas = ("no plan fits, not run" if r.get("next_no_plan") or r["next_measured_bytes"] < 0
+                    else size(r["next_measured_bytes"]))
+            nxt = f"{r['next_d_model']}: {r['next_parameters'] / 1e6:.2f}M, {size(r['next_predicted_bytes'])} / {meas}"
         lines.append(f"| {r['strategy']} | {at_least}{r['max_d_model']} | {at_least}{r['parameters'] / 1e6:.2f}M | "
                      f"{vs} | {size(r['predicted_bytes'])} / {size(r['measured_bytes'])} | {nxt} |")
     return "\n".join(lines)

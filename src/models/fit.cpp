@@ -20,6 +20,7 @@
 #include <map>
 #include <numeric>
 #include <ostream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -268,6 +269,7 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
   auto capped = [&](const StepPrediction& p) { return width ? p.whole_peak_bytes : p.peak_bytes; };
   std::map<int64_t, StepPrediction> predicted;
   std::map<int64_t, int64_t> measured, measured_start;
+  std::set<int64_t> no_plan;  // kAuto: values where no plan meets the cap (nothing measured)
   // kOffload's "prediction" is a measured step (predict_step): the search
   // then measures, and verification reuses those steps.
   const bool by_measurement = config.checkpoint == Strategy::kOffload;
@@ -291,6 +293,7 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
       // No auto plan meets the cap here (a run would refuse it): over, by the leanest plan's peak.
       if (log) *log << "  measure " << what << " " << v << ": no auto plan fits (leanest predicted) " << std::endl;
       measured.emplace(v, capped(p));
+      no_plan.insert(v);
       return capped(p);
     }
     Trainer t(config_at(v, p.auto_budget_bytes));
@@ -365,6 +368,7 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
   }
   r.at_max_value = r.value + step > max_value;
   if (r.at_max_value) r.next_value = 0;
+  r.next_no_plan = r.next_value > 0 && no_plan.count(r.next_value) > 0;
   const StepPrediction& at = predict(r.value);
   r.predicted_peak_bytes = capped(at);
   r.auto_budget_bytes = at.auto_budget_bytes;
@@ -383,12 +387,13 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
   const char* what = seq ? "seq_len" : width ? "d_model" : "batch";
   std::ostringstream os;
   const bool by_measurement = config.checkpoint == Strategy::kOffload;  // the "prediction" is a measurement
-  auto peaks = [&](int64_t v, int64_t predicted, int64_t measured, int64_t parameters) {
+  auto peaks = [&](int64_t v, int64_t predicted, int64_t measured, int64_t parameters, bool no_plan = false) {
     os << "  " << what << " " << v << ": ";
     if (width) os << parameters << " parameters (" << count(parameters) << "), whole-step ";
     if (by_measurement) os << "measured peak " << format_bytes(measured >= 0 ? measured : predicted);
     else os << "predicted peak " << format_bytes(predicted);
-    if (measured >= 0 && !by_measurement) os << ", measured " << format_bytes(measured);
+    if (no_plan) os << ", no auto plan fits it (a run would refuse it; not measured)";
+    else if (measured >= 0 && !by_measurement) os << ", measured " << format_bytes(measured);
     os << ((measured >= 0 ? measured : predicted) <= r.cap_bytes ? " (fits)" : " (over)") << "\n";
   };
   os << "max " << what << " under " << format_bytes(r.cap_bytes) << " with checkpoint " << to_string(config.checkpoint)
@@ -399,7 +404,8 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
   if (r.value > r.predicted_value) os << " (predicted " << r.predicted_value << ", stepped up by measurement)";
   os << "\n";
   peaks(r.value, r.predicted_peak_bytes, r.measured_peak_bytes, r.parameters);
-  if (r.next_value > 0) peaks(r.next_value, r.next_predicted_peak_bytes, r.next_measured_peak_bytes, r.next_parameters);
+  if (r.next_value > 0)
+    peaks(r.next_value, r.next_predicted_peak_bytes, r.next_measured_peak_bytes, r.next_parameters, r.next_no_plan);
   if (width) {
     if (config.checkpoint == Strategy::kAuto)
       os << "  auto's budget (the whole step, all tracked memory): " << format_bytes(r.auto_budget_bytes) << "\n";

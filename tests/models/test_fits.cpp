@@ -444,6 +444,10 @@ TEST(FitsDModel, MaxDModelFitsTheWholeStepPerStrategy) {
     EXPECT_NE(fit.find("the cap is on the whole step: every tracked byte at its peak"), std::string::npos) << fit;
     EXPECT_NE(fit.find("), whole-step predicted peak "), std::string::npos) << fit;
     EXPECT_NE(log.str().find("  measure --d-model "), std::string::npos) << log.str();
+    // auto: a width no plan fits is not run, and the answer says so.
+    EXPECT_EQ(fit.find(", no auto plan fits it (a run would refuse it; not measured)") != std::string::npos,
+              r.next_no_plan);
+    if (s != Strategy::kAuto) EXPECT_FALSE(r.next_no_plan);
   }
 }
 

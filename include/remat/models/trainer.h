@@ -284,6 +284,10 @@ struct FitResult {
   int64_t next_predicted_peak_bytes = 0;
   /** Measured peak at next_value, bytes; -1 when not verified. */
   int64_t next_measured_peak_bytes = -1;
+  /** Strategy::kAuto: no plan meets the cap at next_value (a run there would
+   *  refuse it), so no step was measured there: next_measured_peak_bytes is
+   *  the leanest plan's predicted peak. */
+  bool next_no_plan = false;
   /** True when value is max_value (the data or the limit, not the cap, stopped the search). */
   bool at_max_value = false;
   /** Strategy::kAuto: the budget at value, above the step's start (the cap);
