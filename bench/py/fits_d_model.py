@@ -139,6 +139,12 @@ def fragments(res):
             "predicted, then verified by measured steps at it and at the next width"
             + (f"; {limits} (to bound the run's time: \">=\" marks an answer the limit, not the cap, stopped)"
                if limits else "") + ".")
+    early = m.get("earlier_run")
+    if early and early["rows"]:
+        names = ", ".join(r["strategy"] for r in rows if r["key"] in early["rows"])
+        em = early["metadata"]
+        head += (f" The {names} rows come from an earlier run of the same settings (commit "
+                 f"{em.get('git_commit', '?')[:7]}, {em.get('date_utc', '?')[:10]}).")
     return {"fits-d-model": "\n\n".join(p for p in [head, table(rows), verdict(rows)] if p)}
 
 
@@ -192,7 +198,12 @@ def run_all(a, work):
     offload_dir = tempfile.mkdtemp(prefix="remat_fits_d_model_state_", dir=work)
     print(f"GPT {a.layers} blocks, {a.heads} heads, T {a.seq_len}, batch {a.batch}, vocabulary {a.vocab_size}; "
           f"cap {a.cap} on the whole step; {a.threads} thread(s)", flush=True)
-    rows = load_json(a.results)["rows"] if a.append and os.path.exists(a.results) else []
+    rows, a.earlier = [], None
+    if a.append and os.path.exists(a.results):
+        old = load_json(a.results)
+        rows = old["rows"]
+        # The rows kept were measured by an earlier run: keep its record, and say which rows this run made.
+        a.earlier = {"metadata": old["metadata"], "rows": [r["key"] for r in rows if r["key"] not in a.strategies.split(",")]}
     for key, label, flags in STRATEGIES:
         if key in a.strategies.split(","):
             rows = [r for r in rows if r["key"] != key]
@@ -207,6 +218,8 @@ def write(a, rows):
                      "vocab_size": a.vocab_size, "cap": a.cap, "step": a.step, "threads": a.threads,
                      "tokenizer": f"sentencepiece bpe {a.vocab_size} trained on scripts/make-corpus.sh's corpus"
                      if not a.tokenizer or "remat_fits_d_model_" in a.tokenizer else a.tokenizer})
+    if a.earlier:
+        meta["earlier_run"] = a.earlier
     write_json(a.results, {"metadata": meta, "rows": rows})
 
 
