@@ -7,7 +7,8 @@ and selective-keep.json `selective-results` and `selective-keep-results`,
 offload.json `offload-strategies` and `offload-codecs`, accuracy.json
 `planner-accuracy`, runtime.json `runtime-placement` and `runtime-dominated`,
 alloc.json `alloc`, ddp_scaling.json and ddp_scaling-small.json
-`ddp-reference` and `ddp-small`, heap.json `heap-faults`, chain-menu.json `chain-menu`; longctx.fragments
+`ddp-reference` and `ddp-small`, heap.json `heap-faults`, chain-menu.json `chain-menu`, fits-d-model.json
+`fits-d-model`; longctx.fragments
 for longctx.json with longctx-py.json: `longctx`; long_context_fits.fragments
 for long_context_fits.json: `long-context-fits`; gpu_results.fragments for
 gpu-h200.json: `gpu-blocks`, `gpu-longctx`; auto_results.fragments for
@@ -50,7 +51,8 @@ DOCS = ["docs/BENCHMARKS.md", "docs/long-context.md", "docs/gpu.md", "docs/auto.
 # result file (bench/results/NAME.json) -> the module whose fragments(result) renders it
 ONE_FILE = [("selective", "selective"), ("selective-keep", "selective"), ("offload", "offload"),
             ("accuracy", "accuracy"), ("runtime", "runtime"), ("alloc", "alloc"), ("ddp_scaling", "ddp_scaling"),
-            ("ddp_scaling-small", "ddp_scaling"), ("heap", "heap"), ("chain-menu", "chain_menu")]
+            ("ddp_scaling-small", "ddp_scaling"), ("heap", "heap"), ("chain-menu", "chain_menu"),
+            ("fits-d-model", "fits_d_model")]
 MARKER = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 

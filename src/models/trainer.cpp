@@ -18,7 +18,6 @@
 #include <iomanip>
 #include <iterator>
 #include <limits>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <ostream>
@@ -28,9 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <condition_variable>
 #include <cstring>
-#include <thread>
 
 #include <remat/auto.h>
 #include <remat/checkpoint.h>
@@ -47,13 +44,18 @@
 #include <remat/profile.h>
 #include <remat/selective.h>
 
+#include "internal.h"
+
 namespace remat::models {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-std::string str(int64_t v) { return std::to_string(v); }
+using detail::Clock;
+using detail::Heartbeat;
+using detail::note;
+using detail::seconds;
+using detail::since_s;
+using detail::str;
 
 /** One entry of a Sequential shaped like a module holder for remat::checkpoint
  *  (forward, parameters, buffers), so the checkpoint restores its buffers
@@ -119,57 +121,6 @@ std::string cannot_write_in(const std::string& dir) {
   ::unlink(probe.c_str());
   return "";
 }
-
-/** One line to log at once, flushed (nothing without a log). */
-void note(std::ostream* log, const std::string& line) {
-  if (log == nullptr) return;
-  *log << line + "\n" << std::flush;
-}
-
-std::string seconds(double s) {
-  char b[32];
-  std::snprintf(b, sizeof b, "%.1f s", s);
-  return b;
-}
-
-double since_s(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-/** While alive, writes "<what>: N s so far" to log every every_s seconds
- *  (from a thread: for a long call that reports nothing itself). */
-class Heartbeat {
- public:
-  Heartbeat(std::ostream* log, std::string what, double every_s = 5.0)
-      : log_(log), what_(std::move(what)), t0_(Clock::now()) {
-    if (log_ == nullptr) return;
-    thread_ = std::thread([this, every_s] {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (!cv_.wait_for(lock, std::chrono::duration<double>(every_s), [this] { return done_; })) {
-        note(log_, what_ + ": " + seconds(since_s(t0_)) + " so far");
-      }
-    });
-  }
-  ~Heartbeat() {
-    if (!thread_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  Heartbeat(const Heartbeat&) = delete;
-  Heartbeat& operator=(const Heartbeat&) = delete;
-  double elapsed_s() const { return since_s(t0_); }
-
- private:
-  std::ostream* log_;
-  std::string what_;
-  Clock::time_point t0_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::thread thread_;
-};
 
 /** FNV-1a 64 of bytes, as 16 hex digits. */
 std::string hash_hex(std::string_view bytes) {
@@ -644,6 +595,20 @@ struct Trainer::Impl {
    *  live at a step's start); a budget no plan meets throws, naming the
    *  smallest peak above the start that a plan reaches. */
   void set_auto_budget(int64_t start_bytes) {
+    if (cfg.memory_budget_whole_step) {
+      // The budget bounds all tracked memory already: the planner's as it is.
+      const int64_t leanest = auto_ck->leanest_peak_bytes();
+      if (leanest > cfg.memory_budget_bytes) {
+        throw Error("[remat::train] the whole-step budget " + format_bytes(cfg.memory_budget_bytes) +
+                    " (all tracked memory at the step's peak) is below what any auto plan reaches: " +
+                    format_bytes(leanest) + " (" + str(leanest) + " bytes), " + format_bytes(start_bytes) +
+                    " of it live at the step's start. Raise the cap, or lower --d-model, --layers, --batch or " +
+                    (gpt ? "--seq-len." : "--image-size."));
+      }
+      auto_ck->replan(cfg.memory_budget_bytes);
+      auto_start_bytes = start_bytes;
+      return;
+    }
     const int64_t leanest = auto_ck->leanest_peak_bytes() - start_bytes;
     if (leanest > cfg.memory_budget_bytes) {
       throw Error("[remat::train] --memory-budget " + format_bytes(cfg.memory_budget_bytes) +
@@ -837,6 +802,9 @@ int64_t Trainer::optimizer_state_bytes() const {
 
 StepStats Trainer::step(memory::Timeline* timeline) {
   auto& m = *impl_;
+  // The whole step's tracked bytes (forward, backward, update, and auto's
+  // own work around them): what --max-d-model-under caps.
+  memory::Probe whole;
   m.module->train();
   m.optimizer->zero_grad(/*set_to_none=*/false);  // gradients stay allocated: the step's peak is activations
   const auto t0 = Clock::now();
@@ -928,7 +896,15 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   }
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
-  return StepStats{++m.steps_done, loss, ms, items / (ms / 1e3), peak_bytes, m.offloaded_bytes, phase};
+  return StepStats{++m.steps_done,
+                   loss,
+                   ms,
+                   items / (ms / 1e3),
+                   peak_bytes,
+                   m.offloaded_bytes,
+                   phase,
+                   whole.baseline_bytes(),
+                   whole.baseline_bytes() + whole.peak_bytes()};
 }
 
 std::vector<StepStats> Trainer::run(std::ostream* log) {
@@ -1086,6 +1062,11 @@ std::string Trainer::describe_auto_budget() const {
       "parameters " + format_bytes(params) + ", their gradients " + format_bytes(grads) + ", " +
       (m.cfg.optimizer == "sgd" ? "no optimizer state (sgd)" : "the optimizer's state " + format_bytes(state));
   if (other > 0) parts += ", the rest " + format_bytes(other) + " (the data, buffers)";
+  if (m.cfg.memory_budget_whole_step) {
+    return "auto: budget " + format_bytes(m.cfg.memory_budget_bytes) +
+           " on the whole step (all tracked memory at its peak), applied to the planner as it is; " +
+           format_bytes(start) + " of it live at the step's start (the state in a store counted as kept): " + parts;
+  }
   return "auto: budget " + format_bytes(m.cfg.memory_budget_bytes) +
          " as asked (--memory-budget: the step's peak above its start), " + format_bytes(m.auto_ck->budget_bytes()) +
          " as applied to the planner (all tracked memory), which adds the " + format_bytes(start) +
@@ -1179,8 +1160,35 @@ plan::Schedule per_block_schedule(int blocks) {
 StepPrediction Trainer::predict_step(int64_t cap_bytes) {
   auto& m = *impl_;
   StepPrediction out;
-  const int64_t copies = m.cfg.optimizer == "sgd" ? 2 : 4;  // parameters, gradients (and AdamW's two moments)
-  for (const auto& p : m.module->parameters()) out.fixed_bytes += copies * static_cast<int64_t>(p.nbytes());
+  const bool adamw = m.cfg.optimizer != "sgd";
+  const int64_t copies = adamw ? 4 : 2;  // parameters, gradients (and AdamW's two moments)
+  int64_t param_bytes = 0, largest_bytes = 0;
+  for (const auto& p : m.module->parameters()) {
+    param_bytes += static_cast<int64_t>(p.nbytes());
+    largest_bytes = std::max(largest_bytes, static_cast<int64_t>(p.nbytes()));
+  }
+  out.fixed_bytes = copies * param_bytes;
+  out.parameters = m.params;
+  // NOTE [whole-step prediction]: what lives at the step's start as the
+  // levers leave it, then what the step adds. In backward an updated
+  // parameter's gradient lives until its update (the largest, the tied
+  // embedding, through the whole backward); a state on disk is in memory
+  // while read ahead (state_prefetch, default 2 parameters), updated and
+  // written back: about 3 parameters' states at once, bounded by the largest.
+  const bool in_backward = m.cfg.optimizer_in_backward;
+  const std::string& where = m.cfg.optimizer_state;
+  const int64_t state_bytes = !adamw ? 0 : where == "disk" ? 0 : where == "bf16" ? param_bytes : 2 * param_bytes;
+  int64_t other_bytes = m.tokens.defined() ? static_cast<int64_t>(m.tokens.nbytes()) : 0;
+  if (m.teacher.defined()) other_bytes += static_cast<int64_t>(m.teacher.nbytes());
+  for (const auto& b : m.module->buffers()) other_bytes += static_cast<int64_t>(b.nbytes());
+  const int64_t start_bytes = param_bytes + (in_backward ? 0 : param_bytes) + state_bytes + other_bytes;
+  const int64_t step_extra_bytes =
+      (in_backward ? largest_bytes : 0) + (adamw && where == "disk" ? 3 * 2 * largest_bytes : 0);
+  auto finish = [&] {
+    out.start_bytes = start_bytes;
+    out.whole_peak_bytes = start_bytes + out.peak_bytes + step_extra_bytes;
+    return out;
+  };
   if (m.cfg.checkpoint == Strategy::kAuto) {
     // The smallest peak any plan of the profiled step reaches, above the
     // profiled step's start; the budget is the cap (or --memory-budget).
@@ -1194,12 +1202,15 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
     prepare();
     m.cfg.memory_budget_bytes = restore.value;
     const int64_t leanest = m.auto_ck->leanest_peak_bytes() - m.auto_start_bytes;
+    out.start_bytes = m.auto_start_bytes;  // measured (the state in a store counted as kept)
     if (cap_bytes > 0) {
       out.peak_bytes = leanest;
+      out.whole_peak_bytes = m.auto_ck->leanest_peak_bytes();  // all tracked memory, as the planner counts it
       m.auto_start_bytes = -1;  // the next step plans for --memory-budget again, not the profile's unbounded one
     } else {
       m.set_auto_budget(m.auto_start_bytes);  // throws when no plan meets --memory-budget
       out.peak_bytes = m.auto_ck->plan().prediction.peak_bytes - m.auto_start_bytes;
+      out.whole_peak_bytes = m.auto_ck->plan().prediction.peak_bytes;
     }
     return out;
   }
@@ -1216,7 +1227,7 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
     // the disk's pace. One measured steady-state step instead.
     prepare();
     out.peak_bytes = step().peak_bytes;
-    return out;
+    return finish();
   }
   m.module->train();
   const auto state = generator_state(m.data_gen).clone();
@@ -1276,278 +1287,7 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
     case Strategy::kSqrt: out.peak_bytes = whole(plan::sqrt_schedule(blocks).schedule); break;
     case Strategy::kAuto: break;  // handled above
   }
-  return out;
-}
-
-int64_t largest_fitting(int64_t cap_bytes, int64_t step, int64_t max_value, const std::function<int64_t(int64_t)>& peak,
-                        std::vector<FitProbe>* probes) {
-  if (step < 1) throw Error("[remat::train] the search step must be >= 1, got " + str(step) + ".");
-  const int64_t kmax = max_value / step;  // values are k * step, k in [1, kmax]
-  if (kmax < 1) return 0;
-  std::map<int64_t, int64_t> seen;  // k -> peak bytes
-  std::vector<int64_t> order;       // k, most recent last
-  auto eval = [&](int64_t k) {
-    if (auto it = seen.find(k); it != seen.end()) return it->second;
-    const int64_t p = peak(k * step);
-    seen.emplace(k, p);
-    order.push_back(k);
-    if (probes) probes->push_back({k * step, p});
-    return p;
-  };
-  if (eval(1) > cap_bytes) return 0;
-  int64_t lo = 1, hi = 0;  // peak(lo) fits; peak(hi) does not
-  while (hi == 0) {
-    if (lo == kmax) return lo * step;
-    // The peak is at most quadratic in the value (T; linear in the batch), so
-    // growing by sqrt(cap / peak) keeps the probe itself near the cap's size.
-    const double grow = std::clamp(
-        std::sqrt(static_cast<double>(cap_bytes) / static_cast<double>(std::max<int64_t>(1, seen[lo]))), 1.25, 2.0);
-    const int64_t next =
-        std::min(kmax, std::max(lo + 1, static_cast<int64_t>(std::floor(static_cast<double>(lo) * grow))));
-    if (eval(next) <= cap_bytes) {
-      lo = next;
-    } else {
-      hi = next;
-    }
-  }
-  // Where the quadratic through the last three probes meets the cap, or -1.
-  auto guess = [&]() -> int64_t {
-    if (order.size() < 3) return -1;
-    double xs[3], ys[3];
-    for (int i = 0; i < 3; ++i) {
-      const int64_t k = order[order.size() - 3 + static_cast<size_t>(i)];
-      xs[i] = static_cast<double>(k);
-      ys[i] = static_cast<double>(seen[k]);
-    }
-    if (xs[0] == xs[1] || xs[1] == xs[2] || xs[0] == xs[2]) return -1;
-    // Newton form: y = y0 + d01 (x - x0) + d012 (x - x0)(x - x1).
-    const double d01 = (ys[1] - ys[0]) / (xs[1] - xs[0]), d12 = (ys[2] - ys[1]) / (xs[2] - xs[1]);
-    const double d012 = (d12 - d01) / (xs[2] - xs[0]);
-    const double a = d012, b = d01 - d012 * (xs[0] + xs[1]), c = ys[0] - d01 * xs[0] + d012 * xs[0] * xs[1];
-    const double target = static_cast<double>(cap_bytes) - c;
-    double x = -1;
-    if (std::abs(a) < 1e-12 * std::max(1.0, std::abs(b))) {
-      if (b > 0) x = target / b;
-    } else {
-      const double disc = b * b + 4 * a * target;
-      if (disc >= 0) {
-        const double r1 = (-b + std::sqrt(disc)) / (2 * a), r2 = (-b - std::sqrt(disc)) / (2 * a);
-        const double l = static_cast<double>(lo), h = static_cast<double>(hi);
-        x = (r1 >= l && r1 < h) ? r1 : r2;
-      }
-    }
-    if (!std::isfinite(x)) return -1;
-    // Clamped into the bracket: a guess at lo means "lo is the answer",
-    // which lo + 1 confirms.
-    return std::clamp(static_cast<int64_t>(std::floor(std::clamp(x, -1.0, 9e18))), lo + 1, hi - 1);
-  };
-  auto probe = [&](int64_t k) {
-    if (eval(k) <= cap_bytes) {
-      lo = k;
-      return true;
-    }
-    hi = k;
-    return false;
-  };
-  while (hi - lo > 1) {
-    // A guess and its neighbour (an exact model ends the search there),
-    // then a bisection step: the bracket halves at least every 3 probes.
-    if (const int64_t g = guess(); g > 0) {
-      const int64_t n = probe(g) ? g + 1 : g - 1;
-      if (n > lo && n < hi) probe(n);
-    }
-    if (hi - lo > 1) probe(lo + (hi - lo) / 2);
-  }
-  return lo * step;
-}
-
-FitResult max_under(const TrainConfig& config, const FitOptions& options, std::ostream* log) {
-  const bool seq = options.dimension == FitDimension::kSeqLen;
-  const std::string flag = seq ? "--max-seq-len-under" : "--max-batch-under";
-  const std::string what = seq ? "--seq-len" : "--batch";
-  if (config.model != "gpt" && (seq || config.checkpoint != Strategy::kAuto)) {
-    throw Error("[remat::train] " + flag +
-                " needs --model gpt (it profiles the GPT's embed -> blocks -> head chain), or for the ResNet "
-                "--max-batch-under with --checkpoint auto; got --model " +
-                config.model + ". Otherwise measure with remat-train --batch N and read the 'peak' column.");
-  }
-  if (options.cap_bytes <= 0) {
-    throw Error("[remat::train] " + flag + " must be a positive size (e.g. 1GiB), got " + str(options.cap_bytes) +
-                " bytes.");
-  }
-  if (options.step < 1) {
-    throw Error("[remat::train] --fit-step must be >= 1, got " + str(options.step) + ".");
-  }
-  if (!config.resume_path.empty()) {
-    throw Error("[remat::train] " + flag + " trains fresh models; drop --resume.");
-  }
-  int64_t max_value = options.max_value;
-  if (max_value <= 0) {
-    if (seq) {
-      std::error_code ec;
-      const auto size = std::filesystem::file_size(config.data_path, ec);
-      if (ec) {
-        throw Error("[remat::train] cannot read --data file '" + config.data_path + "': " + ec.message() +
-                    ". Pass an existing text file with --data.");
-      }
-      max_value = static_cast<int64_t>(size) - 2;  // a window needs seq_len + 1 tokens, load_text seq_len + 2
-    } else {
-      max_value = 65536;
-    }
-  }
-  // The probes load one SentencePiece model, trained here once, instead of
-  // training one each: into config.tokenizer, or a temporary file removed
-  // on return.
-  TrainConfig base = config;
-  struct RemoveOnReturn {
-    std::filesystem::path path;
-    ~RemoveOnReturn() {
-      std::error_code ignore;
-      if (!path.empty()) std::filesystem::remove(path, ignore);
-    }
-  } temp_model;
-  if (config.vocab_size > 0) {
-    if (base.tokenizer.empty()) {
-      temp_model.path =
-          std::filesystem::temp_directory_path() / ("remat-tokenizer-" + std::to_string(::getpid()) + ".model");
-      base.tokenizer = temp_model.path.string();
-    }
-    const std::string what = "tokenizer: training SentencePiece BPE " + str(config.vocab_size) + " on " +
-                             config.data_path + " (once, for every probe)";
-    note(log, what);
-    Heartbeat beat(log, what);
-    Tokenizer::train_sentencepiece(config.data_path, config.vocab_size, base.tokenizer);
-    note(log, "tokenizer: trained in " + seconds(beat.elapsed_s()));
-    base.vocab_size = 0;
-  }
-  if (options.max_value <= 0 && seq && !base.tokenizer.empty()) {
-    std::ifstream in(config.data_path, std::ios::binary);
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    max_value = static_cast<int64_t>(Tokenizer::load(base.tokenizer).encode(text).size()) - 2;  // tokens, not bytes
-  }
-  auto config_at = [&](int64_t v, int64_t budget) {
-    TrainConfig c = base;
-    (seq ? c.seq_len : c.batch) = v;
-    c.save_path.clear();
-    if (c.checkpoint == Strategy::kAuto) c.memory_budget_bytes = budget;
-    return c;
-  };
-  std::map<int64_t, StepPrediction> predicted;
-  std::map<int64_t, int64_t> measured;
-  // kOffload's "prediction" is a measured step (predict_step): the search
-  // then measures, and verification reuses those steps.
-  const bool by_measurement = config.checkpoint == Strategy::kOffload;
-  auto predict = [&](int64_t v) {
-    if (auto it = predicted.find(v); it != predicted.end()) return it->second;
-    Trainer t(config_at(v, options.cap_bytes));
-    const StepPrediction p = t.predict_step(options.cap_bytes);
-    if (log) {
-      *log << (by_measurement ? "  measure " : "  predict ") << what << " " << v << ": peak "
-           << format_bytes(p.peak_bytes) << (p.peak_bytes <= options.cap_bytes ? " (fits)" : " (over)") << std::endl;
-    }
-    if (by_measurement) measured.emplace(v, p.peak_bytes);
-    return predicted.emplace(v, p).first->second;
-  };
-  auto measure = [&](int64_t v) {
-    if (auto it = measured.find(v); it != measured.end()) return it->second;
-    const StepPrediction& p = predict(v);
-    if (config.checkpoint == Strategy::kAuto && p.peak_bytes > options.cap_bytes) {
-      // No auto plan meets the cap here (a run would refuse it): over, by the leanest plan's peak.
-      if (log) *log << "  measure " << what << " " << v << ": no auto plan fits (leanest predicted) " << std::endl;
-      measured.emplace(v, p.peak_bytes);
-      return p.peak_bytes;
-    }
-    Trainer t(config_at(v, p.auto_budget_bytes));
-    t.prepare();
-    const int64_t peak = t.step().peak_bytes;
-    if (log) {
-      *log << "  measure " << what << " " << v << ": peak " << format_bytes(peak)
-           << (peak <= options.cap_bytes ? " (fits)" : " (over)") << std::endl;
-    }
-    measured.emplace(v, peak);
-    return peak;
-  };
-  auto too_small = [&](int64_t peak, const char* how) {
-    const std::string more = config.checkpoint == Strategy::kAuto    ? ""
-                             : config.checkpoint == Strategy::kBlock ? ", or use --checkpoint auto"
-                                                                     : ", or use --checkpoint block or auto";
-    return Error("[remat::train] " + flag + " " + format_bytes(options.cap_bytes) + ": even " + what + " " +
-                 str(options.step) + " " + how + " at " + format_bytes(peak) + " with --checkpoint " +
-                 std::string(to_string(config.checkpoint)) + ". Raise the cap, lower " +
-                 (seq ? "--batch" : "--seq-len") + ", --d-model or --layers" + more + ".");
-  };
-
-  FitResult r;
-  r.dimension = options.dimension;
-  r.cap_bytes = options.cap_bytes;
-  r.step = options.step;
-  r.value = largest_fitting(
-      options.cap_bytes, options.step, max_value, [&](int64_t v) { return predict(v).peak_bytes; }, &r.probes);
-  if (r.value == 0)
-    throw too_small(predict(options.step).peak_bytes, by_measurement ? "measures a peak" : "is predicted to peak");
-  r.predicted_value = r.value;
-  if (options.verify) {
-    r.measured_peak_bytes = measure(r.value);
-    while (r.measured_peak_bytes > options.cap_bytes) {
-      if (r.value <= options.step) throw too_small(r.measured_peak_bytes, "measures a peak");
-      r.value -= options.step;
-      r.measured_peak_bytes = measure(r.value);
-    }
-  }
-  // A conservative prediction leaves room the measurement shows: step up
-  // while answer + step measures under the cap too (a few times at most).
-  int ups = 0;
-  const bool stepped_down = r.value < r.predicted_value;  // then answer + step measured over already
-  while (r.value + options.step <= max_value) {
-    r.next_value = r.value + options.step;
-    r.next_predicted_peak_bytes = predict(r.next_value).peak_bytes;
-    if (!options.verify) break;
-    r.next_measured_peak_bytes = measure(r.next_value);
-    if (r.next_measured_peak_bytes > options.cap_bytes || ups == kFitMaxStepsUp || stepped_down) break;
-    ++ups;
-    r.value = r.next_value;
-    r.measured_peak_bytes = r.next_measured_peak_bytes;
-    r.next_value = 0;
-    r.next_measured_peak_bytes = -1;
-  }
-  r.at_max_value = r.value + options.step > max_value;
-  if (r.at_max_value) r.next_value = 0;
-  const StepPrediction& at = predict(r.value);
-  r.predicted_peak_bytes = at.peak_bytes;
-  r.auto_budget_bytes = at.auto_budget_bytes;
-  r.fixed_bytes = at.fixed_bytes;
-  return r;
-}
-
-std::string format_fit(const FitResult& r, const TrainConfig& config) {
-  const bool seq = r.dimension == FitDimension::kSeqLen;
-  const char* what = seq ? "seq_len" : "batch";
-  std::ostringstream os;
-  const bool by_measurement = config.checkpoint == Strategy::kOffload;  // the "prediction" is a measurement
-  auto peaks = [&](int64_t v, int64_t predicted, int64_t measured) {
-    os << "  " << what << " " << v << ": ";
-    if (by_measurement) os << "measured peak " << format_bytes(measured >= 0 ? measured : predicted);
-    else os << "predicted peak " << format_bytes(predicted);
-    if (measured >= 0 && !by_measurement) os << ", measured " << format_bytes(measured);
-    os << ((measured >= 0 ? measured : predicted) <= r.cap_bytes ? " (fits)" : " (over)") << "\n";
-  };
-  os << "max " << what << " under " << format_bytes(r.cap_bytes) << " with checkpoint " << to_string(config.checkpoint)
-     << ": " << r.value;
-  if (r.at_max_value)
-    os << " (the largest tried: the " << (seq ? "data's length" : "search's limit") << ", not the cap)";
-  if (r.value < r.predicted_value) os << " (predicted " << r.predicted_value << ", stepped down by measurement)";
-  if (r.value > r.predicted_value) os << " (predicted " << r.predicted_value << ", stepped up by measurement)";
-  os << "\n";
-  peaks(r.value, r.predicted_peak_bytes, r.measured_peak_bytes);
-  if (r.next_value > 0) peaks(r.next_value, r.next_predicted_peak_bytes, r.next_measured_peak_bytes);
-  if (config.checkpoint == Strategy::kAuto)
-    os << "  auto's budget (the whole step, above its start): " << format_bytes(r.auto_budget_bytes) << "\n";
-  os << "  " << r.probes.size()
-     << (by_measurement ? " measured steps (offload is searched by measurement)" : " predictions")
-     << "; the cap is on the step's peak above its start (activations, "
-     << "activation gradients, logits, temporaries); parameters, gradients and AdamW moments add "
-     << format_bytes(r.fixed_bytes) << " outside it\n";
-  return os.str();
+  return finish();
 }
 
 std::string Trainer::explain_memory() {
@@ -1605,7 +1345,8 @@ std::string Trainer::summary() const {
   os << "; checkpoint " << to_string(c.checkpoint);
   if (c.checkpoint == Strategy::kSelective) os << " (policy " << c.policy << ")";
   if (c.checkpoint == Strategy::kAuto)
-    os << " (budget " << format_bytes(c.memory_budget_bytes) << " above the step's start)";
+    os << " (budget " << format_bytes(c.memory_budget_bytes)
+       << (c.memory_budget_whole_step ? " on the whole step)" : " above the step's start)");
   if (c.checkpoint == Strategy::kOffload) os << " (files in " << c.offload_dir << ")";
   if (m.gpt && c.sdpa) os << "; sdpa attention";
   if (m.gpt && c.plan_loss_chunks) os << "; head + loss chunks chosen by the auto plan";

@@ -1,7 +1,9 @@
 // What fits under a memory cap (remat::models::max_under): the search on
 // synthetic monotone peaks against brute force, then on a tiny GPT per
 // strategy: the answer measured fits, the next value is predicted over the
-// cap, prepare() makes step 1 measure what step 2 does; the error messages.
+// cap, prepare() makes step 1 measure what step 2 does; the widest d_model
+// whose whole step (parameters, gradients, optimizer state) fits, and what
+// the levers change there; the error messages.
 // Leaves out: the reference-size figures (bench/py/what_fits.py).
 #include <gtest/gtest.h>
 
@@ -302,7 +304,7 @@ TEST(Fits, Errors) {
   rm::TrainConfig resumed = tiny_gpt(Strategy::kNone);
   resumed.resume_path = "/tmp/x.pt";
   EXPECT_EQ(error_of([&] { rm::max_under(resumed, o); }),
-            "[remat::train] --max-batch-under trains fresh models; drop --resume.");
+            "[remat::train] --max-batch-under trains fresh models, one per value it tries; drop --resume /tmp/x.pt.");
   rm::TrainConfig resnet_block;
   resnet_block.model = "resnet";
   resnet_block.checkpoint = Strategy::kBlock;
@@ -328,7 +330,9 @@ TEST(Fits, CliErrors) {
       << out;
   std::tie(rc, out) = run_cli(model + "--max-seq-len-under 1GiB --max-batch-under 1GiB");
   EXPECT_EQ(rc, 2);
-  EXPECT_NE(out.find("remat-train: error: [remat::train] give one of --max-seq-len-under and --max-batch-under"),
+  EXPECT_NE(out.find("remat-train: error: [remat::train] give one of --max-seq-len-under, --max-batch-under and "
+                     "--max-d-model-under (the other values stay fixed); got --max-seq-len-under 1GiB and "
+                     "--max-batch-under 1GiB. Run one search at a time."),
             std::string::npos)
       << out;
   std::tie(rc, out) = run_cli(model + "--checkpoint auto --memory-budget 1MiB --max-seq-len-under 1GiB");
@@ -350,4 +354,231 @@ TEST(Fits, CliErrors) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("max seq_len under 2.00 MiB with checkpoint block: "), std::string::npos) << out;
   EXPECT_NE(out.find(", measured "), std::string::npos) << out;
+}
+
+namespace {
+
+/** A GPT whose whole step is mostly parameters, gradients and AdamW state
+ *  (short sequences), so that the width's search is about them. */
+rm::TrainConfig narrow_gpt(Strategy s) {
+  rm::TrainConfig c = tiny_gpt(s);
+  c.layers = 2;
+  c.seq_len = 32;
+  return c;
+}
+
+/** The steady-state step of c (its second: the optimizer's state exists). */
+rm::StepStats steady_step(const rm::TrainConfig& c) {
+  rm::Trainer t(c);
+  t.prepare();
+  t.step();
+  return t.step();
+}
+
+rm::FitOptions width_cap(int64_t cap_bytes) {
+  rm::FitOptions o;
+  o.dimension = rm::FitDimension::kDModel;
+  o.cap_bytes = cap_bytes;
+  o.step = 16;
+  return o;
+}
+
+}  // namespace
+
+// The whole step's figure counts every tracked byte: AdamW's two moments add
+// twice the parameters' bytes to SGD's (which keeps no state), at the step's
+// start and at its peak; the peak holds parameters, gradients and moments.
+TEST(FitsDModel, WholeStepPeakCountsParametersGradientsAndAdamW) {
+  rm::TrainConfig adamw = narrow_gpt(Strategy::kNone);
+  adamw.d_model = 64;
+  rm::TrainConfig sgd = adamw;
+  sgd.optimizer = "sgd";
+  // Scoped: the figures are the whole process's, and a Trainer left alive would count.
+  const rm::StepPrediction p = rm::Trainer(adamw).predict_step();
+  const int64_t params = 4 * p.parameters;  // float32
+  const rm::StepStats a = steady_step(adamw), s = steady_step(sgd);
+  std::cout << "parameters " << params << " B; whole-step peak adamw " << a.whole_peak_bytes << " B (start "
+            << a.start_bytes << "), sgd " << s.whole_peak_bytes << " B (start " << s.start_bytes << ")\n";
+  EXPECT_GE(a.start_bytes, 4 * params);              // parameters, gradients, two moments
+  EXPECT_LT(a.start_bytes, 4 * params + (1 << 20));  // ... and the data, little else
+  EXPECT_NEAR(static_cast<double>(a.start_bytes - s.start_bytes), 2.0 * static_cast<double>(params), 1024.0);
+  EXPECT_NEAR(static_cast<double>(a.whole_peak_bytes - s.whole_peak_bytes), 2.0 * static_cast<double>(params),
+              0.02 * static_cast<double>(params));
+  EXPECT_GE(a.whole_peak_bytes - a.start_bytes, a.peak_bytes);  // the step's own peak is inside it
+  // The prediction counts the same parts.
+  EXPECT_EQ(p.fixed_bytes, 4 * params);
+  EXPECT_GE(p.start_bytes, 4 * params);
+  EXPECT_NEAR(static_cast<double>(p.whole_peak_bytes), static_cast<double>(a.whole_peak_bytes),
+              0.05 * static_cast<double>(a.whole_peak_bytes));
+}
+
+TEST(FitsDModel, MaxDModelFitsTheWholeStepPerStrategy) {
+  const int64_t cap = 4 << 20;  // 4 MiB: d_model about 100 for this model
+  for (Strategy s : {Strategy::kNone, Strategy::kBlock, Strategy::kAuto}) {
+    const rm::TrainConfig c = narrow_gpt(s);
+    std::ostringstream log;
+    const rm::FitResult r = rm::max_under(c, width_cap(cap), &log);
+    std::cout << log.str() << rm::format_fit(r, c);
+    EXPECT_GT(r.value, 0) << rm::to_string(s);
+    EXPECT_EQ(r.step, 16);
+    EXPECT_EQ(r.value % 16, 0);
+    EXPECT_EQ(r.value % c.heads, 0);
+    EXPECT_LE(r.measured_peak_bytes, cap) << rm::to_string(s);  // the answer fits, measured
+    EXPECT_EQ(r.next_value, r.value + 16);
+    if (r.value - r.predicted_value < rm::kFitMaxStepsUp * 16) {
+      EXPECT_GT(r.next_measured_peak_bytes, cap) << rm::to_string(s);  // the next width does not
+    }
+    EXPECT_LE(std::abs(r.value - r.predicted_value), 2 * 16) << rm::to_string(s);  // the prediction is close
+    // Parameters, gradients and both moments are inside the measured figure:
+    // 16 bytes a parameter, at the step's start already.
+    EXPECT_GT(r.parameters, 0);
+    EXPECT_GT(r.next_parameters, r.parameters);
+    EXPECT_GE(r.start_bytes, 16 * r.parameters) << rm::to_string(s);
+    EXPECT_GT(r.measured_peak_bytes, r.start_bytes);
+    EXPECT_EQ(r.fixed_bytes, 16 * r.parameters);
+    EXPECT_EQ(r.auto_budget_bytes, s == Strategy::kAuto ? cap : 0);  // auto plans for the cap on all tracked memory
+    const std::string fit = rm::format_fit(r, c);
+    EXPECT_NE(fit.find("max d_model under 4.00 MiB with checkpoint " + std::string(rm::to_string(s)) + ": "),
+              std::string::npos)
+        << fit;
+    EXPECT_NE(fit.find("the cap is on the whole step: every tracked byte at its peak"), std::string::npos) << fit;
+    EXPECT_NE(fit.find("), whole-step predicted peak "), std::string::npos) << fit;
+    EXPECT_NE(log.str().find("  measure --d-model "), std::string::npos) << log.str();
+    // auto: a width no plan fits is not run, and the answer says so.
+    EXPECT_EQ(fit.find(", no auto plan fits it (a run would refuse it; not measured)") != std::string::npos,
+              r.next_no_plan);
+    if (s != Strategy::kAuto) EXPECT_FALSE(r.next_no_plan);
+  }
+}
+
+// The levers move bytes out of the whole step: with the optimizer in
+// backward the gradients never all live; with the state on disk the moments
+// are not in memory between updates (only those read back are). Each lets
+// a wider model fit the same cap.
+TEST(FitsDModel, OptimizerStateOnDiskFitsAWiderModel) {
+  const auto dir = std::filesystem::temp_directory_path() / ("remat_fits_dmodel_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const int64_t cap = 8 << 20;  // d_model over 100: the parameters' share grows with the width
+  rm::TrainConfig plain = narrow_gpt(Strategy::kNone);
+  rm::TrainConfig in_backward = plain;
+  in_backward.optimizer_in_backward = true;
+  rm::TrainConfig disk = in_backward;
+  disk.optimizer_state = "disk";
+  disk.offload_dir = dir.string();
+  const rm::FitResult p = rm::max_under(plain, width_cap(cap));
+  const rm::FitResult ib = rm::max_under(in_backward, width_cap(cap));
+  const rm::FitResult d = rm::max_under(disk, width_cap(cap));
+  std::cout << rm::format_fit(p, plain) << rm::format_fit(ib, in_backward) << rm::format_fit(d, disk);
+  EXPECT_GE(ib.value, p.value);  // no gradients between steps
+  EXPECT_GT(d.value, ib.value);  // no moments in memory between updates
+  EXPECT_GT(d.value, p.value);
+  EXPECT_LE(d.measured_peak_bytes, cap);
+  EXPECT_GT(d.next_measured_peak_bytes, cap);
+  EXPECT_GE(d.start_bytes, 4 * d.parameters);  // the parameters stay in memory
+  EXPECT_NE(rm::format_fit(d, disk).find("the AdamW moments read back from disk (not those on disk)"),
+            std::string::npos);
+  // At one width: the moments on disk are not counted between steps (the
+  // start), and the step with them read back peaks lower than with them kept.
+  plain.d_model = in_backward.d_model = disk.d_model = d.value;
+  const rm::StepStats sp = steady_step(plain), si = steady_step(in_backward), sd = steady_step(disk);
+  std::cout << "d_model " << d.value << ": start / whole-step peak, plain " << sp.start_bytes << " / "
+            << sp.whole_peak_bytes << " B, in backward " << si.start_bytes << " / " << si.whole_peak_bytes
+            << " B, state on disk " << sd.start_bytes << " / " << sd.whole_peak_bytes << " B\n";
+  const int64_t params = 4 * d.parameters;
+  EXPECT_NEAR(static_cast<double>(sp.start_bytes - si.start_bytes), static_cast<double>(params),
+              0.01 * static_cast<double>(params));     // the gradients
+  EXPECT_LT(sd.start_bytes, si.start_bytes - params);  // most of the 2x parameters of moments left memory
+  EXPECT_LT(sd.whole_peak_bytes, si.whole_peak_bytes);
+  EXPECT_LT(si.whole_peak_bytes, sp.whole_peak_bytes);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FitsDModel, AutoWithEveryLeverFitsWiderThanPlain) {
+  const auto dir = std::filesystem::temp_directory_path() / ("remat_fits_dmodel_auto_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const int64_t cap = 4 << 20;
+  rm::TrainConfig c = narrow_gpt(Strategy::kAuto);
+  c.optimizer_in_backward = true;
+  c.optimizer_state = "disk";
+  c.offload_dir = dir.string();
+  c.loss_chunks = 4;
+  std::ostringstream log;
+  const rm::FitResult r = rm::max_under(c, width_cap(cap), &log);
+  const rm::FitResult p = rm::max_under(narrow_gpt(Strategy::kNone), width_cap(cap));
+  std::cout << log.str() << rm::format_fit(r, c);
+  EXPECT_LE(r.measured_peak_bytes, cap);
+  EXPECT_GT(r.value, p.value);
+  EXPECT_EQ(r.auto_budget_bytes, cap);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FitsDModel, Errors) {
+  rm::FitOptions o = width_cap(1 << 10);
+  const std::string got = error_of([&] { rm::max_under(narrow_gpt(Strategy::kNone), o); });
+  const std::string head = "[remat::train] --max-d-model-under 1.00 KiB: even --d-model 16 is predicted to peak at ";
+  const std::string tail =
+      " for the whole step (parameters, gradients, optimizer state, activations) with --checkpoint none. Raise the "
+      "cap, lower --layers, --batch or --seq-len, or --fit-step or --heads, add --optimizer-in-backward (then "
+      "--optimizer-state disk), or use --checkpoint auto.";
+  EXPECT_EQ(got.substr(0, head.size()), head) << got;
+  ASSERT_GE(got.size(), tail.size()) << got;
+  EXPECT_EQ(got.substr(got.size() - tail.size()), tail) << got;
+  o.cap_bytes = 1 << 20;
+  rm::TrainConfig resnet;
+  resnet.model = "resnet";
+  resnet.checkpoint = Strategy::kAuto;
+  resnet.memory_budget_bytes = 1 << 20;
+  EXPECT_EQ(error_of([&] { rm::max_under(resnet, o); }),
+            "[remat::train] --max-d-model-under needs --model gpt (it searches the GPT's width, a multiple of "
+            "--heads); got --model resnet. For a ResNet, measure base widths with remat-train --model resnet "
+            "--d-model N and read the 'peak' column.");
+  rm::TrainConfig resumed = narrow_gpt(Strategy::kNone);
+  resumed.resume_path = "/tmp/x.pt";
+  EXPECT_EQ(error_of([&] { rm::max_under(resumed, o); }),
+            "[remat::train] --max-d-model-under trains fresh models, one per value it tries; drop --resume "
+            "/tmp/x.pt.");
+  rm::TrainConfig offload = narrow_gpt(Strategy::kOffload);
+  offload.offload_dir = "/tmp";
+  EXPECT_EQ(error_of([&] { rm::max_under(offload, o); }),
+            "[remat::train] --max-d-model-under with --checkpoint offload: offload's bytes in flight follow the "
+            "disk's pace and are not predicted for the whole step; use --checkpoint none, block, sqrt, selective "
+            "or auto.");
+  o.max_value = 8;
+  EXPECT_EQ(error_of([&] { rm::max_under(narrow_gpt(Strategy::kNone), o); }),
+            "[remat::train] --max-d-model-under: the smallest width tried, lcm(--fit-step 16, --heads 2) = 16, is "
+            "above the search's limit 8. Lower --fit-step or --heads.");
+}
+
+TEST(FitsDModel, CliErrorsAndAnswer) {
+  const std::string model = "--layers 2 --heads 2 --seq-len 32 --batch 2 --threads 1 ";
+  auto [rc, out] = run_cli(model + "--max-d-model-under 1KiB --fit-step 16");
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("remat-train: error: [remat::train] --max-d-model-under 1.00 KiB: even --d-model 16 is "
+                     "predicted to peak at "),
+            std::string::npos)
+      << out;
+  std::tie(rc, out) = run_cli(model + "--max-d-model-under 4MiB --max-batch-under 1GiB");
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("remat-train: error: [remat::train] give one of --max-seq-len-under, --max-batch-under and "
+                     "--max-d-model-under (the other values stay fixed); got --max-batch-under 1GiB and "
+                     "--max-d-model-under 4MiB. Run one search at a time."),
+            std::string::npos)
+      << out;
+  std::tie(rc, out) = run_cli("--model resnet --max-d-model-under 1GiB --threads 1");
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("remat-train: error: [remat::train] --max-d-model-under needs --model gpt"), std::string::npos)
+      << out;
+  // Refused before anything is built: the checkpoint need not exist.
+  std::tie(rc, out) = run_cli(model + "--max-d-model-under 4MiB --resume /nonexistent/ck.pt");
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("remat-train: error: [remat::train] --max-d-model-under trains fresh models, one per value it "
+                     "tries; drop --resume /nonexistent/ck.pt."),
+            std::string::npos)
+      << out;
+  // The default step is 64 (a multiple of --heads 2): the answer is one of them.
+  std::tie(rc, out) = run_cli(model + "--max-d-model-under 8MiB");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("max d_model under 8.00 MiB with checkpoint none: "), std::string::npos) << out;
+  EXPECT_NE(out.find("widths in steps of 64"), std::string::npos) << out;
+  EXPECT_NE(out.find("), whole-step predicted peak "), std::string::npos) << out;
 }

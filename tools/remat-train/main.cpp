@@ -399,8 +399,9 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "remat-train, remat " REMAT_VERSION "\nLibTorch " TORCH_VERSION,
                        "print remat's version and LibTorch's, then exit");
   remat::models::TrainConfig cfg;
-  std::string checkpoint = "none", budget, seq_cap, batch_cap, loss_chunks = "0";
+  std::string checkpoint = "none", budget, seq_cap, batch_cap, d_model_cap, loss_chunks = "0";
   int64_t fit_step = 1;
+  int64_t fit_max = 0;
   app.add_option("--model", cfg.model, "gpt (character level on --data) or resnet (synthetic images)")
       ->check(CLI::IsMember({"gpt", "resnet"}))
       ->capture_default_str();
@@ -442,7 +443,16 @@ int main(int argc, char** argv) {
                  "GPT: find the longest --seq-len whose step peaks at or under this (e.g. 1GiB; the 'peak' "
                  "column's quantity): predicted, then measured");
   app.add_option("--max-batch-under", batch_cap, "the same for --batch (GPT; ResNet with --checkpoint auto)");
-  app.add_option("--fit-step", fit_step, "granularity of --max-*-under (tokens or sequences)")->capture_default_str();
+  app.add_option("--max-d-model-under", d_model_cap,
+                 "GPT: find the widest --d-model (a multiple of --heads and --fit-step) whose whole step fits "
+                 "this (e.g. 2GiB): parameters, gradients and optimizer state in memory as well as the "
+                 "activations; predicted, then measured (checkpoint none, block, sqrt, selective or auto)");
+  app.add_option("--fit-step", fit_step,
+                 "granularity of --max-*-under (tokens, sequences or widths); default 1, 64 for --max-d-model-under");
+  app.add_option("--fit-max", fit_max,
+                 "largest value --max-*-under tries (0: the data's length for --seq-len, 65536 sequences, 16384 "
+                 "widths); a smaller one bounds the search's time")
+      ->capture_default_str();
   app.add_option("--grad-accum", cfg.grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_option("--clip-norm", cfg.clip_norm, "max global gradient norm (0: off)")->capture_default_str();
   app.add_flag("--optimizer-in-backward", cfg.optimizer_in_backward,
@@ -614,7 +624,8 @@ int main(int argc, char** argv) {
     if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
     // What every rank would refuse, refused here once, before any starts
     // (--max-*-under sets its budget itself, and checks in each probe).
-    if (seq_cap.empty() && batch_cap.empty()) {
+    const bool fitting = !seq_cap.empty() || !batch_cap.empty() || !d_model_cap.empty();
+    if (!fitting) {
       auto checked = cfg;
       if (rank > 0) checked.save_path.clear();  // only rank 0 saves
       remat::models::check_config(checked);
@@ -624,7 +635,7 @@ int main(int argc, char** argv) {
           "[remat::train] --resume does not combine with --shard (--save writes the full model only, without the "
           "optimizer's state); resume without --shard.");
     }
-    if (!cfg.resume_path.empty()) {
+    if (!cfg.resume_path.empty() && !fitting) {  // --max-*-under refuses --resume (check_fit)
       const int64_t saved = remat::models::saved_steps(cfg.resume_path);
       if (cfg.steps <= saved) {
         return fail("[remat::train] --resume '" + cfg.resume_path + "' is at step " + std::to_string(saved) +
@@ -686,26 +697,43 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
-    if (!seq_cap.empty() || !batch_cap.empty()) {
-      if (!seq_cap.empty() && !batch_cap.empty()) {
-        return fail(
-            "[remat::train] give one of --max-seq-len-under and --max-batch-under (the other value stays fixed).");
+    if (fitting) {
+      std::vector<std::string> given;
+      if (!seq_cap.empty()) given.push_back("--max-seq-len-under " + seq_cap);
+      if (!batch_cap.empty()) given.push_back("--max-batch-under " + batch_cap);
+      if (!d_model_cap.empty()) given.push_back("--max-d-model-under " + d_model_cap);
+      if (given.size() > 1) {
+        std::string got = given[0];
+        for (size_t i = 1; i < given.size(); ++i) got += (i + 1 == given.size() ? " and " : ", ") + given[i];
+        throw remat::Error(
+            "[remat::train] give one of --max-seq-len-under, --max-batch-under and --max-d-model-under (the other "
+            "values stay fixed); got " +
+            got + ". Run one search at a time.");
       }
       if (!budget.empty()) {
         return fail(
             "[remat::train] --memory-budget is chosen by --max-*-under for --checkpoint auto (the largest whose "
             "whole step fits the cap); drop --memory-budget.");
       }
+      using remat::models::FitDimension;
       remat::models::FitOptions fit;
-      fit.dimension = seq_cap.empty() ? remat::models::FitDimension::kBatch : remat::models::FitDimension::kSeqLen;
-      const std::string flag = seq_cap.empty() ? "--max-batch-under" : "--max-seq-len-under";
+      fit.dimension = !seq_cap.empty()     ? FitDimension::kSeqLen
+                      : !batch_cap.empty() ? FitDimension::kBatch
+                                           : FitDimension::kDModel;
+      const std::string flag = given[0].substr(0, given[0].find(' '));
       try {
-        fit.cap_bytes = remat::plan::parse_bytes(seq_cap.empty() ? batch_cap : seq_cap);
+        fit.cap_bytes = remat::plan::parse_bytes(given[0].substr(given[0].find(' ') + 1));
       } catch (const remat::Error& e) {
         return fail("[remat::train] " + flag + ": " + e.what());
       }
-      fit.step = fit_step;
-      if (cfg.checkpoint == remat::models::Strategy::kAuto) cfg.memory_budget_bytes = fit.cap_bytes;
+      // Widths come in steps of 64 unless asked otherwise (and of --heads).
+      fit.step = fit.dimension == FitDimension::kDModel && app.count("--fit-step") == 0 ? 64 : fit_step;
+      fit.max_value = fit_max;
+      remat::models::check_fit(cfg, fit);  // before building anything: a --resume, a ResNet, ...
+      if (cfg.checkpoint == remat::models::Strategy::kAuto) {
+        cfg.memory_budget_bytes = fit.cap_bytes;
+        cfg.memory_budget_whole_step = fit.dimension == FitDimension::kDModel;
+      }
       std::cout << remat::models::Trainer(cfg, &std::cout).summary() << "\n";
       const auto r = remat::models::max_under(cfg, fit, &std::cout);
       std::cout << remat::models::format_fit(r, cfg);

@@ -116,6 +116,12 @@ struct TrainConfig {
    *  profiled step's start (solved again if that changes); a budget no plan
    *  meets throws remat::Error from that step. */
   int64_t memory_budget_bytes = 0;
+  /** Strategy::kAuto: memory_budget_bytes bounds the whole step instead,
+   *  every tracked byte at the step's peak (parameters, gradients and
+   *  optimizer state in memory, the data, activations; not what a state
+   *  store holds on disk), and goes to auto_checkpoint as it is. Set by
+   *  max_under() for FitDimension::kDModel. Default false. */
+  bool memory_budget_whole_step = false;
   /** For Strategy::kOffload: an existing, writable directory for the saved
    *  activations' files (required there, ignored otherwise). */
   std::string offload_dir;
@@ -209,23 +215,46 @@ struct StepPrediction {
   /** Parameters, their gradients and both AdamW moments (sgd: none), bytes: allocated
    *  before the step, so outside peak_bytes (4 x the parameters' bytes; sgd 2 x). */
   int64_t fixed_bytes = 0;
+  /** The bytes live at the step's start, as the levers leave them: the
+   *  parameters, their gradients (none with optimizer_in_backward: each is
+   *  freed by its update), the optimizer's state in memory (none on disk,
+   *  half as bf16), the data and buffers. kAuto: measured at the profiled
+   *  step's start, the state in a store counted as kept. */
+  int64_t start_bytes = 0;
+  /** The whole step's peak, every tracked byte at it (what
+   *  StepStats::whole_peak_bytes measures): kAuto with a cap, the leanest
+   *  plan's predicted peak of all tracked memory (the planner's own figure,
+   *  a store's bytes in flight included); else start_bytes + peak_bytes,
+   *  plus with optimizer_in_backward the largest parameter's gradient
+   *  (alive until its update) and with the state on disk the states read
+   *  ahead of their updates (kOffload: measured). */
+  int64_t whole_peak_bytes = 0;
+  /** The model's parameters (elements). */
+  int64_t parameters = 0;
 };
 
 /** Which TrainConfig value max_under() searches. */
 enum class FitDimension {
   kSeqLen,  ///< TrainConfig::seq_len, tokens
   kBatch,   ///< TrainConfig::batch, sequences
+  /** TrainConfig::d_model (GPT), a multiple of heads: the cap is on the
+   *  whole step (StepStats::whole_peak_bytes), parameters, gradients and
+   *  optimizer state included, since they grow with the width too. */
+  kDModel,
 };
 
 /** What max_under() searches for and how. */
 struct FitOptions {
-  /** The cap, bytes: on StepStats::peak_bytes of a steady-state step. Required, > 0. */
+  /** The cap, bytes: on StepStats::peak_bytes of a steady-state step (kDModel:
+   *  on StepStats::whole_peak_bytes). Required, > 0. */
   int64_t cap_bytes = 0;
   FitDimension dimension = FitDimension::kSeqLen;  ///< the value searched; default kSeqLen
-  /** Answers are multiples of step (tokens or sequences). Default 1. */
+  /** Answers are multiples of step (tokens, sequences or widths; for
+   *  kDModel of lcm(step, heads) too). Default 1 (remat-train: 64 for
+   *  --max-d-model-under). */
   int64_t step = 1;
   /** Largest value tried; 0: the data's limit (its tokens - 2) for seq_len,
-   *  65536 for batch. */
+   *  65536 for batch, 16384 for d_model. */
   int64_t max_value = 0;
   /** Measure one real step at the answer (stepping down while it exceeds the
    *  cap) and at answer + step. Default true. */
@@ -237,7 +266,7 @@ inline constexpr int kFitMaxStepsUp = 4;
 
 /** One prediction max_under() made while searching. */
 struct FitProbe {
-  int64_t value = 0;                 ///< the seq_len or batch tried
+  int64_t value = 0;                 ///< the seq_len, batch or d_model tried
   int64_t predicted_peak_bytes = 0;  ///< its predicted step peak, bytes
 };
 
@@ -246,7 +275,7 @@ struct FitProbe {
 struct FitResult {
   FitDimension dimension = FitDimension::kSeqLen;  ///< as in FitOptions
   int64_t cap_bytes = 0;                           ///< as in FitOptions, bytes
-  int64_t step = 1;                                ///< as in FitOptions
+  int64_t step = 1;  ///< as in FitOptions (kDModel: lcm(step, heads), the step the search took)
   /** The largest multiple of step whose step fits the cap: by prediction,
    *  corrected by measurement when verified. */
   int64_t value = 0;
@@ -259,12 +288,26 @@ struct FitResult {
   int64_t next_predicted_peak_bytes = 0;
   /** Measured peak at next_value, bytes; -1 when not verified. */
   int64_t next_measured_peak_bytes = -1;
+  /** Strategy::kAuto: no plan meets the cap at next_value (a run there would
+   *  refuse it), so no step was measured there: next_measured_peak_bytes is
+   *  the leanest plan's predicted peak. */
+  bool next_no_plan = false;
   /** True when value is max_value (the data or the limit, not the cap, stopped the search). */
   bool at_max_value = false;
-  /** Strategy::kAuto: the budget at value, above the step's start (the cap). */
+  /** Strategy::kAuto: the budget at value, above the step's start (the cap);
+   *  kDModel: on the whole step, all tracked memory (the cap). */
   int64_t auto_budget_bytes = 0;
-  /** StepPrediction::fixed_bytes at value (not under the cap). */
+  /** StepPrediction::fixed_bytes at value (not under the cap; kDModel: under it, as the levers leave it). */
   int64_t fixed_bytes = 0;
+  /** kDModel: the model's parameters (elements) at value and at next_value (0: none). */
+  ///@{
+  int64_t parameters = 0;
+  int64_t next_parameters = 0;
+  ///@}
+  /** kDModel, verified: tracked bytes live at the measured step's start at
+   *  value (parameters, gradients and optimizer state in memory, the data);
+   *  the rest of measured_peak_bytes is the step's own. -1 otherwise. */
+  int64_t start_bytes = -1;
   /** Every prediction made, in order. */
   std::vector<FitProbe> probes;
 };
@@ -303,6 +346,15 @@ struct StepStats {
   /** kAuto: the warm-up or the profiled step (their peaks and times are the
    *  plain step's, not the plan's); else kNormal. */
   StepPhase phase = StepPhase::kNormal;
+  /** Tracked bytes of the whole process when the step began: parameters,
+   *  gradients and optimizer state in memory (not a state store's files),
+   *  the data, buffers. */
+  int64_t start_bytes = 0;
+  /** The whole step's peak, bytes: the highest tracked bytes of the whole
+   *  process over forward, backward and the update (start_bytes and the
+   *  step's own; a state store's bytes count only while read back or in
+   *  flight). What --max-d-model-under caps. */
+  int64_t whole_peak_bytes = 0;
 };
 
 /** Refuses what Trainer's constructor would refuse before building anything,
@@ -434,17 +486,30 @@ class Trainer {
   std::unique_ptr<Impl> impl_;
 };
 
-/** The longest seq_len (or largest batch) of config whose steady-state
- *  step peaks at or under options.cap_bytes: largest_fitting() over
- *  Trainer::predict_step() (a fresh Trainer per value, same seed; for
- *  kOffload each probe is a measured step, so the answer is measured), then,
- *  with options.verify, one measured step (after prepare()) at the answer,
- *  stepping down by options.step while it exceeds the cap, and one at
- *  answer + step; when that fits too (a conservative prediction), steps up,
- *  at most kFitMaxStepsUp times, until answer + step measures over the cap. Logs each probe and measurement to log (if
- * not null). Throws remat::Error for the ResNet (but --max-batch-under with kAuto), a cap <= 0, a resume path, or a cap
- * that even the smallest value exceeds (naming its peak and remedies). */
+/** The longest seq_len (or largest batch, or widest d_model) of config
+ *  whose steady-state step peaks at or under options.cap_bytes:
+ *  largest_fitting() over Trainer::predict_step() (a fresh Trainer per
+ *  value, same seed; for kOffload each probe is a measured step, so the
+ *  answer is measured), then, with options.verify, one measured step (after
+ *  prepare(); kDModel: after one more step, so that the optimizer's state
+ *  exists) at the answer, stepping down by the step while it exceeds the
+ *  cap, and one at answer + step; when that fits too (a conservative
+ *  prediction), steps up, at most kFitMaxStepsUp times, until answer + step
+ *  measures over the cap. kSeqLen and kBatch cap StepStats::peak_bytes (above
+ *  the step's start); kDModel caps the whole step, StepPrediction::
+ *  whole_peak_bytes predicted and StepStats::whole_peak_bytes measured, and
+ *  kAuto's budget is then the cap on all tracked memory
+ *  (TrainConfig::memory_budget_whole_step). Logs each probe and measurement
+ *  to log (if not null). Throws remat::Error for what check_fit() refuses,
+ *  or a cap that even the smallest value exceeds (naming its peak and
+ *  remedies). */
 FitResult max_under(const TrainConfig& config, const FitOptions& options, std::ostream* log = nullptr);
+
+/** What max_under() refuses before building anything (remat-train runs it
+ *  before its summary): a ResNet (but --max-batch-under with kAuto), a cap
+ *  <= 0, a step < 1, a resume path; for kDModel also a d_model step whose
+ *  multiple of heads exceeds max_value. Throws remat::Error naming the flag. */
+void check_fit(const TrainConfig& config, const FitOptions& options);
 
 /** "--max-seq-len-under 1.00 GiB, checkpoint block: seq_len 1536 ..." (several lines). */
 std::string format_fit(const FitResult& r, const TrainConfig& config);
