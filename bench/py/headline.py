@@ -1,8 +1,9 @@
 """The README's headline table (fragment readme-headline) from the result
 files of bench/results/: compare.json (the three reference workloads,
 remat against torch.utils.checkpoint), longctx.json (the GPT step with a
-32k vocabulary), long_context_fits.json (what fits under 2 GiB) and
-gpu-h200.json (the GPU check). A row whose result file is absent is left
+32k vocabulary), long_context_fits.json (what fits under 2 GiB),
+auto-levers.json (auto with every lever at its leanest), fits-d-model.json
+(the widest model under one whole-step cap) and gpu-h200.json (the GPU check). A row whose result file is absent is left
 out; with none of them there is no fragment and the README keeps its table.
 Leaves out: measuring (make bench, bench/py/long_context_fits.py,
 bench/gpu/check.sh) and the method (docs/BENCHMARKS.md).
@@ -83,6 +84,39 @@ def fits_rows():
             f"{' / '.join(str(by[k]) for k in keys)} tokens | |"]
 
 
+def levers_rows():
+    """auto with every lever at its leanest (auto-levers.json), and the widest model under one whole-step cap
+    (fits-d-model.json)."""
+    rows = []
+    path = os.path.join(RESULTS, "auto-levers.json")
+    if os.path.exists(path):
+        import json
+        with open(path) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        autos = [r for r in recs if r["kind"] == "strategy" and r["name"] != "plain"]
+        if autos:
+            lean = min(autos, key=lambda r: r["peak"])
+            t = lean["time_ratio"]
+            rows.append(f"| GPT whole step (parameters, gradients, AdamW state, activations; 8 blocks, d_model 512, "
+                        f"T 512, batch 4, vocabulary 8192) | `auto_checkpoint` with every lever (updates in backward, "
+                        f"state on disk, loss chunks) at its leanest | {x(lean['peak_ratio'])} (whole step) | "
+                        f"{t['median']:.2f}x [{t['min']:.2f}-{t['max']:.2f}] |")
+    path = os.path.join(RESULTS, "fits-d-model.json")
+    if os.path.exists(path):
+        res = load_json(path)
+        by = {r["key"]: r for r in res["rows"]}
+        keys = [k for k in ("none", "block", "auto_all") if k in by]
+        if len(keys) >= 2:
+            names = {"none": "plain", "block": "per-block", "auto_all": "auto with every lever"}
+
+            def width(r):
+                return (">= " if r.get("at_limit") else "") + f"{r['max_d_model']} ({r['parameters'] / 1e6:.1f}M)"
+            rows.append(f"| GPT, widest model under {res['rows'][0]['cap']} on the whole step (8 blocks, T 512, batch "
+                        f"4) | {' / '.join(names[k] for k in keys)} | d_model {' / '.join(width(by[k]) for k in keys)} "
+                        f"| |")
+    return rows
+
+
 def gpu_rows():
     path = os.path.join(RESULTS, "gpu-h200.json")
     if not os.path.exists(path):
@@ -106,7 +140,7 @@ def fragments():
     path = os.path.join(RESULTS, "compare.json")
     if os.path.exists(path):
         rows += compare_rows(load_json(path))
-    rows += longctx_rows() + fits_rows() + gpu_rows()
+    rows += longctx_rows() + fits_rows() + levers_rows() + gpu_rows()
     if not rows:
         return {}
     head = ["| Workload | Strategy | Memory (x plain, CPU: activations) | Step time (x plain; CPU: paired) |",
