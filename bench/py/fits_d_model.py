@@ -203,7 +203,11 @@ def run_all(a, work):
         old = load_json(a.results)
         rows = old["rows"]
         # The rows kept were measured by an earlier run: keep its record, and say which rows this run made.
-        a.earlier = {"metadata": old["metadata"], "rows": [r["key"] for r in rows if r["key"] not in a.strategies.split(",")]}
+        kept = [r["key"] for r in rows if r["key"] not in a.strategies.split(",")]
+        earlier = old["metadata"].get("earlier_run")
+        # Rows an earlier --append kept came from the run before it: name that run, not the one in between.
+        a.earlier = (earlier if earlier and set(kept) <= set(earlier["rows"])
+                     else {"metadata": old["metadata"], "rows": kept})
     for key, label, flags in STRATEGIES:
         if key in a.strategies.split(","):
             rows = [r for r in rows if r["key"] != key]
