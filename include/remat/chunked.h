@@ -98,8 +98,9 @@ struct ChunkOptions {
  *  of the sums over the slices. Under the whole-step planner
  *  (AutoOptions::chunk_counts) each call outside a recompute is a unit
  *  whose options are chunk counts, and may run with another count than
- *  options.chunks(). Throws remat::Error for chunks < 1, no inputs, an undefined input, a dim an input does not have,
- * or inputs of different lengths along dim. */
+ *  options.chunks(). Throws remat::Error for chunks < 1, no inputs, an
+ *  undefined input, a dim an input does not have, or inputs of different
+ *  lengths along dim. */
 at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& fn,
                    const std::vector<at::Tensor>& inputs, const ChunkOptions& options);
 
