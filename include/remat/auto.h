@@ -188,8 +188,14 @@ struct AutoOptions {
    *  that unit keeps everything. Calls are told apart by their order in
    *  the step, so the step must make the same calls each time. Another count sums
    *  the gradients over other slices: the step then equals the plain one
-   *  up to floating-point reassociation, not bitwise. default_chunk_counts()
-   *  is a good list. Default none: every call runs with its own count. */
+   *  up to floating-point reassociation, not bitwise, and a region with
+   *  dropout inside draws other masks. A call with its own count 0 that
+   *  gets a count >= 1 computes its gradient in forward, which a backward
+   *  with create_graph refuses: leave chunk_counts empty for a step that
+   *  differentiates through the loss twice. Calls inside a checkpointed
+   *  region of your own, or inside another chunked call, keep their own
+   *  count. default_chunk_counts() is a good list. Default none: every
+   *  call runs with its own count. */
   TORCH_ARG(std::vector<int64_t>, chunk_counts);
 };
 

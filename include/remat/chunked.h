@@ -32,9 +32,10 @@ namespace detail {
 using ChunkRun = std::function<std::vector<at::Tensor>(int64_t chunks, const std::vector<at::Tensor>& inputs)>;
 
 /** Sees every chunked() and chunked_cross_entropy() call on this thread
- *  while installed (the whole-step planner, auto.h), except those made
- *  while a checkpoint recomputes or with grad mode off: each call is then a
- *  unit whose options are chunk counts. */
+ *  while installed (the whole-step planner, auto.h), with grad on or off,
+ *  except those made while a checkpoint recomputes or inside another
+ *  chunked call: each call may then be a unit whose options are chunk
+ *  counts. */
 class ChunkObserver {
  public:
   virtual ~ChunkObserver() = default;

@@ -6,11 +6,13 @@
 // so the planner sees it through its own observer (detail::ChunkObserver),
 // installed while step() runs the user's step. Calls are told apart by
 // their order in the step, counted outside recomputes, outside the
-// isolated runs and with grad on (the chunked functions do not ask the
-// observer otherwise): the k-th call of every step is the same unit. In
-// the profiled step a call is a unit when it is observed as a
-// Checkpointable's call would be (not inside a chain, nor inside another
-// unit without inner_units); its menu is its own count, then
+// isolated runs and outside another chunked call (whose count decides how
+// often it runs; the chunked functions do not ask the observer there),
+// with grad on or off: the k-th call of every step is the same unit. In
+// the profiled step a call is a unit when it runs with grad on, outside a
+// checkpointed region's forward (a user's region recomputes it with its
+// own count) and where a Checkpointable's call would be observed (not
+// inside a chain, nor inside another unit without inner_units); its menu is its own count, then
 // AutoOptions::chunk_counts capped at the length it slices, each measured
 // in isolated runs like any option (begin_call). In a planned step the
 // call runs with the count of the option chosen. A call inside another
@@ -20,8 +22,12 @@
 // recompute (which the observer never sees).
 #include "internal.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <string>
+
+#include "../region/region_depth.h"
 
 namespace remat {
 
@@ -34,9 +40,14 @@ std::unique_ptr<detail::UnitObserver::Call> AutoCheckpoint::Impl::begin(const ch
                                                                         const detail::ChunkRun& run, int64_t* chunks) {
   if (in_trial) return nullptr;  // a unit's isolated run: not a call of the step
   const size_t ord = sites_seen++;
+  // Numbered with grad off too (a chain's stages run their first forward
+  // so in planned steps), but planned only with grad on, and never inside
+  // a checkpointed region's forward, whose recompute runs the call again
+  // with its own count.
+  const bool plannable = at::GradMode::is_enabled() && !detail::in_region_forward();
   if (timeline != nullptr) {  // the profiled step
     if (site_units.size() <= ord) site_units.resize(ord + 1, -1);
-    if (options.chunk_counts().empty() || !observing()) {
+    if (options.chunk_counts().empty() || !plannable || !observing()) {
       site_units[ord] = -1;
       return nullptr;
     }
@@ -61,9 +72,9 @@ std::unique_ptr<detail::UnitObserver::Call> AutoCheckpoint::Impl::begin(const ch
     RunOption again = [&run](const Option& o, const std::vector<at::Tensor>& in) { return run(o.chunks, in); };
     return begin_call(static_cast<size_t>(unit), inputs, again, nullptr);
   }
-  if (planned && ord < site_units.size() && site_units[ord] >= 0) {
+  if (planned && plannable && ord < site_units.size() && site_units[ord] >= 0) {
     const size_t unit = static_cast<size_t>(site_units[ord]);
-    if (unit < chunks_plan.size() && chunks_plan[unit] >= 0) *chunks = chunks_plan[unit];
+    if (unit < chunks_plan.size() && chunks_plan[unit] >= 0 && units[unit].kind == kind) *chunks = chunks_plan[unit];
   }
   return nullptr;
 }

@@ -340,8 +340,9 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   Restore restore;
   TrialInputs t = trial_inputs(inputs);
   std::vector<at::Tensor> wrt = t.leaves;
-  // A chunked call's parameters are its inputs (NOTE [chunked calls as units]).
-  for (const auto& p : u.module != nullptr ? u.module->parameters() : std::vector<at::Tensor>{}) {
+  // A chunked call's fn may use any of the model's parameters (an MLP's
+  // weights; NOTE [chunked calls as units]): their gradients are part of its backward.
+  for (const auto& p : u.module != nullptr ? u.module->parameters() : model.parameters()) {
     if (p.requires_grad()) wrt.push_back(p);
   }
   struct InnerOn {  // the inner units checkpointed for this run (nested recompute)

@@ -306,6 +306,10 @@ void AutoCheckpoint::Impl::profile(const std::function<void()>& fn) {
   // builds every menu again; the menus in force come back if it throws,
   // so that they keep matching step_model.
   std::vector<std::pair<std::vector<Option>, bool>> menus_before;
+  // NOTE [chunked calls as units]: the profile may add units; one that
+  // throws drops them again.
+  const size_t units_before = units.size();
+  const std::vector<int64_t> sites_before = site_units;
   for (auto& u : units) {
     u.calls.clear();
     u.parent = kNotSeen;
@@ -316,6 +320,9 @@ void AutoCheckpoint::Impl::profile(const std::function<void()>& fn) {
   try {
     profile_fresh(fn);
   } catch (...) {
+    units.resize(units_before);
+    before.resize(std::min(before.size(), units_before));
+    site_units = sites_before;
     for (size_t i = 0; i < units.size(); ++i) std::tie(units[i].menu, units[i].plannable) = std::move(menus_before[i]);
     throw;
   }

@@ -12,6 +12,7 @@
 #include "../core/replay.h"
 #include "../core/write_guard.h"
 #include "../offload/offload_internal.h"
+#include "region_depth.h"
 #include "selective_state.h"
 
 #include <ATen/core/grad_mode.h>
@@ -589,6 +590,12 @@ void Frame::recompute() {
 
 bool should_checkpoint() { return at::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(); }
 
+namespace {
+thread_local int t_region_forwards = 0;  // regions whose forward runs on this thread now
+}  // namespace
+
+bool in_region_forward() { return t_region_forwards > 0; }
+
 Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs, RecomputeFn recompute,
                ModuleState state)
     : rng_locked_(options.preserve_rng_state()), frame_(std::make_shared<Frame>()) {
@@ -606,6 +613,7 @@ Region::Region(const CheckpointOptions& options, const std::vector<at::Tensor>& 
     if (rng_locked_) unlock_rng_regions();
     throw;
   }
+  ++t_region_forwards;
 }
 
 void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor>& inputs, RecomputeFn recompute,
@@ -657,6 +665,7 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
 }
 
 Region::~Region() {
+  --t_region_forwards;
   dispatch_scope_.reset();
   if (frame_->selective) frame_->selective->end_first_run();
   interceptor_.reset();

@@ -15,6 +15,32 @@ namespace remat {
 namespace {
 
 thread_local detail::ChunkObserver* tls_chunk_observer = nullptr;
+thread_local int tls_chunk_depth = 0;  // chunked calls running on this thread (a call inside another is not seen)
+
+/** The observer to tell of a chunked call starting now, or nullptr: none
+ *  while a checkpoint recomputes or inside another chunked call, whose
+ *  count decides how many times this one runs (NOTE [chunked calls as
+ *  units], src/auto/chunks.cpp). */
+detail::ChunkObserver* observer_now() {
+  return tls_chunk_depth == 0 && !is_recomputing() ? tls_chunk_observer : nullptr;
+}
+
+/** RAII: a chunked call runs (outside a recompute: the observer is not
+ *  asked there, and a recompute that stops early leaves its frames without
+ *  this object's destructor running). */
+struct Running {
+  Running() : counted_(!is_recomputing()) {
+    if (counted_) ++tls_chunk_depth;
+  }
+  ~Running() {
+    if (counted_) --tls_chunk_depth;
+  }
+  Running(const Running&) = delete;
+  Running& operator=(const Running&) = delete;
+
+ private:
+  bool counted_;
+};
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -119,13 +145,14 @@ at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&
   }
   int64_t chunks = options.chunks();
   std::unique_ptr<detail::UnitObserver::Call> call;
-  if (detail::ChunkObserver* obs = detail::chunk_observer();
-      obs != nullptr && !is_recomputing() && at::GradMode::is_enabled()) {
+  if (detail::ChunkObserver* obs = observer_now()) {
     const detail::ChunkRun again = [&](int64_t c, const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+      Running running;
       return {run_chunked(fn, in, dims, length, options, c < 0 ? options.chunks() : c)};
     };
     call = obs->begin("chunked", length, inputs, again, &chunks);
   }
+  Running running;
   at::Tensor out = run_chunked(fn, inputs, dims, length, options, chunks);
   if (call) call->finish({out});
   return out;
@@ -289,9 +316,9 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
   const int64_t N = targets.numel();
   int64_t chunks = options.chunks();
   std::unique_ptr<detail::UnitObserver::Call> call;
-  if (detail::ChunkObserver* obs = detail::chunk_observer();
-      obs != nullptr && !is_recomputing() && at::GradMode::is_enabled()) {
+  if (detail::ChunkObserver* obs = observer_now()) {
     const detail::ChunkRun again = [&](int64_t c, const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+      Running running;
       return {run_cross_entropy(in[0], in[1], in[2], options, in.size() > 3 ? in[3] : at::Tensor(),
                                 c < 0 ? options.chunks() : c)};
     };
@@ -299,6 +326,7 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
     if (bias.defined()) in.push_back(bias);
     call = obs->begin("chunked_cross_entropy", N, in, again, &chunks);
   }
+  Running running;
   at::Tensor out = run_cross_entropy(hidden, weight, targets, options, bias, chunks);
   if (call) call->finish({out});
   return out;

@@ -250,3 +250,78 @@ TEST(AutoChunks, ErrorsNameTheValue) {
             "[remat::auto] chunk_counts holds 0; each count must be >= 1 (a call's own count, 0 included, is always "
             "its first option). Pass e.g. remat::default_chunk_counts().");
 }
+
+// A chunked call inside a checkpointed region of the user's own keeps its
+// count (the region's recompute runs it again with that count), and one
+// inside another chunked call is part of it (the outer count decides how
+// often it runs): neither is a unit, and the planned steps run through
+// their recomputes.
+TEST(AutoChunks, CallsInsideARegionOfYourOwnOrAnotherChunkedCallKeepTheirCount) {
+  struct Body : torch::nn::Module, remat::Checkpointable {
+    Body() {
+      fc = register_module("fc", torch::nn::Linear(32, 32));
+      w = register_parameter("w", torch::randn({512, 32}) * 0.1);
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      return checkpointed([this](const torch::Tensor& h) { return torch::relu(fc(h)); }, x);
+    }
+    torch::nn::Linear fc{nullptr};
+    torch::Tensor w;
+  };
+  for (bool nested : {false, true}) {
+    auto run_steps = [&](bool planned) {
+      torch::manual_seed(0);
+      auto net = std::make_shared<Body>();
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+      auto x = torch::randn({4, 64, 32});
+      auto y = torch::randint(512, {4, 64});
+      auto step = [&] {
+        opt.zero_grad();
+        auto h = net->forward(x);
+        torch::Tensor loss;
+        if (nested) {  // per sequence slice, each slice's loss chunked again
+          loss = remat::chunked(
+              [&](const std::vector<torch::Tensor>& in) {
+                return remat::chunked_cross_entropy(in[0], net->w, in[1], remat::ChunkedCrossEntropyOptions(2));
+              },
+              {h, y}, remat::ChunkOptions(1, 4).reduce(remat::ChunkReduce::kMean));
+        } else {
+          loss = remat::checkpoint(
+              remat::CheckpointOptions(),
+              [&](const std::vector<torch::Tensor>& in) {
+                return remat::chunked_cross_entropy(in[0], net->w, y, remat::ChunkedCrossEntropyOptions(0));
+              },
+              std::vector<torch::Tensor>{h});
+        }
+        loss.backward();
+        opt.step();
+      };
+      std::vector<std::string> names;
+      if (!planned) {
+        for (int k = 0; k < 4; ++k) step();
+      } else {
+        auto planner = remat::auto_checkpoint(*net, remat::AutoOptions()
+                                                        .memory_budget_fraction(1.0)
+                                                        .chunk_counts(remat::default_chunk_counts())
+                                                        .profile_repeats(1));
+        for (int k = 0; k < 2; ++k) planner.step(step);
+        planner.replan(planner.leanest_peak_bytes() + planner.leanest_peak_bytes() / 100);
+        for (int k = 0; k < 2; ++k) planner.step(step);
+        for (const auto& u : planner.units()) names.push_back(u.name + ": " + u.options[u.choice]);
+      }
+      return std::make_pair(params_of(*net), names);
+    };
+    const auto plain = run_steps(false);
+    const auto got = run_steps(true);
+    std::string all;
+    for (const auto& n : got.second) all += n + "\n";
+    EXPECT_EQ(all.find("chunked_cross_entropy"), std::string::npos) << (nested ? "nested" : "in a region") << "\n"
+                                                                    << all;
+    if (nested) {
+      EXPECT_NE(all.find("chunked: "), std::string::npos) << "the outer call is a unit\n" << all;
+    } else {
+      // Its own count throughout: the step is the plain one.
+      for (size_t i = 0; i < plain.first.size(); ++i) EXPECT_TRUE(torch::equal(plain.first[i], got.first[i])) << i;
+    }
+  }
+}
