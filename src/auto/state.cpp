@@ -25,15 +25,10 @@
 #include <algorithm>
 #include <sstream>
 
-#include <torch/optim/adagrad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/rmsprop.h>
-#include <torch/optim/sgd.h>
-
 #include <remat/error.h>
 #include <remat/plan/error.h>
 
+#include "../optim/state_layout.h"
 #include "internal.h"
 
 namespace remat {
@@ -59,28 +54,13 @@ double kept_share(const OffloadOptions& o, const c10::Device& device) {
   return 1.0;
 }
 
-/** How many tensors of its parameter's size one parameter's state holds
- *  under a group's options: LibTorch's Adam and AdamW two (three with
- *  AMSGrad), SGD one with momentum, RMSprop one to three, Adagrad one;
- *  three, the most any of them keeps, for another optimizer. */
-int64_t state_tensors(const torch::optim::OptimizerOptions& o) {
-  using namespace torch::optim;
-  if (const auto* a = dynamic_cast<const AdamWOptions*>(&o)) return a->amsgrad() ? 3 : 2;
-  if (const auto* a = dynamic_cast<const AdamOptions*>(&o)) return a->amsgrad() ? 3 : 2;
-  if (const auto* s = dynamic_cast<const SGDOptions*>(&o)) return s->momentum() != 0 ? 1 : 0;
-  if (const auto* r = dynamic_cast<const RMSpropOptions*>(&o))
-    return 1 + (r->momentum() > 0 ? 1 : 0) + (r->centered() ? 1 : 0);
-  if (dynamic_cast<const AdagradOptions*>(&o) != nullptr) return 1;
-  return 3;
-}
-
-/** A bound on one parameter's state, bytes: its tensors (state_tensors)
+/** A bound on one parameter's state, bytes: its tensors (state_layout.h)
  *  times the largest parameter's bytes, over the groups. Known before the
  *  state exists (the store is made with the planner). */
 int64_t state_bound(const torch::optim::Optimizer& opt) {
   int64_t bound = 0;
   for (const auto& g : opt.param_groups()) {
-    const int64_t n = g.has_options() ? state_tensors(g.options()) : 3;
+    const int64_t n = g.has_options() ? detail::state_tensors_per_parameter(g.options()) : 3;
     for (const auto& p : g.params()) bound = std::max<int64_t>(bound, n * static_cast<int64_t>(p.nbytes()));
   }
   return bound;

@@ -45,6 +45,7 @@
 #include <remat/error.h>
 
 #include "../offload/offload_internal.h"
+#include "state_layout.h"
 
 namespace remat {
 namespace detail {
@@ -81,6 +82,21 @@ std::vector<at::Tensor*> known_state_tensors(torch::optim::OptimizerParamState& 
   if (auto* g = dynamic_cast<AdagradParamState*>(&st)) return {&g->sum()};
   return {};
 }
+
+}  // namespace
+
+int64_t state_tensors_per_parameter(const torch::optim::OptimizerOptions& o) {
+  using namespace torch::optim;
+  if (const auto* a = dynamic_cast<const AdamWOptions*>(&o)) return a->amsgrad() ? 3 : 2;
+  if (const auto* a = dynamic_cast<const AdamOptions*>(&o)) return a->amsgrad() ? 3 : 2;
+  if (const auto* s = dynamic_cast<const SGDOptions*>(&o)) return s->momentum() != 0 ? 1 : 0;
+  if (const auto* r = dynamic_cast<const RMSpropOptions*>(&o))
+    return 1 + (r->momentum() > 0 ? 1 : 0) + (r->centered() ? 1 : 0);
+  if (dynamic_cast<const AdagradOptions*>(&o) != nullptr) return 1;
+  return 3;
+}
+
+namespace {
 
 bool known_optimizer(const torch::optim::Optimizer& o) {
   using namespace torch::optim;

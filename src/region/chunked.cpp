@@ -25,9 +25,8 @@ detail::ChunkObserver* observer_now() {
   return tls_chunk_depth == 0 && !is_recomputing() ? tls_chunk_observer : nullptr;
 }
 
-/** RAII: a chunked call runs (outside a recompute: the observer is not
- *  asked there, and a recompute that stops early leaves its frames without
- *  this object's destructor running). */
+/** RAII: a chunked call runs. Counted outside recomputes only: the
+ *  observer is never asked inside one. */
 struct Running {
   Running() : counted_(!is_recomputing()) {
     if (counted_) ++tls_chunk_depth;
@@ -41,6 +40,29 @@ struct Running {
  private:
   bool counted_;
 };
+
+/** A chunked call's work with `chunks` slices (-1: its own count) on `in`. */
+using RunWith = std::function<at::Tensor(int64_t chunks, const std::vector<at::Tensor>& in)>;
+
+/** Runs a chunked call of `kind` with its own count `own`: told to the
+ *  observer first (which may measure it again and choose another count),
+ *  then run and, when observed, finished with its output. */
+at::Tensor observed(const char* kind, int64_t limit, const std::vector<at::Tensor>& inputs, int64_t own,
+                    const RunWith& run) {
+  int64_t chunks = own;
+  std::unique_ptr<detail::UnitObserver::Call> call;
+  if (detail::ChunkObserver* obs = observer_now()) {
+    const detail::ChunkRun again = [&](int64_t c, const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+      Running running;
+      return {run(c < 0 ? own : c, in)};
+    };
+    call = obs->begin(kind, limit, inputs, again, &chunks);
+  }
+  Running running;
+  at::Tensor out = run(chunks, inputs);
+  if (call) call->finish({out});
+  return out;
+}
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -143,19 +165,9 @@ at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&
     length = t.size(d);
     dims.push_back(d);
   }
-  int64_t chunks = options.chunks();
-  std::unique_ptr<detail::UnitObserver::Call> call;
-  if (detail::ChunkObserver* obs = observer_now()) {
-    const detail::ChunkRun again = [&](int64_t c, const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-      Running running;
-      return {run_chunked(fn, in, dims, length, options, c < 0 ? options.chunks() : c)};
-    };
-    call = obs->begin("chunked", length, inputs, again, &chunks);
-  }
-  Running running;
-  at::Tensor out = run_chunked(fn, inputs, dims, length, options, chunks);
-  if (call) call->finish({out});
-  return out;
+  return observed("chunked", length, inputs, options.chunks(), [&](int64_t chunks, const std::vector<at::Tensor>& in) {
+    return run_chunked(fn, in, dims, length, options, chunks);
+  });
 }
 
 // --- chunked cross-entropy ----------------------------------------------------
@@ -314,22 +326,12 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
                 "; class probabilities are not supported. Pass class ids (int64, e.g. targets.to(torch::kLong)).");
   }
   const int64_t N = targets.numel();
-  int64_t chunks = options.chunks();
-  std::unique_ptr<detail::UnitObserver::Call> call;
-  if (detail::ChunkObserver* obs = observer_now()) {
-    const detail::ChunkRun again = [&](int64_t c, const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-      Running running;
-      return {run_cross_entropy(in[0], in[1], in[2], options, in.size() > 3 ? in[3] : at::Tensor(),
-                                c < 0 ? options.chunks() : c)};
-    };
-    std::vector<at::Tensor> in{hidden, weight, targets};
-    if (bias.defined()) in.push_back(bias);
-    call = obs->begin("chunked_cross_entropy", N, in, again, &chunks);
-  }
-  Running running;
-  at::Tensor out = run_cross_entropy(hidden, weight, targets, options, bias, chunks);
-  if (call) call->finish({out});
-  return out;
+  std::vector<at::Tensor> in{hidden, weight, targets};
+  if (bias.defined()) in.push_back(bias);
+  return observed("chunked_cross_entropy", N, in, options.chunks(),
+                  [&](int64_t chunks, const std::vector<at::Tensor>& t) {
+                    return run_cross_entropy(t[0], t[1], t[2], options, t.size() > 3 ? t[3] : at::Tensor(), chunks);
+                  });
 }
 
 }  // namespace remat
