@@ -5,7 +5,9 @@
 // embedding and head, a block called twice, a frozen and a sometimes-unused
 // parameter) under every way remat runs backward; then the state in a store
 // (lossless, files, failures), memory, and what is refused.
+#include <chrono>
 #include <filesystem>
+#include <future>
 #include <optional>
 
 #include <ATen/autocast_mode.h>
@@ -454,6 +456,31 @@ TEST(StepInBackward, StateOffloadedBetweenStepsLeavesOnlyWhatIsReadAhead) {
   // parameter's (2 MiB) plus writes not yet done.
   EXPECT_LE(off, kept - 10 * (int64_t{1} << 20));
   EXPECT_EQ(files_in(dir), 0u);
+}
+
+// A backward that sent states ends once their writes are done, so the next
+// forward holds none of them in flight (auto_checkpoint's plan counts on
+// it): with the writers held, the backward does not return until they go.
+TEST(StepInBackward, ABackwardThatSentStatesEndsOnceTheirWritesAreDone) {
+  const std::string dir = fresh_dir("optim-state-drain");
+  auto m = wide_mlp();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
+  remat::StepInBackward sib(opt, remat::StepInBackwardOptions()
+                                     .state_offload(remat::OffloadOptions(remat::OffloadTarget::kDisk)
+                                                        .directory(dir)
+                                                        .min_bytes(0)
+                                                        .max_inflight_bytes(int64_t{1} << 30))
+                                     .state_prefetch(1));
+  const auto x = torch::randn({8, 512});
+  for (int k = 0; k < 2; ++k) m->forward(x).square().mean().backward();  // the states exist and are stored
+  remat::detail::pause_offload_writers(true);
+  auto backward = std::async(std::launch::async, [&] { m->forward(x).square().mean().backward(); });
+  const bool returned = backward.wait_for(std::chrono::milliseconds(1500)) == std::future_status::ready;
+  remat::detail::pause_offload_writers(false);
+  backward.get();
+  EXPECT_FALSE(returned) << "the backward returned with its state writes pending";
+  EXPECT_EQ(sib.stats().updates, 3 * 16);
+  EXPECT_EQ(sib.stats().state_write_failures, 0);
 }
 
 TEST(StepInBackward, StateReadAheadInTheOrderOfTheLastBackward) {

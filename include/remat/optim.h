@@ -33,9 +33,10 @@ class StepInBackwardOptions {
    *  store with these options (kDisk with a directory; kMemory with
    *  Codec::kBFloat16 for state compressed in memory; kHost on a GPU). Each
    *  state comes back before its parameter's next update, read ahead in the
-   *  order the previous backward updated the parameters. Lossless unless a
-   *  lossy codec is chosen. Default: the state stays where the optimizer
-   *  keeps it. */
+   *  order the previous backward updated the parameters. A backward that
+   *  sent states ends once their writes are done, so that the next
+   *  forward holds none of them in flight. Lossless unless a lossy codec
+   *  is chosen. Default: the state stays where the optimizer keeps it. */
   StepInBackwardOptions& state_offload(OffloadOptions options) {
     state_offload_ = std::move(options);
     return *this;
@@ -221,6 +222,15 @@ class StepInBackward {
   std::vector<int64_t> largest_state_bytes_per_group() const;
   /** The counters so far (a snapshot). */
   StepInBackwardStats stats() const;
+  /** What on_update() hears after each update inside backward. */
+  using UpdateListener = std::function<void(size_t group, int64_t state_bytes)>;
+  /** Calls fn after each parameter's update inside backward, with the
+   *  index of its param group and the bytes of optimizer state it has then
+   *  (wherever they go next); an empty fn stops. fn runs on the backward's
+   *  thread with this object locked: keep it short and do not call this
+   *  object from it. remat::auto_checkpoint uses it to learn when each
+   *  state is in use. */
+  void on_update(UpdateListener fn);
   /** What it does: the optimizer, the parameters, where the state lives,
    *  the counters. */
   std::string describe() const;

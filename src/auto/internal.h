@@ -203,18 +203,31 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   };
   std::vector<StateGroup> state_groups;  // as of the last profile
   double state_ms_per_byte = 0;          // measured: written to the store and read back
+  /** One update inside the profiled step's backward: optimizers()[opt]'s
+   *  parameter of param group `group`, its state bytes, and when. */
+  struct StateUpdate {
+    size_t opt = 0, group = 0;
+    int64_t bytes = 0;
+    double time_us = 0;   // on the profiled step's timeline
+    int64_t segment = 0;  // of the step model (measure_state)
+  };
+  std::mutex updates_mu;
+  std::vector<StateUpdate> updates_trial;  // the profile under way's
+  std::vector<StateUpdate> state_updates;  // as of the last profile, in order
+  void note_update(size_t opt, size_t group, int64_t bytes);
   /** One placement of the state groups: which go to the store, the bytes
-   *  that saves at every point of the step (their state less what the
-   *  store holds in flight) and the time it costs. */
+   *  that adds to each segment of the step (below 0: their state off, less
+   *  what the stores hold in flight there) and the time it costs. */
   struct Placement {
     std::vector<bool> in_store;  // per state_groups
-    int64_t saved_bytes = 0;
+    std::vector<int64_t> shift;  // per segment of step_model; empty: none
+    int64_t state_bytes = 0;     // of the groups in the store, what the store takes off
     double ms = 0;
   };
   std::vector<Placement> placements() const;
   Placement placement;               // of the plan in force
   std::vector<bool> state_in_force;  // per state_groups, as applied
-  int64_t state_inflight_bytes(const std::vector<bool>& in_store) const;
+  std::vector<int64_t> state_inflight(const std::vector<bool>& in_store) const;
   void start_in_backward();
   void measure_state();
   void apply_state();
@@ -297,14 +310,22 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
 
   /** The plans solve() compares: without options that send to a store (no
    *  margin); with those sending only inputs (the inputs' margin); with
-   *  every option (the whole margin). */
+   *  every option (the whole margin). offered: per unit of the step model,
+   *  how many options (plan::StepVariant::options_offered). */
   struct Tier {
-    plan::StepModel model;
+    std::vector<size_t> offered;
     int64_t margin = 0;
   };
   std::vector<Tier> tiers() const;
   int store_of(size_t j, size_t k) const;
-  plan::StepModel without_offload(bool plain_only = false) const;
+  std::vector<size_t> without_offload(bool plain_only = false) const;
+  /** Every (tier, placement) pair as a variant of step_model, with the
+   *  tier and the placement of each. */
+  struct Variants {
+    std::vector<plan::StepVariant> list;
+    std::vector<std::pair<Tier, Placement>> of;
+  };
+  Variants variants() const;
   plan::StepPlan solve(int64_t target);
 
   struct Leanest {

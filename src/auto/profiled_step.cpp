@@ -344,6 +344,10 @@ void AutoCheckpoint::Impl::profile(const std::function<void()>& fn) {
 // a warm-up step, AutoOptions::warmup_steps, gives the exact profile).
 void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
   inflight_trial.assign(options.offload().size(), 0);
+  {
+    std::lock_guard<std::mutex> lock(updates_mu);
+    updates_trial.clear();  // NOTE [model state in the plan]: this step's updates
+  }
   mem = memory::source_for(memory::measured_device(model.parameters()));
   mem->enable();
   const int64_t start_bytes = mem->current_bytes();

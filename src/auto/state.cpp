@@ -9,19 +9,23 @@
 // one included, runs with the updates in backward, so the gradients it
 // measures are the ones that live then. The profiled step keeps every
 // state with its optimizer: its timeline holds every group's state at every
-// point. A group whose state is in the store holds at most what its
-// optimizer's store has in flight: the states written but not yet on disk
-// and those read ahead (the store's max_inflight_bytes: (read-ahead + 1) x
-// three of the optimizer's largest parameter, a bound on one parameter's
-// state), plus the state of the parameter being updated. So a placement
-// lowers every point of the step by the same bytes, saved = the groups'
-// state x what the store takes off (all of it on disk, half of float32
-// state in bfloat16, none on the host from a CPU) - that margin (each
-// optimizer's store counted once), and costs the time to write the state and read it
-// back once per step (measured on one parameter's state after the profiled
-// step; no overlap with compute assumed). solve() asks the step model for
-// the fastest plan under target + saved for every placement (every subset
-// of the groups, up to 6 groups; else none or all) and keeps the fastest.
+// point, and it notes when each parameter is updated (on_update), so each
+// update has its segment. A group whose state is in the store holds, at a
+// segment, only what its optimizer's store may have in flight then
+// (state_inflight): the states written since the step began and not yet
+// on disk plus the one read ahead, never more than the store's
+// max_inflight_bytes ((read-ahead + 1) x a bound on one parameter's
+// state), and the states of the parameters updated in that segment. The
+// writes of one backward end with it (StepInBackward waits for them), so a
+// forward holds only the state read ahead for the next backward's first
+// update. So a placement shifts each segment by its own bytes: - the
+// groups' state x what the store takes off (all of it on disk, half of
+// float32 state in bfloat16, none on the host from a CPU) + what is in
+// flight there; and costs the time to write the state and read it back
+// once per step (measured on one parameter's state after the profiled
+// step; no overlap with compute assumed). solve() asks the step solver for
+// the fastest plan over every placement (every subset of the groups, up to
+// 6 groups; else none or all) and every offload tier: plan::StepVariant.
 #include <algorithm>
 #include <sstream>
 
@@ -90,30 +94,88 @@ void AutoCheckpoint::Impl::start_in_backward() {
       so.state_offload(store_options(*options.optimizer_state_store(), state_bound(*o))).state_prefetch(kStatePrefetch);
     }
     in_backward.push_back(std::make_unique<StepInBackward>(*o, so));
+    in_backward.back()->on_update([this, k](size_t group, int64_t bytes) { note_update(k, group, bytes); });
     if (options.optimizer_state_store())
       in_backward.back()->offload_groups(std::vector<bool>(o->param_groups().size()));
   }
 }
 
-int64_t AutoCheckpoint::Impl::state_inflight_bytes(const std::vector<bool>& in_store) const {
-  // Each optimizer's store with a group in it holds its in-flight bound, and
-  // one parameter's state is out of the store while it is updated.
-  int64_t bytes = 0, in_use = 0;
-  std::vector<bool> counted(in_backward.size(), false);
-  for (size_t g = 0; g < state_groups.size(); ++g) {
-    if (!in_store[g]) continue;
-    const size_t k = state_groups[g].opt;
-    in_use = std::max(in_use, state_groups[g].largest);
-    if (counted[k]) continue;
-    counted[k] = true;
-    bytes += (kStatePrefetch + 1) * state_bound(*options.optimizers()[k]);
+void AutoCheckpoint::Impl::note_update(size_t opt, size_t group, int64_t bytes) {
+  if (timeline == nullptr || in_trial) return;  // only the profiled step's own updates
+  std::lock_guard<std::mutex> lock(updates_mu);
+  updates_trial.push_back({opt, group, bytes, timeline->now_us(), 0});
+}
+
+std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool>& in_store) const {
+  const size_t segments = step_model.segment_peak_bytes.size();
+  std::vector<int64_t> out(segments, 0);
+  if (segments == 0) return out;
+  for (size_t k = 0; k < in_backward.size(); ++k) {
+    // Which of optimizer k's groups send their state, and the most one of
+    // their parameters has.
+    std::vector<bool> sends(options.optimizers()[k]->param_groups().size(), false);
+    std::vector<int64_t> state_of(sends.size(), 0), seen_of(sends.size(), 0);
+    int64_t largest = 0;
+    for (size_t g = 0; g < state_groups.size(); ++g) {
+      if (state_groups[g].opt != k || !in_store[g]) continue;
+      sends[state_groups[g].group] = true;
+      state_of[state_groups[g].group] = state_groups[g].bytes;
+      largest = std::max(largest, state_groups[g].largest);
+    }
+    if (largest == 0) continue;
+    const int64_t cap = (kStatePrefetch + 1) * state_bound(*options.optimizers()[k]);
+    std::vector<const StateUpdate*> seq;
+    for (const StateUpdate& u : state_updates) {
+      if (u.opt != k) continue;
+      seq.push_back(&u);
+      if (sends[u.group]) seen_of[u.group] += u.bytes;
+    }
+    // A parameter with state that the profiled step did not update (it may
+    // be in a later one, at a point not known): the store's whole bound at
+    // every point.
+    bool all_seen = true;
+    for (size_t g = 0; g < sends.size(); ++g) all_seen &= !sends[g] || seen_of[g] >= state_of[g];
+    if (!all_seen) {
+      for (int64_t& b : out) b += cap + largest;
+      continue;
+    }
+    auto in = [&](const StateUpdate* u) { return sends[u->group] ? u->bytes : int64_t{0}; };
+    std::vector<int64_t> written(segments, 0), ahead(segments, 0), in_use(segments, 0);
+    for (const StateUpdate* u : seq) {
+      const auto s = static_cast<size_t>(u->segment);
+      written[s] += in(u);
+      in_use[s] = std::max(in_use[s], in(u));
+    }
+    for (size_t s = 1; s < segments; ++s) written[s] += written[s - 1];
+    // The state read ahead after each update (the next one's; after the
+    // last, the first's, for the next backward), from that update's segment
+    // to the next update's; before the first update, the first's.
+    const size_t n = seq.size();
+    for (size_t i = 0; i <= n && n > 0; ++i) {
+      const StateUpdate* next = seq[i % n];
+      const size_t from = i == 0 ? 0 : static_cast<size_t>(seq[i - 1]->segment);
+      const size_t to = i < n ? static_cast<size_t>(next->segment) : segments - 1;
+      for (size_t s = from; s <= to && s < segments; ++s) ahead[s] = std::max(ahead[s], in(next));
+    }
+    for (size_t s = 0; s < segments; ++s) out[s] += std::min(cap, written[s] + ahead[s]) + in_use[s];
   }
-  return bytes + in_use;
+  return out;
 }
 
 void AutoCheckpoint::Impl::measure_state() {
   state_groups.clear();
   state_ms_per_byte = 0;
+  {
+    std::lock_guard<std::mutex> lock(updates_mu);
+    state_updates = std::move(updates_trial);
+    updates_trial.clear();
+  }
+  // Each update's segment: the one whose span holds its time.
+  const auto last = static_cast<int64_t>(step_model.segment_peak_bytes.size()) - 1;
+  for (StateUpdate& u : state_updates) {
+    const auto at = std::upper_bound(points_us.begin(), points_us.end(), u.time_us) - points_us.begin() - 1;
+    u.segment = std::clamp<int64_t>(at, 0, std::max<int64_t>(0, last));
+  }
   if (!options.optimizer_state_store()) return;
   for (size_t k = 0; k < in_backward.size(); ++k) {
     const auto bytes = in_backward[k]->state_bytes_per_group();
@@ -158,9 +220,14 @@ std::vector<AutoCheckpoint::Impl::Placement> AutoCheckpoint::Impl::placements() 
       p.ms += 2.0 * state_ms_per_byte * static_cast<double>(state_groups[g].bytes);
     }
     if (state > 0) {
-      p.saved_bytes =
-          static_cast<int64_t>((1.0 - share) * static_cast<double>(state)) - state_inflight_bytes(p.in_store);
-      if (p.saved_bytes <= 0) return;  // the store would hold more than it takes off
+      p.state_bytes = static_cast<int64_t>((1.0 - share) * static_cast<double>(state));
+      p.shift = state_inflight(p.in_store);
+      bool saves = false;  // somewhere the store takes off more than it holds
+      for (int64_t& b : p.shift) {
+        b -= p.state_bytes;
+        saves |= b < 0;
+      }
+      if (!saves) return;
     }
     out.push_back(std::move(p));
   };
@@ -212,9 +279,11 @@ std::string AutoCheckpoint::Impl::explain_state() const {
     os << "  optimizer " << s.opt << " group " << s.group << ": " << plan::format_bytes(s.bytes) << " of state "
        << (in ? "in the store" : "kept") << "\n";
   }
-  if (placement.saved_bytes > 0) {
-    os << "  the store takes " << plan::format_bytes(placement.saved_bytes) << " off every point of the step ("
-       << plan::format_bytes(state_inflight_bytes(placement.in_store)) << " in flight counted) for +"
+  const int64_t at = step_plan.prediction.peak_segment;
+  if (placement.state_bytes > 0 && at >= 0 && static_cast<size_t>(at) < placement.shift.size()) {
+    const int64_t held = placement.shift[static_cast<size_t>(at)] + placement.state_bytes;
+    os << "  the store takes " << plan::format_bytes(placement.state_bytes) << " off every point of the step, less "
+       << plan::format_bytes(held) << " in flight where the plan peaks, for +"
        << static_cast<double>(static_cast<int64_t>(placement.ms * 10 + 0.5)) / 10 << " ms per step ("
        << to_string(options.optimizer_state_store()->target()) << ", measured "
        << (state_ms_per_byte > 0 ? plan::format_bytes(static_cast<int64_t>(1.0 / (state_ms_per_byte * 1e-3))) : "?")

@@ -284,9 +284,8 @@ int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only) const {
 
 std::vector<AutoCheckpoint::Impl::Tier> AutoCheckpoint::Impl::tiers() const {
   const int64_t all = inflight_margin(), inputs = inflight_margin(/*inputs_only=*/true);
-  if (all == 0) return {{step_model, 0}};
-  return {
-      {without_offload(/*plain_only=*/false), 0}, {without_offload(/*plain_only=*/true), inputs}, {step_model, all}};
+  if (all == 0) return {{{}, 0}};
+  return {{without_offload(/*plain_only=*/false), 0}, {without_offload(/*plain_only=*/true), inputs}, {{}, all}};
 }
 
 /** The store an option of step-model unit j sends to (an index in
@@ -296,64 +295,71 @@ int AutoCheckpoint::Impl::store_of(size_t j, size_t k) const {
   return u.menu[u.offered[k]].store;
 }
 
-/** The step model with the options that send to a store left out (they
- *  end each menu), or with plain_only those that send what the unit saves
- *  (they end it). */
-plan::StepModel AutoCheckpoint::Impl::without_offload(bool plain_only) const {
-  plan::StepModel m = step_model;
+/** Per unit of the step model, its options less those that send to a store
+ *  (they end each menu), or with plain_only less those that send what the
+ *  unit saves (they end it). */
+std::vector<size_t> AutoCheckpoint::Impl::without_offload(bool plain_only) const {
+  std::vector<size_t> offered;
   const std::vector<size_t> mu = model_units();
-  for (size_t j = 0; j < m.units.size(); ++j) {
+  for (size_t j = 0; j < step_model.units.size(); ++j) {
     const Unit& unit = units[mu[j]];
-    size_t n = m.units[j].options.size();
+    size_t n = step_model.units[j].options.size();
     while (n > 1 && (plain_only ? unit.menu[unit.offered[n - 1]].offload.has_value() : store_of(j, n - 1) >= 0)) --n;
-    plan::truncate_options(m, j, n);
+    offered.push_back(n);
   }
-  return m;
+  return offered;
+}
+
+/** NOTE [model state in the plan] (state.cpp): each placement of the
+ *  optimizers' state shifts each segment by its own bytes; each tier
+ *  withholds options or adds its stores' in-flight bytes everywhere. */
+AutoCheckpoint::Impl::Variants AutoCheckpoint::Impl::variants() const {
+  Variants v;
+  const size_t segments = step_model.segment_peak_bytes.size();
+  for (const Placement& pl : placements()) {
+    for (const Tier& t : tiers()) {
+      plan::StepVariant x;
+      x.options_offered = t.offered;
+      if (t.margin != 0 || !pl.shift.empty()) {
+        x.segment_shift_bytes.assign(segments, t.margin);
+        for (size_t s = 0; s < pl.shift.size() && s < segments; ++s) x.segment_shift_bytes[s] += pl.shift[s];
+      }
+      x.time_ms = pl.ms;
+      v.list.push_back(std::move(x));
+      v.of.emplace_back(t, pl);
+    }
+  }
+  return v;
 }
 
 /** The fastest plan whose predicted peak fits target. Plans that offload
  *  through a disk store must fit with the stores' in-flight bytes added
- *  (inflight_margin), so that bound holds whatever the disk's pace. */
+ *  (inflight_margin), so that bound holds whatever the disk's pace. The
+ *  prediction leaves that margin out (explain() shows it apart). */
 plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
   const plan::StepSolveOptions so{options.solver_time_limit_s()};
-  std::optional<plan::StepPlan> best;
-  // NOTE [model state in the plan] (state.cpp): each placement of the
-  // optimizers' state takes the same bytes off every point.
-  for (const Placement& pl : placements()) {
-    for (const Tier& t : tiers()) {
-      if (target + pl.saved_bytes <= t.margin) continue;
-      try {
-        plan::StepPlan p = plan::solve_step(t.model, target - t.margin + pl.saved_bytes, so);
-        p.budget_bytes = target;
-        p.prediction.peak_bytes -= pl.saved_bytes;
-        p.prediction.time_ms += pl.ms;
-        if (!best || p.prediction.time_ms < best->prediction.time_ms) {
-          best = std::move(p);
-          plan_margin = t.margin;
-          placement = pl;
-        }
-      } catch (const Error&) {
-      }
-    }
+  const Variants v = variants();
+  plan::StepPlan p;
+  try {
+    p = plan::solve_step_variants(step_model, v.list, target, so);
+  } catch (const Error&) {
+    throw Error(no_plan_fits(target));
   }
-  if (best) return *best;
-  throw Error(no_plan_fits(target));
+  const auto& [tier, pl] = v.of[static_cast<size_t>(p.variant)];
+  p.prediction.peak_bytes -= tier.margin;
+  for (int64_t& b : p.prediction.segment_bytes) b -= tier.margin;
+  plan_margin = tier.margin;
+  placement = pl;
+  return p;
 }
 
 /** The smallest peak a plan reaches, its in-flight margin included. */
 AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
-  const plan::StepSolveOptions so{options.solver_time_limit_s()};
-  std::optional<Leanest> best;
-  const std::vector<Placement> pls = placements();
-  for (const Tier& t : tiers()) {
-    const plan::StepPlan lean = plan::min_peak_step(t.model, so);
-    const plan::StepPrediction& p = lean.prediction;
-    for (const Placement& pl : pls) {  // NOTE [model state in the plan]
-      const int64_t peak = p.peak_bytes + t.margin - pl.saved_bytes;
-      if (!best || peak < best->peak) best = Leanest{peak, p.peak_segment, t.margin, lean.optimal};
-    }
-  }
-  return *best;
+  const Variants v = variants();
+  const plan::StepPlan lean =
+      plan::min_peak_step_variants(step_model, v.list, plan::StepSolveOptions{options.solver_time_limit_s()});
+  return Leanest{lean.prediction.peak_bytes, lean.prediction.peak_segment,
+                 v.of[static_cast<size_t>(lean.variant)].first.margin, lean.optimal};
 }
 
 /** NOTE [offload priced by the step]: an isolated run writes and reads

@@ -18,7 +18,9 @@
 // NOTE [state between updates]: with state_offload, each state tensor goes
 // to an isolated store (offload_internal.h) after its parameter's update and
 // comes back before the next; the order of the updates of the last backward
-// says which states to read ahead. A failed write keeps that state in
+// says which states to read ahead. A backward that sent states waits for
+// their writes at its end (an engine callback), so that none is in flight
+// in the next forward (auto's plan counts on it). A failed write keeps that state in
 // memory (the update was applied; stats() says so). A failed read throws
 // from that parameter's hook before its update: the parameters before it in
 // this backward were updated with their states, it and those after were not,
@@ -131,10 +133,12 @@ struct StepInBackwardImpl {
   StepInBackwardStats st;
   std::string deferred_reason;  // the last DeferredGradients' why
   int queued_for = -1;          // the graph task fetch_pending is queued for
+  int drained_for = -1;         // the graph task drain is queued for
   std::weak_ptr<StepInBackwardImpl> self_weak;
   // NOTE [state between updates]: the order of the last backward's updates.
   std::vector<size_t> order, last_order;
-  std::vector<int64_t> pos_in_last;  // per parameter, its place in last_order or -1
+  std::vector<int64_t> pos_in_last;         // per parameter, its place in last_order or -1
+  StepInBackward::UpdateListener listener;  // on_update()
 
   StepInBackwardImpl(torch::optim::Optimizer& o, StepInBackwardOptions opts) : opt(o), options(std::move(opts)) {}
 
@@ -295,10 +299,17 @@ struct StepInBackwardImpl {
     if (store) {
       fetch(p, /*count_miss=*/true);
       begin_order(p);
+      // NOTE [state between updates]: the backward ends once its writes are done.
+      if (group_offloaded[p.group] && task != -1 && drained_for != task) {
+        drained_for = task;
+        torch::autograd::Engine::get_default_engine().queue_callback(
+            [self = self_weak.lock()] { self ? self->drain() : void(); });
+      }
     }
     step_one(p);
     p.pending = false;
     st.updates++;
+    if (listener) listener(p.group, state_bytes(p));
     if (store) {
       p.seen_this_pass = true;
       order.push_back(it->second);
@@ -306,6 +317,18 @@ struct StepInBackwardImpl {
       read_ahead(p);
       st.state_write_failures = store->failures(&st.last_state_error);
     }
+  }
+
+  /** End of a backward that sent states: their writes finish before the
+   *  next forward, which then holds none of them. */
+  void drain() {
+    try {
+      store->wait();
+    } catch (const std::exception&) {  // a failed write keeps its state in memory; failures() counts it
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    drained_for = -1;
+    st.state_write_failures = store->failures(&st.last_state_error);
   }
 
   /** End of a backward that updated: the states of gradients kept by
@@ -501,6 +524,11 @@ void StepInBackward::fetch_state() {
     }
   }
   if (!first.empty()) throw Error(first);
+}
+
+void StepInBackward::on_update(UpdateListener fn) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->listener = std::move(fn);
 }
 
 void StepInBackward::wait() {

@@ -196,7 +196,9 @@ TEST(AutoChunks, ChunkedRegionsInsideBlocksRunTheirOwnCountWhereTheBlockRecomput
       }
     }
     EXPECT_EQ(sites, 4) << got.explain;  // blocks.k.mlp/chunked
-    if (f == 0.0) EXPECT_GT(inside_recompute, 0) << "the leanest plan recomputes blocks\n" << got.explain;
+    if (f == 0.0) {
+      EXPECT_GT(inside_recompute, 0) << "the leanest plan recomputes blocks\n" << got.explain;
+    }
     for (int64_t p : got.peaks) EXPECT_LE(static_cast<double>(p), 1.01 * static_cast<double>(got.budget)) << what;
     expect_params(plain, got, /*exact=*/false, what);
   }

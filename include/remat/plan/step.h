@@ -187,6 +187,9 @@ struct StepPlan {
    *  by). min_peak_step: the peak program's gap when it stopped early. */
   double relative_gap = 0;
   double solve_ms = 0;  ///< wall time of the solve, ms
+  /** solve_step_variants, min_peak_step_variants: the variant chosen (an
+   *  index into their list); -1 elsewhere. */
+  int64_t variant = -1;
   /** Rows and columns of the integer program after removing rows that
    *  every choice satisfies. */
   ///@{
@@ -205,6 +208,46 @@ StepPlan solve_step(const StepModel& model, int64_t budget_bytes, const StepSolv
  *  When GLPK stops at the time limit, the leaner of what it found and each
  *  unit's leanest option, with optimal false: a leaner choice may exist. */
 StepPlan min_peak_step(const StepModel& model, const StepSolveOptions& options = {});
+
+/** One variant of a step: the same units with some options withheld,
+ *  every segment's bytes shifted and time added. remat's whole-step
+ *  planner makes one per placement of the optimizers' state (its bytes off
+ *  each segment, less what its store holds in flight there) and per tier
+ *  of offload (the options that send to a store withheld, or the stores'
+ *  in-flight bytes added). */
+struct StepVariant {
+  /** Per unit, how many of its options it offers, from option 0 (which it
+   *  always offers); a missing entry or 0: all. */
+  std::vector<size_t> options_offered;
+  /** Per segment, bytes added to its peak (below 0: taken off); empty:
+   *  none. */
+  std::vector<int64_t> segment_shift_bytes;
+  /** Added to the step's time, ms. */
+  double time_ms = 0;
+};
+
+/** The step model of one variant: its options withheld (truncate_options),
+ *  its shifts added to segment_peak_bytes and its time to step_time_ms.
+ *  Throws remat::Error for a shift list whose length is neither 0 nor the
+ *  number of segments, or more offered counts than units. */
+StepModel apply_variant(const StepModel& model, const StepVariant& variant);
+
+/** The fastest plan over every variant, each solved as solve_step solves
+ *  apply_variant(model, variant) under budget_bytes; the earlier variant
+ *  among equally fast ones. StepPlan::variant names the one chosen, and
+ *  the prediction is that variant's (its shifts and time included).
+ *  Throws remat::Error for an empty list and, when no variant has a plan
+ *  that fits, solve_step's error for the variant whose least peak is
+ *  smallest. */
+StepPlan solve_step_variants(const StepModel& model, const std::vector<StepVariant>& variants, int64_t budget_bytes,
+                             const StepSolveOptions& options = {});
+
+/** The choice with the smallest predicted peak over every variant
+ *  (min_peak_step of each), the fastest among equal peaks;
+ *  StepPlan::variant names its variant. Throws remat::Error for an empty
+ *  list. */
+StepPlan min_peak_step_variants(const StepModel& model, const std::vector<StepVariant>& variants,
+                                const StepSolveOptions& options = {});
 
 /** Where segment s lies: "in the forward of unit 'blocks.3' (call 2 of 3)",
  *  "in the backward of ...", "in " + its label, or "outside every unit". */

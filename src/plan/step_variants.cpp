@@ -1,0 +1,90 @@
+// Variants of one step model (remat/plan/step.h, StepVariant): the step
+// solver run once per variant, and the best kept. The auto layer's outer
+// choices (the optimizers' state placement, the offload tiers) are
+// variants; the solver's own choice is one option per unit.
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include <remat/plan/error.h>
+#include <remat/plan/step.h>
+
+namespace remat::plan {
+
+namespace {
+
+void check_list(const std::vector<StepVariant>& variants, const char* fn) {
+  if (variants.empty()) {
+    throw Error(std::string("[remat::plan] ") + fn +
+                " with no variants; give at least one (a default StepVariant is "
+                "the model itself).");
+  }
+}
+
+}  // namespace
+
+StepModel apply_variant(const StepModel& model, const StepVariant& v) {
+  const size_t segments = model.segment_peak_bytes.size();
+  if (!v.segment_shift_bytes.empty() && v.segment_shift_bytes.size() != segments) {
+    throw Error("[remat::plan] a StepVariant shifts " + std::to_string(v.segment_shift_bytes.size()) +
+                " segments of a step model with " + std::to_string(segments) +
+                "; give one shift per segment, or none.");
+  }
+  if (v.options_offered.size() > model.units.size()) {
+    throw Error("[remat::plan] a StepVariant offers options of " + std::to_string(v.options_offered.size()) +
+                " units of a step model with " + std::to_string(model.units.size()) +
+                "; give at most one count per unit.");
+  }
+  if (!std::isfinite(v.time_ms)) throw Error("[remat::plan] a StepVariant adds a time that is not finite.");
+  StepModel m = model;
+  for (size_t u = 0; u < v.options_offered.size(); ++u) {
+    if (v.options_offered[u] > 0) truncate_options(m, u, v.options_offered[u]);
+  }
+  for (size_t s = 0; s < v.segment_shift_bytes.size(); ++s) m.segment_peak_bytes[s] += v.segment_shift_bytes[s];
+  m.step_time_ms += v.time_ms;
+  return m;
+}
+
+StepPlan solve_step_variants(const StepModel& model, const std::vector<StepVariant>& variants, int64_t budget_bytes,
+                             const StepSolveOptions& options) {
+  check_list(variants, "solve_step_variants");
+  validate(model);
+  std::optional<StepPlan> best;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const StepModel m = apply_variant(model, variants[i]);
+    try {
+      StepPlan p = solve_step(m, budget_bytes, options);
+      if (!best || p.prediction.time_ms < best->prediction.time_ms) {
+        p.variant = static_cast<int64_t>(i);
+        best = std::move(p);
+      }
+    } catch (const Error&) {
+      // This variant has no plan within the budget; another may.
+    }
+  }
+  if (best) return *best;
+  // None fits: the error of the variant that goes lowest, with its floor.
+  const StepPlan lean = min_peak_step_variants(model, variants, options);
+  StepPlan p = solve_step(apply_variant(model, variants[static_cast<size_t>(lean.variant)]), budget_bytes, options);
+  p.variant = lean.variant;  // reached only when that solve now fits (a solver time limit)
+  return p;
+}
+
+StepPlan min_peak_step_variants(const StepModel& model, const std::vector<StepVariant>& variants,
+                                const StepSolveOptions& options) {
+  check_list(variants, "min_peak_step_variants");
+  validate(model);
+  std::optional<StepPlan> best;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    StepPlan p = min_peak_step(apply_variant(model, variants[i]), options);
+    const StepPrediction& a = p.prediction;
+    if (!best || a.peak_bytes < best->prediction.peak_bytes ||
+        (a.peak_bytes == best->prediction.peak_bytes && a.time_ms < best->prediction.time_ms)) {
+      p.variant = static_cast<int64_t>(i);
+      best = std::move(p);
+    }
+  }
+  return *best;
+}
+
+}  // namespace remat::plan
