@@ -19,9 +19,11 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <limits>
 #include <memory>
 #include <thread>
 
+#include "../src/offload/offload_codec.h"
 #include "../src/offload/offload_internal.h"
 
 namespace {
@@ -328,13 +330,17 @@ TEST(Offload, LossyCodecsGiveBoundedNonZeroGradientError) {
   const auto ref = m.plain();
   const auto bf16 = m.offloaded(OffloadOptions(OffloadTarget::kMemory).codec(Codec::kBFloat16).min_bytes(0));
   const auto f8 = m.offloaded(disk(dir).codec(Codec::kFloat8), nullptr, /*wait=*/true);
-  const double e_bf16 = relative_error(bf16, ref), e_f8 = relative_error(f8, ref);
-  std::printf("gradient error vs lossless (max abs diff / max abs grad): bfloat16 %.2e, float8 e4m3 %.2e\n", e_bf16,
-              e_f8);
+  const auto i8 = m.offloaded(OffloadOptions(OffloadTarget::kMemory).codec(Codec::kInt8Block).min_bytes(0));
+  const double e_bf16 = relative_error(bf16, ref), e_f8 = relative_error(f8, ref), e_i8 = relative_error(i8, ref);
+  std::printf(
+      "gradient error vs lossless (max abs diff / max abs grad): bfloat16 %.2e, float8 e4m3 %.2e, int8 blocks %.2e\n",
+      e_bf16, e_f8, e_i8);
   EXPECT_GT(e_bf16, 0);
   EXPECT_LT(e_bf16, 0.02);
   EXPECT_GT(e_f8, e_bf16);
   EXPECT_LT(e_f8, 0.25);
+  EXPECT_GT(e_i8, e_bf16);
+  EXPECT_LT(e_i8, 0.25);
   EXPECT_TRUE(dir.files().empty());
 
   // Lossy codecs leave non-float32 tensors alone: a float64 run is bitwise.
@@ -350,6 +356,58 @@ TEST(Offload, LossyCodecsGiveBoundedNonZeroGradientError) {
   }
   l.backward();
   EXPECT_TRUE(torch::equal(x.grad(), want));
+}
+
+// Codec::kInt8Block, encoded and decoded directly: a byte per value and a
+// float32 per 256; zeros and each block's largest |x| exact; small values
+// kept beside large ones elsewhere (a scale per block); any dense layout and
+// a length that is not a multiple of 256 come back as they were; a tensor
+// with inf goes raw.
+TEST(Offload, Int8BlocksKeepEachBlocksRangeAndLayout) {
+  using remat::detail::encode;
+  using remat::detail::finish;
+  using remat::detail::meta_of;
+  torch::manual_seed(3);
+  // 1000 values: blocks of 256 (the last 232 long) whose magnitudes differ by
+  // up to 1e8 from block to block, as Adam's second moment does.
+  auto x = torch::randn({1000}) * torch::pow(10.0, -(torch::arange(1000) / 256).to(torch::kFloat) * 2.5);
+  x.index_put_({torch::arange(0, 1000, 7)}, 0.0);  // exact zeros
+  const auto check = [&](const torch::Tensor& t, const std::string& what) {
+    SCOPED_TRACE(what);
+    const auto e = encode(t, Codec::kInt8Block, /*exact_size=*/true);
+    EXPECT_TRUE(e.lossy);
+    EXPECT_EQ(e.stored_bytes, t.numel() + 4 * ((t.numel() + 255) / 256));
+    const auto back = finish(meta_of(t), e, e.data);
+    ASSERT_EQ(back.sizes(), t.sizes());
+    EXPECT_EQ(back.strides(), t.strides());
+    const auto a = t.contiguous().view(-1), b = back.contiguous().view(-1);
+    EXPECT_TRUE(torch::equal(b.index({a == 0}), a.index({a == 0}))) << "zeros stay zeros";
+    // Per block: its largest |x| within 0.7% (exact when positive: the
+    // levels hold 1, not -1); every value within 7.5% of itself or 0.15% of
+    // the block's scale (half the levels' spacing: 0.45 / 2^e of each decade
+    // 10^(e-6)); and values down to 1e-6 of it not flushed to zero.
+    // Blocks run in memory order (the dense layout's).
+    const auto order = t.as_strided({t.numel()}, {1}, t.storage_offset());
+    const auto order_back = back.as_strided({back.numel()}, {1}, back.storage_offset());
+    for (int64_t s = 0; s < t.numel(); s += 256) {
+      const auto blk = order.slice(0, s, s + 256), got = order_back.slice(0, s, s + 256);
+      const double amax = blk.abs().max().item<double>();
+      EXPECT_NEAR(got.abs().max().item<double>(), amax, 0.0071 * amax) << "block at " << s;
+      const auto err = (got - blk).abs();
+      EXPECT_TRUE((err <= 0.075 * blk.abs() + 0.0015 * amax).all().item<bool>())
+          << "block at " << s << ": worst " << ((err - 0.075 * blk.abs()) / amax).max().item<double>();
+      const auto small = blk.abs() >= 1e-6 * amax;
+      EXPECT_TRUE((got.index({small}) != 0).all().item<bool>()) << "block at " << s;
+    }
+  };
+  check(x, "1-D, 1000 values");
+  check(x.view({40, 25}).t(), "a transposed 25 x 40 (dense, not contiguous)");
+  // inf or NaN: stored raw, bitwise.
+  auto inf = x.clone();
+  inf[5] = std::numeric_limits<float>::infinity();
+  const auto e = encode(inf, Codec::kInt8Block, true);
+  EXPECT_FALSE(e.lossy);
+  EXPECT_TRUE(torch::equal(finish(meta_of(inf), e, e.data), inf));
 }
 
 TEST(Offload, HostOnCpuIsANoOpAndSaysSo) {
@@ -643,7 +701,7 @@ TEST(Offload, LossyCodecOnDiskIsTheSameWhetherWritesArePendingOrDone) {
   TempDir dir;
   Gpt m;
   const auto ref = m.plain();
-  for (Codec c : {Codec::kBFloat16, Codec::kFloat8}) {
+  for (Codec c : {Codec::kBFloat16, Codec::kFloat8, Codec::kInt8Block}) {
     SCOPED_TRACE(remat::to_string(c));
     const OffloadOptions o = disk(dir).codec(c);
     remat::OffloadStats st;

@@ -658,7 +658,8 @@ TEST(StepInBackward, StoresThatCannotHoldStateAreRefused) {
                            remat::OffloadOptions(remat::OffloadTarget::kMemory).codec(remat::Codec::kFloat8)));
             }),
             "[remat::StepInBackward] state_offload with Codec::kFloat8: one scale per tensor flushes the small values "
-            "of Adam's second moment to zero and the updates blow up. Use Codec::kBFloat16, or a lossless store.");
+            "of Adam's second moment to zero and the updates blow up. Use Codec::kInt8Block (a scale per 256 values), "
+            "Codec::kBFloat16, or a lossless store.");
 }
 
 TEST(StepInBackward, ACreateGraphBackwardIsRefusedBeforeAnythingChanges) {

@@ -1,13 +1,14 @@
-"""Accuracy of the optimizer state rounded to bfloat16 (docs/BENCHMARKS.md, "Optimizer state rounded to bfloat16:
-accuracy").
+"""Accuracy of compressed optimizer state (docs/BENCHMARKS.md, "Compressed optimizer state: accuracy").
 
 --run trains remat-train's default GPT (character level on its default text, d_model 128, 6 blocks, 4 heads, T 128,
-batch 8, AdamW lr 1e-3, seed 1337) for --steps steps (300) three ways from the same seed, one after the other:
+batch 8, AdamW lr 1e-3, seed 1337) for --steps steps (300) four ways from the same seed, one after the other:
   plain       the optimizer step after backward
   ib          --optimizer-in-backward (remat::StepInBackward, the state in memory: lossless, the same training bit
               for bit as plain)
   ib+bf16     --optimizer-in-backward --optimizer-state bf16 (each parameter's AdamW moments kept between its
               updates in a memory store as bfloat16: half the bytes, rounded)
+  ib+int8     --optimizer-in-backward --optimizer-state int8 (the moments as 8-bit codes with a float32 scale per 256
+              values, Codec::kInt8Block: 0.27 of the bytes, rounded)
 and writes their loss curves as JSON lines to bench/results/optim-state.json (--quick: 30 steps,
 optim-state-quick.json): a meta record (run metadata, the shared flags), then one {"kind": "run"} per way with its
 extra flags, the loss of every step as remat-train prints it (6 decimals; remat-train has no machine-readable log,
@@ -38,7 +39,9 @@ from common import RESULTS, ROOT, metadata  # noqa: E402
 WAYS = [("plain", "the optimizer step after backward", []),
         ("ib", "--optimizer-in-backward (state in memory, lossless)", ["--optimizer-in-backward"]),
         ("ib+bf16", "--optimizer-in-backward --optimizer-state bf16",
-         ["--optimizer-in-backward", "--optimizer-state", "bf16"])]
+         ["--optimizer-in-backward", "--optimizer-state", "bf16"]),
+        ("ib+int8", "--optimizer-in-backward --optimizer-state int8",
+         ["--optimizer-in-backward", "--optimizer-state", "int8"])]
 STEP = re.compile(r"^step\s+(\d+)/(\d+)\s+loss\s+([-+0-9.eE]+|nan|inf)\s.*?([0-9.]+) ms\s+peak\s+(.+?)(\s{2}|$)")
 MARKS = (50, 100, 200, 300)
 
@@ -136,7 +139,18 @@ def table(recs):
     text = (f"{meta['meta']['settings']['model']}; {meta['steps']} steps, seed {meta['seed']}, "
             f"{m['settings']['threads']} intra-op thread(s); losses as remat-train prints them (6 decimals). "
             f"Run {m['date_utc']}, commit {m['git_commit'][:10]}, torch {m['torch']}.")
-    return text + "\n\n" + "\n".join(rows) + "\n"
+    # What each rounded run did to the curve, in words, from the same figures.
+    notes = []
+    for r in runs:
+        if r["name"] in ("plain", "ib"):
+            continue
+        diff = [abs(x - y) for x, y in zip(r["losses"], plain["losses"])]
+        worst = max(range(len(diff)), key=lambda i: diff[i])
+        last, plast = r["losses"][-50:], plain["losses"][-50:]
+        notes.append(f"- {r['label']}: ends at {r['losses'][-1]:.6f} against plain's {plain['losses'][-1]:.6f} "
+                     f"({sum(last) / len(last):.6f} against {sum(plast) / len(plast):.6f} over the last 50 steps); "
+                     f"the largest gap is {diff[worst]:.6f} at step {worst + 1}, the mean gap {sum(diff) / len(diff):.6f}.")
+    return text + "\n\n" + "\n".join(rows) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def fragments(quick=False):
@@ -146,7 +160,7 @@ def fragments(quick=False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", action="store_true", help="train the three ways and write the result file")
+    ap.add_argument("--run", action="store_true", help="train the four ways and write the result file")
     ap.add_argument("--quick", action="store_true", help="30 steps, optim-state-quick.json")
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--steps", type=int)

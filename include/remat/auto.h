@@ -113,7 +113,7 @@ struct AutoOptions {
    *  cost is measured as the others': bytes kept right after the forward
    *  (writes still pending count), and time with the writes waited for (no
    *  overlap with compute assumed). Lossless codecs keep the step bitwise
-   *  equal to the plain one; a lossy one (kBFloat16, kFloat8) is taken as
+   *  equal to the plain one; a lossy one (kBFloat16, kFloat8, kInt8Block) is taken as
    *  asked and changes the gradients. kHost (a no-op for CPU tensors) and
    *  kMemory without a codec (nothing saved) are refused. Default none: a
    *  disk needs a directory only the user can name. */

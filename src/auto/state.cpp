@@ -14,8 +14,9 @@
 // segment, only what its optimizer's store may have in flight then
 // (state_inflight): the states written since the step began and not yet
 // on disk plus the one read ahead, never more than the store's
-// max_inflight_bytes ((read-ahead + 1) x a bound on one parameter's
-// state), and the states of the parameters updated in that segment. The
+// max_inflight_bytes (state_cap: (read-ahead + 1) x the second largest
+// parameter's state; one larger entry goes alone), and the states of the
+// parameters updated in that segment. The
 // writes of one backward end with it (StepInBackward waits for them), so a
 // forward holds only the state read ahead for the next backward's first
 // update. So a placement shifts each segment by its own bytes: - the
@@ -53,30 +54,50 @@ double kept_share(const OffloadOptions& o, const c10::Device& device) {
     case OffloadTarget::kMemory:
       if (o.codec() == Codec::kBFloat16) return 0.5;
       if (o.codec() == Codec::kFloat8) return 0.25;
+      if (o.codec() == Codec::kInt8Block) return 65.0 / 256;  // a byte per value and a float32 per 256
       return 1.0;  // lossless codecs: what the data compresses to is not known ahead
   }
   return 1.0;
 }
 
-/** A bound on one parameter's state, bytes: its tensors (state_layout.h)
- *  times the largest parameter's bytes, over the groups. Known before the
- *  state exists (the store is made with the planner). */
-int64_t state_bound(const torch::optim::Optimizer& opt) {
-  int64_t bound = 0;
+/** What one optimizer's store may hold in flight (its max_inflight_bytes):
+ *  (read-ahead + 1) parameters' states, each bounded by the second largest
+ *  parameter's (its tensors, state_layout.h, times its bytes). The largest
+ *  one (a GPT's tied embedding, four times a block's largest) goes alone: a
+ *  store lets an entry past its cap when nothing else is in flight. So the
+ *  blocks' updates hold two of their own states in flight, not two of the
+ *  embedding's. Known before the state exists (the store is made with the
+ *  planner). */
+int64_t state_cap(const torch::optim::Optimizer& opt) {
+  int64_t first = 0, second = 0;
   for (const auto& g : opt.param_groups()) {
     const int64_t n = g.has_options() ? detail::state_tensors_per_parameter(g.options()) : 3;
-    for (const auto& p : g.params()) bound = std::max<int64_t>(bound, n * static_cast<int64_t>(p.nbytes()));
+    for (const auto& p : g.params()) {
+      const int64_t b = n * static_cast<int64_t>(p.nbytes());
+      second = std::max(second, std::min(first, b));
+      first = std::max(first, b);
+    }
   }
-  return bound;
+  return std::max<int64_t>(1, (kStatePrefetch + 1) * (second > 0 ? second : first));
+}
+
+/** The most one entry of the store holds: the largest parameter's bytes
+ *  (each state tensor is the size of its parameter). */
+int64_t largest_entry(const torch::optim::Optimizer& opt) {
+  int64_t b = 0;
+  for (const auto& g : opt.param_groups()) {
+    for (const auto& p : g.params()) b = std::max<int64_t>(b, static_cast<int64_t>(p.nbytes()));
+  }
+  return b;
 }
 
 /** The store of one optimizer: every state tensor goes (else the saving
- *  would be less than counted), read ahead by the StepInBackward, and at
- *  most (read-ahead + 1) parameters' states in flight. */
-OffloadOptions store_options(OffloadOptions o, int64_t bound) {
+ *  would be less than counted), read ahead by the StepInBackward, at most
+ *  `cap` bytes in flight. */
+OffloadOptions store_options(OffloadOptions o, int64_t cap) {
   o.min_bytes(0);
   o.prefetch_depth(0);
-  o.max_inflight_bytes(std::max<int64_t>(1, (kStatePrefetch + 1) * bound));
+  o.max_inflight_bytes(cap);
   return o;
 }
 
@@ -91,7 +112,7 @@ void AutoCheckpoint::Impl::start_in_backward() {
     // valid through replans).
     StepInBackwardOptions so;
     if (options.optimizer_state_store()) {
-      so.state_offload(store_options(*options.optimizer_state_store(), state_bound(*o))).state_prefetch(kStatePrefetch);
+      so.state_offload(store_options(*options.optimizer_state_store(), state_cap(*o))).state_prefetch(kStatePrefetch);
     }
     in_backward.push_back(std::make_unique<StepInBackward>(*o, so));
     in_backward.back()->on_update([this, k](size_t group, int64_t bytes) { note_update(k, group, bytes); });
@@ -123,7 +144,8 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
       largest = std::max(largest, state_groups[g].largest);
     }
     if (largest == 0) continue;
-    const int64_t cap = (kStatePrefetch + 1) * state_bound(*options.optimizers()[k]);
+    // An entry past the cap goes alone (state_cap).
+    const int64_t cap = std::max(state_cap(*options.optimizers()[k]), largest_entry(*options.optimizers()[k]));
     std::vector<const StateUpdate*> seq;
     for (const StateUpdate& u : state_updates) {
       if (u.opt != k) continue;
@@ -197,7 +219,7 @@ void AutoCheckpoint::Impl::measure_state() {
   // Not random: drawing would move the generator the step's dropout uses.
   const at::Tensor probe = at::full({std::max<int64_t>(1, bytes / 4)}, 0.5, at::kFloat);
   auto store = detail::OffloadStore::create_isolated(
-      store_options(*options.optimizer_state_store(), state_bound(*options.optimizers()[it->opt])));
+      store_options(*options.optimizer_state_store(), state_cap(*options.optimizers()[it->opt])));
   memory::DeviceTimer t0(mem->device());
   detail::OffloadStore::Handle h = store->pack(probe);
   store->wait();

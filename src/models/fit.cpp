@@ -416,6 +416,7 @@ std::string format_fit(const FitResult& r, const TrainConfig& config) {
        << (config.optimizer == "sgd"          ? ""
            : config.optimizer_state == "disk" ? ", the AdamW moments read back from disk (not those on disk)"
            : config.optimizer_state == "bf16" ? ", the AdamW moments (as bfloat16)"
+           : config.optimizer_state == "int8" ? ", the AdamW moments (as 8-bit codes in blocks)"
                                               : ", the AdamW moments")
        << ", the data, and the activations, logits and temporaries";
     if (r.start_bytes >= 0 && r.measured_peak_bytes >= 0) {

@@ -274,8 +274,8 @@ void check_config(const TrainConfig& config) {
         c.model + ", --checkpoint " + std::string(to_string(c.checkpoint)) + "). Give a number of chunks instead.");
   }
   if (!c.optimizer_state.empty() && c.optimizer_state != "disk" && c.optimizer_state != "host" &&
-      c.optimizer_state != "bf16") {
-    throw Error("[remat::train] --optimizer-state '" + c.optimizer_state + "' is not one of disk, host, bf16.");
+      c.optimizer_state != "bf16" && c.optimizer_state != "int8") {
+    throw Error("[remat::train] --optimizer-state '" + c.optimizer_state + "' is not one of disk, host, bf16, int8.");
   }
   if (!c.optimizer_state.empty() && !c.optimizer_in_backward) {
     throw Error("[remat::train] --optimizer-state " + c.optimizer_state +
@@ -658,6 +658,7 @@ std::optional<OffloadOptions> state_store_options(const TrainConfig& c) {
   if (c.optimizer_state == "disk") return OffloadOptions(OffloadTarget::kDisk).directory(c.offload_dir);
   if (c.optimizer_state == "host") return OffloadOptions(OffloadTarget::kHost);
   if (c.optimizer_state == "bf16") return OffloadOptions(OffloadTarget::kMemory).codec(Codec::kBFloat16).min_bytes(0);
+  if (c.optimizer_state == "int8") return OffloadOptions(OffloadTarget::kMemory).codec(Codec::kInt8Block).min_bytes(0);
   return std::nullopt;
 }
 
@@ -1177,7 +1178,12 @@ StepPrediction Trainer::predict_step(int64_t cap_bytes) {
   // written back: about 3 parameters' states at once, bounded by the largest.
   const bool in_backward = m.cfg.optimizer_in_backward;
   const std::string& where = m.cfg.optimizer_state;
-  const int64_t state_bytes = !adamw ? 0 : where == "disk" ? 0 : where == "bf16" ? param_bytes : 2 * param_bytes;
+  // int8: a byte per value and a float32 per 256 values, 65/256 of float32.
+  const int64_t state_bytes = !adamw            ? 0
+                              : where == "disk" ? 0
+                              : where == "bf16" ? param_bytes
+                              : where == "int8" ? 2 * param_bytes * 65 / 256
+                                                : 2 * param_bytes;
   int64_t other_bytes = m.tokens.defined() ? static_cast<int64_t>(m.tokens.nbytes()) : 0;
   if (m.teacher.defined()) other_bytes += static_cast<int64_t>(m.teacher.nbytes());
   for (const auto& b : m.module->buffers()) other_bytes += static_cast<int64_t>(b.nbytes());

@@ -85,6 +85,7 @@ std::string to_string(Codec codec) {
     case Codec::kLz4: return "kLz4";
     case Codec::kBFloat16: return "kBFloat16";
     case Codec::kFloat8: return "kFloat8";
+    case Codec::kInt8Block: return "kInt8Block";
   }
   return "?";
 }
@@ -104,7 +105,7 @@ int64_t saver_id() {
   return id;
 }
 
-bool lossy(Codec c) { return c == Codec::kBFloat16 || c == Codec::kFloat8; }
+bool lossy(Codec c) { return c == Codec::kBFloat16 || c == Codec::kFloat8 || c == Codec::kInt8Block; }
 
 /** True when the seam says this write / read must fail. */
 bool injected(std::atomic<int64_t>& at, std::atomic<int64_t>& seen) {
@@ -949,8 +950,7 @@ std::string OffloadStore::describe() const {
                                               : " (encoded in this process's memory)");
       break;
   }
-  os << ", codec " << to_string(options_.codec())
-     << (options_.codec() == Codec::kBFloat16 || options_.codec() == Codec::kFloat8 ? " (lossy, float32 only)" : "")
+  os << ", codec " << to_string(options_.codec()) << (lossy(options_.codec()) ? " (lossy, float32 only)" : "")
      << ", tensors under " << format_bytes(options_.min_bytes()) << " and parameters stay in memory.\n";
   os << "  saved " << st.tensors_saved << " (kept " << st.tensors_kept << ", shared " << st.tensors_shared << "), "
      << format_bytes(st.bytes_raw) << " offloaded as " << format_bytes(st.bytes_stored);

@@ -5,6 +5,7 @@
 #include <lz4.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -15,8 +16,9 @@
 namespace remat::detail {
 namespace {
 
-constexpr int kZstdLevel = 1;       // ~300+ MB/s per core here; higher levels gain little on floats
-constexpr double kFloat8Max = 448;  // largest finite float8 e4m3fn
+constexpr int kZstdLevel = 1;              // ~300+ MB/s per core here; higher levels gain little on floats
+constexpr double kFloat8Max = 448;         // largest finite float8 e4m3fn
+constexpr int64_t kInt8BlockValues = 256;  // values per block of Codec::kInt8Block (one float32 scale each)
 
 std::vector<int64_t> vec(c10::IntArrayRef a) { return {a.begin(), a.end()}; }
 
@@ -25,6 +27,80 @@ at::Tensor dense_cpu(const at::Tensor& t) {
   at::Tensor c = t.device().is_cpu() ? t : t.to(at::kCPU);
   if (c.is_non_overlapping_and_dense()) return c;
   return at::empty_like(c).copy_(c);  // empty_like keeps the stride order, drops the gaps
+}
+
+/** The 256 levels of Codec::kInt8Block, ascending, in [-1, 1]: 0, 1 and,
+ *  for each decade d = 1e-6 .. 1 (e = 0 .. 6), 2^e levels of either sign at
+ *  the middles of 2^e equal bins of [0.1 d, d]: 7 decades of range, and the
+ *  finest steps near 1 (2 + 2 x 127 = 256). */
+const at::Tensor& int8_levels() {
+  static const at::Tensor levels = [] {
+    std::vector<float> v{0.0F, 1.0F};
+    for (int e = 0; e < 7; ++e) {
+      const int n = 1 << e;
+      const double decade = std::pow(10.0, e - 6);
+      for (int i = 0; i < n; ++i) {
+        const double lo = 0.1 + 0.9 * i / n, hi = 0.1 + 0.9 * (i + 1) / n;
+        const auto x = static_cast<float>(decade * (lo + hi) / 2);
+        v.push_back(x);
+        v.push_back(-x);
+      }
+    }
+    std::sort(v.begin(), v.end());
+    return at::tensor(v, at::kFloat);
+  }();
+  return levels;
+}
+
+/** The midpoints between neighbouring levels: searchsorted on them gives
+ *  each value's nearest level. */
+const at::Tensor& int8_bounds() {
+  static const at::Tensor bounds = [] {
+    const at::Tensor& l = int8_levels();
+    return ((l.narrow(0, 0, l.numel() - 1) + l.narrow(0, 1, l.numel() - 1)) / 2).contiguous();
+  }();
+  return bounds;
+}
+
+/** A dense tensor's elements in memory order (dense: they fill
+ *  [offset, offset + numel) of its storage, in some order of its dims). */
+at::Tensor memory_order(const at::Tensor& dense) {
+  return dense.as_strided({dense.numel()}, {1}, dense.storage_offset());
+}
+
+/** Codec::kInt8Block of a dense float32 CPU tensor, or false when it holds
+ *  inf or NaN (stored raw then). */
+bool encode_int8_block(const at::Tensor& dense, Encoded& e) {
+  const int64_t n = dense.numel(), blocks = (n + kInt8BlockValues - 1) / kInt8BlockValues;
+  at::Tensor padded = at::zeros({blocks * kInt8BlockValues}, at::kFloat);
+  padded.narrow(0, 0, n).copy_(memory_order(dense));
+  const at::Tensor values = padded.view({blocks, kInt8BlockValues});
+  const at::Tensor amax = values.abs().amax(1);
+  if (n > 0 && !std::isfinite(amax.max().item<double>())) return false;
+  const at::Tensor scale = at::where(amax > 0, amax, at::ones_like(amax));
+  const at::Tensor codes =
+      at::searchsorted(int8_bounds(), (values / scale.unsqueeze(1)).reshape({-1})).narrow(0, 0, n).to(at::kByte);
+  at::Tensor stage = at::empty({blocks * 4 + n}, at::kByte);
+  stage.narrow(0, 0, blocks * 4).view(at::kFloat).copy_(scale);
+  stage.narrow(0, blocks * 4, n).copy_(codes);
+  e.block = kInt8BlockValues;
+  e.dense_strides = vec(dense.strides());
+  e.data = stage;
+  e.lossy = true;
+  return true;
+}
+
+/** The float32 tensor a kInt8Block stage stands for. */
+at::Tensor decode_int8_block(const TensorMeta& m, const Encoded& e, const at::Tensor& stage) {
+  int64_t n = 1;
+  for (int64_t s : m.sizes) n *= s;
+  const int64_t blocks = (n + e.block - 1) / e.block;
+  const at::Tensor scale = stage.narrow(0, 0, blocks * 4).view(at::kFloat);
+  const at::Tensor codes = stage.narrow(0, blocks * 4, n).to(at::kLong);
+  const at::Tensor per_value = scale.repeat_interleave(e.block).narrow(0, 0, n);
+  at::Tensor out = at::empty_strided(m.sizes, e.dense_strides, at::kFloat);
+  memory_order(out).copy_(int8_levels().index_select(0, codes) * per_value);
+  return out;
 }
 
 }  // namespace
@@ -36,8 +112,11 @@ TensorMeta meta_of(const at::Tensor& t) {
 Encoded encode(const at::Tensor& t, Codec codec, bool exact_size) {
   Encoded e;
   at::Tensor stage = dense_cpu(t);
-  const bool lossy = (codec == Codec::kBFloat16 || codec == Codec::kFloat8) && t.scalar_type() == at::kFloat;
-  if (lossy && codec == Codec::kBFloat16) {
+  const bool lossy = (codec == Codec::kBFloat16 || codec == Codec::kFloat8 || codec == Codec::kInt8Block) &&
+                     t.scalar_type() == at::kFloat;
+  if (lossy && codec == Codec::kInt8Block) {
+    if (encode_int8_block(stage, e)) stage = e.data;
+  } else if (lossy && codec == Codec::kBFloat16) {
     stage = stage.to(at::kBFloat16);  // keeps the strides of a dense tensor
     e.lossy = true;
   } else if (lossy) {
@@ -88,6 +167,7 @@ Encoded encode(const at::Tensor& t, Codec codec, bool exact_size) {
 }
 
 at::Tensor empty_stage(const TensorMeta& m, const Encoded& e) {
+  if (e.block > 0) return at::empty({e.stage_bytes}, at::kByte);
   return at::empty_strided(m.sizes, e.stage_strides, at::TensorOptions().dtype(e.stage_dtype));
 }
 
@@ -118,7 +198,9 @@ at::Tensor decompress(const TensorMeta& m, const Encoded& e, const void* src, in
 }
 
 at::Tensor finish(const TensorMeta& m, const Encoded& e, at::Tensor stage) {
-  if (e.lossy) {
+  if (e.block > 0) {
+    stage = decode_int8_block(m, e, stage);
+  } else if (e.lossy) {
     at::Tensor f = stage.to(at::kFloat);
     if (e.scale != 1.0) f.mul_(e.scale);
     stage = f;

@@ -4,7 +4,8 @@
 // comes back with the same layout class and bitwise equal values; zstd and
 // lz4 (Debian's libzstd, liblz4) then compress those bytes, and the raw bytes
 // are kept whenever compression does not make them smaller. Lossy codecs
-// (bfloat16, scaled float8 e4m3) apply to float32 only.
+// (bfloat16, scaled float8 e4m3, 8-bit codes in blocks) apply to float32
+// only.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +42,11 @@ struct Encoded {
   int64_t stage_bytes = 0;
   bool lossy = false;
   double scale = 1.0;  // float8: stored = x / scale
+  /** kInt8Block: values per block (0 otherwise). The stage is then a byte
+   *  buffer: one float32 scale per block, then one code per value, in the
+   *  memory order of the dense tensor whose strides are dense_strides. */
+  int64_t block = 0;
+  std::vector<int64_t> dense_strides;
 };
 
 /** Encodes t (any device; copied to CPU). exact_size: shrink a compressed

@@ -424,7 +424,8 @@ StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInB
   if (options.state_offload() && options.state_offload()->codec() == Codec::kFloat8) {
     throw Error(
         "[remat::StepInBackward] state_offload with Codec::kFloat8: one scale per tensor flushes the small values "
-        "of Adam's second moment to zero and the updates blow up. Use Codec::kBFloat16, or a lossless store.");
+        "of Adam's second moment to zero and the updates blow up. Use Codec::kInt8Block (a scale per 256 values), "
+        "Codec::kBFloat16, or a lossless store.");
   }
   if (options.state_offload() && options.state_offload()->target() == OffloadTarget::kMemory &&
       options.state_offload()->codec() == Codec::kNone) {

@@ -461,8 +461,9 @@ int main(int argc, char** argv) {
   app.add_option("--optimizer-state", cfg.optimizer_state,
                  "with --optimizer-in-backward: keep each parameter's optimizer state between its updates on disk "
                  "(files in --offload-dir, lossless), in pinned host memory (host; from a GPU), or in memory as "
-                 "bfloat16 (bf16: half the bytes, lossy)")
-      ->check(CLI::IsMember({"disk", "host", "bf16"}));
+                 "bfloat16 (bf16: half the bytes, lossy) or as 8-bit codes with a scale per 256 values (int8: "
+                 "0.27 of the bytes, lossy)")
+      ->check(CLI::IsMember({"disk", "host", "bf16", "int8"}));
   app.add_flag("--bf16", cfg.bf16, "forward under CPU autocast to bfloat16");
   app.add_option("--data", cfg.data_path, "text file for the GPT")->capture_default_str();
   app.add_option("--tokenizer", cfg.tokenizer,

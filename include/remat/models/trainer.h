@@ -146,7 +146,9 @@ struct TrainConfig {
    *  a parameter's updates: "" (default) where the optimizer keeps it;
    *  "disk" (files in offload_dir, read ahead of each update, lossless);
    *  "host" (pinned host memory from a GPU; on CPU the state stays put);
-   *  "bf16" (in memory, rounded to bfloat16: half the bytes, lossy).
+   *  "bf16" (in memory, rounded to bfloat16: half the bytes, lossy);
+   *  "int8" (in memory, Codec::kInt8Block: 8-bit codes with a float32
+   *  scale per 256 values, 0.27 of the bytes, lossy).
    *  Under Strategy::kAuto the plan chooses which state goes there, and the
    *  budget's "start of the step" counts that state as if kept. */
   std::string optimizer_state;
