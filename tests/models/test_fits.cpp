@@ -447,7 +447,9 @@ TEST(FitsDModel, MaxDModelFitsTheWholeStepPerStrategy) {
     // auto: a width no plan fits is not run, and the answer says so.
     EXPECT_EQ(fit.find(", no auto plan fits it (a run would refuse it; not measured)") != std::string::npos,
               r.next_no_plan);
-    if (s != Strategy::kAuto) EXPECT_FALSE(r.next_no_plan);
+    if (s != Strategy::kAuto) {
+      EXPECT_FALSE(r.next_no_plan);
+    }
   }
 }
 
