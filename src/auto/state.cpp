@@ -179,7 +179,10 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
       const size_t to = i < n ? static_cast<size_t>(next->segment) : segments - 1;
       for (size_t s = from; s <= to && s < segments; ++s) ahead[s] = std::max(ahead[s], in(next));
     }
-    for (size_t s = 0; s < segments; ++s) out[s] += std::min(cap, written[s] + ahead[s]) + in_use[s];
+    // A kMemory store encodes at pack and reads nothing ahead: only the
+    // state being updated is out of it.
+    const bool pending = options.optimizer_state_store()->target() != OffloadTarget::kMemory;
+    for (size_t s = 0; s < segments; ++s) out[s] += (pending ? std::min(cap, written[s] + ahead[s]) : 0) + in_use[s];
   }
   return out;
 }
