@@ -12,7 +12,11 @@
 //    budget (to 1e-9 of the model's summed times), and min_peak_step's
 //    peak is the least one;
 //  - a budget some choice fits gets a plan (GLPK may stop at its time limit
-//    and say so); one that no choice fits gets Error.
+//    and say so); one that no choice fits gets Error;
+//  - over 1-3 variants of the model (plan::StepVariant: trailing options
+//    withheld, each segment shifted, time added), solve_step_variants and
+//    min_peak_step_variants agree with the same brute force, the variant
+//    applied by the oracle itself.
 // Leaves out the auto layer (torch): its tests cover the profile.
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -234,6 +238,97 @@ void check_plan(const rp::StepModel& m, const rp::StepPlan& p, const std::vector
   if (e.time_ms < b.best_time && !near(e.time_ms, b.best_time)) fail(what + ": faster than every choice that fits");
 }
 
+// Variants of m against the brute force over every variant and choice.
+void check_variants(FuzzedDataProvider& in, const rp::StepModel& m, const std::vector<rs::Evaluated>& all,
+                    const rp::StepSolveOptions& opt) {
+  const size_t segments = m.segment_peak_bytes.size();
+  // What every choice leaves in each segment: a shift takes off at most
+  // that (auto's take off state that is there whatever the units do).
+  std::vector<int64_t> floor(segments, std::numeric_limits<int64_t>::max());
+  for (const rs::Evaluated& e : all) {
+    for (size_t s = 0; s < segments; ++s) {
+      floor[s] = std::min(floor[s], rs::brute_segment(m, e.choice, static_cast<int64_t>(s)));
+    }
+  }
+  std::vector<rp::StepVariant> vs(static_cast<size_t>(in.ConsumeIntegralInRange<int>(1, 3)));
+  for (rp::StepVariant& v : vs) {
+    for (const rp::StepUnit& u : m.units) {
+      v.options_offered.push_back(in.ConsumeIntegralInRange<size_t>(0, u.options.size()));
+    }
+    if (in.ConsumeBool()) {
+      for (size_t s = 0; s < segments; ++s) {
+        v.segment_shift_bytes.push_back(
+            in.ConsumeIntegralInRange<int64_t>(-std::max<int64_t>(0, floor[s]), m.segment_peak_bytes[s] / 4));
+      }
+    }
+    v.time_ms = in.ConsumeIntegralInRange<int>(0, 8);
+  }
+  // The oracle: each choice the variant offers, its segments shifted.
+  int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+  struct Point {
+    int64_t peak;
+    double time;
+  };
+  std::vector<Point> points;
+  for (const rp::StepVariant& v : vs) {
+    for (const rs::Evaluated& e : all) {
+      bool offered = true;
+      for (size_t u = 0; u < m.units.size(); ++u) {
+        offered &= v.options_offered[u] == 0 || static_cast<size_t>(e.choice[u]) < v.options_offered[u];
+      }
+      if (!offered) continue;
+      int64_t peak = std::numeric_limits<int64_t>::min();
+      for (size_t s = 0; s < segments; ++s) {
+        const int64_t shift = v.segment_shift_bytes.empty() ? 0 : v.segment_shift_bytes[s];
+        peak = std::max(peak, rs::brute_segment(m, e.choice, static_cast<int64_t>(s)) + shift);
+      }
+      points.push_back({peak, e.time_ms + v.time_ms});
+      least = std::min(least, peak);
+      most = std::max(most, peak);
+    }
+  }
+  auto fastest_within = [&](int64_t budget) {
+    double t = std::numeric_limits<double>::infinity();
+    for (const Point& p : points) t = p.peak <= budget ? std::min(t, p.time) : t;
+    return t;
+  };
+  auto agrees = [&](const rp::StepPlan& p, const std::string& what) {
+    if (p.variant < 0 || static_cast<size_t>(p.variant) >= vs.size()) fail(what + ": no variant named");
+    const rp::StepModel applied = rp::apply_variant(m, vs[static_cast<size_t>(p.variant)]);
+    const rp::StepPrediction again = rp::simulate_step(applied, p.prediction.choice);
+    if (again.peak_bytes != p.prediction.peak_bytes || !near(again.time_ms, p.prediction.time_ms)) {
+      fail(what + ": the prediction is not its variant's");
+    }
+  };
+  const rp::StepPlan lean = rp::min_peak_step_variants(m, vs, opt);
+  agrees(lean, "min_peak_step_variants");
+  if (lean.optimal && lean.prediction.peak_bytes != least) {
+    fail("min_peak_step_variants says " + std::to_string(lean.prediction.peak_bytes) +
+         " is the least peak; a variant's choice reaches " + std::to_string(least));
+  }
+  for (int64_t budget : {least - 1, least, most}) {
+    if (budget <= 0) continue;
+    const std::string what = "solve_step_variants at " + std::to_string(budget) + " B";
+    const double best = fastest_within(budget);
+    try {
+      const rp::StepPlan p = rp::solve_step_variants(m, vs, budget, opt);
+      if (!std::isfinite(best)) fail(what + ": a plan where no choice fits");
+      agrees(p, what);
+      if (p.prediction.peak_bytes > budget) fail(what + ": over the budget");
+      if (p.optimal && !near(p.prediction.time_ms, best) && p.prediction.time_ms > best) {
+        fail(what + ": slower than the fastest variant's choice within the budget");
+      }
+      ++stats.plans;
+    } catch (const remat::Error& e) {
+      const std::string text = e.what();
+      if (std::isfinite(best) && text.find("time limit") == std::string::npos) {
+        fail(what + ": refused, but a variant's choice fits: " + text);
+      }
+      ++stats.refused;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -277,5 +372,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ++stats.refused;
     }
   }
+  check_variants(in, m, all, opt);
   return 0;
 }

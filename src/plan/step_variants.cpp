@@ -50,19 +50,26 @@ StepPlan solve_step_variants(const StepModel& model, const std::vector<StepVaria
   check_list(variants, "solve_step_variants");
   validate(model);
   std::optional<StepPlan> best;
+  bool proven = true;  // every variant solved to optimality, or proven to have no plan
   for (size_t i = 0; i < variants.size(); ++i) {
     const StepModel m = apply_variant(model, variants[i]);
     try {
       StepPlan p = solve_step(m, budget_bytes, options);
+      proven = proven && p.optimal;
       if (!best || p.prediction.time_ms < best->prediction.time_ms) {
         p.variant = static_cast<int64_t>(i);
         best = std::move(p);
       }
-    } catch (const Error&) {
-      // This variant has no plan within the budget; another may.
+    } catch (const Error& e) {
+      // This variant has no plan within the budget (or its solver stopped
+      // at its time limit first); another may.
+      proven = proven && std::string(e.what()).find("time limit") == std::string::npos;
     }
   }
-  if (best) return *best;
+  if (best) {
+    best->optimal = best->optimal && proven;  // the fastest of all only if each was
+    return *best;
+  }
   // None fits: the error of the variant that goes lowest, with its floor.
   const StepPlan lean = min_peak_step_variants(model, variants, options);
   StepPlan p = solve_step(apply_variant(model, variants[static_cast<size_t>(lean.variant)]), budget_bytes, options);
@@ -75,8 +82,10 @@ StepPlan min_peak_step_variants(const StepModel& model, const std::vector<StepVa
   check_list(variants, "min_peak_step_variants");
   validate(model);
   std::optional<StepPlan> best;
+  bool proven = true;
   for (size_t i = 0; i < variants.size(); ++i) {
     StepPlan p = min_peak_step(apply_variant(model, variants[i]), options);
+    proven = proven && p.optimal;
     const StepPrediction& a = p.prediction;
     if (!best || a.peak_bytes < best->prediction.peak_bytes ||
         (a.peak_bytes == best->prediction.peak_bytes && a.time_ms < best->prediction.time_ms)) {
@@ -84,6 +93,7 @@ StepPlan min_peak_step_variants(const StepModel& model, const std::vector<StepVa
       best = std::move(p);
     }
   }
+  best->optimal = best->optimal && proven;
   return *best;
 }
 

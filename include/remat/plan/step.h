@@ -220,7 +220,8 @@ struct StepVariant {
    *  always offers); a missing entry or 0: all. */
   std::vector<size_t> options_offered;
   /** Per segment, bytes added to its peak (below 0: taken off); empty:
-   *  none. */
+   *  none. A shift takes off at most what every choice leaves there (the
+   *  state of an optimizer is there whatever the units do). */
   std::vector<int64_t> segment_shift_bytes;
   /** Added to the step's time, ms. */
   double time_ms = 0;
@@ -235,7 +236,8 @@ StepModel apply_variant(const StepModel& model, const StepVariant& variant);
 /** The fastest plan over every variant, each solved as solve_step solves
  *  apply_variant(model, variant) under budget_bytes; the earlier variant
  *  among equally fast ones. StepPlan::variant names the one chosen, and
- *  the prediction is that variant's (its shifts and time included).
+ *  the prediction is that variant's (its shifts and time included);
+ *  optimal only when every variant's solve was.
  *  Throws remat::Error for an empty list and, when no variant has a plan
  *  that fits, solve_step's error for the variant whose least peak is
  *  smallest. */
