@@ -215,6 +215,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   std::vector<StateUpdate> updates_trial;  // the profile under way's
   std::vector<StateUpdate> state_updates;  // as of the last profile, in order
   void note_update(size_t opt, size_t group, int64_t bytes);
+  void listen_to_updates(bool on);  // on_update of every in_backward, while profiling
   /** One placement of the state groups: which go to the store, the bytes
    *  that adds to each segment of the step (below 0: their state off, less
    *  what the stores hold in flight there) and the time it costs. */

@@ -357,6 +357,7 @@ void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
   timeline = &tl;
   detail::UnitObserver* previous = detail::set_unit_observer(this);
   detail::ChainObserver* previous_chain = detail::set_chain_observer(this);
+  listen_to_updates(true);  // NOTE [model state in the plan]
   struct Reset {
     Impl* self;
     detail::UnitObserver* previous;
@@ -364,6 +365,7 @@ void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
     ~Reset() {
       detail::set_unit_observer(previous);
       detail::set_chain_observer(previous_chain);
+      self->listen_to_updates(false);
       self->timeline = nullptr;
       self->timeline_owner.reset();
     }

@@ -115,9 +115,17 @@ void AutoCheckpoint::Impl::start_in_backward() {
       so.state_offload(store_options(*options.optimizer_state_store(), state_cap(*o))).state_prefetch(kStatePrefetch);
     }
     in_backward.push_back(std::make_unique<StepInBackward>(*o, so));
-    in_backward.back()->on_update([this, k](size_t group, int64_t bytes) { note_update(k, group, bytes); });
     if (options.optimizer_state_store())
       in_backward.back()->offload_groups(std::vector<bool>(o->param_groups().size()));
+  }
+}
+
+void AutoCheckpoint::Impl::listen_to_updates(bool on) {
+  // Only while the profiled step runs: planned steps' backward does no work for it.
+  for (size_t k = 0; k < in_backward.size(); ++k) {
+    in_backward[k]->on_update(
+        on ? StepInBackward::UpdateListener([this, k](size_t group, int64_t bytes) { note_update(k, group, bytes); })
+           : StepInBackward::UpdateListener());
   }
 }
 
