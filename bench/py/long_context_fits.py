@@ -37,6 +37,11 @@ STRATEGIES = [
     ("loss_auto", "chunked head+loss + auto", ["--checkpoint", "auto", "--loss-chunks", "{lc}"]),
     ("loss_offload", "chunked head+loss + offload (disk)",
      ["--checkpoint", "offload", "--offload-dir", "{offload_dir}", "--loss-chunks", "{lc}"]),
+    # auto choosing the head+loss chunks itself, chunked MLP, the optimizer
+    # step in backward and its state on disk: every lever remat-train has.
+    ("auto_every", "auto, every lever",
+     ["--checkpoint", "auto", "--loss-chunks", "auto", "--mlp-chunks", "{mc}", "--optimizer-in-backward",
+      "--optimizer-state", "disk", "--offload-dir", "{offload_dir}"]),
 ]
 
 
@@ -45,6 +50,8 @@ def run(a, key, label, flags, cap, offload_dir):
     cmd = [a.exe, "--model", "gpt", "--layers", str(a.layers), "--d-model", str(a.d_model), "--heads",
            str(a.heads), "--threads", str(a.threads), "--data", a.data, "--batch", str(a.batch),
            "--max-seq-len-under", cap, "--fit-step", str(a.seq_step)] + a.tok_flags + flags
+    if a.sdpa:
+        cmd.append("--sdpa")
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
@@ -139,6 +146,9 @@ def main():
     ap.add_argument("--loss-chunks", type=int, default=16)
     ap.add_argument("--mlp-chunks", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sdpa", action="store_true",
+                    help="attention through scaled_dot_product_attention (no T x T scores); results go to "
+                         "long_context_fits-sdpa.json")
     ap.add_argument("--data", default="", help="text to train on (default: scripts/make-corpus.sh's corpus)")
     ap.add_argument("--tokenizer", default="", help="a SentencePiece .model (trained on --data when missing)")
     ap.add_argument("--vocab-size", type=int, default=32000)
@@ -152,7 +162,7 @@ def main():
         a.layers, a.d_model, a.heads, a.batch, a.caps, a.vocab_size = 2, 64, 2, 2, "4MiB,8MiB", 1000
         a.seq_step = 16
         a.out = os.path.join(ROOT, "bench", "results", "long_context_fits-quick.png")
-    a.results = a.results or result_path("long_context_fits", a.quick)
+    a.results = a.results or result_path("long_context_fits-sdpa" if a.sdpa else "long_context_fits", a.quick)
     title = (f"GPT {a.layers} blocks, d_model {a.d_model}, {a.heads} heads, batch {a.batch}, vocabulary "
              f"{a.vocab_size}; measured")
     if a.from_results:
@@ -200,7 +210,8 @@ def run_all(a, work, title):
 def write(a, rows):
     meta = metadata({"model": f"gpt {a.layers} blocks, d_model {a.d_model}, {a.heads} heads", "batch": a.batch,
                      "vocab_size": a.vocab_size, "tokenizer": a.tokenizer, "loss_chunks": a.loss_chunks,
-                     "mlp_chunks": a.mlp_chunks, "seq_step": a.seq_step, "threads": a.threads})
+                     "mlp_chunks": a.mlp_chunks, "seq_step": a.seq_step, "threads": a.threads,
+                     "attention": "sdpa" if a.sdpa else "matmul + softmax (T x T scores kept)"})
     write_json(a.results, {"metadata": meta, "rows": rows})
 
 

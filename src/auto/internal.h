@@ -93,6 +93,9 @@ struct CallRecord {
   double forward_begin_us = 0, forward_end_us = -1;
   std::mutex mu;
   double first_unpack_us = -1, last_unpack_us = -1;
+  // NOTE [a backward ends with its last node]: when the last backward
+  // node that unpacked its saves returned (its incoming gradient freed).
+  double backward_done_us = -1;
   std::vector<plan::StepCost> costs;
 
   // NOTE [released inputs]: an option that does not hold an input that keep
@@ -129,6 +132,7 @@ struct CallRecord {
   void packed(const at::Tensor& t);
   void note_exclusive(double now);
   void unpacked(double t);
+  void node_done(double t);
 };
 
 /** Which inputs and outputs of an isolated run are held elsewhere (menu.cpp). */

@@ -114,9 +114,55 @@ void CallRecord::unpacked(double t) {
   }
 }
 
+/** NOTE [a backward ends with its last node]: a backward node that
+ *  unpacked this call's saves has returned. */
+void CallRecord::node_done(double t) {
+  for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
+    std::lock_guard<std::mutex> lock(r->mu);
+    r->backward_done_us = std::max(r->backward_done_us, t);
+  }
+}
+
 }  // namespace detail
 
 namespace {
+
+// NOTE [a backward ends with its last node]: a call's backward goes on
+// after its last unpack, until the node that unpacked returns. The node's
+// incoming gradient lives until then: the unchunked loss's mm backward
+// holds the (tokens x vocabulary) gradient of the logits while it makes
+// the hidden state's and the weight's, after it unpacked them. A window
+// that ended at the last unpack left that at the head's option 0's size
+// outside it, for every other option to carry (the predictions of chunked
+// plans ran a logits' gradient high). The profiled step notes, per
+// backward node on each thread, the calls whose saves it unpacked; their
+// backward ends where the next node on that thread starts (the engine
+// frees a node's inputs a few microseconds after its RecordFunction scope
+// ends, so that end is too early), or where the step ends.
+struct NodeFrame : at::ObserverContext {
+  NodeFrame* prev = nullptr;
+  std::vector<std::shared_ptr<detail::CallRecord>> unpacked;
+  std::weak_ptr<memory::Recording> timeline;
+};
+thread_local NodeFrame* t_node = nullptr;
+struct NodeReturned {  // the calls whose last node so far returned last on this thread
+  std::vector<std::weak_ptr<detail::CallRecord>> calls;
+  std::weak_ptr<memory::Recording> timeline;
+};
+thread_local NodeReturned t_returned;
+
+/** The calls of the node that returned last on this thread: their
+ *  backward goes on to now. */
+void note_node_returned() {
+  if (t_returned.calls.empty()) return;
+  if (auto tl = t_returned.timeline.lock()) {
+    const double now = tl->now_us();
+    for (const auto& w : t_returned.calls) {
+      if (auto rec = w.lock()) rec->node_done(now);
+    }
+  }
+  t_returned.calls.clear();
+}
 
 using CallPtr = std::unique_ptr<detail::UnitObserver::Call>;
 
@@ -149,7 +195,13 @@ class AutoCheckpoint::Impl::ObservedCall : public Call {
               return kept;
             },
             [rec, weak = std::weak_ptr<memory::Recording>(impl.timeline_owner)](const std::any& p) -> at::Tensor {
-              if (auto tl = weak.lock()) rec->unpacked(tl->now_us());
+              if (auto tl = weak.lock()) {
+                rec->unpacked(tl->now_us());
+                if (t_node != nullptr) {  // NOTE [a backward ends with its last node]
+                  t_node->unpacked.push_back(rec);
+                  t_node->timeline = weak;
+                }
+              }
               return std::any_cast<const at::Tensor&>(p);
             })) {
     impl_.active.push_back(rec_);
@@ -373,22 +425,43 @@ void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
   // NOTE [released inputs]: the backward ops of the step (on this
   // thread: CPU graphs run backward on the caller's thread) are events too.
   t_profiling = this;
-  const at::CallbackHandle backward_ops = at::addThreadLocalCallback(
-      at::RecordFunctionCallback([](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
-        if (t_profiling != nullptr) t_profiling->note_backward_op();
-        return nullptr;
-      })
-          .scopes({at::RecordScope::BACKWARD_FUNCTION})
-          .needsInputs(false));
+  const at::CallbackHandle backward_ops =
+      at::addThreadLocalCallback(at::RecordFunctionCallback(
+                                     [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+                                       if (t_profiling != nullptr) t_profiling->note_backward_op();
+                                       note_node_returned();  // NOTE [a backward ends with its last node]
+                                       auto frame = std::make_unique<NodeFrame>();
+                                       frame->prev = t_node;
+                                       t_node = frame.get();
+                                       return frame;
+                                     },
+                                     [](const at::RecordFunction&, at::ObserverContext* ctx) {
+                                       auto* frame = static_cast<NodeFrame*>(ctx);
+                                       if (frame == nullptr) return;
+                                       t_node = frame->prev;
+                                       auto tl = frame->timeline.lock();
+                                       if (!tl || frame->unpacked.empty()) return;
+                                       const double now = tl->now_us();
+                                       t_returned.calls.clear();
+                                       for (const auto& rec : frame->unpacked) {
+                                         rec->node_done(now);
+                                         t_returned.calls.push_back(rec);
+                                       }
+                                       t_returned.timeline = frame->timeline;
+                                     })
+                                     .scopes({at::RecordScope::BACKWARD_FUNCTION})
+                                     .needsInputs(false));
   struct Unhook {
     at::CallbackHandle handle;
     ~Unhook() {
       at::removeCallback(handle);
       t_profiling = nullptr;
+      t_returned.calls.clear();
     }
   } unhook{backward_ops};
   const double begin_us = tl.now_us();
   fn();
+  note_node_returned();  // NOTE [a backward ends with its last node]: the step's last node
   const double end_us = tl.now_us();
   tl.stop();
   // NOTE [what the profiled step leaves behind]

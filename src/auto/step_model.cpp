@@ -45,6 +45,8 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
   for (const auto& c : calls) {
     if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
     if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
+    // NOTE [a backward ends with its last node]
+    c->last_unpack_us = std::max(c->last_unpack_us, std::min(c->backward_done_us, end_us));
     for (double t : {c->forward_begin_us, c->forward_end_us, c->first_unpack_us, c->last_unpack_us}) {
       points_us.push_back(t);
     }

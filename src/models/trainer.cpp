@@ -811,7 +811,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   const auto t0 = Clock::now();
   m.offloaded_bytes = 0;
   double loss = 0.0;
-  int64_t peak_bytes = 0;
+  int64_t peak_bytes = 0, peak_abs = 0;
   auto body = [&] {
     {
       memory::Probe probe;
@@ -848,6 +848,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
         loss += l.item<double>() / static_cast<double>(m.cfg.grad_accum);
       }
       peak_bytes = probe.peak_bytes();
+      peak_abs = probe.baseline_bytes() + probe.peak_bytes();
     }
     const double o0 = timeline ? timeline->now_us() : 0.0;
     if (m.cfg.clip_norm > 0.0) {
@@ -861,12 +862,14 @@ StepStats Trainer::step(memory::Timeline* timeline) {
     if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
   };
   StepPhase phase = StepPhase::kNormal;
+  int64_t counted_start = -1;  // auto: the step's start as its budget counts it, bytes
   if (m.auto_ck) {
     // The budget is --memory-budget above the step's start: what is live
     // then (parameters, gradients, optimizer state) is added to it, the
     // optimizer state the plan keeps in a store counted as if kept (else
     // moving it would only lower the budget by as much, and buy nothing).
     const int64_t start = memory::current_bytes() + m.auto_ck->optimizer_state_in_store_bytes();
+    counted_start = start;
     if (m.auto_ck->planned() && start != m.auto_start_bytes) m.set_auto_budget(start);
     const bool was_planned = m.auto_ck->planned();
     if (!was_planned) phase = m.auto_steps < kAutoWarmupSteps ? StepPhase::kWarmup : StepPhase::kProfiled;
@@ -895,6 +898,13 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   } else {
     body();
   }
+  // Under auto, the peak above the step's start as the budget counts that
+  // start (set_auto_budget): the bytes live then, and the optimizer state
+  // the plan keeps in a store as if kept. The state is outside the budget
+  // wherever it lives, and its bytes read back are in it; a re-plan at
+  // the step's start that moves state between memory and the store
+  // changes neither.
+  if (counted_start >= 0) peak_bytes = std::max<int64_t>(0, peak_abs - counted_start);
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
   return StepStats{++m.steps_done,

@@ -327,3 +327,33 @@ TEST(AutoChunks, CallsInsideARegionOfYourOwnOrAnotherChunkedCallKeepTheirCount) 
     }
   }
 }
+
+// A head profiled unchunked and planned chunked is predicted at the
+// chunked head's bytes: its backward's window runs until its last node
+// returns, so the (tokens x vocabulary) gradient of the logits that the
+// matmul's backward holds after its last unpack is the head's, not left
+// outside every unit at the unchunked size (the leanest plan was then
+// predicted a logits' gradient high: 11.9 MB here against 8.7 MB).
+TEST(AutoChunks, AHeadProfiledUnchunkedIsPredictedAtItsChunkedBytes) {
+  remat::models::GptConfig c;
+  c.vocab = 1000;
+  c.seq_len = 224;
+  c.d_model = 64;
+  c.heads = 2;
+  c.layers = 2;
+  c.sdpa = true;
+  c.mlp_chunks = 8;
+  c.loss_chunks = 0;  // profiled unchunked, planned in 8 chunks
+  const Trial planned =
+      run(c, remat::AutoOptions().chunk_counts({8}), [](int64_t, int64_t lo) { return lo + lo / 100; });
+  const remat::AutoUnit* head = unit_named(planned, "chunked_cross_entropy");
+  ASSERT_NE(head, nullptr) << planned.explain;
+  ASSERT_EQ(head->options[head->choice], "8 chunks") << planned.explain;
+  ASSERT_FALSE(planned.peaks.empty());
+  for (size_t i = 0; i < planned.peaks.size(); ++i) {
+    EXPECT_LE(static_cast<double>(planned.peaks[i]), 1.01 * static_cast<double>(planned.budget)) << planned.explain;
+    EXPECT_GE(static_cast<double>(planned.peaks[i]), 0.97 * static_cast<double>(planned.leanest))
+        << "predicted within 3% of the measured peak\n"
+        << planned.explain;
+  }
+}

@@ -436,7 +436,8 @@ int main(int argc, char** argv) {
                  "with --checkpoint offload: an existing writable directory for the saved activations' files");
   app.add_option("--memory-budget", budget,
                  "--checkpoint auto: bound on each planned step's peak above its start (the 'peak' column: "
-                 "activations, logits, temporaries; parameters, gradients and AdamW state are outside it), "
+                 "activations, logits, temporaries; parameters, gradients and AdamW state are outside it, state in a "
+                 "store counted as kept), "
                  "e.g. 512MiB, 2GiB, 1000000; auto_checkpoint plans the whole step (embedding, blocks, head, loss) "
                  "from step 2, planned steps from step 3");
   app.add_option("--max-seq-len-under", seq_cap,
