@@ -1582,6 +1582,7 @@ TEST(Auto, DestroyingThePlannerGivesBackTheSwitchesAndSchedulesItSet) {
   const std::string switches = remat::describe_checkpointing(*net);
   std::optional<remat::AutoCheckpoint> holder;
   int64_t forced = 0;
+  bool head_kept = false;
   {
     auto planner = remat::auto_checkpoint(*net, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
     for (int k = 0; k < 2; ++k) planner.step(step);
@@ -1592,13 +1593,21 @@ TEST(Auto, DestroyingThePlannerGivesBackTheSwitchesAndSchedulesItSet) {
       if (u.name == "body" && u.choice == 0) {
         EXPECT_GT(static_cast<double>(forced), 1.5 * static_cast<double>(own));
       }
+      // The head's switch is the plan's: off where it keeps (the fastest,
+      // bar noise: a loaded machine can time recompute as fast, which is
+      // the user's own setting).
+      if (u.name == "head") head_kept = u.options[u.choice] == "keep";
     }
-    EXPECT_NE(remat::describe_checkpointing(*net), switches);
+    if (head_kept) {
+      EXPECT_NE(remat::describe_checkpointing(*net), switches);
+    }
     holder.emplace(std::move(planner));
   }
   // The moved-from planner is gone; the plan is still in force.
   EXPECT_EQ(peak(), forced);
-  EXPECT_NE(remat::describe_checkpointing(*net), switches);
+  if (head_kept) {
+    EXPECT_NE(remat::describe_checkpointing(*net), switches);
+  }
   holder.reset();
   EXPECT_EQ(remat::describe_checkpointing(*net), switches);
   EXPECT_TRUE(net->head->checkpointing());
