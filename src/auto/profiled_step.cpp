@@ -164,6 +164,33 @@ void note_node_returned() {
   t_returned.calls.clear();
 }
 
+/** A backward node starts on this thread: the node before it has freed
+ *  its inputs; the unpacks from here on are this node's. */
+std::unique_ptr<at::ObserverContext> node_starts() {
+  note_node_returned();
+  auto frame = std::make_unique<NodeFrame>();
+  frame->prev = t_node;
+  t_node = frame.get();
+  return frame;
+}
+
+/** A backward node returned: the calls it unpacked for wait for the next
+ *  node's start (or the step's end) to end their backward. */
+void node_returns(const at::RecordFunction&, at::ObserverContext* ctx) {
+  auto* frame = static_cast<NodeFrame*>(ctx);
+  if (frame == nullptr) return;
+  t_node = frame->prev;
+  auto tl = frame->timeline.lock();
+  if (!tl || frame->unpacked.empty()) return;
+  const double now = tl->now_us();
+  t_returned.calls.clear();
+  for (const auto& rec : frame->unpacked) {
+    rec->node_done(now);
+    t_returned.calls.push_back(rec);
+  }
+  t_returned.timeline = frame->timeline;
+}
+
 using CallPtr = std::unique_ptr<detail::UnitObserver::Call>;
 
 /** What the planner's hooks keep of a saved tensor: the tensor detached.
@@ -198,7 +225,8 @@ class AutoCheckpoint::Impl::ObservedCall : public Call {
               if (auto tl = weak.lock()) {
                 rec->unpacked(tl->now_us());
                 if (t_node != nullptr) {  // NOTE [a backward ends with its last node]
-                  t_node->unpacked.push_back(rec);
+                  auto& u = t_node->unpacked;
+                  if (std::find(u.begin(), u.end(), rec) == u.end()) u.push_back(rec);
                   t_node->timeline = weak;
                 }
               }
@@ -429,26 +457,9 @@ void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
       at::addThreadLocalCallback(at::RecordFunctionCallback(
                                      [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
                                        if (t_profiling != nullptr) t_profiling->note_backward_op();
-                                       note_node_returned();  // NOTE [a backward ends with its last node]
-                                       auto frame = std::make_unique<NodeFrame>();
-                                       frame->prev = t_node;
-                                       t_node = frame.get();
-                                       return frame;
+                                       return node_starts();  // NOTE [a backward ends with its last node]
                                      },
-                                     [](const at::RecordFunction&, at::ObserverContext* ctx) {
-                                       auto* frame = static_cast<NodeFrame*>(ctx);
-                                       if (frame == nullptr) return;
-                                       t_node = frame->prev;
-                                       auto tl = frame->timeline.lock();
-                                       if (!tl || frame->unpacked.empty()) return;
-                                       const double now = tl->now_us();
-                                       t_returned.calls.clear();
-                                       for (const auto& rec : frame->unpacked) {
-                                         rec->node_done(now);
-                                         t_returned.calls.push_back(rec);
-                                       }
-                                       t_returned.timeline = frame->timeline;
-                                     })
+                                     node_returns)
                                      .scopes({at::RecordScope::BACKWARD_FUNCTION})
                                      .needsInputs(false));
   struct Unhook {
