@@ -72,6 +72,11 @@ def load(path):
     return load_json(path)["rows"] if os.path.exists(path) else []
 
 
+def measured(b):
+    """A measured peak; below 0: not measured (no auto plan fits there, so a run would refuse it)."""
+    return "no plan fits" if b is None or b < 0 else size(b)
+
+
 def table(rows, cap):
     """Markdown table of one cap's rows, with the ratios to plain and per-block."""
     at = [r for r in rows if r["cap"] == cap]
@@ -82,7 +87,7 @@ def table(rows, cap):
         vs = lambda k: f"{r['max_seq_len'] / base[k]:.2f}x" if base.get(k) else "-"  # noqa: E731
         lines.append(f"| {r['strategy']} | {r['max_seq_len']} | {vs('none')} | {vs('block')} | "
                      f"{size(r['predicted_bytes'])} / {size(r['measured_bytes'])} | "
-                     f"{size(r['next_predicted_bytes'])} / {size(r['next_measured_bytes'])} |")
+                     f"{size(r['next_predicted_bytes'])} / {measured(r['next_measured_bytes'])} |")
     return "\n".join(lines)
 
 
