@@ -86,6 +86,10 @@ def fragments(quick):
         frags.update(long_context_fits.fragments(res))
         title = "longest trainable sequence per memory cap, measured"
         images["long_context_fits.png"] = lambda out, res=res: long_context_fits.chart(res["rows"], out, title)
+    path = os.path.join(RESULTS, f"long_context_fits-sdpa{suffix}.json")
+    if os.path.exists(path):  # the same search with SDPA attention (long_context_fits.py --sdpa)
+        import long_context_fits
+        frags.update({f"{k}-sdpa": v for k, v in long_context_fits.fragments(load_json(path)).items()})
     if not quick:  # figures of a GPU run (bench/gpu/check.sh on a lent machine); nothing to smoke-test
         import gpu_results
         frags.update(gpu_results.fragments())

@@ -95,7 +95,8 @@ def fragments(res):
     """gen_docs.py's fragments: long-context-fits (a table per cap, with how the rows were taken)."""
     rows, m = res["rows"], res["metadata"]
     st = m.get("settings", {})
-    parts = [f"{st.get('model', '?').replace('gpt', 'GPT', 1)}, batch {st.get('batch', '?')}, SentencePiece vocabulary "
+    attention = f", {st['attention']} attention" if "attention" in st else ""
+    parts = [f"{st.get('model', '?').replace('gpt', 'GPT', 1)}{attention}, batch {st.get('batch', '?')}, SentencePiece vocabulary "
              f"{st.get('vocab_size', '?')}, --loss-chunks {st.get('loss_chunks', '?')}, --mlp-chunks "
              f"{st.get('mlp_chunks', '?')}, answers in steps of {st.get('seq_step', '?')} tokens; "
              f"{m.get('cpu', '?')}, remat-train with {st.get('threads', '?')} intra-op thread(s), commit "
@@ -105,6 +106,9 @@ def fragments(res):
     for cap in dict.fromkeys(r["cap"] for r in rows):
         parts.append(table(rows, cap))
         by = {r["key"]: r["max_seq_len"] for r in rows if r["cap"] == cap}
+        if "none" in by and "loss_mlp_block" in by and "block" not in by:
+            parts.append(f"Under {cap}, chunked head+loss+MLP with per-block checkpointing trains "
+                         f"{by['loss_mlp_block'] / by['none']:.2f}x plain's sequence.")
         if all(k in by for k in ("none", "block", "loss_block")):
             parts.append(f"Under {cap}, chunked head+loss with per-block checkpointing trains "
                          f"{by['loss_block'] / by['none']:.2f}x plain's sequence and {by['loss_block'] / by['block']:.2f}x "
