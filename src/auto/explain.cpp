@@ -206,7 +206,7 @@ void AutoCheckpoint::write_trace(const std::string& path) const {
       << ",\"dur\":" << c->forward_end_us - c->forward_begin_us << "}";
     sep();
     f << "{\"name\":\"backward " << name << "\",\"ph\":\"X\",\"pid\":1,\"tid\":2,\"ts\":" << c->first_unpack_us
-      << ",\"dur\":" << c->last_unpack_us - c->first_unpack_us << "}";
+      << ",\"dur\":" << c->backward_end_us - c->first_unpack_us << "}";
   }
   for (const auto& [a, b] : m.trial_windows) {
     sep();

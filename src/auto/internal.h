@@ -92,10 +92,10 @@ struct CallRecord {
   std::shared_ptr<CallRecord> enclosing;  // the call of the unit it ran inside
   double forward_begin_us = 0, forward_end_us = -1;
   std::mutex mu;
-  double first_unpack_us = -1, last_unpack_us = -1;
-  // NOTE [a backward ends with its last node]: when the last backward
-  // node that unpacked its saves returned (its incoming gradient freed).
-  double backward_done_us = -1;
+  // Its backward: from its first unpack to its last unpack, or later, to
+  // where the node that unpacked last returned (NOTE [a backward ends with
+  // its last node]).
+  double first_unpack_us = -1, backward_end_us = -1;
   std::vector<plan::StepCost> costs;
 
   // NOTE [released inputs]: an option that does not hold an input that keep

@@ -105,7 +105,7 @@ void CallRecord::unpacked(double t) {
       r->note_exclusive(t);
       r->first_unpack_us = t;
     }
-    r->last_unpack_us = std::max(r->last_unpack_us, t);
+    r->backward_end_us = std::max(r->backward_end_us, t);
     // Keep may let an input go inside its backward: credit it no longer
     // than it is seen live (NOTE [released inputs]).
     for (size_t i = 0; i < r->inputs.size(); ++i) {
@@ -119,7 +119,7 @@ void CallRecord::unpacked(double t) {
 void CallRecord::node_done(double t) {
   for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
     std::lock_guard<std::mutex> lock(r->mu);
-    r->backward_done_us = std::max(r->backward_done_us, t);
+    r->backward_end_us = std::max(r->backward_end_us, t);
   }
 }
 
@@ -174,8 +174,9 @@ std::unique_ptr<at::ObserverContext> node_starts() {
   return frame;
 }
 
-/** A backward node returned: the calls it unpacked for wait for the next
- *  node's start (or the step's end) to end their backward. */
+/** A backward node returned: the calls it unpacked for end their backward
+ *  here for now, and again where the next node on this thread starts or
+ *  the step ends (note_node_returned), whichever comes. */
 void node_returns(const at::RecordFunction&, at::ObserverContext* ctx) {
   auto* frame = static_cast<NodeFrame*>(ctx);
   if (frame == nullptr) return;

@@ -44,10 +44,9 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
   largest_input_sent = 0;
   for (const auto& c : calls) {
     if (c->forward_end_us < 0) c->forward_end_us = c->forward_begin_us;  // threw: never here
-    if (c->first_unpack_us < 0) c->first_unpack_us = c->last_unpack_us = c->forward_end_us;
-    // NOTE [a backward ends with its last node]
-    c->last_unpack_us = std::max(c->last_unpack_us, std::min(c->backward_done_us, end_us));
-    for (double t : {c->forward_begin_us, c->forward_end_us, c->first_unpack_us, c->last_unpack_us}) {
+    if (c->first_unpack_us < 0) c->first_unpack_us = c->backward_end_us = c->forward_end_us;
+    c->backward_end_us = std::min(c->backward_end_us, end_us);  // a node on another thread may return late
+    for (double t : {c->forward_begin_us, c->forward_end_us, c->first_unpack_us, c->backward_end_us}) {
       points_us.push_back(t);
     }
     // NOTE [released inputs]: from when every input that some option
@@ -65,7 +64,7 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
     }
     if (c->release_us >= 0 && c->forward_end_us <= c->first_unpack_us) {
       c->release_us = std::clamp(c->release_us, c->forward_end_us, c->first_unpack_us);
-      c->release_end_us = std::clamp(c->release_end_us, c->first_unpack_us, c->last_unpack_us);
+      c->release_end_us = std::clamp(c->release_end_us, c->first_unpack_us, c->backward_end_us);
       points_us.push_back(c->release_us);
       points_us.push_back(c->release_end_us);
     } else {
@@ -187,7 +186,7 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
       sc.forward_begin = at(c.forward_begin_us);
       sc.forward_end = at(c.forward_end_us);
       sc.backward_begin = at(c.first_unpack_us);
-      sc.backward_end = at(c.last_unpack_us);
+      sc.backward_end = at(c.backward_end_us);
       for (size_t k : u.offered) {
         plan::StepCost cost = c.costs[k];
         if (c.release_us >= 0) {  // what it lets go of the inputs held only here, each storage once

@@ -862,14 +862,13 @@ StepStats Trainer::step(memory::Timeline* timeline) {
     if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
   };
   StepPhase phase = StepPhase::kNormal;
-  int64_t counted_start = -1;  // auto: the step's start as its budget counts it, bytes
+  int64_t start = -1;  // auto: the step's start as its budget counts it, bytes
   if (m.auto_ck) {
     // The budget is --memory-budget above the step's start: what is live
     // then (parameters, gradients, optimizer state) is added to it, the
     // optimizer state the plan keeps in a store counted as if kept (else
     // moving it would only lower the budget by as much, and buy nothing).
-    const int64_t start = memory::current_bytes() + m.auto_ck->optimizer_state_in_store_bytes();
-    counted_start = start;
+    start = memory::current_bytes() + m.auto_ck->optimizer_state_in_store_bytes();
     if (m.auto_ck->planned() && start != m.auto_start_bytes) m.set_auto_budget(start);
     const bool was_planned = m.auto_ck->planned();
     if (!was_planned) phase = m.auto_steps < kAutoWarmupSteps ? StepPhase::kWarmup : StepPhase::kProfiled;
@@ -904,7 +903,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   // wherever it lives, and its bytes read back are in it; a re-plan at
   // the step's start that moves state between memory and the store
   // changes neither.
-  if (counted_start >= 0) peak_bytes = std::max<int64_t>(0, peak_abs - counted_start);
+  if (start >= 0) peak_bytes = std::max<int64_t>(0, peak_abs - start);
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
   return StepStats{++m.steps_done,

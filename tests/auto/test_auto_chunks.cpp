@@ -335,15 +335,12 @@ TEST(AutoChunks, CallsInsideARegionOfYourOwnOrAnotherChunkedCallKeepTheirCount) 
 // outside every unit at the unchunked size (the leanest plan was then
 // predicted a logits' gradient high: 11.9 MB here against 8.7 MB).
 TEST(AutoChunks, AHeadProfiledUnchunkedIsPredictedAtItsChunkedBytes) {
-  remat::models::GptConfig c;
+  auto c = head_heavy_gpt(/*loss_chunks=*/0, /*mlp_chunks=*/8, /*dropout=*/0.0);  // profiled unchunked
   c.vocab = 1000;
   c.seq_len = 224;
-  c.d_model = 64;
   c.heads = 2;
   c.layers = 2;
   c.sdpa = true;
-  c.mlp_chunks = 8;
-  c.loss_chunks = 0;  // profiled unchunked, planned in 8 chunks
   const Trial planned =
       run(c, remat::AutoOptions().chunk_counts({8}), [](int64_t, int64_t lo) { return lo + lo / 100; });
   const remat::AutoUnit* head = unit_named(planned, "chunked_cross_entropy");
