@@ -14,7 +14,7 @@
 //  - a budget some choice fits gets a plan (GLPK may stop at its time limit
 //    and say so); one that no choice fits gets Error;
 //  - over 1-3 variants of the model (plan::StepVariant: trailing options
-//    withheld, each segment shifted, time added), solve_step_variants and
+//    withheld, each segment shifted, time added, options priced), solve_step_variants and
 //    min_peak_step_variants agree with the same brute force, the variant
 //    applied by the oracle itself.
 // Leaves out the auto layer (torch): its tests cover the profile.
@@ -262,6 +262,13 @@ void check_variants(FuzzedDataProvider& in, const rp::StepModel& m, const std::v
       }
     }
     v.time_ms = in.ConsumeIntegralInRange<int>(0, 8);
+    if (in.ConsumeBool()) {  // options priced per variant (a store's in-flight cap)
+      for (const rp::StepUnit& u : m.units) {
+        std::vector<double> d(u.options.size(), 0.0);
+        for (size_t k = 1; k < d.size(); ++k) d[k] = in.ConsumeIntegralInRange<int>(-6, 3);
+        v.option_time_ms.push_back(std::move(d));
+      }
+    }
   }
   // The oracle: each choice the variant offers, its segments shifted.
   int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
@@ -282,7 +289,10 @@ void check_variants(FuzzedDataProvider& in, const rp::StepModel& m, const std::v
         const int64_t shift = v.segment_shift_bytes.empty() ? 0 : v.segment_shift_bytes[s];
         peak = std::max(peak, rs::brute_segment(m, e.choice, static_cast<int64_t>(s)) + shift);
       }
-      points.push_back({peak, e.time_ms + v.time_ms});
+      double time = e.time_ms + v.time_ms;
+      for (size_t u = 0; u < v.option_time_ms.size(); ++u)
+        time += v.option_time_ms[u][static_cast<size_t>(e.choice[u])];
+      points.push_back({peak, time});
       least = std::min(least, peak);
       most = std::max(most, peak);
     }

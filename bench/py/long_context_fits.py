@@ -13,6 +13,7 @@ Leaves out: timing (see bench/longctx for step times at equal sizes).
 """
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,18 +53,25 @@ def run(a, key, label, flags, cap, offload_dir):
            "--max-seq-len-under", cap, "--fit-step", str(a.seq_step)] + a.tok_flags + flags
     if a.sdpa:
         cmd.append("--sdpa")
+    limit = a.limits.get(key, 0)
+    if limit:
+        cmd += ["--fit-max", str(limit)]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"remat-train failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
     r = parse(p.stdout, "seq_len")
+    at_limit = bool(re.search(r"^max seq_len under .*\(the largest tried", p.stdout, re.M))
+    if "next" not in r:  # the search stopped at --fit-max: nothing above the answer was tried
+        r["next"] = (0, -1, -1)
     row = {"cap": cap, "cap_bytes": to_bytes(cap.replace("GiB", " GiB").replace("MiB", " MiB")), "strategy": label,
            "key": key, "max_seq_len": r["value"], "predicted_bytes": r["at"][1], "measured_bytes": r["at"][2],
            "next_seq_len": r["next"][0], "next_predicted_bytes": r["next"][1], "next_measured_bytes": r["next"][2],
-           "predictions": r["predictions"], "measurements": r["measurements"], "seconds": round(time.time() - t0)}
-    print(f"  {cap:>7s} {label:36s} max seq_len {row['max_seq_len']:6d}  predicted {size(row['predicted_bytes'])},"
-          f" measured {size(row['measured_bytes'])}; at {row['next_seq_len']}: {size(row['next_predicted_bytes'])}"
-          f" / {size(row['next_measured_bytes'])}  ({row['predictions']} predictions, {row['measurements']}"
+           "predictions": r["predictions"], "measurements": r["measurements"], "fit_max": limit, "at_limit": at_limit,
+           "seconds": round(time.time() - t0)}
+    print(f"  {cap:>7s} {label:36s} max seq_len {answer(row):>7s}  predicted {size(row['predicted_bytes'])},"
+          f" measured {size(row['measured_bytes'])}; at +step: {measured(row['next_predicted_bytes'])}"
+          f" / {measured(row['next_measured_bytes'])}  ({row['predictions']} predictions, {row['measurements']}"
           f" measured steps, {row['seconds']} s)", flush=True)
     return row
 
@@ -77,6 +85,17 @@ def measured(b):
     return "no plan fits" if b is None or b < 0 else size(b)
 
 
+def answer(r):
+    """The longest sequence; ">= N" where the search's limit (--fit-max), not the cap, stopped it."""
+    return f">= {r['max_seq_len']}" if r.get("at_limit") else str(r["max_seq_len"])
+
+
+def next_peaks(r):
+    if r.get("at_limit"):
+        return "not tried (search limit)"
+    return f"{size(r['next_predicted_bytes'])} / {measured(r['next_measured_bytes'])}"
+
+
 def table(rows, cap):
     """Markdown table of one cap's rows, with the ratios to plain and per-block."""
     at = [r for r in rows if r["cap"] == cap]
@@ -84,10 +103,10 @@ def table(rows, cap):
     lines = [f"| strategy (cap {cap}) | max seq_len | vs plain | vs per-block | predicted / measured peak "
              f"| at +step: predicted / measured |", "|---|---:|---:|---:|---:|---:|"]
     for r in at:
-        vs = lambda k: f"{r['max_seq_len'] / base[k]:.2f}x" if base.get(k) else "-"  # noqa: E731
-        lines.append(f"| {r['strategy']} | {r['max_seq_len']} | {vs('none')} | {vs('block')} | "
-                     f"{size(r['predicted_bytes'])} / {size(r['measured_bytes'])} | "
-                     f"{size(r['next_predicted_bytes'])} / {measured(r['next_measured_bytes'])} |")
+        ge = ">= " if r.get("at_limit") else ""
+        vs = lambda k: f"{ge}{r['max_seq_len'] / base[k]:.2f}x" if base.get(k) else "-"  # noqa: E731
+        lines.append(f"| {r['strategy']} | {answer(r)} | {vs('none')} | {vs('block')} | "
+                     f"{size(r['predicted_bytes'])} / {size(r['measured_bytes'])} | {next_peaks(r)} |")
     return "\n".join(lines)
 
 
@@ -155,6 +174,9 @@ def main():
     ap.add_argument("--loss-chunks", type=int, default=16)
     ap.add_argument("--mlp-chunks", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fit-max", default="",
+                    help="KEY=TOKENS,...: the longest sequence a strategy's search tries (bounds its time; its "
+                         "answer then reads '>= N')")
     ap.add_argument("--sdpa", action="store_true",
                     help="attention through scaled_dot_product_attention (no T x T scores); results go to "
                          "long_context_fits-sdpa.json")
@@ -167,6 +189,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="toy model and caps (smoke run only)")
     ap.add_argument("--from-results", action="store_true", help="only redraw the tables and chart from --results")
     a = ap.parse_args()
+    a.limits = {k: int(v) for k, v in (kv.split("=") for kv in a.fit_max.split(",") if kv)}
     if a.quick:
         a.layers, a.d_model, a.heads, a.batch, a.caps, a.vocab_size = 2, 64, 2, 2, "4MiB,8MiB", 1000
         a.seq_step = 16

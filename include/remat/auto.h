@@ -111,8 +111,14 @@ struct AutoOptions {
    *  "... to memory <codec>"): recompute, with the inputs it keeps for it
    *  in the store (CheckpointOptions::offload). Their
    *  cost is measured as the others': bytes kept right after the forward
-   *  (writes still pending count), and time with the writes waited for (no
-   *  overlap with compute assumed). Lossless codecs keep the step bitwise
+   *  (writes still pending count), and time with one tensor in flight at a
+   *  time. What a kDisk store holds in flight is the plan's to choose: its
+   *  max_inflight_bytes here is the least, and the plan may run it with up
+   *  to 4^4 times that (never more than the most one call sends, rounded
+   *  up to that ladder), where the budget has room for those bytes at every
+   *  point of the step; more in flight lets the writes run beside the
+   *  compute, priced from the store's measured pace. explain() says which
+   *  cap runs. Lossless codecs keep the step bitwise
    *  equal to the plain one; a lossy one (kBFloat16, kFloat8, kInt8Block) is taken as
    *  asked and changes the gradients. kHost (a no-op for CPU tensors) and
    *  kMemory without a codec (nothing saved) are refused. Default none: a
@@ -269,8 +275,9 @@ class AutoCheckpoint {
    *  profiled step. */
   int64_t leanest_peak_bytes() const;
   /** Bytes the plan in force keeps room for above its predicted peak: the
-   *  writes and reads its disk stores may hold in flight (their
-   *  max_inflight_bytes, or a larger tensor they send alone, as the
+   *  writes and reads its disk stores may hold in flight (the
+   *  max_inflight_bytes the plan runs them with, or a larger tensor they
+   *  send alone, as the
    *  profiled step's isolated runs measured it), which depend
    *  on the disk's pace; 0 when the plan sends nothing to disk. A step's
    *  measured peak is at most plan().prediction.peak_bytes plus this, and

@@ -164,6 +164,13 @@ struct OffloadStats {
   double write_stall_ms = 0;
   /** Time backward waited for reads, ms. */
   double read_stall_ms = 0;
+  /** Time spent encoding and writing files (kDisk; the writer threads'
+   *  busy time, summed over threads), ms: bytes_written over it is the
+   *  pace the disk took. */
+  double write_ms = 0;
+  /** Time spent reading files and decoding them (kDisk; the reader thread
+   *  and unpacks that read for themselves), ms. */
+  double read_ms = 0;
   /** Highest bytes held by pending writes and prefetched reads at once. */
   int64_t peak_inflight_bytes = 0;
   /** bytes_raw / bytes_stored (1 when nothing was stored). */

@@ -75,8 +75,17 @@ void AutoCheckpoint::Impl::apply() {
       chunks_plan[mu[j]] = o.chunks;
       continue;
     }
-    u.c->set_checkpointing(o.switch_state);
-    u.c->set_offloading(o.offload);
+    // A disk store runs at the plan's in-flight cap (NOTE [in flight planned]).
+    std::optional<CheckpointOptions> cp = o.switch_state;
+    std::optional<OffloadOptions> off = o.offload;
+    if (o.store >= 0 && static_cast<size_t>(o.store) < plan_caps.size() &&
+        options.offload()[static_cast<size_t>(o.store)].target() == OffloadTarget::kDisk) {
+      const int64_t cap = plan_caps[static_cast<size_t>(o.store)];
+      if (off) off->max_inflight_bytes(cap);
+      if (cp && cp->offload()) cp->offload(OffloadOptions(*cp->offload()).max_inflight_bytes(cap));
+    }
+    u.c->set_checkpointing(cp);
+    u.c->set_offloading(off);
   }
   // Nested recompute: the inner units are at option 0 (the nesting rule).
   for (size_t j = 0; j < mu.size(); ++j) {

@@ -16,6 +16,8 @@
 #include <remat/error.h>
 #include <remat/plan/error.h>
 
+#include "../region/levels.h"
+
 namespace remat {
 
 using detail::shown;
@@ -139,7 +141,15 @@ std::string AutoCheckpoint::explain() const {
     os << m.explain_state();
     if (const int64_t inflight = inflight_bytes(); inflight > 0 && p.peak_bytes + inflight <= m.budget) {
       os << "offload: up to " << plan::format_bytes(inflight)
-         << " of writes and reads in flight on top of the prediction, within the budget\n";
+         << " of writes and reads in flight on top of the prediction, within the budget";
+      // NOTE [in flight planned]: a cap above the one given is the plan's.
+      for (size_t i = 0; i < m.plan_caps.size() && i < m.options.offload().size(); ++i) {
+        const OffloadOptions& o = m.options.offload()[i];
+        if (o.target() != OffloadTarget::kDisk || m.plan_caps[i] == o.max_inflight_bytes()) continue;
+        os << "; " << detail::offload_name(o) << " runs with max_inflight_bytes " << plan::format_bytes(m.plan_caps[i])
+           << " (planned; given " << plan::format_bytes(o.max_inflight_bytes()) << ")";
+      }
+      os << "\n";
     }
     if (m.measured_peak >= 0) {
       os << "last step: measured peak " << plan::format_bytes(m.measured_peak) << " ("

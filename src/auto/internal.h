@@ -97,6 +97,10 @@ struct CallRecord {
   // its last node]).
   double first_unpack_us = -1, backward_end_us = -1;
   std::vector<plan::StepCost> costs;
+  // Per menu option: its isolated run's writes and reads to a disk store
+  // (all zero for an option that sends nothing to disk; NOTE [in flight
+  // planned]).
+  std::vector<plan::TransferRun> transfers;
 
   // NOTE [released inputs]: an option that does not hold an input that keep
   // holds (an offload sends it away) frees it once its caller lets it go,
@@ -189,6 +193,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   // completed, so that a profile that throws leaves them matching step_model.
   std::vector<size_t> modeled;
   std::vector<std::vector<double>> input_bytes_of;
+  // The same, per unit and call, per menu option: its isolated run's
+  // transfers (NOTE [in flight planned]).
+  std::vector<std::vector<std::vector<plan::TransferRun>>> transfers_of;
+  std::vector<int64_t> plan_caps;  // per store of options.offload(): the max_inflight_bytes the plan in force runs
   std::shared_ptr<memory::Recording> timeline_owner;  // the same, for the unpack hooks (weakly)
   // NOTE [memory sources]: the bytes of the units' device (the model's parameters'), set by each profile.
   std::shared_ptr<memory::Source> mem = memory::source_for(c10::Device(c10::kCPU));
@@ -302,7 +310,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   void build_chain_menu(Unit& u, const detail::ChainMenu& menu);
   void build_menu(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run);
   plan::StepCost measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run, const Option& opt,
-                             bool* has_backward, Held* io_kept);
+                             bool* has_backward, Held* io_kept, plan::TransferRun* transfer = nullptr);
   void note_inflight(const Option& opt, const std::shared_ptr<detail::OffloadStore>& store);
   static OffloadOptions trial_store(OffloadOptions o);
 
@@ -311,16 +319,23 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   bool inner_calls_inside(size_t i) const;
   /** Units of the step model, in model order, as indices into units. */
   std::vector<size_t> model_units() const { return modeled; }
-  int64_t inflight_margin(bool inputs_only = false) const;
+  /** caps: per store of options.offload(), its max_inflight_bytes (empty:
+   *  as the options say). */
+  int64_t inflight_margin(bool inputs_only = false, const std::vector<int64_t>& caps = {}) const;
 
   /** The plans solve() compares: without options that send to a store (no
    *  margin); with those sending only inputs (the inputs' margin); with
-   *  every option (the whole margin). offered: per unit of the step model,
-   *  how many options (plan::StepVariant::options_offered). */
+   *  every option (the whole margin); the last two at each in-flight cap
+   *  of the ladder (NOTE [in flight planned]). offered: per unit of the
+   *  step model, how many options (plan::StepVariant::options_offered). */
   struct Tier {
     std::vector<size_t> offered;
     int64_t margin = 0;
+    std::vector<int64_t> caps;                   // per store of options.offload(): its max_inflight_bytes
+    std::vector<std::vector<double>> option_ms;  // per unit, per offered option: its transfers' time at caps
   };
+  std::vector<std::vector<int64_t>> cap_ladder() const;
+  std::vector<std::vector<double>> priced_at(const std::vector<int64_t>& caps) const;
   std::vector<Tier> tiers() const;
   int store_of(size_t j, size_t k) const;
   std::vector<size_t> without_offload(bool plain_only = false) const;

@@ -192,12 +192,14 @@ void AutoCheckpoint::Impl::measure(Unit& u, const std::vector<at::Tensor>& input
   Held retained;
   measure_one(u, inputs, run, Option{}, &has_backward, &retained);
   rec.costs.assign(u.menu.size(), plan::StepCost{});
+  rec.transfers.assign(u.menu.size(), plan::TransferRun{});
   std::vector<Held> io_kept(u.menu.size());
   for (int r = 0; r < options.profile_repeats(); ++r) {
     for (size_t k = 0; k < u.menu.size(); ++k) {
       plan::StepCost cost;
+      plan::TransferRun transfer;
       try {
-        cost = measure_one(u, inputs, run, u.menu[k], &has_backward, &retained);
+        cost = measure_one(u, inputs, run, u.menu[k], &has_backward, &retained, &transfer);
       } catch (const Error&) {
         // A chain called with another shape than its first call's, whose
         // schedules name stage options this call's chain lacks: it keeps.
@@ -207,8 +209,10 @@ void AutoCheckpoint::Impl::measure(Unit& u, const std::vector<at::Tensor>& input
       if (r == 0) {
         rec.costs[k] = cost;
         io_kept[k] = retained;
-      } else {
-        rec.costs[k].time_ms = std::min(rec.costs[k].time_ms, cost.time_ms);
+        rec.transfers[k] = transfer;
+      } else if (cost.time_ms < rec.costs[k].time_ms) {
+        rec.costs[k].time_ms = cost.time_ms;
+        rec.transfers[k] = transfer;  // the time's own run
       }
     }
   }
@@ -336,7 +340,8 @@ void AutoCheckpoint::Impl::build_menu(Unit& u, const std::vector<at::Tensor>& in
  *  assumed); what the real store holds in flight beyond that is the
  *  margin of solve(). */
 plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run,
-                                                 const Option& opt, bool* has_backward, Held* io_kept) {
+                                                 const Option& opt, bool* has_backward, Held* io_kept,
+                                                 plan::TransferRun* transfer) {
   Restore restore;
   TrialInputs t = trial_inputs(inputs);
   std::vector<at::Tensor> wrt = t.leaves;
@@ -362,6 +367,18 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   // say what it held in flight (NOTE [offload margin measured]).
   std::shared_ptr<detail::OffloadStore> own_store;
   if (opt.offload && !is_recomputing()) own_store = detail::OffloadStore::create(trial_store(*opt.offload));
+  // The disk store the run's transfers go through, and its counters before
+  // it (NOTE [in flight planned]): the option's own, or the shared one that
+  // a recompute with its inputs sent uses.
+  std::shared_ptr<detail::OffloadStore> disk;
+  if (opt.store >= 0 && options.offload()[static_cast<size_t>(opt.store)].target() == OffloadTarget::kDisk) {
+    if (own_store) {
+      disk = own_store;
+    } else if (opt.switch_state && opt.switch_state->offload() && !is_recomputing()) {
+      disk = detail::OffloadStore::shared(trial_store(*opt.switch_state->offload()));
+    }
+  }
+  const OffloadStats disk_before = disk ? disk->stats() : OffloadStats{};
   detail::forget_rng_captures();  // a capture here is counted, not shared with the previous run's
   memory::Probe probe(mem->device());
   memory::DeviceTimer t0(mem->device());
@@ -378,9 +395,11 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
       out = run(opt, t.in);
     }
   }
+  const double before_wait_ms = t0.elapsed_ms();
   if (own_store) own_store->wait();
   if (sends) wait_checkpoint_offloads();
   double ms = t0.elapsed_ms();
+  const double forward_ms = ms, end_wait_ms = ms - before_wait_ms;
   cost.kept_bytes = std::max<int64_t>(0, probe.delta_bytes());
   cost.forward_peak_bytes = probe.peak_bytes();
   // What a compressing store holds depends on the batch (NOTE
@@ -404,11 +423,28 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
       grads_out.push_back(at::ones_like(o));
     }
   }
+  // What the store took and the waits for it, once the run is done.
+  auto note_transfer = [&](double backward_ms) {
+    if (transfer == nullptr) return;
+    *transfer = plan::TransferRun{};
+    if (!disk) return;
+    const OffloadStats now = disk->stats();
+    plan::TransferRun& r = *transfer;
+    r.forward_ms = forward_ms;
+    r.write_wait_ms = std::min(forward_ms, now.write_stall_ms - disk_before.write_stall_ms + end_wait_ms);
+    r.write_ms = now.write_ms - disk_before.write_ms;
+    r.written_bytes = now.bytes_written - disk_before.bytes_written;
+    r.backward_ms = backward_ms;
+    r.read_wait_ms = std::min(backward_ms, now.read_stall_ms - disk_before.read_stall_ms);
+    r.read_ms = now.read_ms - disk_before.read_ms;
+    r.read_bytes = now.bytes_read - disk_before.bytes_read;
+  };
   if (roots.empty() || wrt.empty()) {
     *has_backward = false;
     cost.backward_peak_bytes = cost.kept_bytes;
     cost.time_ms = ms;
     note_inflight(opt, own_store);
+    note_transfer(0);
     return cost;
   }
   const int64_t at_backward = probe.delta_bytes();
@@ -422,6 +458,7 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   }
   cost.time_ms = ms;
   note_inflight(opt, own_store);
+  note_transfer(ms - forward_ms);
   return cost;
 }
 

@@ -116,13 +116,16 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
   std::vector<int64_t> model_index(units.size(), -1);
   std::vector<size_t> now_modeled;
   std::vector<std::vector<double>> now_input_bytes;
+  std::vector<std::vector<std::vector<plan::TransferRun>>> now_transfers;
   for (size_t i = 0, j = 0; i < units.size(); ++i) {
     if (units[i].calls.empty()) continue;
     model_index[i] = static_cast<int64_t>(j++);
     now_modeled.push_back(i);
     now_input_bytes.emplace_back();
+    now_transfers.emplace_back();
     for (size_t ci : units[i].calls) {
       const CallRecord& r = *calls[ci];
+      now_transfers.back().push_back(r.transfers);
       double bytes = 0;
       for (size_t x = 0; x < r.input_ids.size(); ++x) {
         const auto first = std::find(r.input_ids.begin(), r.input_ids.end(), r.input_ids[x]);
@@ -240,6 +243,7 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
   transfer_price.reset();
   modeled = std::move(now_modeled);
   input_bytes_of = std::move(now_input_bytes);
+  transfers_of = std::move(now_transfers);
   inflight_seen = inflight_trial;
 }
 
@@ -260,15 +264,91 @@ bool AutoCheckpoint::Impl::inner_calls_inside(size_t i) const {
  *  store's max_inflight_bytes, or the largest entry it held in flight,
  *  which a store lets go alone (NOTE [offload margin measured]); with
  *  inputs_only (plans whose units send only their inputs), of the inputs. */
-int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only) const {
+int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only, const std::vector<int64_t>& caps) const {
   int64_t m = 0;
   for (size_t i = 0; i < options.offload().size(); ++i) {
     const OffloadOptions& o = options.offload()[i];
     if (o.target() != OffloadTarget::kDisk) continue;
     const int64_t seen = i < inflight_seen.size() ? inflight_seen[i] : 0;
-    m += std::max(o.max_inflight_bytes(), inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
+    const int64_t cap = i < caps.size() ? caps[i] : o.max_inflight_bytes();
+    m += std::max(cap, inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
   }
   return m;
+}
+
+// NOTE [in flight planned]: what a disk store may hold in flight (pending
+// writes, reads ahead) is the plan's to choose, not a fixed cap. More lets
+// an offloading call's writes run beside its compute instead of stalling
+// it, and costs its bytes at every point of the step (the margin). Each
+// disk store's max_inflight_bytes as the user gave it is the ladder's
+// first rung; each next rung is 4x the last, up to the first that holds
+// the most bytes one call of the step sends (at most 4 more rungs). At
+// each rung the offload options are priced by their isolated runs'
+// transfers (plan::transfer_wait_ms: the store's measured pace, a share
+// cap / bytes of the writes beside the forward's compute and of the reads
+// beside the backward's), and the tiers that offer them carry that rung's
+// margin. The plan takes the fastest rung whose margin fits; apply() runs
+// each disk store at its rung. What several calls sending at once cost
+// beyond that (a disk that does not keep up) is charged by measured steps
+// (NOTE [offload priced by the step]).
+
+/** Per rung, per store of options.offload(): the caps solve() compares. */
+std::vector<std::vector<int64_t>> AutoCheckpoint::Impl::cap_ladder() const {
+  std::vector<int64_t> first;
+  int64_t most_sent = 0;  // bytes one call sends to disk at most (one option's run)
+  for (const auto& unit_calls : transfers_of) {
+    for (const auto& per_option : unit_calls) {
+      for (const plan::TransferRun& r : per_option) most_sent = std::max({most_sent, r.written_bytes, r.read_bytes});
+    }
+  }
+  bool disk = false;
+  for (const OffloadOptions& o : options.offload()) {
+    first.push_back(o.max_inflight_bytes());
+    disk = disk || o.target() == OffloadTarget::kDisk;
+  }
+  std::vector<std::vector<int64_t>> ladder{first};
+  if (!disk) return ladder;
+  constexpr int kRungs = 4;
+  for (int r = 0; r < kRungs; ++r) {
+    bool short_of = false;  // some disk store's rung holds less than a call sends
+    for (size_t i = 0; i < first.size(); ++i) {
+      short_of = short_of || (options.offload()[i].target() == OffloadTarget::kDisk && ladder.back()[i] < most_sent);
+    }
+    if (!short_of) break;
+    std::vector<int64_t> next = ladder.back();
+    for (size_t i = 0; i < next.size(); ++i) {
+      if (options.offload()[i].target() == OffloadTarget::kDisk) next[i] = std::min(next[i], int64_t{1} << 56) * 4;
+    }
+    ladder.push_back(std::move(next));
+  }
+  return ladder;
+}
+
+/** Per unit of the step model, per offered option: what its calls'
+ *  transfers cost at these caps less what their isolated runs waited
+ *  (NOTE [in flight planned]); empty when nothing is priced. */
+std::vector<std::vector<double>> AutoCheckpoint::Impl::priced_at(const std::vector<int64_t>& caps) const {
+  std::vector<std::vector<double>> out;
+  bool any = false;
+  const std::vector<size_t> mu = model_units();
+  for (size_t j = 0; j < step_model.units.size() && j < transfers_of.size(); ++j) {
+    const Unit& u = units[mu[j]];
+    std::vector<double> d(step_model.units[j].options.size(), 0.0);
+    for (size_t kk = 0; kk < d.size(); ++kk) {
+      const int store = store_of(j, kk);
+      if (store < 0 || static_cast<size_t>(store) >= caps.size()) continue;
+      for (const auto& per_option : transfers_of[j]) {
+        if (u.offered[kk] >= per_option.size()) continue;
+        const plan::TransferRun& r = per_option[u.offered[kk]];
+        if (r.written_bytes == 0 && r.read_bytes == 0) continue;
+        d[kk] += plan::transfer_wait_ms(r, caps[static_cast<size_t>(store)]) - r.write_wait_ms - r.read_wait_ms;
+      }
+      any = any || d[kk] != 0;
+    }
+    out.push_back(std::move(d));
+  }
+  if (!any) out.clear();
+  return out;
 }
 
 // NOTE [offload margin measured]: a disk store holds a tensor from its
@@ -284,9 +364,15 @@ int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only) const {
 // storages whole (largest_input_sent).
 
 std::vector<AutoCheckpoint::Impl::Tier> AutoCheckpoint::Impl::tiers() const {
-  const int64_t all = inflight_margin(), inputs = inflight_margin(/*inputs_only=*/true);
-  if (all == 0) return {{{}, 0}};
-  return {{without_offload(/*plain_only=*/false), 0}, {without_offload(/*plain_only=*/true), inputs}, {{}, all}};
+  if (inflight_margin() == 0) return {Tier{}};
+  std::vector<Tier> out{{without_offload(/*plain_only=*/false), 0, {}, {}}};
+  const std::vector<size_t> inputs_only = without_offload(/*plain_only=*/true);
+  for (const std::vector<int64_t>& caps : cap_ladder()) {
+    const std::vector<std::vector<double>> ms = priced_at(caps);
+    out.push_back({inputs_only, inflight_margin(/*inputs_only=*/true, caps), caps, ms});
+    out.push_back({{}, inflight_margin(/*inputs_only=*/false, caps), caps, ms});
+  }
+  return out;
 }
 
 /** The store an option of step-model unit j sends to (an index in
@@ -326,6 +412,7 @@ AutoCheckpoint::Impl::Variants AutoCheckpoint::Impl::variants() const {
         for (size_t s = 0; s < pl.shift.size() && s < segments; ++s) x.segment_shift_bytes[s] += pl.shift[s];
       }
       x.time_ms = pl.ms;
+      x.option_time_ms = t.option_ms;
       v.list.push_back(std::move(x));
       v.of.emplace_back(t, pl);
     }
@@ -350,6 +437,7 @@ plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
   p.prediction.peak_bytes -= tier.margin;
   for (int64_t& b : p.prediction.segment_bytes) b -= tier.margin;
   plan_margin = tier.margin;
+  plan_caps = tier.caps;
   placement = pl;
   return p;
 }

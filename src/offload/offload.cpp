@@ -571,6 +571,7 @@ void OffloadStore::writer_loop() {
     const at::Tensor src = e->tensor;
     const std::string path = e->path;
     lock.unlock();
+    const auto busy = Clock::now();
     std::string err;
     Encoded enc;
     bool created = false;
@@ -594,7 +595,9 @@ void OffloadStore::writer_loop() {
       err = "[remat::offload] internal: unknown exception in the writer thread; please report a bug.";
     }
     enc.data = at::Tensor();  // the buffer goes now, not under the lock
+    const double busy_ms = ms_since(busy);
     lock.lock();
+    s.st.write_ms += busy_ms;
     e->writing = false;
     s.writes_active--;
     s.inflight_bytes -= e->meta.nbytes;
@@ -686,6 +689,7 @@ void OffloadStore::reader_loop() {
     const Encoded enc = e->enc;
     const std::string path = e->path;
     lock.unlock();
+    const auto busy = Clock::now();
     std::string err;
     at::Tensor v;
     try {
@@ -693,7 +697,9 @@ void OffloadStore::reader_loop() {
     } catch (const std::exception& ex) {
       err = ex.what();
     }
+    const double busy_ms = ms_since(busy);
     lock.lock();
+    s.st.read_ms += busy_ms;
     if (e->released) {
       // Released while being read (its node's graph went first): release()
       // may have removed the file before the read opened it. Nothing will
@@ -821,6 +827,7 @@ at::Tensor OffloadStore::unpack(Handle& h) {
         schedule();  // the reader works on the next ones meanwhile
         const Encoded enc = e->enc;
         lock.unlock();
+        const auto busy = Clock::now();
         try {
           v = read_entry(e->meta, enc, e->path, e->id);
         } catch (const std::exception& ex) {
@@ -832,7 +839,9 @@ at::Tensor OffloadStore::unpack(Handle& h) {
           fail_locked(e->error);
           throw;
         }
+        const double busy_ms = ms_since(busy);
         lock.lock();
+        s.st.read_ms += busy_ms;
         s.st.bytes_read += enc.stored_bytes;
       }
       if (!hit) s.st.read_stall_ms += ms_since(t0);

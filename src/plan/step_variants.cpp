@@ -36,7 +36,39 @@ StepModel apply_variant(const StepModel& model, const StepVariant& v) {
                 "; give at most one count per unit.");
   }
   if (!std::isfinite(v.time_ms)) throw Error("[remat::plan] a StepVariant adds a time that is not finite.");
+  if (v.option_time_ms.size() > model.units.size()) {
+    throw Error("[remat::plan] a StepVariant times options of " + std::to_string(v.option_time_ms.size()) +
+                " units of a step model with " + std::to_string(model.units.size()) +
+                "; give at most one list per unit.");
+  }
   StepModel m = model;
+  // Option times first, on the whole menus: option k of unit u costs d[k]
+  // more. Its calls' costs count above option 0's (the profiled step's
+  // time holds option 0), so d[0] goes to the step's time.
+  for (size_t u = 0; u < v.option_time_ms.size(); ++u) {
+    const std::vector<double>& d = v.option_time_ms[u];
+    StepUnit& unit = m.units[u];
+    if (d.size() > unit.options.size()) {
+      throw Error("[remat::plan] a StepVariant times " + std::to_string(d.size()) + " options of unit '" + unit.name +
+                  "', which has " + std::to_string(unit.options.size()) + "; give at most one time per option.");
+    }
+    bool any = false;
+    for (double t : d) {
+      if (!std::isfinite(t)) {
+        throw Error("[remat::plan] a StepVariant adds a time to an option of unit '" + unit.name +
+                    "' that is not finite.");
+      }
+      any = any || t != 0;
+    }
+    if (!any) continue;
+    if (unit.calls.empty()) {
+      throw Error("[remat::plan] a StepVariant times the options of unit '" + unit.name +
+                  "', which has no calls; give it no times.");
+    }
+    std::vector<StepCost>& costs = unit.calls[0].costs;
+    for (size_t k = 0; k < d.size() && k < costs.size(); ++k) costs[k].time_ms += d[k];
+    if (!d.empty()) m.step_time_ms += d[0];
+  }
   for (size_t u = 0; u < v.options_offered.size(); ++u) {
     if (v.options_offered[u] > 0) truncate_options(m, u, v.options_offered[u]);
   }

@@ -3,11 +3,38 @@
 #include "remat/plan/transfer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "remat/plan/error.h"
 
 namespace remat::plan {
+
+namespace {
+
+/** One phase's wait (writes over the forward, reads over the backward). */
+double phase_wait_ms(double phase_ms, double wait_ms, double busy_ms, int64_t bytes, int64_t cap_bytes,
+                     const char* what) {
+  if (!std::isfinite(phase_ms) || !std::isfinite(wait_ms) || !std::isfinite(busy_ms) || phase_ms < 0 || wait_ms < 0 ||
+      busy_ms < 0 || bytes < 0 || wait_ms > phase_ms) {
+    throw Error(std::string("[remat::plan] transfer_wait_ms: the ") + what + " figures (phase " +
+                std::to_string(phase_ms) + " ms, waited " + std::to_string(wait_ms) + " ms, busy " +
+                std::to_string(busy_ms) + " ms, " + std::to_string(bytes) +
+                " bytes) are not a measurement; give finite figures >= 0 with the wait within the phase");
+  }
+  if (bytes == 0) return wait_ms;
+  const double compute_ms = phase_ms - wait_ms;
+  const double overlapped = std::clamp(busy_ms - compute_ms, 0.0, wait_ms);  // with room for every byte
+  const double share = std::min(1.0, static_cast<double>(std::max<int64_t>(cap_bytes, 0)) / static_cast<double>(bytes));
+  return wait_ms + (overlapped - wait_ms) * share;
+}
+
+}  // namespace
+
+double transfer_wait_ms(const TransferRun& r, int64_t cap_bytes) {
+  return phase_wait_ms(r.forward_ms, r.write_wait_ms, r.write_ms, r.written_bytes, cap_bytes, "write") +
+         phase_wait_ms(r.backward_ms, r.read_wait_ms, r.read_ms, r.read_bytes, cap_bytes, "read");
+}
 
 TransferPrice::TransferPrice(int slow_steps_to_charge) : needed_(slow_steps_to_charge) {
   if (slow_steps_to_charge < 1) {

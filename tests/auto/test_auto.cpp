@@ -937,6 +937,91 @@ TEST(Auto, ABlockWhoseOutputAnInnerUnitSavesIsPairedAsAWhole) {
   check_neighbours([] { return torch::nn::AnyModule(WrappedLinearRelu(128)); }, false, "wrapped Linear-ReLU blocks");
 }
 
+// NOTE [in flight planned]: a disk store's in-flight bytes are the plan's.
+// Given a cap below one saved activation (which a store lets go alone, so
+// the margin is that entry's bytes anyway), the plans run the store with
+// at least an entry in flight: as much room, writes beside the compute.
+// The leanest plan's margin is one entry; a cap above the given one is
+// counted in the margin. Every offloading unit runs at the plan's cap,
+// explain() says so, the measured peak stays within the budget and the
+// step within its prediction plus that margin, bitwise equal to plain, no
+// files left.
+TEST(Auto, ADiskStoreRunsWithTheInFlightBytesThePlanChose) {
+  const std::string dir = remat_test::fresh_dir("auto_inflight");
+  const int64_t given = 64 << 10, entry = 1 << 20;  // a saved activation: 1024 x 256 float32
+  const auto base = remat::AutoOptions().offload(
+      {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(given)});
+  constexpr int kBudgets = 4, kRun = 2 + kBudgets;  // warm-up, profiled, one planned step per budget
+  const auto make = [] {
+    torch::manual_seed(5);
+    torch::nn::Sequential net;
+    for (int i = 0; i < 16; ++i) net->push_back(LinearRelu(256));
+    net->push_back(torch::nn::Linear(256, 10));
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+    return classifier(net, opt, batches(kRun, {1024, 256}), batches(kRun, {1024}, true, 10), true);
+  };
+  std::vector<Bytes> want;
+  {
+    Workload plain = make();
+    for (int k = 0; k < kRun; ++k) plain.step(k);
+    want = state_of(*plain.model);
+  }
+  torch::manual_seed(0);
+  Workload w = make();
+  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions(base).memory_budget_fraction(1.0));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  const int64_t low = planner.leanest_peak_bytes(), high = planner.profiled_peak_bytes();
+  ASSERT_LT(low, high);
+  // The cap each unit that sends to disk runs with (-1: none sends).
+  const auto caps = [&] {
+    std::vector<int64_t> out;
+    for (const auto& m : w.model->modules(/*include_self=*/false)) {
+      const auto* c = dynamic_cast<const remat::Checkpointable*>(m.get());
+      if (c == nullptr) continue;
+      if (const auto& o = c->offloading_options(); o && o->target() == remat::OffloadTarget::kDisk)
+        out.push_back(o->max_inflight_bytes());
+      if (const auto& cp = c->checkpointing_options(); cp && cp->offload())
+        out.push_back(cp->offload()->max_inflight_bytes());
+    }
+    return out;
+  };
+  int above = 0, offloading = 0;
+  for (int b = 0; b < kBudgets; ++b) {
+    const int64_t budget = low + (high - low) * b / (kBudgets + 1);
+    planner.replan(budget);
+    const std::string text = planner.explain();
+    const std::vector<int64_t> in_force = caps();
+    offloading += !in_force.empty();
+    for (int64_t c : in_force) EXPECT_EQ(c, in_force[0]) << "one store, one cap\n" << text;
+    if (std::getenv("REMAT_AUTO_TEST_DUMP")) std::printf("budget %d\n%s", b, text.c_str());
+    if (b == 0) {
+      ASSERT_FALSE(in_force.empty()) << "the leanest plan sends to disk\n" << text;
+      EXPECT_EQ(planner.inflight_bytes(), entry) << "the leanest plan keeps one entry in flight\n" << text;
+    }
+    if (!in_force.empty() && in_force[0] != given) {
+      ++above;
+      EXPECT_GT(in_force[0], given) << text;
+      EXPECT_GE(planner.inflight_bytes(), in_force[0]) << "the margin holds the cap\n" << text;
+      EXPECT_NE(text.find("runs with max_inflight_bytes " + remat::plan::format_bytes(in_force[0]) +
+                          " (planned; given 64.00 KiB)"),
+                std::string::npos)
+          << text;
+    }
+    planner.step([&] { w.step(2 + b); });
+    const double measured = static_cast<double>(planner.measured_peak_bytes());
+    EXPECT_LE(measured, 1.01 * static_cast<double>(budget)) << text;
+    EXPECT_LE(measured, 1.01 * static_cast<double>(planner.plan().prediction.peak_bytes + planner.inflight_bytes()))
+        << text;
+  }
+  EXPECT_GE(offloading, 2);
+  EXPECT_GE(above, 1) << "no plan with room ran its store with more in flight";
+  const std::vector<Bytes> got = state_of(*w.model);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == want[i]) << "tensor " << i;
+  EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
+}
+
 TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
   check_workload(
       [](bool set_to_none) {

@@ -28,7 +28,9 @@ constexpr int64_t MiB = 1 << 20;
 // Random variants as the auto layer makes them: the first is the model as
 // it is; the others withhold the trailing options of some units (an
 // offload tier), shift every segment by its own bytes (state taken off,
-// less what is in flight there: -48..+8 MiB) and add 0..30 ms.
+// less what is in flight there: -48..+8 MiB), add 0..30 ms, and some
+// price each option of some units -20..+5 ms (a disk store's options cost
+// less with more in flight).
 std::vector<rp::StepVariant> random_variants(std::mt19937& rng, const rp::StepModel& m, int count) {
   std::vector<rp::StepVariant> out(1);
   std::uniform_int_distribution<int64_t> shift(-48, 8);
@@ -43,6 +45,16 @@ std::vector<rp::StepVariant> random_variants(std::mt19937& rng, const rp::StepMo
       for (int64_t b : m.segment_peak_bytes) x.segment_shift_bytes.push_back(std::max(-b, shift(rng) * MiB));
     }
     x.time_ms = ms(rng);
+    if (v % 2 == 0) {
+      std::uniform_real_distribution<double> priced(-20, 5);
+      for (const rp::StepUnit& u : m.units) {
+        std::vector<double> d(u.options.size(), 0.0);
+        if (rng() % 2 == 0) {
+          for (size_t k = 1; k < d.size(); ++k) d[k] = priced(rng);
+        }
+        x.option_time_ms.push_back(std::move(d));
+      }
+    }
     out.push_back(std::move(x));
   }
   return out;
@@ -72,6 +84,8 @@ Best brute_variants(const rp::StepModel& m, const std::vector<rp::StepVariant>& 
         double time = m.step_time_ms + v.time_ms;
         for (size_t u = 0; u < m.units.size(); ++u) {
           for (const rp::StepCall& c : m.units[u].calls) time += c.costs[choice[u]].time_ms - c.costs[0].time_ms;
+          if (u < v.option_time_ms.size() && static_cast<size_t>(choice[u]) < v.option_time_ms[u].size())
+            time += v.option_time_ms[u][static_cast<size_t>(choice[u])];
         }
         out.min_peak = std::min(out.min_peak, peak);
         if (peak <= budget) out.time = std::min(out.time, time);
@@ -175,6 +189,35 @@ TEST(StepVariants, ShiftsPerSegmentAreWhereThePeakIs) {
   EXPECT_EQ(rp::solve_step_variants(m, {flat, at_peak}, 400 * MiB).variant, 0);
 }
 
+// A variant that prices an option lower (a store with more in flight)
+// while costing bytes everywhere: taken where its bytes fit, and its
+// option's time is its own there.
+TEST(StepVariants, OptionTimesPriceAnOptionPerVariant) {
+  rp::StepModel m;
+  m.step_time_ms = 10;
+  m.segment_peak_bytes = {100 * MiB, 300 * MiB, 100 * MiB};
+  // keep: 200 MiB kept; "offload": 20 MiB kept, 6 ms more.
+  m.units.push_back({"u",
+                     {"keep", "offload"},
+                     {{0, 1, 1, 2, {{0, 200 * MiB, 200 * MiB, 200 * MiB}, {6, 20 * MiB, 20 * MiB, 20 * MiB}}}}});
+  rp::StepVariant small_cap, large_cap;
+  large_cap.segment_shift_bytes = {16 * MiB, 16 * MiB, 16 * MiB};
+  large_cap.option_time_ms = {{0, -5}};
+  const rp::StepPlan roomy = rp::solve_step_variants(m, {small_cap, large_cap}, 200 * MiB);
+  EXPECT_EQ(roomy.variant, 1);
+  EXPECT_EQ(roomy.prediction.choice[0], 1);
+  EXPECT_DOUBLE_EQ(roomy.prediction.time_ms, 11);
+  const rp::StepPlan tight = rp::solve_step_variants(m, {small_cap, large_cap}, 125 * MiB);
+  EXPECT_EQ(tight.variant, 0) << "the large cap's 16 MiB do not fit";
+  EXPECT_DOUBLE_EQ(tight.prediction.time_ms, 16);
+  // Option 0's time goes to the step's: keep under a variant that slows it.
+  rp::StepVariant slow_keep;
+  slow_keep.option_time_ms = {{3, 0}};
+  const rp::StepModel applied = rp::apply_variant(m, slow_keep);
+  EXPECT_DOUBLE_EQ(rp::simulate_step(applied, {0}).time_ms, 13);
+  EXPECT_DOUBLE_EQ(rp::simulate_step(applied, {1}).time_ms, 16);
+}
+
 TEST(StepVariants, ErrorsNameTheProblem) {
   rp::StepModel m;
   m.step_time_ms = 10;
@@ -201,6 +244,23 @@ TEST(StepVariants, ErrorsNameTheProblem) {
   EXPECT_EQ(message([&] { rp::min_peak_step_variants(m, {too_many}); }),
             "[remat::plan] a StepVariant offers options of 2 units of a step model with 1; give at most one count "
             "per unit.");
+  rp::StepVariant timed;
+  timed.option_time_ms = {{0}, {0}};
+  EXPECT_EQ(message([&] { rp::apply_variant(m, timed); }),
+            "[remat::plan] a StepVariant times options of 2 units of a step model with 1; give at most one list per "
+            "unit.");
+  timed.option_time_ms = {{0, 1}};
+  EXPECT_EQ(message([&] { rp::apply_variant(m, timed); }),
+            "[remat::plan] a StepVariant times 2 options of unit 'u', which has 1; give at most one time per "
+            "option.");
+  timed.option_time_ms = {{std::nan("")}};
+  EXPECT_EQ(message([&] { rp::apply_variant(m, timed); }),
+            "[remat::plan] a StepVariant adds a time to an option of unit 'u' that is not finite.");
+  rp::StepModel no_calls = m;
+  no_calls.units[0].calls.clear();
+  timed.option_time_ms = {{2}};
+  EXPECT_EQ(message([&] { rp::apply_variant(no_calls, timed); }),
+            "[remat::plan] a StepVariant times the options of unit 'u', which has no calls; give it no times.");
   // None fits: the floor of the variant that goes lowest, and who sets it.
   rp::StepVariant lower;
   lower.segment_shift_bytes = {0, -50 * MiB, 0};

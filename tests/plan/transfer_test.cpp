@@ -1,6 +1,7 @@
 // Tests of the offload price that measured steps set (remat/plan/transfer.h):
 // when a charge comes, how much, when it is given back, and the bounds of a
-// give-back, step by step.
+// give-back, step by step; and what an offloading call waits for its disk
+// store at a cap on the bytes in flight (transfer_wait_ms).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -90,6 +91,58 @@ TEST(TransferPrice, ZeroStepsToChargeIsRefused) {
     EXPECT_EQ(std::string(e.what()),
               "[remat::plan] TransferPrice: slow_steps_to_charge is 0; give 1 or more (the steps in a row over the "
               "prediction before a charge)");
+  }
+}
+
+// A call whose forward computes 6 ms and waited 4 ms for 8 MiB of writes
+// (one tensor in flight), whose backward computes 5 ms and waited 2 ms for
+// its reads.
+rp::TransferRun fast_disk() {
+  rp::TransferRun r;
+  r.forward_ms = 10, r.write_wait_ms = 4, r.write_ms = 3, r.written_bytes = 8 << 20;
+  r.backward_ms = 7, r.read_wait_ms = 2, r.read_ms = 2.5, r.read_bytes = 8 << 20;
+  return r;
+}
+
+TEST(TransferWait, WithNoRoomTheCallWaitsAsItsRunDid) { EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 0), 6); }
+
+TEST(TransferWait, WithRoomForEveryByteAFastDiskCostsNothing) {
+  // Writes 3 ms beside 6 ms of compute, reads 2.5 ms beside 5 ms.
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 8 << 20), 0);
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), int64_t{1} << 40), 0) << "more room changes nothing";
+}
+
+TEST(TransferWait, ASlowDiskIsWaitedForBeyondTheCompute) {
+  rp::TransferRun r = fast_disk();
+  r.forward_ms = 10, r.write_wait_ms = 8, r.write_ms = 9;  // 2 ms of compute, 9 ms of writing
+  r.read_bytes = 0, r.read_wait_ms = 0, r.read_ms = 0;
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 8 << 20), 7);
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 4 << 20), 7.5) << "half the bytes beside the compute";
+  r.write_ms = 20;  // a busy time above what the run took: never more than the run's wait
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 8 << 20), 8);
+}
+
+TEST(TransferWait, LessRoomNeverCostsLess) {
+  double last = rp::transfer_wait_ms(fast_disk(), 0);
+  for (int64_t cap = 1 << 20; cap <= (16 << 20); cap += 1 << 20) {
+    const double w = rp::transfer_wait_ms(fast_disk(), cap);
+    EXPECT_LE(w, last) << cap;
+    last = w;
+  }
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 2 << 20), 4.5) << "a quarter of each phase beside";
+}
+
+TEST(TransferWait, FiguresThatAreNoMeasurementAreRefused) {
+  rp::TransferRun r = fast_disk();
+  r.read_wait_ms = 9;  // above the backward's 7 ms
+  try {
+    rp::transfer_wait_ms(r, 0);
+    FAIL() << "no error";
+  } catch (const rp::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::plan] transfer_wait_ms: the read figures (phase 7.000000 ms, waited 9.000000 ms, busy "
+              "2.500000 ms, 8388608 bytes) are not a measurement; give finite figures >= 0 with the wait within "
+              "the phase");
   }
 }
 

@@ -225,12 +225,19 @@ struct StepVariant {
   std::vector<int64_t> segment_shift_bytes;
   /** Added to the step's time, ms. */
   double time_ms = 0;
+  /** Per unit, per option: ms added to the step's time when the unit takes
+   *  that option (below 0: taken off; a disk store's options cost less
+   *  where it may hold more in flight); a missing entry: none. */
+  std::vector<std::vector<double>> option_time_ms;
 };
 
 /** The step model of one variant: its options withheld (truncate_options),
- *  its shifts added to segment_peak_bytes and its time to step_time_ms.
+ *  its shifts added to segment_peak_bytes, its time to step_time_ms and its
+ *  option times to the options' costs (of each unit's first call).
  *  Throws remat::Error for a shift list whose length is neither 0 nor the
- *  number of segments, or more offered counts than units. */
+ *  number of segments, more offered counts or option-time lists than
+ *  units, more option times than a unit has options, a time that is not
+ *  finite, or option times for a unit with no calls. */
 StepModel apply_variant(const StepModel& model, const StepVariant& variant);
 
 /** The fastest plan over every variant, each solved as solve_step solves

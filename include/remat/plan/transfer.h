@@ -9,7 +9,36 @@
 // price to its own model.
 #pragma once
 
+#include <cstdint>
+
 namespace remat::plan {
+
+/** One call that sends what it saves to a disk store, as an isolated run
+ *  measured it with one tensor in flight at a time (each save waits for
+ *  the write before it). Times in ms. */
+struct TransferRun {
+  double forward_ms = 0;     ///< its forward, the waits for writes included
+  double write_wait_ms = 0;  ///< of which it waited for writes (at most forward_ms)
+  double write_ms = 0;       ///< the store's busy time writing its bytes (the disk's pace)
+  int64_t written_bytes = 0;
+  double backward_ms = 0;   ///< its backward, the waits for reads included
+  double read_wait_ms = 0;  ///< of which it waited for reads (at most backward_ms)
+  double read_ms = 0;       ///< the store's busy time reading them back
+  int64_t read_bytes = 0;
+};
+
+/** What the call waits for its store, ms, when the store may hold
+ *  cap_bytes in flight. With room for all its bytes (cap_bytes >=
+ *  written_bytes), its writes run beside its own compute and it waits only
+ *  for what the disk takes beyond that (write_ms less the forward's
+ *  compute, never below 0 nor above what it waited in the run); with less
+ *  room, a share cap_bytes / written_bytes of the writes runs beside, the
+ *  rest is waited for as in the run; reads likewise over the backward.
+ *  Leaves out other calls' transfers on the same disk (a step that
+ *  offloads more than the disk keeps up with waits more: TransferPrice
+ *  charges that from measured steps). Throws remat::Error for negative or
+ *  non-finite figures, or waits above their phase's time. */
+double transfer_wait_ms(const TransferRun& run, int64_t cap_bytes);
 
 /** One planner's streaks of slow and fast steps, and the bytes its last
  *  charge was spread over. */
