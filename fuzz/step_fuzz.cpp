@@ -262,10 +262,17 @@ void check_variants(FuzzedDataProvider& in, const rp::StepModel& m, const std::v
       }
     }
     v.time_ms = in.ConsumeIntegralInRange<int>(0, 8);
-    if (in.ConsumeBool()) {  // options priced per variant (a store's in-flight cap)
+    // Options priced per variant (a store's in-flight cap) on odd times:
+    // drawn from the time, not from the input, so that the input means
+    // what it meant before (the corpus's cases stay the cases they were).
+    if (static_cast<int>(v.time_ms) % 2 == 1) {
+      uint32_t seed = 2654435761u * static_cast<uint32_t>(v.time_ms + 1);
       for (const rp::StepUnit& u : m.units) {
         std::vector<double> d(u.options.size(), 0.0);
-        for (size_t k = 1; k < d.size(); ++k) d[k] = in.ConsumeIntegralInRange<int>(-6, 3);
+        for (size_t k = 1; k < d.size(); ++k) {
+          seed = seed * 1664525u + 1013904223u;
+          d[k] = static_cast<int>(seed >> 28) % 10 - 6;  // -6..3 ms
+        }
         v.option_time_ms.push_back(std::move(d));
       }
     }

@@ -113,10 +113,10 @@ struct AutoOptions {
    *  cost is measured as the others': bytes kept right after the forward
    *  (writes still pending count), and time with one tensor in flight at a
    *  time. What a kDisk store holds in flight is the plan's to choose: its
-   *  max_inflight_bytes here is the least, and the plan may run it with up
-   *  to 4^4 times that (never more than the most one call sends, rounded
-   *  up to that ladder), where the budget has room for those bytes at every
-   *  point of the step; more in flight lets the writes run beside the
+   *  max_inflight_bytes here is the least, and the plan may run it with
+   *  4x, 16x, 64x that, or as much as one call sends at most (a ladder that
+   *  stops at the first rung holding that), where the budget has room for
+   *  those bytes at every point of the step; more in flight lets the writes run beside the
    *  compute, priced from the store's measured pace. explain() says which
    *  cap runs. Lossless codecs keep the step bitwise
    *  equal to the plain one; a lossy one (kBFloat16, kFloat8, kInt8Block) is taken as

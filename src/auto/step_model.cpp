@@ -317,7 +317,9 @@ std::vector<std::vector<int64_t>> AutoCheckpoint::Impl::cap_ladder() const {
     if (!short_of) break;
     std::vector<int64_t> next = ladder.back();
     for (size_t i = 0; i < next.size(); ++i) {
-      if (options.offload()[i].target() == OffloadTarget::kDisk) next[i] = std::min(next[i], int64_t{1} << 56) * 4;
+      if (options.offload()[i].target() != OffloadTarget::kDisk) continue;
+      // The last rung holds the most one call sends, however far above.
+      next[i] = r + 1 == kRungs ? std::max(next[i], most_sent) : std::min(next[i], int64_t{1} << 56) * 4;
     }
     ladder.push_back(std::move(next));
   }

@@ -286,13 +286,21 @@ void check_config(const TrainConfig& config) {
                 " cannot be combined with --optimizer-in-backward: the global gradient norm needs every gradient "
                 "before any update. Drop one of the two.");
   }
-  if (c.checkpoint == Strategy::kOffload || c.optimizer_state == "disk") {
+  if (c.auto_offload && c.checkpoint != Strategy::kAuto) {
+    throw Error(std::string("[remat::train] auto_offload puts a disk store on the auto plan's menu, and this run "
+                            "uses --checkpoint ") +
+                std::string(to_string(c.checkpoint)) +
+                "; use --checkpoint auto, or --checkpoint offload to send every block.");
+  }
+  if (c.checkpoint == Strategy::kOffload || c.optimizer_state == "disk" || c.auto_offload) {
     if (c.offload_dir.empty()) {
+      const bool acts = c.checkpoint == Strategy::kOffload || c.auto_offload;
       throw Error(std::string("[remat::train] ") +
-                  (c.checkpoint == Strategy::kOffload ? "--checkpoint offload" : "--optimizer-state disk") +
+                  (c.checkpoint == Strategy::kOffload ? "--checkpoint offload"
+                   : c.auto_offload                   ? "auto_offload"
+                                                      : "--optimizer-state disk") +
                   " needs --offload-dir DIR, an existing writable directory for the " +
-                  (c.checkpoint == Strategy::kOffload ? "saved activations'" : "optimizer state's") +
-                  " files (e.g. --offload-dir /tmp).");
+                  (acts ? "saved activations'" : "optimizer state's") + " files (e.g. --offload-dir /tmp).");
     }
     std::error_code ec;
     const auto st = std::filesystem::status(c.offload_dir, ec);
@@ -743,6 +751,11 @@ Trainer::Trainer(TrainConfig config, std::ostream* log) : impl_(std::make_unique
       if (auto store = state_store_options(c)) ao.optimizer_state_store(*store);
     }
     if (c.plan_loss_chunks) ao.chunk_counts(default_chunk_counts());
+    // Activations to files: the plan sets the bytes in flight, from 256 KiB
+    // (what the leanest plans hold, or one larger tensor) up where the
+    // budget has room.
+    if (c.auto_offload)
+      ao.offload({OffloadOptions(OffloadTarget::kDisk).directory(c.offload_dir).max_inflight_bytes(256 << 10)});
     m.auto_ck.emplace(auto_checkpoint(*m.module, ao));
   }
   if (c.bf16) {
@@ -1363,6 +1376,7 @@ std::string Trainer::summary() const {
     os << " (budget " << format_bytes(c.memory_budget_bytes)
        << (c.memory_budget_whole_step ? " on the whole step)" : " above the step's start)");
   if (c.checkpoint == Strategy::kOffload) os << " (files in " << c.offload_dir << ")";
+  if (c.auto_offload) os << "; the plan may send activations to files in " << c.offload_dir;
   if (m.gpt && c.sdpa) os << "; sdpa attention";
   if (m.gpt && c.plan_loss_chunks) os << "; head + loss chunks chosen by the auto plan";
   if (m.gpt && !c.plan_loss_chunks && c.loss_chunks > 0) os << "; head + loss in " << c.loss_chunks << " chunks";

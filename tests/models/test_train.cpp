@@ -463,6 +463,60 @@ TEST(Train, AutoWithTheStateInAStoreReportsThePeakItsBudgetBounds) {
   EXPECT_EQ(offload_files(), 0u) << "the state's files went with the trainer";
 }
 
+// --checkpoint auto with --offload-dir (auto_offload): the plan may send a
+// block's activations, or its inputs while it recomputes, to files. At a
+// budget just above the leanest plan's peak, that plan uses the disk (its
+// floor is lower than without the store), the steps stay within the
+// budget, the training is bitwise the plain one's, and no file is left.
+TEST(Train, AutoWithAnOffloadDirSendsActivationsToFiles) {
+  auto c = tiny_gpt();
+  c.clip_norm = 0.0;
+  c.grad_accum = 1;
+  c.dropout = 0.0;
+  c.seq_len = 128;  // a block's input 128 KiB, above the store's 64 KiB min_bytes
+  c.d_model = 64;
+  c.layers = 8;  // 8 inputs kept by recompute, which the store takes less 256 KiB in flight
+  c.steps = 5;
+  rm::Trainer plain(c);
+  const auto reference = losses_of(plain.run());
+  const auto reference_state = state_of(*plain.module());
+  c.checkpoint = Strategy::kAuto;
+  c.memory_budget_bytes = int64_t{1} << 40;
+  const int64_t without = rm::Trainer(c).predict_step(c.memory_budget_bytes).peak_bytes;
+  c.auto_offload = true;
+  const int64_t leanest = rm::Trainer(c).predict_step(c.memory_budget_bytes).peak_bytes;
+  EXPECT_LT(leanest, without) << "the disk store lowers the floor";
+  c.memory_budget_bytes = leanest + (without - leanest) / 2;  // no plan without the disk fits
+  {
+    rm::Trainer t(c);
+    const auto stats = t.run();
+    ASSERT_NE(t.planner(), nullptr);
+    const std::string text = t.planner()->explain();
+    EXPECT_NE(text.find("to disk"), std::string::npos) << "the leanest plans send to disk\n" << text;
+    EXPECT_NE(t.summary().find("the plan may send activations to files in " + c.offload_dir), std::string::npos)
+        << t.summary();
+    for (const auto& s : stats) {
+      if (s.phase != rm::StepPhase::kNormal) continue;
+      EXPECT_LE(static_cast<double>(s.peak_bytes), 1.01 * static_cast<double>(c.memory_budget_bytes))
+          << "step " << s.step << "\n"
+          << text;
+    }
+    EXPECT_EQ(losses_of(stats), reference);
+    expect_same_state(state_of(*t.module()), reference_state, "auto with a disk store");
+  }
+  EXPECT_EQ(offload_files(), 0u) << "the activations' files went with their steps";
+  // Only auto plans with it.
+  c.checkpoint = Strategy::kBlock;
+  try {
+    rm::Trainer t(c);
+    FAIL() << "no error";
+  } catch (const remat::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "[remat::train] auto_offload puts a disk store on the auto plan's menu, and this run uses "
+                 "--checkpoint block; use --checkpoint auto, or --checkpoint offload to send every block.");
+  }
+}
+
 TEST(Train, ResNetStrategiesGiveBitwiseEqualLosses) {
   std::vector<double> reference;
   std::vector<torch::Tensor> reference_state;

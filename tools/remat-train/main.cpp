@@ -433,7 +433,9 @@ int main(int argc, char** argv) {
   app.add_flag("--explain-memory", explain_memory,
                "print what one block saves for backward (op, name, shape, bytes; with the policy) and exit");
   app.add_option("--offload-dir", cfg.offload_dir,
-                 "with --checkpoint offload: an existing writable directory for the saved activations' files");
+                 "an existing writable directory for files: with --checkpoint offload, every block's saved "
+                 "activations; with --checkpoint auto, a disk store the plan may send a unit's activations (or its "
+                 "inputs) to, its bytes in flight planned; with --optimizer-state disk, the optimizer's state");
   app.add_option("--memory-budget", budget,
                  "--checkpoint auto: bound on each planned step's peak above its start (the 'peak' column: "
                  "activations, logits, temporaries; parameters, gradients and AdamW state are outside it, state in a "
@@ -557,9 +559,12 @@ int main(int argc, char** argv) {
       if (auto e = used_by("--memory-budget", "auto", "is the budget of"); !e.empty()) return fail(e);
     }
     if (auto e = used_by("--policy", "selective", "picks what is kept by"); !e.empty()) return fail(e);
-    if (cfg.optimizer_state != "disk") {  // where the optimizer's state goes too
+    // --offload-dir: where the activations go under offload, and under auto
+    // a disk store on the plan's menu; where the optimizer's state goes too.
+    if (cfg.optimizer_state != "disk" && checkpoint != "auto") {
       if (auto e = used_by("--offload-dir", "offload", "is where the activations go under"); !e.empty()) return fail(e);
     }
+    cfg.auto_offload = checkpoint == "auto" && app.count("--offload-dir") > 0;
     const bool distributed = nproc > 1 || world_size > 1 || rank >= 0;
     if (nproc < 1) return fail("[remat::train] --nproc must be at least 1, got " + std::to_string(nproc) + ".");
     if (distributed && (!seq_cap.empty() || !batch_cap.empty() || explain_memory)) {

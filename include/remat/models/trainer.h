@@ -122,9 +122,16 @@ struct TrainConfig {
    *  store holds on disk), and goes to auto_checkpoint as it is. Set by
    *  max_under() for FitDimension::kDModel. Default false. */
   bool memory_budget_whole_step = false;
-  /** For Strategy::kOffload: an existing, writable directory for the saved
-   *  activations' files (required there, ignored otherwise). */
+  /** For Strategy::kOffload (and auto_offload, and optimizer_state
+   *  "disk"): an existing, writable directory for the files (required
+   *  there, ignored otherwise). */
   std::string offload_dir;
+  /** Strategy::kAuto: the planner may also send a unit's saved activations
+   *  (or, recomputing, its inputs) to files in offload_dir
+   *  (AutoOptions::offload with a kDisk store), its bytes in flight planned
+   *  from 256 KiB up; lossless. remat-train sets it for --checkpoint auto
+   *  with --offload-dir. Default false. */
+  bool auto_offload = false;
   /** GPT with a SentencePiece tokenizer: a directory where the corpus's
    *  token ids are kept between runs, one file per (corpus, tokenizer)
    *  pair, named by a hash of the corpus's bytes and the tokenizer's
