@@ -981,6 +981,19 @@ TEST(TrainCli, ExplainMemoryUnderAutoDescribesThePlan) {
   EXPECT_EQ(out.find("step 1/"), std::string::npos) << "--explain-memory prints no step lines:\n" << out;
 }
 
+// --offload-dir under --checkpoint auto: a disk store on the plan's menu,
+// which the summary line names; no file outlives the run.
+TEST(TrainCli, AutoWithAnOffloadDirNamesItsDiskStore) {
+  auto [code, out] = run_cli(
+      "--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 3 --threads 1 --checkpoint auto "
+      "--memory-budget 1MiB --offload-dir " +
+      offload_dir());
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("; the plan may send activations to files in " + offload_dir()), std::string::npos) << out;
+  EXPECT_NE(out.find("step 3/3"), std::string::npos) << out;
+  EXPECT_EQ(offload_files(), 0u);
+}
+
 TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {
   auto [code, out] = run_cli("--checkpoint auto --memory-budget lots");
   EXPECT_EQ(code, 2);
