@@ -379,14 +379,16 @@ def levers(recs, hand=None):
             f"rounds" + (f", the machine's 1-minute load average {min(load):.1f}-{max(load):.1f}" if load else "")
             + "; time ratios: medians of per-round ratios to plain [min-max].", "",
             "| strategy | budget | predicted peak | measured peak | x plain | step time x plain | state in the store | "
-            "units not at keep | loss head |", "|---|---|---|---|---|---|---|---|---|"]
+            "activations to disk: room in flight | units not at keep | loss head |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in strat:
         if r["name"] == "plain":
-            rows.append(f"| plain (step after backward) | - | - | {_mib(r['peak'])} | 1.000 | {_ratio(r)} | - | - | - |")
+            rows.append(f"| plain (step after backward) | - | - | {_mib(r['peak'])} | 1.000 | {_ratio(r)} | - | - | - | - |")
             continue
         stored = _mib(statistics.median(r["state_in_store"])) if r.get("state_in_store") else "-"
+        inflight = _mib(r["inflight"]) if r.get("inflight") else "-"
         rows.append(f"| {r['label']} | {_mib(r['budget'])} | {_mib(r['predicted_peak'])} | {_mib(r['peak'])} | "
-                    f"{r['peak_ratio']:.3f} | {_ratio(r)} | {stored} | {r['units'] - r['units_keep']} of "
+                    f"{r['peak_ratio']:.3f} | {_ratio(r)} | {stored} | {inflight} | {r['units'] - r['units_keep']} of "
                     f"{r['units']} | {r['loss_option'] or '-'} |")
     autos = [r for r in strat if r["name"] != "plain"]
     leanest = min(autos, key=lambda r: r["peak"])
@@ -395,7 +397,10 @@ def levers(recs, hand=None):
             f"{autos[0]['covers']}). auto's profile (the step in backward, every unit plain) peaked at "
             f"{_mib(prof['profiled_peak'])}; its leanest plan is predicted at {_mib(prof['leanest_peak'])}, "
             f"{prof['leanest_where']}. Chunk counts offered to the loss: {meta.get('chunk_counts')}; the disk "
-            f"store: {_mib(meta['offload']['max_inflight_bytes'])} in flight."]
+            f"store: {_mib(meta['offload']['max_inflight_bytes'])} in flight as given"
+            + (", more where the plan chose it (\"room in flight\": the margin the plan keeps for what its disk store "
+               "holds in flight, '-' when it sends no activation to disk)." if any("inflight" in r for r in autos)
+               else ".")]
     tgt = []
     lean_target = 0.22 if gpt else 0.35
     tgt.append(f"- the leanest plan <= {lean_target}x plain's peak: **{'met' if leanest['peak_ratio'] <= lean_target else 'missed'}** "
