@@ -85,6 +85,9 @@ std::vector<AutoUnit> AutoCheckpoint::units() const {
       a.kept_bytes += c.costs[a.choice].kept_bytes;
       a.time_added_ms += c.costs[a.choice].time_ms - c.costs[0].time_ms;
     }
+    // At the in-flight bytes the plan runs its stores with (NOTE [in flight planned]).
+    if (m.planned && j < m.plan_option_ms.size() && static_cast<size_t>(a.choice) < m.plan_option_ms[j].size())
+      a.time_added_ms += m.plan_option_ms[j][static_cast<size_t>(a.choice)] - m.plan_option_ms[j][0];
     out.push_back(std::move(a));
   }
   // A unit inside one that does not keep runs as part of it.

@@ -197,6 +197,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   // transfers (NOTE [in flight planned]).
   std::vector<std::vector<std::vector<plan::TransferRun>>> transfers_of;
   std::vector<int64_t> plan_caps;  // per store of options.offload(): the max_inflight_bytes the plan in force runs
+  std::vector<std::vector<double>> plan_option_ms;    // its tier's prices: per unit, per offered option, ms added
   std::shared_ptr<memory::Recording> timeline_owner;  // the same, for the unpack hooks (weakly)
   // NOTE [memory sources]: the bytes of the units' device (the model's parameters'), set by each profile.
   std::shared_ptr<memory::Source> mem = memory::source_for(c10::Device(c10::kCPU));

@@ -336,9 +336,10 @@ void AutoCheckpoint::Impl::build_menu(Unit& u, const std::vector<at::Tensor>& in
 /** One isolated run of a call under option `opt`: forward, then backward
  *  by autograd::grad. An offload option runs with one tensor in flight at
  *  a time (trial_store), so that its bytes do not depend on the disk's
- *  pace, and its time includes its writes (no overlap with compute
- *  assumed); what the real store holds in flight beyond that is the
- *  margin of solve(). */
+ *  pace; its time includes its waits for the store, which `transfer`
+ *  notes with the store's busy time, so that each rung of in-flight bytes
+ *  prices them again (NOTE [in flight planned]); what the real store holds
+ *  in flight is the margin of solve(). */
 plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run,
                                                  const Option& opt, bool* has_backward, Held* io_kept,
                                                  plan::TransferRun* transfer) {
@@ -430,14 +431,20 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
     if (!disk) return;
     const OffloadStats now = disk->stats();
     plan::TransferRun& r = *transfer;
+    // Bytes as the cap counts them: the tensors before any encoding, what
+    // it sent once and read back once. The busy time of several writer
+    // threads is the disk's for one of them.
+    const int64_t raw = now.bytes_raw - disk_before.bytes_raw;
+    const double writers = static_cast<double>(std::max(1, disk->options().writer_threads()));
     r.forward_ms = forward_ms;
     r.write_wait_ms = std::min(forward_ms, now.write_stall_ms - disk_before.write_stall_ms + end_wait_ms);
-    r.write_ms = now.write_ms - disk_before.write_ms;
-    r.written_bytes = now.bytes_written - disk_before.bytes_written;
+    r.write_ms = (now.write_ms - disk_before.write_ms) / writers;
+    r.written_bytes = now.bytes_written > disk_before.bytes_written ? raw : 0;
     r.backward_ms = backward_ms;
     r.read_wait_ms = std::min(backward_ms, now.read_stall_ms - disk_before.read_stall_ms);
     r.read_ms = now.read_ms - disk_before.read_ms;
-    r.read_bytes = now.bytes_read - disk_before.bytes_read;
+    r.read_bytes = now.bytes_read > disk_before.bytes_read ? raw : 0;
+    r.largest_bytes = std::min(raw, now.peak_inflight_bytes);  // one tensor at a time in the run
   };
   if (roots.empty() || wrt.empty()) {
     *has_backward = false;

@@ -281,47 +281,60 @@ int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only, const std::vecto
 // an offloading call's writes run beside its compute instead of stalling
 // it, and costs its bytes at every point of the step (the margin). Each
 // disk store's max_inflight_bytes as the user gave it is the ladder's
-// first rung; each next rung is 4x the last, up to the first that holds
-// the most bytes one call of the step sends (at most 4 more rungs). At
-// each rung the offload options are priced by their isolated runs'
-// transfers (plan::transfer_wait_ms: the store's measured pace, a share
-// cap / bytes of the writes beside the forward's compute and of the reads
-// beside the backward's), and the tiers that offer them carry that rung's
-// margin. The plan takes the fastest rung whose margin fits; apply() runs
-// each disk store at its rung. What several calls sending at once cost
-// beyond that (a disk that does not keep up) is charged by measured steps
-// (NOTE [offload priced by the step]).
+// first rung; the next are 4x, 16x, 64x the larger of it and the largest
+// tensor a call sent (which the store holds alone whatever its cap), up to
+// the first that leaves room beside that tensor for all one call sends,
+// which is the last rung. At each rung the offload options are priced by
+// their isolated runs' transfers (plan::transfer_wait_ms: the store's
+// measured pace; a share room / bytes of the writes beside the forward's
+// compute and of the reads beside the backward's, the room being what the
+// cap holds beyond the one tensor the run held), and the tiers that offer
+// them carry that rung's margin. The plan takes the fastest rung whose
+// margin fits (the lowest among equals); apply() runs each disk store at
+// its rung. What several calls sending at once cost beyond that (a disk
+// that does not keep up) is charged by measured steps (NOTE [offload
+// priced by the step]).
 
 /** Per rung, per store of options.offload(): the caps solve() compares. */
 std::vector<std::vector<int64_t>> AutoCheckpoint::Impl::cap_ladder() const {
-  std::vector<int64_t> first;
-  int64_t most_sent = 0;  // bytes one call sends to disk at most (one option's run)
-  for (const auto& unit_calls : transfers_of) {
-    for (const auto& per_option : unit_calls) {
-      for (const plan::TransferRun& r : per_option) most_sent = std::max({most_sent, r.written_bytes, r.read_bytes});
+  const size_t n = options.offload().size();
+  // Per disk store: the largest tensor one call sent (held alone, whatever
+  // the cap) and the cap with room beside it for the most one call sends.
+  std::vector<int64_t> largest(n, 0), whole(n, 0);
+  const std::vector<size_t> mu = model_units();
+  for (size_t j = 0; j < transfers_of.size() && j < mu.size(); ++j) {
+    const Unit& u = units[mu[j]];
+    for (const auto& per_option : transfers_of[j]) {
+      for (size_t k = 0; k < per_option.size() && k < u.menu.size(); ++k) {
+        const int st = u.menu[k].store;
+        if (st < 0 || static_cast<size_t>(st) >= n) continue;
+        const plan::TransferRun& r = per_option[k];
+        largest[static_cast<size_t>(st)] = std::max(largest[static_cast<size_t>(st)], r.largest_bytes);
+        whole[static_cast<size_t>(st)] =
+            std::max(whole[static_cast<size_t>(st)], std::max(r.written_bytes, r.read_bytes) + r.largest_bytes);
+      }
     }
   }
-  bool disk = false;
-  for (const OffloadOptions& o : options.offload()) {
-    first.push_back(o.max_inflight_bytes());
-    disk = disk || o.target() == OffloadTarget::kDisk;
+  constexpr size_t kRungs = 4;  // above the given cap
+  std::vector<std::vector<int64_t>> per_store(n);
+  size_t rungs = 1;
+  for (size_t i = 0; i < n; ++i) {
+    const OffloadOptions& o = options.offload()[i];
+    std::vector<int64_t>& l = per_store[i];
+    l.push_back(o.max_inflight_bytes());
+    if (o.target() != OffloadTarget::kDisk) continue;
+    int64_t x = std::max(o.max_inflight_bytes(), largest[i]);
+    for (size_t k = 1; k <= kRungs && l.back() < whole[i]; ++k) {
+      x = std::min(x, int64_t{1} << 56) * 4;
+      const int64_t next = k == kRungs ? whole[i] : std::min(x, whole[i]);
+      if (next > l.back()) l.push_back(next);
+    }
+    rungs = std::max(rungs, l.size());
   }
-  std::vector<std::vector<int64_t>> ladder{first};
-  if (!disk) return ladder;
-  constexpr int kRungs = 4;
-  for (int r = 0; r < kRungs; ++r) {
-    bool short_of = false;  // some disk store's rung holds less than a call sends
-    for (size_t i = 0; i < first.size(); ++i) {
-      short_of = short_of || (options.offload()[i].target() == OffloadTarget::kDisk && ladder.back()[i] < most_sent);
-    }
-    if (!short_of) break;
-    std::vector<int64_t> next = ladder.back();
-    for (size_t i = 0; i < next.size(); ++i) {
-      if (options.offload()[i].target() != OffloadTarget::kDisk) continue;
-      // The last rung holds the most one call sends, however far above.
-      next[i] = r + 1 == kRungs ? std::max(next[i], most_sent) : std::min(next[i], int64_t{1} << 56) * 4;
-    }
-    ladder.push_back(std::move(next));
+  // A store with fewer rungs stays at its last.
+  std::vector<std::vector<int64_t>> ladder(rungs, std::vector<int64_t>(n, 0));
+  for (size_t r = 0; r < rungs; ++r) {
+    for (size_t i = 0; i < n; ++i) ladder[r][i] = per_store[i][std::min(r, per_store[i].size() - 1)];
   }
   return ladder;
 }
@@ -440,6 +453,7 @@ plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
   for (int64_t& b : p.prediction.segment_bytes) b -= tier.margin;
   plan_margin = tier.margin;
   plan_caps = tier.caps;
+  plan_option_ms = tier.option_ms;
   placement = pl;
   return p;
 }
@@ -464,9 +478,9 @@ AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
  *  bandwidth that the isolated runs could not. Two steps in a row that
  *  offload and run more than 10% under the prediction give the charge
  *  back, down to no surcharge at most (plan::TransferPrice has the rule,
- *  which CheckpointedSequential shares). The isolated runs' own prices (no
- *  overlap assumed: upper ones) are never lowered. Returns true when it
- *  repriced. */
+ *  which CheckpointedSequential shares). The isolated runs' own prices
+ *  (at each rung of in-flight bytes: NOTE [in flight planned]) are never
+ *  lowered by it. Returns true when it repriced. */
 bool AutoCheckpoint::Impl::reprice_offload(double step_ms) {
   const plan::StepPrediction& p = step_plan.prediction;
   if (options.offload().empty()) return false;

@@ -287,7 +287,7 @@ void check_config(const TrainConfig& config) {
                 "before any update. Drop one of the two.");
   }
   if (c.auto_offload && c.checkpoint != Strategy::kAuto) {
-    throw Error(std::string("[remat::train] auto_offload puts a disk store on the auto plan's menu, and this run "
+    throw Error(std::string("[remat::train] --auto-offload puts a disk store on the auto plan's menu, and this run "
                             "uses --checkpoint ") +
                 std::string(to_string(c.checkpoint)) +
                 "; use --checkpoint auto, or --checkpoint offload to send every block.");
@@ -297,7 +297,7 @@ void check_config(const TrainConfig& config) {
       const bool acts = c.checkpoint == Strategy::kOffload || c.auto_offload;
       throw Error(std::string("[remat::train] ") +
                   (c.checkpoint == Strategy::kOffload ? "--checkpoint offload"
-                   : c.auto_offload                   ? "auto_offload"
+                   : c.auto_offload                   ? "--auto-offload"
                                                       : "--optimizer-state disk") +
                   " needs --offload-dir DIR, an existing writable directory for the " +
                   (acts ? "saved activations'" : "optimizer state's") + " files (e.g. --offload-dir /tmp).");

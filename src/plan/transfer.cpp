@@ -13,7 +13,7 @@ namespace remat::plan {
 namespace {
 
 /** One phase's wait (writes over the forward, reads over the backward). */
-double phase_wait_ms(double phase_ms, double wait_ms, double busy_ms, int64_t bytes, int64_t cap_bytes,
+double phase_wait_ms(double phase_ms, double wait_ms, double busy_ms, int64_t bytes, int64_t room_bytes,
                      const char* what) {
   if (!std::isfinite(phase_ms) || !std::isfinite(wait_ms) || !std::isfinite(busy_ms) || phase_ms < 0 || wait_ms < 0 ||
       busy_ms < 0 || bytes < 0 || wait_ms > phase_ms) {
@@ -25,15 +25,22 @@ double phase_wait_ms(double phase_ms, double wait_ms, double busy_ms, int64_t by
   if (bytes == 0) return wait_ms;
   const double compute_ms = phase_ms - wait_ms;
   const double overlapped = std::clamp(busy_ms - compute_ms, 0.0, wait_ms);  // with room for every byte
-  const double share = std::min(1.0, static_cast<double>(std::max<int64_t>(cap_bytes, 0)) / static_cast<double>(bytes));
+  const double share =
+      std::min(1.0, static_cast<double>(std::max<int64_t>(room_bytes, 0)) / static_cast<double>(bytes));
   return wait_ms + (overlapped - wait_ms) * share;
 }
 
 }  // namespace
 
 double transfer_wait_ms(const TransferRun& r, int64_t cap_bytes) {
-  return phase_wait_ms(r.forward_ms, r.write_wait_ms, r.write_ms, r.written_bytes, cap_bytes, "write") +
-         phase_wait_ms(r.backward_ms, r.read_wait_ms, r.read_ms, r.read_bytes, cap_bytes, "read");
+  if (r.largest_bytes < 0) {
+    throw Error("[remat::plan] transfer_wait_ms: largest_bytes is " + std::to_string(r.largest_bytes) +
+                "; give the largest tensor the call sends, >= 0");
+  }
+  // The run already held one tensor in flight: only the room beyond it runs more beside the compute.
+  const int64_t room = cap_bytes - r.largest_bytes;
+  return phase_wait_ms(r.forward_ms, r.write_wait_ms, r.write_ms, r.written_bytes, room, "write") +
+         phase_wait_ms(r.backward_ms, r.read_wait_ms, r.read_ms, r.read_bytes, room, "read");
 }
 
 TransferPrice::TransferPrice(int slow_steps_to_charge) : needed_(slow_steps_to_charge) {

@@ -101,14 +101,21 @@ rp::TransferRun fast_disk() {
   rp::TransferRun r;
   r.forward_ms = 10, r.write_wait_ms = 4, r.write_ms = 3, r.written_bytes = 8 << 20;
   r.backward_ms = 7, r.read_wait_ms = 2, r.read_ms = 2.5, r.read_bytes = 8 << 20;
+  r.largest_bytes = 1 << 20;  // the run held one such tensor in flight
   return r;
 }
 
-TEST(TransferWait, WithNoRoomTheCallWaitsAsItsRunDid) { EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 0), 6); }
+TEST(TransferWait, WithNoRoomTheCallWaitsAsItsRunDid) {
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 0), 6);
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 1 << 20), 6) << "one tensor in flight, as in the run";
+  rp::TransferRun none = fast_disk();
+  none.written_bytes = 0, none.read_bytes = 0;  // nothing sent: its waits as measured
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(none, int64_t{1} << 40), 6);
+}
 
 TEST(TransferWait, WithRoomForEveryByteAFastDiskCostsNothing) {
   // Writes 3 ms beside 6 ms of compute, reads 2.5 ms beside 5 ms.
-  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 8 << 20), 0);
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 9 << 20), 0);
   EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), int64_t{1} << 40), 0) << "more room changes nothing";
 }
 
@@ -116,20 +123,20 @@ TEST(TransferWait, ASlowDiskIsWaitedForBeyondTheCompute) {
   rp::TransferRun r = fast_disk();
   r.forward_ms = 10, r.write_wait_ms = 8, r.write_ms = 9;  // 2 ms of compute, 9 ms of writing
   r.read_bytes = 0, r.read_wait_ms = 0, r.read_ms = 0;
-  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 8 << 20), 7);
-  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 4 << 20), 7.5) << "half the bytes beside the compute";
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 9 << 20), 7);
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 5 << 20), 7.5) << "half the bytes beside the compute";
   r.write_ms = 20;  // a busy time above what the run took: never more than the run's wait
-  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 8 << 20), 8);
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(r, 9 << 20), 8);
 }
 
 TEST(TransferWait, LessRoomNeverCostsLess) {
   double last = rp::transfer_wait_ms(fast_disk(), 0);
-  for (int64_t cap = 1 << 20; cap <= (16 << 20); cap += 1 << 20) {
+  for (int64_t cap = 0; cap <= (16 << 20); cap += 1 << 20) {
     const double w = rp::transfer_wait_ms(fast_disk(), cap);
     EXPECT_LE(w, last) << cap;
     last = w;
   }
-  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 2 << 20), 4.5) << "a quarter of each phase beside";
+  EXPECT_DOUBLE_EQ(rp::transfer_wait_ms(fast_disk(), 3 << 20), 4.5) << "a quarter of each phase beside";
 }
 
 TEST(TransferWait, FiguresThatAreNoMeasurementAreRefused) {
@@ -143,6 +150,15 @@ TEST(TransferWait, FiguresThatAreNoMeasurementAreRefused) {
               "[remat::plan] transfer_wait_ms: the read figures (phase 7.000000 ms, waited 9.000000 ms, busy "
               "2.500000 ms, 8388608 bytes) are not a measurement; give finite figures >= 0 with the wait within "
               "the phase");
+  }
+  r = fast_disk();
+  r.largest_bytes = -1;
+  try {
+    rp::transfer_wait_ms(r, 0);
+    FAIL() << "no error";
+  } catch (const rp::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::plan] transfer_wait_ms: largest_bytes is -1; give the largest tensor the call sends, >= 0");
   }
 }
 

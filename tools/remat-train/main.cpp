@@ -434,8 +434,12 @@ int main(int argc, char** argv) {
                "print what one block saves for backward (op, name, shape, bytes; with the policy) and exit");
   app.add_option("--offload-dir", cfg.offload_dir,
                  "an existing writable directory for files: with --checkpoint offload, every block's saved "
-                 "activations; with --checkpoint auto, a disk store the plan may send a unit's activations (or its "
-                 "inputs) to, its bytes in flight planned; with --optimizer-state disk, the optimizer's state");
+                 "activations; with --checkpoint auto --auto-offload, a disk store on the plan's menu; with "
+                 "--optimizer-state disk, the optimizer's state");
+  app.add_flag("--auto-offload", cfg.auto_offload,
+               "--checkpoint auto: a disk store in --offload-dir on the plan's menu: a unit may send what it saves, "
+               "or its inputs while it recomputes, to files; the bytes in flight planned from 256 KiB up where the "
+               "budget has room (lossless)");
   app.add_option("--memory-budget", budget,
                  "--checkpoint auto: bound on each planned step's peak above its start (the 'peak' column: "
                  "activations, logits, temporaries; parameters, gradients and AdamW state are outside it, state in a "
@@ -559,12 +563,11 @@ int main(int argc, char** argv) {
       if (auto e = used_by("--memory-budget", "auto", "is the budget of"); !e.empty()) return fail(e);
     }
     if (auto e = used_by("--policy", "selective", "picks what is kept by"); !e.empty()) return fail(e);
-    // --offload-dir: where the activations go under offload, and under auto
-    // a disk store on the plan's menu; where the optimizer's state goes too.
-    if (cfg.optimizer_state != "disk" && checkpoint != "auto") {
+    // --offload-dir: where the activations go under offload (and auto with
+    // --auto-offload), and where the optimizer's state goes.
+    if (cfg.optimizer_state != "disk" && !cfg.auto_offload) {
       if (auto e = used_by("--offload-dir", "offload", "is where the activations go under"); !e.empty()) return fail(e);
     }
-    cfg.auto_offload = checkpoint == "auto" && app.count("--offload-dir") > 0;
     const bool distributed = nproc > 1 || world_size > 1 || rank >= 0;
     if (nproc < 1) return fail("[remat::train] --nproc must be at least 1, got " + std::to_string(nproc) + ".");
     if (distributed && (!seq_cap.empty() || !batch_cap.empty() || explain_memory)) {

@@ -129,8 +129,8 @@ struct TrainConfig {
   /** Strategy::kAuto: the planner may also send a unit's saved activations
    *  (or, recomputing, its inputs) to files in offload_dir
    *  (AutoOptions::offload with a kDisk store), its bytes in flight planned
-   *  from 256 KiB up; lossless. remat-train sets it for --checkpoint auto
-   *  with --offload-dir. Default false. */
+   *  from 256 KiB up; lossless. remat-train's --auto-offload. Default
+   *  false. */
   bool auto_offload = false;
   /** GPT with a SentencePiece tokenizer: a directory where the corpus's
    *  token ids are kept between runs, one file per (corpus, tokenizer)

@@ -25,15 +25,20 @@ struct TransferRun {
   double read_wait_ms = 0;  ///< of which it waited for reads (at most backward_ms)
   double read_ms = 0;       ///< the store's busy time reading them back
   int64_t read_bytes = 0;
+  /** The largest tensor it sends: what the run held in flight (one tensor
+   *  at a time), and what a store holds alone however small its cap. */
+  int64_t largest_bytes = 0;
 };
 
 /** What the call waits for its store, ms, when the store may hold
- *  cap_bytes in flight. With room for all its bytes (cap_bytes >=
- *  written_bytes), its writes run beside its own compute and it waits only
- *  for what the disk takes beyond that (write_ms less the forward's
- *  compute, never below 0 nor above what it waited in the run); with less
- *  room, a share cap_bytes / written_bytes of the writes runs beside, the
- *  rest is waited for as in the run; reads likewise over the backward.
+ *  cap_bytes in flight. The run held one tensor in flight; the room beyond
+ *  it is cap_bytes - largest_bytes. With room for all its bytes, its writes
+ *  run beside its own compute and it waits only for what the disk takes
+ *  beyond that (write_ms less the forward's compute, never below 0 nor
+ *  above what it waited in the run); with room for a share of its bytes,
+ *  that share runs beside, the rest is waited for as in the run; no room
+ *  (a cap at or below its largest tensor): as in the run. Reads likewise
+ *  over the backward.
  *  Leaves out other calls' transfers on the same disk (a step that
  *  offloads more than the disk keeps up with waits more: TransferPrice
  *  charges that from measured steps). Throws remat::Error for negative or
