@@ -128,6 +128,14 @@ def fragments(res):
         if "none" in by and "loss_mlp_block" in by and "block" not in by:
             parts.append(f"Under {cap}, chunked head+loss+MLP with per-block checkpointing trains "
                          f"{by['loss_mlp_block'] / by['none']:.2f}x plain's sequence.")
+        every = next((r for r in rows if r["cap"] == cap and r["key"] == "auto_every"), None)
+        if every is not None and by.get("none"):
+            bound = (f" (its search stopped at {every['max_seq_len']} tokens, --fit-max, to bound the run's time: "
+                     "the cap did not stop it)") if every.get("at_limit") else ""
+            parts.append(f"Under {cap}, auto with every lever trains {answer(every)} tokens, "
+                         f"{'at least ' if every.get('at_limit') else ''}{every['max_seq_len'] / by['none']:.2f}x "
+                         f"plain's sequence{bound}; target >= 8x: "
+                         f"{'met' if every['max_seq_len'] >= 8 * by['none'] else 'not shown'}.")
         if all(k in by for k in ("none", "block", "loss_block")):
             parts.append(f"Under {cap}, chunked head+loss with per-block checkpointing trains "
                          f"{by['loss_block'] / by['none']:.2f}x plain's sequence and {by['loss_block'] / by['block']:.2f}x "

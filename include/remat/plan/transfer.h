@@ -17,14 +17,14 @@ namespace remat::plan {
  *  measured it with one tensor in flight at a time (each save waits for
  *  the write before it). Times in ms. */
 struct TransferRun {
-  double forward_ms = 0;     ///< its forward, the waits for writes included
-  double write_wait_ms = 0;  ///< of which it waited for writes (at most forward_ms)
-  double write_ms = 0;       ///< the store's busy time writing its bytes (the disk's pace)
-  int64_t written_bytes = 0;
-  double backward_ms = 0;   ///< its backward, the waits for reads included
-  double read_wait_ms = 0;  ///< of which it waited for reads (at most backward_ms)
-  double read_ms = 0;       ///< the store's busy time reading them back
-  int64_t read_bytes = 0;
+  double forward_ms = 0;      ///< its forward, the waits for writes included
+  double write_wait_ms = 0;   ///< of which it waited for writes (at most forward_ms)
+  double write_ms = 0;        ///< the store's busy time writing its bytes (the disk's pace)
+  int64_t written_bytes = 0;  ///< bytes it sent, before any encoding
+  double backward_ms = 0;     ///< its backward, the waits for reads included
+  double read_wait_ms = 0;    ///< of which it waited for reads (at most backward_ms)
+  double read_ms = 0;         ///< the store's busy time reading them back
+  int64_t read_bytes = 0;     ///< bytes it read back, before any encoding
   /** The largest tensor it sends: what the run held in flight (one tensor
    *  at a time), and what a store holds alone however small its cap. */
   int64_t largest_bytes = 0;
