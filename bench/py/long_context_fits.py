@@ -122,12 +122,18 @@ def fragments(res):
              f"{m.get('git_commit', '?')[:7]}, "
              f"{m.get('date_utc', '?')[:10]}. Each answer is predicted, then verified by measured steps at it and at "
              "the next step up (\"at +step\"); offload is searched by measured steps alone."]
+    later = [r for r in rows if r.get("run") and r["run"]["git_commit"] != m.get("git_commit")]
+    if later:
+        parts[0] += (" Rows from a later run of the same settings: " + "; ".join(
+            f"{r['strategy']} (commit {r['run']['git_commit'][:7]}, {r['run']['date_utc'][:10]})" for r in later) + ".")
     for cap in dict.fromkeys(r["cap"] for r in rows):
         parts.append(table(rows, cap))
         by = {r["key"]: r["max_seq_len"] for r in rows if r["cap"] == cap}
-        if "none" in by and "loss_mlp_block" in by and "block" not in by:
+        if "none" in by and "loss_mlp_block" in by:
+            vs_block = (f" and {by['loss_mlp_block'] / by['block']:.2f}x per-block checkpointing's alone"
+                        if by.get("block") else "")
             parts.append(f"Under {cap}, chunked head+loss+MLP with per-block checkpointing trains "
-                         f"{by['loss_mlp_block'] / by['none']:.2f}x plain's sequence.")
+                         f"{by['loss_mlp_block'] / by['none']:.2f}x plain's sequence{vs_block}.")
         every = next((r for r in rows if r["cap"] == cap and r["key"] == "auto_every"), None)
         if every is not None and by.get("none"):
             bound = (f" (its search stopped at {every['max_seq_len']} tokens, --fit-max, to bound the run's time: "
@@ -240,7 +246,10 @@ def run_all(a, work, title):
         for key, label, flags in STRATEGIES:
             if key in a.strategies.split(","):
                 rows = [r for r in rows if not (r["cap"] == cap and r["key"] == key)]
-                rows.append(run(a, key, label, flags, cap, offload_dir))
+                row = run(a, key, label, flags, cap, offload_dir)
+                if a.append:  # which run measured it, as the file's metadata is the last run's
+                    row["run"] = {k: metadata({})[k] for k in ("git_commit", "date_utc")}
+                rows.append(row)
                 write(a, rows)
     for cap in dict.fromkeys(r["cap"] for r in rows):
         print("\n" + table(rows, cap))
