@@ -70,8 +70,7 @@ def run(a, key, label, flags, cap, offload_dir):
            "predictions": r["predictions"], "measurements": r["measurements"], "fit_max": limit, "at_limit": at_limit,
            "seconds": round(time.time() - t0)}
     print(f"  {cap:>7s} {label:36s} max seq_len {answer(row):>7s}  predicted {size(row['predicted_bytes'])},"
-          f" measured {size(row['measured_bytes'])}; at +step: {measured(row['next_predicted_bytes'])}"
-          f" / {measured(row['next_measured_bytes'])}  ({row['predictions']} predictions, {row['measurements']}"
+          f" measured {size(row['measured_bytes'])}; at +step: {next_peaks(row)}  ({row['predictions']} predictions, {row['measurements']}"
           f" measured steps, {row['seconds']} s)", flush=True)
     return row
 
