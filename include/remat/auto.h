@@ -112,11 +112,13 @@ struct AutoOptions {
    *  in the store (CheckpointOptions::offload). Their
    *  cost is measured as the others': bytes kept right after the forward
    *  (writes still pending count), and time with one tensor in flight at a
-   *  time. What a kDisk store holds in flight is the plan's to choose: its
-   *  max_inflight_bytes here is the least, and the plan may run it with
-   *  4x, 16x, 64x that, or as much as one call sends at most (a ladder that
-   *  stops at the first rung holding that), where the budget has room for
-   *  those bytes at every point of the step; more in flight lets the writes run beside the
+   *  time. What a kDisk store holds in flight is the plan's to choose: one
+   *  entry at a time (the largest tensor a call sends), its
+   *  max_inflight_bytes as given, 4x, 16x, 64x the larger of the two, or
+   *  as much as one call sends at most (a ladder that stops at the first
+   *  rung holding that), where the budget has room for those bytes at
+   *  every point of the step (never counted above what the whole step
+   *  sends to the store); more in flight lets the writes run beside the
    *  compute, priced from the store's measured pace. explain() says which
    *  cap runs. Lossless codecs keep the step bitwise
    *  equal to the plain one; a lossy one (kBFloat16, kFloat8, kInt8Block) is taken as
@@ -124,6 +126,18 @@ struct AutoOptions {
    *  kMemory without a codec (nothing saved) are refused. Default none: a
    *  disk needs a directory only the user can name. */
   TORCH_ARG(std::vector<OffloadOptions>, offload);
+  /** Offer the options that run a unit's forward again in its backward:
+   *  recompute, "recompute, inner units too", the selective levels, the
+   *  policies, "recompute, inputs to ..."; a chain's schedules but
+   *  store-all; a chunked() call's counts but its own (each slice is
+   *  checkpointed). false: each unit keeps what it saves or sends it to an
+   *  offload store, and chunked_cross_entropy calls take chunk counts
+   *  (their gradient is computed in forward, nothing runs twice): for a
+   *  step whose forward must run once (an op with side effects the
+   *  replay does not undo, or one too slow to run twice). Needs a lever
+   *  that is left: offload, chunk_counts or optimizer_state_store.
+   *  Default true. */
+  TORCH_ARG(bool, recompute) = true;
   /** A compressing store (a codec, on kMemory or kHost) holds as many bytes
    *  as the data compresses to, which changes from batch to batch: its
    *  options are charged the bytes the profiled step's data took times

@@ -74,6 +74,12 @@ AutoCheckpoint::AutoCheckpoint(torch::nn::Module& model, AutoOptions options)
                   "e.g. remat::default_chunk_counts().");
     }
   }
+  if (!o.recompute() && o.offload().empty() && o.chunk_counts().empty() && !o.optimizer_state_store()) {
+    throw Error(
+        "[remat::auto] recompute(false) leaves every unit only keep: nothing to plan. Give the units an offload "
+        "store (AutoOptions().offload({remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)})), "
+        "chunk_counts for the loss head, or an optimizer_state_store; or leave recompute on.");
+  }
   if (o.optimizer_state_store()) {
     if (o.optimizers().empty()) {
       throw Error(

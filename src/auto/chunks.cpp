@@ -92,7 +92,10 @@ void AutoCheckpoint::Impl::build_chunk_menu(Unit& u) {
   first.name = label(own) + " (as called)";
   u.menu.push_back(std::move(first));
   std::vector<int64_t> seen{own};
+  // A chunked() region checkpoints each slice: another count is a recompute.
+  const bool recomputes = u.kind == "chunked";
   for (int64_t c : options.chunk_counts()) {
+    if (recomputes && !options.recompute()) break;
     const int64_t k = std::min(c, u.limit);
     if (std::find(seen.begin(), seen.end(), k) != seen.end()) continue;
     seen.push_back(k);

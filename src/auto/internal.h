@@ -323,6 +323,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   /** caps: per store of options.offload(), its max_inflight_bytes (empty:
    *  as the options say). */
   int64_t inflight_margin(bool inputs_only = false, const std::vector<int64_t>& caps = {}) const;
+  int64_t sent_per_step(size_t store, bool inputs_only) const;
 
   /** The plans solve() compares: without options that send to a store (no
    *  margin); with those sending only inputs (the inputs' margin); with

@@ -268,6 +268,7 @@ void AutoCheckpoint::Impl::measure(Unit& u, const std::vector<at::Tensor>& input
 /** A chain's menu: store-all as keep, then its own planner's schedules. */
 void AutoCheckpoint::Impl::build_chain_menu(Unit& u, const detail::ChainMenu& menu) {
   for (detail::ChainOption& o : menu(kChainBudgets)) {
+    if (!u.menu.empty() && !options.recompute()) break;  // its other schedules run stages again
     Option opt;
     opt.name = u.menu.empty() ? "keep" : o.name;
     if (!u.menu.empty()) opt.schedule = std::move(o.schedule);
@@ -279,6 +280,15 @@ void AutoCheckpoint::Impl::build_chain_menu(Unit& u, const detail::ChainMenu& me
 void AutoCheckpoint::Impl::build_menu(Unit& u, const std::vector<at::Tensor>& inputs, const RunOption& run) {
   u.menu.push_back({"keep", std::nullopt, std::nullopt});
   const CheckpointOptions& base = options.checkpoint_options();
+  if (!options.recompute()) {  // keep, or offload what it saves
+    for (size_t i = 0; i < options.offload().size(); ++i) {
+      Option o(detail::offload_name(options.offload()[i]), std::nullopt, options.offload()[i]);
+      o.store = static_cast<int>(i);
+      u.menu.push_back(std::move(o));
+    }
+    u.plannable = u.menu.size() > 1;
+    return;
+  }
   u.menu.push_back({"recompute", base, std::nullopt});
   if (options.inner_units() && !u.inner.empty())
     u.menu.push_back({"recompute, inner units too", base, std::nullopt, true});

@@ -263,7 +263,11 @@ bool AutoCheckpoint::Impl::inner_calls_inside(size_t i) const {
  *  reads ahead), beyond what the isolated runs measured: each kDisk
  *  store's max_inflight_bytes, or the largest entry it held in flight,
  *  which a store lets go alone (NOTE [offload margin measured]); with
- *  inputs_only (plans whose units send only their inputs), of the inputs. */
+ *  inputs_only (plans whose units send only their inputs), of the inputs.
+ *  Never more than every call of the step sends to that store: an entry
+ *  in flight is a write not yet on disk or a read ahead of one, so a cap
+ *  above what a step sends (the default 256 MiB on a small model) holds
+ *  no more than that. */
 int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only, const std::vector<int64_t>& caps) const {
   int64_t m = 0;
   for (size_t i = 0; i < options.offload().size(); ++i) {
@@ -271,20 +275,45 @@ int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only, const std::vecto
     if (o.target() != OffloadTarget::kDisk) continue;
     const int64_t seen = i < inflight_seen.size() ? inflight_seen[i] : 0;
     const int64_t cap = i < caps.size() ? caps[i] : o.max_inflight_bytes();
-    m += std::max(cap, inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
+    const int64_t bound = std::max(cap, inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
+    m += std::min(bound, sent_per_step(i, inputs_only));
   }
   return m;
+}
+
+/** The most a step's calls send to store i (of options.offload()): per
+ *  call, the most any of its unit's options that send there wrote in its
+ *  isolated run (with inputs_only, only the options that send inputs),
+ *  summed over every call of every unit (an inner unit's with its
+ *  parent's, which can only over-count). */
+int64_t AutoCheckpoint::Impl::sent_per_step(size_t i, bool inputs_only) const {
+  int64_t total = 0;
+  const std::vector<size_t> mu = model_units();
+  for (size_t j = 0; j < transfers_of.size() && j < mu.size(); ++j) {
+    const Unit& u = units[mu[j]];
+    for (const auto& per_option : transfers_of[j]) {
+      int64_t most = 0;
+      for (size_t k = 0; k < per_option.size() && k < u.menu.size(); ++k) {
+        const Option& o = u.menu[k];
+        if (o.store != static_cast<int>(i) || (inputs_only && o.offload)) continue;
+        most = std::max(most, per_option[k].written_bytes);
+      }
+      total += most;
+    }
+  }
+  return total;
 }
 
 // NOTE [in flight planned]: what a disk store may hold in flight (pending
 // writes, reads ahead) is the plan's to choose, not a fixed cap. More lets
 // an offloading call's writes run beside its compute instead of stalling
-// it, and costs its bytes at every point of the step (the margin). Each
-// disk store's max_inflight_bytes as the user gave it is the ladder's
-// first rung; the next are 4x, 16x, 64x the larger of it and the largest
-// tensor a call sent (which the store holds alone whatever its cap), up to
-// the first that leaves room beside that tensor for all one call sends,
-// which is the last rung. At each rung the offload options are priced by
+// it, and costs its bytes at every point of the step (the margin, never
+// more than the step sends to the store). Each disk store's ladder: the
+// largest tensor a call sent (one entry at a time, which the store holds
+// alone whatever its cap) where that is below max_inflight_bytes as the
+// user gave it; that cap; then 4x, 16x, 64x the larger of it and the
+// largest tensor, up to the first that leaves room beside that tensor for
+// all one call sends, which is the last rung. At each rung the offload options are priced by
 // their isolated runs' transfers (plan::transfer_wait_ms: the store's
 // measured pace; a share room / bytes of the writes beside the forward's
 // compute and of the reads beside the backward's, the room being what the
@@ -321,6 +350,10 @@ std::vector<std::vector<int64_t>> AutoCheckpoint::Impl::cap_ladder() const {
   for (size_t i = 0; i < n; ++i) {
     const OffloadOptions& o = options.offload()[i];
     std::vector<int64_t>& l = per_store[i];
+    // Below the given cap: one entry at a time, as the isolated runs sent
+    // (a cap above what the budget has room for would leave offload out).
+    if (o.target() == OffloadTarget::kDisk && largest[i] > 0 && largest[i] < o.max_inflight_bytes())
+      l.push_back(largest[i]);
     l.push_back(o.max_inflight_bytes());
     if (o.target() != OffloadTarget::kDisk) continue;
     int64_t x = std::max(o.max_inflight_bytes(), largest[i]);

@@ -1022,6 +1022,66 @@ TEST(Auto, ADiskStoreRunsWithTheInFlightBytesThePlanChose) {
   EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
 }
 
+// recompute(false): every unit keeps or offloads, at every budget; no
+// planned step runs a forward twice; the leanest plan sends the saves to
+// disk with one entry in flight, below the store's default cap (256 MiB,
+// more than the whole step holds); bitwise equal to plain, within the
+// budget, no files left.
+TEST(Auto, WithoutRecomputeEveryUnitKeepsOrOffloadsAndNothingRunsTwice) {
+  const std::string dir = remat_test::fresh_dir("auto_no_recompute");
+  constexpr int kBudgets = 3, kRun = 2 + kBudgets;
+  const auto make = [] {
+    torch::manual_seed(5);
+    torch::nn::Sequential net;
+    for (int i = 0; i < 6; ++i) net->push_back(Dense(128));  // residual: a block's output is not its save
+    net->push_back(torch::nn::Linear(128, 10));
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    return classifier(net, opt, batches(kRun, {512, 128}), batches(kRun, {512}, true, 10), true);
+  };
+  std::vector<Bytes> want;
+  {
+    Workload plain = make();
+    for (int k = 0; k < kRun; ++k) plain.step(k);
+    want = state_of(*plain.model);
+  }
+  Workload w = make();
+  auto planner = remat::auto_checkpoint(
+      *w.model, remat::AutoOptions().memory_budget_fraction(1.0).recompute(false).offload(
+                    {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0)}));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  for (const auto& u : planner.units()) {
+    EXPECT_EQ(u.options, (std::vector<std::string>{"keep", "offload disk"})) << u.name;
+  }
+  const int64_t low = planner.leanest_peak_bytes(), high = planner.profiled_peak_bytes();
+  ASSERT_LT(low, high) << planner.explain();
+  for (int b = 0; b < kBudgets; ++b) {
+    const int64_t budget = low + (high - low) * b / kBudgets;
+    planner.replan(budget);
+    const auto units = planner.units();
+    const std::string text = planner.explain();
+    if (b == 0) {
+      // Every unit but the last (whose saves its backward needs at once)
+      // sends its saves; the store runs one entry (256 x 512 float32) at a
+      // time, below the default cap, which the budget has no room for.
+      size_t sending = 0;
+      for (const auto& u : units) sending += u.options[u.choice] == "offload disk";
+      EXPECT_GE(sending, units.size() - 1) << text;
+      EXPECT_NE(text.find("offload disk runs with max_inflight_bytes 1.00 MiB (planned; given 256.00 MiB)"),
+                std::string::npos)
+          << text;
+    }
+    remat::reset_checkpoint_stats();
+    planner.step([&] { w.step(2 + b); });
+    EXPECT_EQ(remat::checkpoint_stats().recomputations, 0) << text;
+    EXPECT_LE(static_cast<double>(planner.measured_peak_bytes()), 1.01 * static_cast<double>(budget)) << text;
+  }
+  const std::vector<Bytes> got = state_of(*w.model);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == want[i]) << "tensor " << i;
+  EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
+}
+
 TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
   check_workload(
       [](bool set_to_none) {
@@ -1313,6 +1373,10 @@ TEST(Auto, ErrorsNameTheValueAndTheRemedy) {
                  remat::OffloadOptions(remat::OffloadTarget::kMemory)})),
             "[remat::auto] offload option 1 (kMemory, codec kNone): kMemory without a codec keeps every byte in "
             "memory; give it a codec (kZstd, kLz4), or use kDisk with a directory.");
+  EXPECT_EQ(message(remat::AutoOptions(budget).recompute(false)),
+            "[remat::auto] recompute(false) leaves every unit only keep: nothing to plan. Give the units an offload "
+            "store (AutoOptions().offload({remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)})), "
+            "chunk_counts for the loss head, or an optimizer_state_store; or leave recompute on.");
   const std::string missing = ::testing::TempDir() + "/no_such_dir_for_auto";
   const std::string e = message(
       remat::AutoOptions(budget).offload({remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(missing)}));
