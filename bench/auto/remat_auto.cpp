@@ -41,6 +41,13 @@
 //                  momentum) in a disk store in --offload-dir between its
 //                  updates (StepInBackwardOptions().state_offload, the store's
 //                  options below, read ahead 2 parameters)
+//   auto-offload=offload  a third planner whose units keep or offload only
+//                  (AutoOptions().recompute(false), no selective levels,
+//                  policies or inner units: a unit is a block, its menu keep
+//                  and offload disk), at the peak offload measured: the same
+//                  disk offload, with what the store holds in flight chosen
+//                  by the plan (one entry, 16 MiB, 4x ... up to room for all
+//                  one block sends) instead of a fixed 16 MiB
 //   auto+ib@leanest  auto at its leanest plan, profiled (and calibrated) by a
 //                  second planner while a StepInBackward lives, so that it
 //                  measures the step with the updates in backward
@@ -230,8 +237,12 @@ int main(int argc, char** argv) {
   };
   auto configure = [&](Record& r) {
     remat::disable_checkpointing(*net);
-    if (r.planner != nullptr) {  // auto+ib: its own planner's plan
-      r.planner->apply();
+    if (r.planner != nullptr) {  // auto+ib, auto-offload: their own planner's plan
+      if (r.planner->budget_bytes() != r.budget) {
+        r.planner->replan(r.budget);  // applies it
+      } else {
+        r.planner->apply();
+      }
       return;
     }
     if (r.name == "block" || r.name == "block+ib" || r.name == "block+ib+disk") {
@@ -268,6 +279,7 @@ int main(int argc, char** argv) {
     r.label = "auto at " + remat::format_bytes(r.budget);
     recs.push_back(r);
   }
+  int64_t offload_peak = 0;  // the hand-placed offload's, for auto-offload (below)
   for (size_t h = 1; h < hand; ++h) {
     if (recs[h].in_backward) continue;  // auto's plans step after backward
     configure(recs[h]);
@@ -275,6 +287,7 @@ int main(int argc, char** argv) {
     remat::memory::reset_peak();
     step();
     const int64_t peak = remat::memory::peak_bytes();
+    if (recs[h].name == "offload") offload_peak = peak;
     if (peak < low) continue;  // leaner than any plan of auto's menu
     Record r;
     r.name = "auto=" + recs[h].name;
@@ -325,6 +338,67 @@ int main(int argc, char** argv) {
     for (const auto& u : planner_ib->units())
       r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
     recs.push_back(r);
+  }
+  // auto-offload: a third planner whose units only keep or offload
+  // (recompute(false), no inner units: a unit is a block), at the
+  // hand-placed offload's peak: every block's saves to disk as that row,
+  // with the bytes in flight the plan's to choose.
+  std::optional<remat::AutoCheckpoint> planner_off;
+  double profile_off_s = 0;
+  int calibration_off = 0;
+  int64_t low_off = 0;
+  {
+    remat::disable_checkpointing(*net);
+    const auto t0 = Clock::now();
+    planner_off.emplace(remat::auto_checkpoint(
+        *net, remat::AutoOptions(options).policies({}).selective_levels(0).inner_units(false).recompute(false)));
+    planner_off->step(step);  // warm-up
+    planner_off->step(step);  // profiled
+    profile_off_s = secs_since(t0);
+    calibration_off = calibrate(*planner_off);
+    low_off = planner_off->leanest_peak_bytes();
+    Record r;
+    r.name = "auto-offload=offload";
+    r.label = "auto, keep or offload only, at offload's peak";
+    r.planner = &*planner_off;
+    r.budget = std::max(low_off, offload_peak);
+    planner_off->replan(r.budget);
+    r.predicted_peak = planner_off->plan().prediction.peak_bytes;
+    r.inflight = planner_off->inflight_bytes();
+    r.predicted_ms = planner_off->plan().prediction.time_ms;
+    for (const auto& u : planner_off->units())
+      r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
+    std::printf("auto-offload at offload's peak:\n%s", planner_off->explain().c_str());
+    std::fflush(stdout);
+    recs.push_back(r);
+    // And at the most memory with which its plan still sends every block's
+    // saves to disk (32 budgets up to plain's peak scanned): the room in
+    // flight the planner gives disk offload of every block.
+    const int64_t high_off = planner_off->profiled_peak_bytes();
+    int64_t every = 0;
+    for (int i = 0; i <= 32; ++i) {
+      const int64_t b = low_off + (high_off - low_off) * i / 32;
+      planner_off->replan(b);
+      bool all = true;
+      for (const auto& u : planner_off->units()) all &= u.options[u.choice].rfind("offload", 0) == 0;
+      if (all) every = b;
+    }
+    if (every > r.budget) {
+      Record e;
+      e.name = "auto-offload@every";
+      e.label = "auto, keep or offload only, the most room with every block offloaded";
+      e.planner = &*planner_off;
+      e.budget = every;
+      planner_off->replan(every);
+      e.predicted_peak = planner_off->plan().prediction.peak_bytes;
+      e.inflight = planner_off->inflight_bytes();
+      e.predicted_ms = planner_off->plan().prediction.time_ms;
+      for (const auto& u : planner_off->units())
+        e.plan += (e.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
+      std::printf("auto-offload at %s, the most with every block offloaded:\n%s", remat::format_bytes(every).c_str(),
+                  planner_off->explain().c_str());
+      recs.push_back(e);
+    }
   }
   // One step of a strategy: a StepInBackward around it for those in
   // backward (block+ib+disk: one untimed step first, see the file comment).
@@ -401,6 +475,9 @@ int main(int argc, char** argv) {
       << ", \"calibration_steps\": " << calibration_ib << ", \"profiled_peak\": " << high_ib
       << ", \"profiled_ms\": " << num(planner_ib->profiled_time_ms()) << ", \"leanest_peak\": " << low_ib
       << ", \"leanest_where\": " << quoted(where_ib) << ", \"state_bytes\": " << state_ib << "}\n";
+  out << "{\"kind\": \"profile_offload\", \"profile_s\": " << num(profile_off_s)
+      << ", \"calibration_steps\": " << calibration_off << ", \"leanest_peak\": " << low_off
+      << ", \"offload_peak\": " << offload_peak << "}\n";
   std::printf("\n%-16s %10s %8s %14s %10s %10s\n", "strategy", "step ms", "x plain", "peak", "x plain", "budget");
   for (auto& r : recs) {
     for (int i = 0; i < rounds; ++i) r.time_ratios.push_back(r.ms[i] / plain.ms[i]);

@@ -113,12 +113,12 @@ struct AutoOptions {
    *  cost is measured as the others': bytes kept right after the forward
    *  (writes still pending count), and time with one tensor in flight at a
    *  time. What a kDisk store holds in flight is the plan's to choose: one
-   *  entry at a time (the largest tensor a call sends), its
-   *  max_inflight_bytes as given, 4x, 16x, 64x the larger of the two, or
-   *  as much as one call sends at most (a ladder that stops at the first
-   *  rung holding that), where the budget has room for those bytes at
-   *  every point of the step (never counted above what the whole step
-   *  sends to the store); more in flight lets the writes run beside the
+   *  entry at a time (the largest tensor a call sends), 4x, 16x, 64x that,
+   *  its max_inflight_bytes as given, 4x, 16x, 64x the larger of the two,
+   *  or as much as one call sends at most (no rung above that), where the
+   *  budget has room for those bytes at every point of the step (never
+   *  counted above what the whole step sends to the store); more in
+   *  flight lets the writes run beside the
    *  compute, priced from the store's measured pace. explain() says which
    *  cap runs. Lossless codecs keep the step bitwise
    *  equal to the plain one; a lossy one (kBFloat16, kFloat8, kInt8Block) is taken as

@@ -308,12 +308,12 @@ int64_t AutoCheckpoint::Impl::sent_per_step(size_t i, bool inputs_only) const {
 // writes, reads ahead) is the plan's to choose, not a fixed cap. More lets
 // an offloading call's writes run beside its compute instead of stalling
 // it, and costs its bytes at every point of the step (the margin, never
-// more than the step sends to the store). Each disk store's ladder: the
-// largest tensor a call sent (one entry at a time, which the store holds
-// alone whatever its cap) where that is below max_inflight_bytes as the
-// user gave it; that cap; then 4x, 16x, 64x the larger of it and the
-// largest tensor, up to the first that leaves room beside that tensor for
-// all one call sends, which is the last rung. At each rung the offload options are priced by
+// more than the step sends to the store). Each disk store's ladder, from
+// the bottom: one entry at a time (the largest tensor a call sent, which
+// the store holds alone whatever its cap, or the given cap if that is
+// less); 4x, 16x, 64x that tensor; max_inflight_bytes as the user gave
+// it, and 4x, 16x, 64x the larger of it and that tensor; room beside that
+// tensor for all one call sends, the top (a cap above holds no more). At each rung the offload options are priced by
 // their isolated runs' transfers (plan::transfer_wait_ms: the store's
 // measured pace; a share room / bytes of the writes beside the forward's
 // compute and of the reads beside the backward's, the room being what the
@@ -344,23 +344,29 @@ std::vector<std::vector<int64_t>> AutoCheckpoint::Impl::cap_ladder() const {
       }
     }
   }
-  constexpr size_t kRungs = 4;  // above the given cap
   std::vector<std::vector<int64_t>> per_store(n);
   size_t rungs = 1;
   for (size_t i = 0; i < n; ++i) {
     const OffloadOptions& o = options.offload()[i];
+    const int64_t given = o.max_inflight_bytes();
     std::vector<int64_t>& l = per_store[i];
-    // Below the given cap: one entry at a time, as the isolated runs sent
-    // (a cap above what the budget has room for would leave offload out).
-    if (o.target() == OffloadTarget::kDisk && largest[i] > 0 && largest[i] < o.max_inflight_bytes())
-      l.push_back(largest[i]);
-    l.push_back(o.max_inflight_bytes());
-    if (o.target() != OffloadTarget::kDisk) continue;
-    int64_t x = std::max(o.max_inflight_bytes(), largest[i]);
-    for (size_t k = 1; k <= kRungs && l.back() < whole[i]; ++k) {
-      x = std::min(x, int64_t{1} << 56) * 4;
-      const int64_t next = k == kRungs ? whole[i] : std::min(x, whole[i]);
-      if (next > l.back()) l.push_back(next);
+    if (o.target() != OffloadTarget::kDisk || whole[i] == 0) {
+      l.push_back(given);
+      continue;
+    }
+    // One entry at a time (any cap up to the largest tensor: it goes
+    // alone); 4x, 16x, 64x that and the given cap; the given cap; room for
+    // all one call sends. None above that: it holds no more.
+    const int64_t one = std::min(given, largest[i] > 0 ? largest[i] : given);
+    std::vector<int64_t> c{one, given, whole[i]};
+    for (int64_t base : {std::max<int64_t>(largest[i], 1), std::max(given, largest[i])}) {
+      int64_t x = std::min(base, int64_t{1} << 56);
+      for (int k = 0; k < 3; ++k) c.push_back(x *= 4);
+    }
+    std::sort(c.begin(), c.end());
+    for (int64_t x : c) {
+      if (x > whole[i] || (x != one && x <= largest[i]) || (!l.empty() && x == l.back())) continue;
+      l.push_back(x);
     }
     rungs = std::max(rungs, l.size());
   }
