@@ -397,7 +397,7 @@ def levers(recs, hand=None):
             f"rounds" + (f", the machine's 1-minute load average {min(load):.1f}-{max(load):.1f}" if load else "")
             + "; time ratios: medians of per-round ratios to plain [min-max].", "",
             "| strategy | budget | predicted peak | measured peak | x plain | step time x plain | state in the store | "
-            "activations to disk: room in flight | units not at keep | loss head |",
+            "room in flight | units not at keep | loss head |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in strat:
         if r["name"] == "plain":
@@ -416,9 +416,10 @@ def levers(recs, hand=None):
             f"{_mib(prof['profiled_peak'])}; its leanest plan is predicted at {_mib(prof['leanest_peak'])}, "
             f"{prof['leanest_where']}. Chunk counts offered to the loss: {meta.get('chunk_counts')}; the disk "
             f"store: {_mib(meta['offload']['max_inflight_bytes'])} in flight as given"
-            + (", more where the plan chose it (\"room in flight\": the margin the plan keeps for what its disk store "
-               "holds in flight, '-' when it sends no activation to disk)." if any("inflight" in r for r in autos)
-               else ".")]
+            + (", more or less where the plan chose it (\"room in flight\": the margin the plan keeps above its "
+               "prediction for what its disk stores may hold in flight while the disk is behind: activations being "
+               "written or read ahead, and, in plans from after the optimizer state's writes joined it, the states "
+               "being written; '-' when there are none)." if any("inflight" in r for r in autos) else ".")]
     tgt = []
     lean_target = 0.22 if gpt else 0.35
     tgt.append(f"- the leanest plan <= {lean_target}x plain's peak: **{'met' if leanest['peak_ratio'] <= lean_target else 'missed'}** "
@@ -437,12 +438,20 @@ def levers(recs, hand=None):
                            f"{best['peak_ratio']:.3f}x peak, {_ratio(best)} time)")
     tgt.append(f"- measured peak <= budget (+1%) on every point: **{'met' if not over else 'missed'}**"
                + (f" ({', '.join(r['name'] for r in over)} over)" if over else ""))
-    off = [r for r in autos if abs(r["predicted_peak"] - r["peak"]) > 0.03 * r["peak"]]
-    tgt.append(f"- predicted peak within 3% of the measured one on every point: "
-               f"**{'met' if not off else 'missed'}**"
-               + (" (" + ", ".join(f"{r['name']}: predicted {_mib(r['predicted_peak'])}, measured {_mib(r['peak'])}"
-                                   for r in off) + "; a prediction above the measured peak is the plan's bound on "
-                  "what the stores hold in flight, which the step did not reach)" if off else ""))
+    # As the frontier's rule: a step peaks between the prediction and the prediction plus the room in flight,
+    # which the disk's pace decides; each point against that interval.
+    def outside(r):
+        lo, hi = r["predicted_peak"], r["predicted_peak"] + r.get("inflight", 0)
+        return max(lo - r["peak"], r["peak"] - hi, 0) / r["peak"]
+    off = [r for r in autos if outside(r) > 0.03]
+    worst = max(autos, key=outside)
+    tgt.append(f"- predicted peak within 3% of the measured one on every point (of the interval from the prediction "
+               f"to the prediction plus the room in flight): **{'met' if not off else 'missed'}** ("
+               + (", ".join(f"{r['name']}: predicted {_mib(r['predicted_peak'])} + {_mib(r.get('inflight', 0))} in "
+                            f"flight, measured {_mib(r['peak'])}" for r in off) if off else
+                  f"{outside(worst) * 100:.1f}% at most outside it; the prediction alone: "
+                  f"{max(abs(r['predicted_peak'] / r['peak'] - 1) for r in autos) * 100:.1f}% at most")
+               + ")")
     if hand:
         hs = []
         for lib, recs_ in hand:

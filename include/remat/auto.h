@@ -291,9 +291,10 @@ class AutoCheckpoint {
   /** Bytes the plan in force keeps room for above its predicted peak: the
    *  writes and reads its disk stores may hold in flight (the
    *  max_inflight_bytes the plan runs them with, or a larger tensor they
-   *  send alone, as the
-   *  profiled step's isolated runs measured it), which depend
-   *  on the disk's pace; 0 when the plan sends nothing to disk. A step's
+   *  send alone, as the profiled step's isolated runs measured it), and
+   *  the optimizer states being written to optimizer_state_store (those
+   *  read ahead or being updated are in the prediction), which depend on
+   *  the disk's pace; 0 when the plan sends nothing to disk. A step's
    *  measured peak is at most plan().prediction.peak_bytes plus this, and
    *  the two fit the budget. */
   int64_t inflight_bytes() const;

@@ -241,13 +241,19 @@ int64_t AutoCheckpoint::profiled_peak_bytes() const { return impl_->profiled_pea
 double AutoCheckpoint::profiled_time_ms() const { return impl_->profiled_ms; }
 int64_t AutoCheckpoint::inflight_bytes() const {
   const Impl& m = *impl_;
-  if (m.step_plan.budget_bytes == 0 || m.plan_margin <= 0) return 0;
-  const std::vector<AutoUnit> us = units();
-  for (size_t j = 0; j < us.size(); ++j) {
-    const int store = m.store_of(j, static_cast<size_t>(us[j].choice));
-    if (store >= 0 && m.options.offload()[static_cast<size_t>(store)].target() == OffloadTarget::kDisk) {
-      return m.plan_margin;
-    }
+  if (m.step_plan.budget_bytes == 0) return 0;
+  return m.activations_inflight() + m.plan_state_writes;
+}
+
+/** The activation stores' part of inflight_bytes(): the margin, when a unit
+ *  of the plan sends to a disk store. */
+int64_t AutoCheckpoint::Impl::activations_inflight() const {
+  if (plan_margin <= 0 || !planned) return 0;
+  const std::vector<int>& c = step_plan.prediction.choice;
+  for (size_t j = 0; j < step_model.units.size() && j < c.size(); ++j) {
+    const int store = store_of(j, static_cast<size_t>(c[j]));
+    if (store >= 0 && options.offload()[static_cast<size_t>(store)].target() == OffloadTarget::kDisk)
+      return plan_margin;
   }
   return 0;
 }

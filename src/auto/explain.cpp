@@ -145,6 +145,11 @@ std::string AutoCheckpoint::explain() const {
     if (const int64_t inflight = inflight_bytes(); inflight > 0 && p.peak_bytes + inflight <= m.budget) {
       os << "offload: up to " << plan::format_bytes(inflight)
          << " of writes and reads in flight on top of the prediction, within the budget";
+      if (m.plan_state_writes > 0) {
+        os << " (" << plan::format_bytes(m.plan_state_writes) << " of them optimizer state being written";
+        if (const int64_t a = m.activations_inflight(); a > 0) os << ", " << plan::format_bytes(a) << " activations";
+        os << ")";
+      }
       // NOTE [in flight planned]: a cap above the one given is the plan's.
       for (size_t i = 0; i < m.plan_caps.size() && i < m.options.offload().size(); ++i) {
         const OffloadOptions& o = m.options.offload()[i];

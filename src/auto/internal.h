@@ -188,6 +188,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   std::vector<int64_t> inflight_seen;   // per store of options.offload(): NOTE [offload margin measured]
   std::vector<int64_t> inflight_trial;  // the same, for the profile under way
   int64_t plan_margin = 0;              // the in-flight margin the plan in force was solved with
+  int64_t plan_state_writes = 0;        // the state writes in flight it kept room for above its prediction
   // The step model's units (indices into units) and, per unit and call, the
   // bytes of its inputs (each storage once): as of the last profile that
   // completed, so that a profile that throws leaves them matching step_model.
@@ -233,15 +234,16 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
    *  that adds to each segment of the step (below 0: their state off, less
    *  what the stores hold in flight there) and the time it costs. */
   struct Placement {
-    std::vector<bool> in_store;  // per state_groups
-    std::vector<int64_t> shift;  // per segment of step_model; empty: none
-    int64_t state_bytes = 0;     // of the groups in the store, what the store takes off
+    std::vector<bool> in_store;   // per state_groups
+    std::vector<int64_t> shift;   // per segment of step_model; empty: none
+    std::vector<int64_t> writes;  // of shift, the writes in flight (NOTE [state writes in flight])
+    int64_t state_bytes = 0;      // of the groups in the store, what the store takes off
     double ms = 0;
   };
   std::vector<Placement> placements() const;
   Placement placement;               // of the plan in force
   std::vector<bool> state_in_force;  // per state_groups, as applied
-  std::vector<int64_t> state_inflight(const std::vector<bool>& in_store) const;
+  std::vector<int64_t> state_inflight(const std::vector<bool>& in_store, bool writes_only = false) const;
   void start_in_backward();
   void measure_state();
   void apply_state();
@@ -324,6 +326,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
    *  as the options say). */
   int64_t inflight_margin(bool inputs_only = false, const std::vector<int64_t>& caps = {}) const;
   int64_t sent_per_step(size_t store, bool inputs_only) const;
+  int64_t activations_inflight() const;
 
   /** The plans solve() compares: without options that send to a store (no
    *  margin); with those sending only inputs (the inputs' margin); with

@@ -27,6 +27,15 @@
 // step; no overlap with compute assumed). solve() asks the step solver for
 // the fastest plan over every placement (every subset of the groups, up to
 // 6 groups; else none or all) and every offload tier: plan::StepVariant.
+//
+// NOTE [state writes in flight]: of what a store holds in flight, the
+// states read ahead and being updated are there whatever the disk's pace;
+// the writes not yet on disk are there only while the disk is behind (a
+// page cache takes a block's state in milliseconds, between updates tens of
+// milliseconds apart). The plan must fit with them (the shift above), but
+// its prediction leaves them out: they join the room it keeps in flight
+// (inflight_bytes(), as an activation store's do), so that a step peaks
+// between the prediction and the prediction plus that room.
 #include <algorithm>
 #include <sstream>
 
@@ -135,7 +144,7 @@ void AutoCheckpoint::Impl::note_update(size_t opt, size_t group, int64_t bytes) 
   updates_trial.push_back({opt, group, bytes, timeline->now_us(), 0});
 }
 
-std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool>& in_store) const {
+std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool>& in_store, bool writes_only) const {
   const size_t segments = step_model.segment_peak_bytes.size();
   std::vector<int64_t> out(segments, 0);
   if (segments == 0) return out;
@@ -166,7 +175,7 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
     bool all_seen = true;
     for (size_t g = 0; g < sends.size(); ++g) all_seen &= !sends[g] || seen_of[g] >= state_of[g];
     if (!all_seen) {
-      for (int64_t& b : out) b += cap + largest;
+      for (int64_t& b : out) b += writes_only ? cap : cap + largest;
       continue;
     }
     auto in = [&](const StateUpdate* u) { return sends[u->group] ? u->bytes : int64_t{0}; };
@@ -190,7 +199,14 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
     // A kMemory store encodes at pack and reads nothing ahead: only the
     // state being updated is out of it.
     const bool pending = options.optimizer_state_store()->target() != OffloadTarget::kMemory;
-    for (size_t s = 0; s < segments; ++s) out[s] += (pending ? std::min(cap, written[s] + ahead[s]) : 0) + in_use[s];
+    for (size_t s = 0; s < segments; ++s) {
+      // The writes not yet on disk are there only while the disk is behind:
+      // the plan's room in flight, not its prediction (NOTE [state writes
+      // in flight]).
+      const int64_t with_writes = pending ? std::min(cap, written[s] + ahead[s]) : 0;
+      const int64_t read_ahead = pending ? std::min(cap, ahead[s]) : 0;
+      out[s] += writes_only ? with_writes - read_ahead : with_writes + in_use[s];
+    }
   }
   return out;
 }
@@ -255,6 +271,7 @@ std::vector<AutoCheckpoint::Impl::Placement> AutoCheckpoint::Impl::placements() 
     if (state > 0) {
       p.state_bytes = static_cast<int64_t>((1.0 - share) * static_cast<double>(state));
       p.shift = state_inflight(p.in_store);
+      p.writes = state_inflight(p.in_store, /*writes_only=*/true);
       bool saves = false;  // somewhere the store takes off more than it holds
       for (int64_t& b : p.shift) {
         b -= p.state_bytes;
@@ -314,9 +331,12 @@ std::string AutoCheckpoint::Impl::explain_state() const {
   }
   const int64_t at = step_plan.prediction.peak_segment;
   if (placement.state_bytes > 0 && at >= 0 && static_cast<size_t>(at) < placement.shift.size()) {
-    const int64_t held = placement.shift[static_cast<size_t>(at)] + placement.state_bytes;
+    const int64_t writes =
+        static_cast<size_t>(at) < placement.writes.size() ? placement.writes[static_cast<size_t>(at)] : 0;
+    const int64_t held = placement.shift[static_cast<size_t>(at)] + placement.state_bytes - writes;
     os << "  the store takes " << plan::format_bytes(placement.state_bytes) << " off every point of the step, less "
-       << plan::format_bytes(held) << " in flight where the plan peaks, for +"
+       << plan::format_bytes(held) << " read ahead or being updated where the plan peaks (and up to "
+       << plan::format_bytes(writes) << " being written, in the room kept in flight), for +"
        << static_cast<double>(static_cast<int64_t>(placement.ms * 10 + 0.5)) / 10 << " ms per step ("
        << to_string(options.optimizer_state_store()->target()) << ", measured "
        << (state_ms_per_byte > 0 ? plan::format_bytes(static_cast<int64_t>(1.0 / (state_ms_per_byte * 1e-3))) : "?")

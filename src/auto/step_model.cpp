@@ -491,6 +491,21 @@ plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
   p.prediction.peak_bytes -= tier.margin;
   for (int64_t& b : p.prediction.segment_bytes) b -= tier.margin;
   plan_margin = tier.margin;
+  // NOTE [state writes in flight]: the prediction without them.
+  plan_state_writes = 0;
+  if (!pl.writes.empty() && !p.prediction.segment_bytes.empty()) {
+    const int64_t bound = p.prediction.peak_bytes;
+    int64_t peak = std::numeric_limits<int64_t>::min();
+    for (size_t s = 0; s < p.prediction.segment_bytes.size(); ++s) {
+      if (s < pl.writes.size()) p.prediction.segment_bytes[s] -= pl.writes[s];
+      if (p.prediction.segment_bytes[s] > peak) {
+        peak = p.prediction.segment_bytes[s];
+        p.prediction.peak_segment = static_cast<int64_t>(s);
+      }
+    }
+    p.prediction.peak_bytes = peak;
+    plan_state_writes = std::max<int64_t>(0, bound - peak);
+  }
   plan_caps = tier.caps;
   plan_option_ms = tier.option_ms;
   placement = pl;
