@@ -48,6 +48,10 @@
 //                  disk offload, with what the store holds in flight chosen
 //                  by the plan (one entry, 16 MiB, 4x ... up to room for all
 //                  one block sends) instead of a fixed 16 MiB
+//   auto-offload@every  the same planner at the largest of 33 budgets from
+//                  its leanest plan to plain whose plan still sends every
+//                  block to disk: the most room in flight it gives disk
+//                  offload of every block
 //   auto+ib@leanest  auto at its leanest plan, profiled (and calibrated) by a
 //                  second planner while a StepInBackward lives, so that it
 //                  measures the step with the updates in backward

@@ -48,10 +48,12 @@
 // remat::memory::enable_tracking(), which auto_checkpoint() calls: tensors
 // allocated before (e.g. parameters of a model built earlier) are not in
 // the figures; call enable_tracking() first thing in main() to count them.
-// A planned step that offloads and runs more than 10% over its predicted
-// time charges the excess to the offload options, per byte they send, and
-// the plan is solved again (the real step's transfer rate, which isolated
-// runs through a warm page cache do not show; explain() says so).
+// Two planned steps in a row that offload and run more than 10% over their
+// predicted time charge the second one's excess to the offload options,
+// per byte they send, and the plan is solved again (the real step's
+// transfer rate, which isolated runs through a warm page cache do not
+// show; explain() says so); one slow step (a store's first writes) charges
+// nothing.
 // Offload is priced conservatively: an input that an option sends away is
 // credited only from when the profiled step saw nothing but the unit's own
 // saves hold it (its caller moved on) to the end of its backward, never
@@ -115,7 +117,8 @@ struct AutoOptions {
    *  time. What a kDisk store holds in flight is the plan's to choose: one
    *  entry at a time (the largest tensor a call sends), 4x, 16x, 64x that,
    *  its max_inflight_bytes as given, 4x, 16x, 64x the larger of the two,
-   *  or as much as one call sends at most (no rung above that), where the
+   *  or as much as one call sends at most (no rung above: it would price
+   *  no call lower), where the
    *  budget has room for those bytes at every point of the step (never
    *  counted above what the whole step sends to the store); more in
    *  flight lets the writes run beside the
@@ -134,8 +137,10 @@ struct AutoOptions {
    *  offload store, and chunked_cross_entropy calls take chunk counts
    *  (their gradient is computed in forward, nothing runs twice): for a
    *  step whose forward must run once (an op with side effects the
-   *  replay does not undo, or one too slow to run twice). Needs a lever
-   *  that is left: offload, chunk_counts or optimizer_state_store.
+   *  replay does not undo, or one too slow to run twice); selective_levels,
+   *  policies and checkpoint_options then have nothing to act on, and a
+   *  chunked() region still checkpoints its slices as called. Needs a
+   *  lever that is left: offload, chunk_counts or optimizer_state_store.
    *  Default true. */
   TORCH_ARG(bool, recompute) = true;
   /** A compressing store (a codec, on kMemory or kHost) holds as many bytes

@@ -241,7 +241,7 @@ int64_t AutoCheckpoint::profiled_peak_bytes() const { return impl_->profiled_pea
 double AutoCheckpoint::profiled_time_ms() const { return impl_->profiled_ms; }
 int64_t AutoCheckpoint::inflight_bytes() const {
   const Impl& m = *impl_;
-  if (m.step_plan.budget_bytes == 0) return 0;
+  if (!m.planned || m.step_plan.budget_bytes == 0) return 0;
   return m.activations_inflight() + m.plan_state_writes;
 }
 

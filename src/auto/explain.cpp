@@ -150,7 +150,7 @@ std::string AutoCheckpoint::explain() const {
         if (const int64_t a = m.activations_inflight(); a > 0) os << ", " << plan::format_bytes(a) << " activations";
         os << ")";
       }
-      // NOTE [in flight planned]: a cap above the one given is the plan's.
+      // NOTE [in flight planned]: a cap other than the one given is the plan's.
       for (size_t i = 0; i < m.plan_caps.size() && i < m.options.offload().size(); ++i) {
         const OffloadOptions& o = m.options.offload()[i];
         if (o.target() != OffloadTarget::kDisk || m.plan_caps[i] == o.max_inflight_bytes()) continue;

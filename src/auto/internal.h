@@ -169,7 +169,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   int reprices = 0;               // NOTE [offload priced by the step]
   double offload_ms_per_gib = 0;  // what repricing added to the offload options, ms per GiB sent (largest store)
   std::vector<double> surcharge_ms_per_byte;  // per store of options.offload(): what repricing added in force
-  plan::TransferPrice transfer_price{1};      // its streaks: one slow step charges
+  plan::TransferPrice transfer_price{2};      // its streaks: two slow steps in a row charge
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time

@@ -174,8 +174,13 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
     // every point.
     bool all_seen = true;
     for (size_t g = 0; g < sends.size(); ++g) all_seen &= !sends[g] || seen_of[g] >= state_of[g];
+    // A kMemory store encodes at pack and reads nothing ahead: only the
+    // state being updated is out of it.
+    const bool pending = options.optimizer_state_store()->target() != OffloadTarget::kMemory;
     if (!all_seen) {
-      for (int64_t& b : out) b += writes_only ? cap : cap + largest;
+      // The state being updated and one read ahead are there; the rest of
+      // the cap is writes.
+      for (int64_t& b : out) b += writes_only ? (pending ? cap - std::min(cap, largest) : 0) : cap + largest;
       continue;
     }
     auto in = [&](const StateUpdate* u) { return sends[u->group] ? u->bytes : int64_t{0}; };
@@ -196,9 +201,6 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
       const size_t to = i < n ? static_cast<size_t>(next->segment) : segments - 1;
       for (size_t s = from; s <= to && s < segments; ++s) ahead[s] = std::max(ahead[s], in(next));
     }
-    // A kMemory store encodes at pack and reads nothing ahead: only the
-    // state being updated is out of it.
-    const bool pending = options.optimizer_state_store()->target() != OffloadTarget::kMemory;
     for (size_t s = 0; s < segments; ++s) {
       // The writes not yet on disk are there only while the disk is behind:
       // the plan's room in flight, not its prediction (NOTE [state writes

@@ -275,8 +275,13 @@ int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only, const std::vecto
     if (o.target() != OffloadTarget::kDisk) continue;
     const int64_t seen = i < inflight_seen.size() ? inflight_seen[i] : 0;
     const int64_t cap = i < caps.size() ? caps[i] : o.max_inflight_bytes();
-    const int64_t bound = std::max(cap, inputs_only ? largest_input_sent : std::max(largest_input_sent, seen));
-    m += std::min(bound, sent_per_step(i, inputs_only));
+    const int64_t entry = inputs_only ? largest_input_sent : std::max(largest_input_sent, seen);
+    m += std::min(std::max(cap, entry), sent_per_step(i, inputs_only));
+    // A codec's buffer beside the entry it encodes or decodes: one per
+    // writer thread and one for the reader (compressBound for zstd and lz4:
+    // n + n / 255 + 64 at most; a lossy codec's is smaller). The cap counts
+    // raw bytes only.
+    if (o.codec() != Codec::kNone && entry > 0) m += (o.writer_threads() + 1) * (entry + entry / 255 + 64);
   }
   return m;
 }
@@ -284,21 +289,29 @@ int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only, const std::vecto
 /** The most a step's calls send to store i (of options.offload()): per
  *  call, the most any of its unit's options that send there wrote in its
  *  isolated run (with inputs_only, only the options that send inputs),
- *  summed over every call of every unit (an inner unit's with its
- *  parent's, which can only over-count). */
+ *  plus the storages of the call's inputs (the isolated run sent compact
+ *  clones; the real step sends a view's whole base), summed over every
+ *  call of every unit (an inner unit's with its parent's, which can only
+ *  over-count). As the profiled step's shapes say: another shape needs
+ *  profile_step() again, as every figure of the plan does. */
 int64_t AutoCheckpoint::Impl::sent_per_step(size_t i, bool inputs_only) const {
   int64_t total = 0;
   const std::vector<size_t> mu = model_units();
   for (size_t j = 0; j < transfers_of.size() && j < mu.size(); ++j) {
     const Unit& u = units[mu[j]];
-    for (const auto& per_option : transfers_of[j]) {
+    for (size_t ci = 0; ci < transfers_of[j].size(); ++ci) {
+      const auto& per_option = transfers_of[j][ci];
       int64_t most = 0;
+      bool sends = false;
       for (size_t k = 0; k < per_option.size() && k < u.menu.size(); ++k) {
         const Option& o = u.menu[k];
         if (o.store != static_cast<int>(i) || (inputs_only && o.offload)) continue;
+        sends = true;
         most = std::max(most, per_option[k].written_bytes);
       }
-      total += most;
+      if (!sends) continue;
+      const double inputs = j < input_bytes_of.size() && ci < input_bytes_of[j].size() ? input_bytes_of[j][ci] : 0;
+      total += most + static_cast<int64_t>(inputs);
     }
   }
   return total;
@@ -313,7 +326,9 @@ int64_t AutoCheckpoint::Impl::sent_per_step(size_t i, bool inputs_only) const {
 // the store holds alone whatever its cap, or the given cap if that is
 // less); 4x, 16x, 64x that tensor; max_inflight_bytes as the user gave
 // it, and 4x, 16x, 64x the larger of it and that tensor; room beside that
-// tensor for all one call sends, the top (a cap above holds no more). At each rung the offload options are priced by
+// tensor for all one call sends, the top (with room for all its writes a
+// call waits only for what the disk takes beyond its compute: a larger cap
+// prices no call lower). At each rung the offload options are priced by
 // their isolated runs' transfers (plan::transfer_wait_ms: the store's
 // measured pace; a share room / bytes of the writes beside the forward's
 // compute and of the reads beside the backward's, the room being what the
@@ -421,9 +436,11 @@ std::vector<AutoCheckpoint::Impl::Tier> AutoCheckpoint::Impl::tiers() const {
   if (inflight_margin() == 0) return {Tier{}};
   std::vector<Tier> out{{without_offload(/*plain_only=*/false), 0, {}, {}}};
   const std::vector<size_t> inputs_only = without_offload(/*plain_only=*/true);
+  bool sends_inputs = false;  // some option sends a unit's inputs (none under recompute(false))
+  for (size_t i = 0; i < options.offload().size(); ++i) sends_inputs |= sent_per_step(i, /*inputs_only=*/true) > 0;
   for (const std::vector<int64_t>& caps : cap_ladder()) {
     const std::vector<std::vector<double>> ms = priced_at(caps);
-    out.push_back({inputs_only, inflight_margin(/*inputs_only=*/true, caps), caps, ms});
+    if (sends_inputs) out.push_back({inputs_only, inflight_margin(/*inputs_only=*/true, caps), caps, ms});
     out.push_back({{}, inflight_margin(/*inputs_only=*/false, caps), caps, ms});
   }
   return out;
@@ -524,12 +541,16 @@ AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
 /** NOTE [offload priced by the step]: an isolated run writes and reads
  *  one call's tensors through a warm page cache; a real step sends every
  *  offloaded unit's at once, and a disk (or a machine whose fresh pages
- *  are slow) can take far longer for that. When a planned step that
- *  offloads runs more than 10% over its predicted time, the excess is
- *  charged to the offload options the plan uses, per byte they send (what
+ *  are slow) can take far longer for that. When two planned steps in a
+ *  row that offload run more than 10% over their predicted time, the
+ *  second one's excess is charged to the offload options the plan uses,
+ *  per byte they send (what
  *  keep would have kept less what the option keeps), on every call of
  *  every unit, and the plan is solved again: the step measures the transfer
- *  bandwidth that the isolated runs could not. Two steps in a row that
+ *  bandwidth that the isolated runs could not. One slow step charges
+ *  nothing: a plan's first step starts its stores (writer threads, new
+ *  files), and a charge from it priced offload out of every later plan,
+ *  whose steps then sent nothing that could give it back. Two steps in a row that
  *  offload and run more than 10% under the prediction give the charge
  *  back, down to no surcharge at most (plan::TransferPrice has the rule,
  *  which CheckpointedSequential shares). The isolated runs' own prices

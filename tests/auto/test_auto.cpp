@@ -949,25 +949,41 @@ TEST(Auto, ABlockWhoseOutputAnInnerUnitSavesIsPairedAsAWhole) {
   check_neighbours([] { return torch::nn::AnyModule(WrappedLinearRelu(128)); }, false, "wrapped Linear-ReLU blocks");
 }
 
+/** x * sigmoid(x): two saved activations for almost no compute, so that
+ *  its writes to a disk store, not its compute, set its time. */
+struct SiluUnitImpl : torch::nn::Module, remat::Checkpointable {
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed([](const torch::Tensor& h) { return h * torch::sigmoid(h); }, x);
+  }
+};
+TORCH_MODULE(SiluUnit);
+
 // NOTE [in flight planned]: a disk store's in-flight bytes are the plan's.
 // Given a cap below one saved activation (which a store lets go alone, so
 // the margin is that entry's bytes anyway), the plans run the store with
 // at least an entry in flight: as much room, writes beside the compute.
-// The leanest plan's margin is one entry; a cap above the given one is
-// counted in the margin. Every offloading unit runs at the plan's cap,
+// The units' writes take longer than their compute (SiluUnit, and a zstd
+// codec on the writer threads), so that more in flight pays whatever the
+// machine's load.
+// The leanest plan's margin is one entry (and the codec's buffers); a cap
+// above the given one is counted in the margin. Every offloading unit runs at the plan's cap,
 // explain() says so, the measured peak stays within the budget and the
 // step within its prediction plus that margin, bitwise equal to plain, no
 // files left.
 TEST(Auto, ADiskStoreRunsWithTheInFlightBytesThePlanChose) {
   const std::string dir = remat_test::fresh_dir("auto_inflight");
   const int64_t given = 64 << 10, entry = 1 << 20;  // a saved activation: 1024 x 256 float32
-  const auto base = remat::AutoOptions().offload(
-      {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0).max_inflight_bytes(given)});
+  const auto base = remat::AutoOptions().offload({remat::OffloadOptions(remat::OffloadTarget::kDisk)
+                                                      .directory(dir)
+                                                      .min_bytes(0)
+                                                      .max_inflight_bytes(given)
+                                                      .codec(remat::Codec::kZstd)});
   constexpr int kBudgets = 4, kRun = 2 + kBudgets;  // warm-up, profiled, one planned step per budget
   const auto make = [] {
     torch::manual_seed(5);
     torch::nn::Sequential net;
-    for (int i = 0; i < 16; ++i) net->push_back(LinearRelu(256));
+    net->push_back(torch::nn::Linear(256, 256));
+    for (int i = 0; i < 16; ++i) net->push_back(SiluUnit());
     net->push_back(torch::nn::Linear(256, 10));
     auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
     return classifier(net, opt, batches(kRun, {1024, 256}), batches(kRun, {1024}, true, 10), true);
@@ -1009,7 +1025,11 @@ TEST(Auto, ADiskStoreRunsWithTheInFlightBytesThePlanChose) {
     if (std::getenv("REMAT_AUTO_TEST_DUMP")) std::printf("budget %d\n%s", b, text.c_str());
     if (b == 0) {
       ASSERT_FALSE(in_force.empty()) << "the leanest plan sends to disk\n" << text;
-      EXPECT_EQ(planner.inflight_bytes(), entry) << "the leanest plan keeps one entry in flight\n" << text;
+      // One entry in flight, and the codec's buffer beside an entry being
+      // written (one writer thread) and one being read.
+      EXPECT_EQ(planner.inflight_bytes(), entry + 2 * (entry + entry / 255 + 64))
+          << "the leanest plan keeps one entry in flight\n"
+          << text;
     }
     if (!in_force.empty() && in_force[0] != given) {
       ++above;
@@ -1039,17 +1059,21 @@ TEST(Auto, ADiskStoreRunsWithTheInFlightBytesThePlanChose) {
 // disk with one entry in flight, below the store's default cap (256 MiB,
 // more than the whole step holds); bitwise equal to plain, within the
 // budget, no files left.
+/** Six Dense blocks (residual: a block's output is not its own save) and a
+ *  classifier, SGD with momentum, `steps` batches. */
+Workload dense_blocks(int steps) {
+  torch::manual_seed(5);
+  torch::nn::Sequential net;
+  for (int i = 0; i < 6; ++i) net->push_back(Dense(128));
+  net->push_back(torch::nn::Linear(128, 10));
+  auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  return classifier(net, opt, batches(steps, {512, 128}), batches(steps, {512}, true, 10), true);
+}
+
 TEST(Auto, WithoutRecomputeEveryUnitKeepsOrOffloadsAndNothingRunsTwice) {
   const std::string dir = remat_test::fresh_dir("auto_no_recompute");
   constexpr int kBudgets = 3, kRun = 2 + kBudgets;
-  const auto make = [] {
-    torch::manual_seed(5);
-    torch::nn::Sequential net;
-    for (int i = 0; i < 6; ++i) net->push_back(Dense(128));  // residual: a block's output is not its save
-    net->push_back(torch::nn::Linear(128, 10));
-    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-    return classifier(net, opt, batches(kRun, {512, 128}), batches(kRun, {512}, true, 10), true);
-  };
+  const auto make = [] { return dense_blocks(kRun); };
   std::vector<Bytes> want;
   {
     Workload plain = make();
@@ -1074,8 +1098,9 @@ TEST(Auto, WithoutRecomputeEveryUnitKeepsOrOffloadsAndNothingRunsTwice) {
     const std::string text = planner.explain();
     if (b == 0) {
       // Every unit but the last (whose saves its backward needs at once)
-      // sends its saves; the store runs one entry (256 x 512 float32) at a
-      // time, below the default cap, which the budget has no room for.
+      // sends its saves; the store runs one entry (fc1's output, 512 x 512
+      // float32) at a time, below the default cap, which the budget has no
+      // room for.
       size_t sending = 0;
       for (const auto& u : units) sending += u.options[u.choice] == "offload disk";
       EXPECT_GE(sending, units.size() - 1) << text;
@@ -1091,7 +1116,50 @@ TEST(Auto, WithoutRecomputeEveryUnitKeepsOrOffloadsAndNothingRunsTwice) {
   const std::vector<Bytes> got = state_of(*w.model);
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == want[i]) << "tensor " << i;
+  // A chain keeps store-all (its other schedules run stages again); the
+  // unit beside it keeps or offloads.
+  Workload chain = chain_net_workload()(true);
+  auto chain_planner =
+      remat::auto_checkpoint(*chain.model, remat::AutoOptions().memory_budget_fraction(1.0).recompute(false).offload(
+                                               {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)}));
+  for (int k = 0; k < 2; ++k) chain_planner.step([&] { chain.step(k); });
+  int chains = 0;
+  for (const auto& u : chain_planner.units()) {
+    if (u.name == "body") {
+      ++chains;
+      EXPECT_EQ(u.options, std::vector<std::string>{"keep"});
+    } else {
+      EXPECT_EQ(u.options, (std::vector<std::string>{"keep", "offload disk"})) << u.name;
+    }
+  }
+  EXPECT_EQ(chains, 1) << chain_planner.explain();
   EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
+}
+
+// NOTE [offload priced by the step]: one planned step far over its
+// predicted time (a plan's first, which starts its store's writer threads
+// and files) charges offload nothing; a second one in a row does, and the
+// plan is solved again with the charge.
+TEST(Auto, OneSlowStepDoesNotPriceOffloadTwoInARowDo) {
+  const std::string dir = remat_test::fresh_dir("auto_reprice");
+  Workload w = dense_blocks(4);
+  auto planner =
+      remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).recompute(false).offload(
+                                           {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)}));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  planner.replan(planner.leanest_peak_bytes());  // every unit but the last offloads
+  const auto slow = [&](int k) {
+    const auto extra = std::chrono::duration<double, std::milli>(planner.plan().prediction.time_ms);
+    planner.step([&] {
+      w.step(k);
+      std::this_thread::sleep_for(extra);  // twice the predicted time
+    });
+  };
+  slow(2);
+  EXPECT_EQ(planner.explain().find("offload repriced"), std::string::npos) << planner.explain();
+  slow(3);
+  EXPECT_NE(planner.explain().find("offload repriced 1x from measured steps"), std::string::npos) << planner.explain();
+  EXPECT_EQ(remat_test::files_in(dir), 0u);
 }
 
 TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
@@ -1254,14 +1322,20 @@ TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
         << planner.explain();
   }
   EXPECT_EQ(remat_test::files_in(dir), 0u) << "the offload files outlive the steps";
-  // A step that offloads and runs well over its prediction (here slowed by
-  // a sleep) reprices the offload options and solves again.
+  // Two steps in a row that offload and run well over their prediction
+  // (here slowed by a sleep) reprice the offload options and solve again;
+  // the first alone charges nothing.
   const double before = offload_ms();
-  const double predicted = planner.plan().prediction.time_ms;
-  planner.step([&] {
-    w.step(k++);
-    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(2000 * predicted)));
-  });
+  for (int slow = 0; slow < 2; ++slow) {
+    const double predicted = planner.plan().prediction.time_ms;
+    planner.step([&] {
+      w.step(slow == 0 ? k++ : 3);  // batches seen before: kSteps + 1 exist
+      std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(2000 * predicted)));
+    });
+    if (slow == 0) {
+      EXPECT_EQ(offload_ms(), before) << "one slow step charged\n" << planner.explain();
+    }
+  }
   const double after = offload_ms();
   EXPECT_GT(after, before);
   // (The earlier planned steps may have repriced already: a real step's disk is slower than an isolated run's.)

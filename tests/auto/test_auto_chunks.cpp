@@ -204,6 +204,34 @@ TEST(AutoChunks, ChunkedRegionsInsideBlocksRunTheirOwnCountWhereTheBlockRecomput
   }
 }
 
+// recompute(false): the loss head still takes chunk counts (its gradient
+// is computed in forward), the MLPs' chunked() regions keep their own count
+// (their slices are checkpointed), no block recomputes; the leanest plan
+// chunks the head, within the budget, as the plain step up to reassociation.
+TEST(AutoChunks, WithoutRecomputeTheHeadTakesCountsAndRegionsKeepTheirOwn) {
+  const auto c = head_heavy_gpt(0, 4, 0.0);
+  const Trial plain = run(c, std::nullopt);
+  const Trial got = run(c, remat::AutoOptions().recompute(false).chunk_counts({1, 2, 8}),
+                        [](int64_t, int64_t lo) { return lo + lo / 100; });
+  int regions = 0, heads = 0;
+  for (const auto& u : got.units) {
+    if (u.name.find("/chunked") != std::string::npos) {
+      ++regions;
+      EXPECT_EQ(u.options, (std::vector<std::string>{"4 chunks (as called)"})) << u.name;
+    } else if (u.name == "chunked_cross_entropy") {
+      ++heads;
+      EXPECT_GT(u.options.size(), 1u) << got.explain;
+      EXPECT_NE(u.choice, 0) << "the leanest plan chunks the head\n" << got.explain;
+    } else {
+      EXPECT_EQ(u.options, (std::vector<std::string>{"keep"})) << u.name;
+    }
+  }
+  EXPECT_EQ(regions, 4) << got.explain;
+  EXPECT_EQ(heads, 1) << got.explain;
+  for (int64_t p : got.peaks) EXPECT_LE(static_cast<double>(p), 1.01 * static_cast<double>(got.budget));
+  expect_params(plain, got, /*exact=*/false, "recompute(false)");
+}
+
 // Two chunked calls in one step are two units, told apart by their order.
 TEST(AutoChunks, TwoCallsInAStepAreTwoUnits) {
   struct Heads : torch::nn::Module, remat::Checkpointable {
