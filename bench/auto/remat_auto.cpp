@@ -239,6 +239,15 @@ int main(int argc, char** argv) {
     if (r.state_disk) o.state_offload(store);
     return o;
   };
+  // A planner's plan at r.budget, as the record shows it (replanned there).
+  auto note_plan = [](Record& r, remat::AutoCheckpoint& pl) {
+    pl.replan(r.budget);
+    r.predicted_peak = pl.plan().prediction.peak_bytes;
+    r.inflight = pl.inflight_bytes();
+    r.predicted_ms = pl.plan().prediction.time_ms;
+    r.plan.clear();
+    for (const auto& u : pl.units()) r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
+  };
   auto configure = [&](Record& r) {
     remat::disable_checkpointing(*net);
     if (r.planner != nullptr) {  // auto+ib, auto-offload: their own planner's plan
@@ -261,15 +270,7 @@ int main(int argc, char** argv) {
     }
     if (r.name == "offload") remat::enable_offloading(*net, blocks, store);
     if (r.name == "block+offload") remat::enable_checkpointing(*net, blocks, remat::CheckpointOptions().offload(store));
-    if (r.budget > 0) {
-      planner.replan(r.budget);
-      r.predicted_peak = planner.plan().prediction.peak_bytes;
-      r.inflight = planner.inflight_bytes();
-      r.predicted_ms = planner.plan().prediction.time_ms;
-      r.plan.clear();
-      for (const auto& u : planner.units())
-        r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
-    }
+    if (r.budget > 0) note_plan(r, planner);
   };
   // Auto at budgets evenly spaced from its leanest plan to plain, and at
   // each hand-placed strategy's own peak (the second of two warm steps
@@ -336,11 +337,7 @@ int main(int argc, char** argv) {
     r.in_backward = true;
     r.planner = &*planner_ib;
     r.budget = low_ib;
-    r.predicted_peak = planner_ib->plan().prediction.peak_bytes;
-    r.inflight = planner_ib->inflight_bytes();
-    r.predicted_ms = planner_ib->plan().prediction.time_ms;
-    for (const auto& u : planner_ib->units())
-      r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
+    note_plan(r, *planner_ib);
     recs.push_back(r);
   }
   // auto-offload: a third planner whose units only keep or offload
@@ -366,12 +363,7 @@ int main(int argc, char** argv) {
     r.label = "auto, keep or offload only, at offload's peak";
     r.planner = &*planner_off;
     r.budget = std::max(low_off, offload_peak);
-    planner_off->replan(r.budget);
-    r.predicted_peak = planner_off->plan().prediction.peak_bytes;
-    r.inflight = planner_off->inflight_bytes();
-    r.predicted_ms = planner_off->plan().prediction.time_ms;
-    for (const auto& u : planner_off->units())
-      r.plan += (r.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
+    note_plan(r, *planner_off);
     std::printf("auto-offload at offload's peak:\n%s", planner_off->explain().c_str());
     std::fflush(stdout);
     recs.push_back(r);
@@ -393,12 +385,7 @@ int main(int argc, char** argv) {
       e.label = "auto, keep or offload only, the most room with every block offloaded";
       e.planner = &*planner_off;
       e.budget = every;
-      planner_off->replan(every);
-      e.predicted_peak = planner_off->plan().prediction.peak_bytes;
-      e.inflight = planner_off->inflight_bytes();
-      e.predicted_ms = planner_off->plan().prediction.time_ms;
-      for (const auto& u : planner_off->units())
-        e.plan += (e.plan.empty() ? "" : ", ") + u.name + ": " + u.options[u.choice];
+      note_plan(e, *planner_off);
       std::printf("auto-offload at %s, the most with every block offloaded:\n%s", remat::format_bytes(every).c_str(),
                   planner_off->explain().c_str());
       recs.push_back(e);

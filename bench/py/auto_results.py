@@ -669,9 +669,14 @@ def _with_ib(name, quick):
     q = "-quick" if quick else ""
     for path in (f"{name}{q}.json", f"{name}-ib{q}.json"):
         recs = _lines(os.path.join(RESULTS, path))
-        if recs and any(r["kind"] in ("strategy", "compile") and _ib(r) for r in recs):
+        if _has_ib(recs):
             return recs
     return None
+
+
+def _has_ib(recs):
+    """Whether a run's records hold strategies (or compiled points) with the step in backward."""
+    return bool(recs) and any(r["kind"] in ("strategy", "compile") and _ib(r) for r in recs)
 
 
 def fragments(quick=False):
@@ -698,12 +703,10 @@ def fragments(quick=False):
                              ("auto-resnet-levers", "auto-levers-resnet", ("auto-resnet", "auto-resnet-ib"))):
         lv = _lines(os.path.join(RESULTS, f"{name}{q}.json"))
         if lv:
-            def has_ib(run):
-                recs_ = _lines(os.path.join(RESULTS, f"{run}{q}.json"))
-                return bool(recs_) and any(r["kind"] == "strategy" and _ib(r) for r in recs_)
             # A run kept apart for the strategies in backward (NAME-ib) only where NAME's own run lacks them.
             hand = [("PyTorch" if "-py" in run else "remat", _lines(os.path.join(RESULTS, f"{run}{q}.json")))
-                    for run in runs if not (run.endswith("-ib") and has_ib(run[:-3]))]
+                    for run in runs
+                    if not (run.endswith("-ib") and _has_ib(_lines(os.path.join(RESULTS, f"{run[:-3]}{q}.json"))))]
             frags[frag] = levers(lv, hand)
     solves = _lines(os.path.join(RESULTS, "step_solve.json"))
     if solves and not quick:

@@ -243,7 +243,13 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   std::vector<Placement> placements() const;
   Placement placement;               // of the plan in force
   std::vector<bool> state_in_force;  // per state_groups, as applied
-  std::vector<int64_t> state_inflight(const std::vector<bool>& in_store, bool writes_only = false) const;
+  /** Per segment of step_model: what the state stores hold in flight
+   *  (held) and, of it, the writes not yet on disk (NOTE [state writes in
+   *  flight]). */
+  struct StateInflight {
+    std::vector<int64_t> held, writes;
+  };
+  StateInflight state_inflight(const std::vector<bool>& in_store) const;
   void start_in_backward();
   void measure_state();
   void apply_state();

@@ -144,9 +144,9 @@ void AutoCheckpoint::Impl::note_update(size_t opt, size_t group, int64_t bytes) 
   updates_trial.push_back({opt, group, bytes, timeline->now_us(), 0});
 }
 
-std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool>& in_store, bool writes_only) const {
+AutoCheckpoint::Impl::StateInflight AutoCheckpoint::Impl::state_inflight(const std::vector<bool>& in_store) const {
   const size_t segments = step_model.segment_peak_bytes.size();
-  std::vector<int64_t> out(segments, 0);
+  StateInflight out{std::vector<int64_t>(segments, 0), std::vector<int64_t>(segments, 0)};
   if (segments == 0) return out;
   for (size_t k = 0; k < in_backward.size(); ++k) {
     // Which of optimizer k's groups send their state, and the most one of
@@ -180,7 +180,10 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
     if (!all_seen) {
       // The state being updated and one read ahead are there; the rest of
       // the cap is writes.
-      for (int64_t& b : out) b += writes_only ? (pending ? cap - std::min(cap, largest) : 0) : cap + largest;
+      for (size_t s = 0; s < segments; ++s) {
+        out.held[s] += cap + largest;
+        out.writes[s] += pending ? cap - std::min(cap, largest) : 0;
+      }
       continue;
     }
     auto in = [&](const StateUpdate* u) { return sends[u->group] ? u->bytes : int64_t{0}; };
@@ -206,8 +209,8 @@ std::vector<int64_t> AutoCheckpoint::Impl::state_inflight(const std::vector<bool
       // the plan's room in flight, not its prediction (NOTE [state writes
       // in flight]).
       const int64_t with_writes = pending ? std::min(cap, written[s] + ahead[s]) : 0;
-      const int64_t read_ahead = pending ? std::min(cap, ahead[s]) : 0;
-      out[s] += writes_only ? with_writes - read_ahead : with_writes + in_use[s];
+      out.held[s] += with_writes + in_use[s];
+      out.writes[s] += with_writes - (pending ? std::min(cap, ahead[s]) : 0);
     }
   }
   return out;
@@ -272,8 +275,9 @@ std::vector<AutoCheckpoint::Impl::Placement> AutoCheckpoint::Impl::placements() 
     }
     if (state > 0) {
       p.state_bytes = static_cast<int64_t>((1.0 - share) * static_cast<double>(state));
-      p.shift = state_inflight(p.in_store);
-      p.writes = state_inflight(p.in_store, /*writes_only=*/true);
+      StateInflight held = state_inflight(p.in_store);
+      p.shift = std::move(held.held);
+      p.writes = std::move(held.writes);
       bool saves = false;  // somewhere the store takes off more than it holds
       for (int64_t& b : p.shift) {
         b -= p.state_bytes;

@@ -7,6 +7,8 @@
 // (apply.cpp) and the text of its errors (explain.cpp).
 #include "internal.h"
 
+#include "../offload/offload_codec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -278,10 +280,8 @@ int64_t AutoCheckpoint::Impl::inflight_margin(bool inputs_only, const std::vecto
     const int64_t entry = inputs_only ? largest_input_sent : std::max(largest_input_sent, seen);
     m += std::min(std::max(cap, entry), sent_per_step(i, inputs_only));
     // A codec's buffer beside the entry it encodes or decodes: one per
-    // writer thread and one for the reader (compressBound for zstd and lz4:
-    // n + n / 255 + 64 at most; a lossy codec's is smaller). The cap counts
-    // raw bytes only.
-    if (o.codec() != Codec::kNone && entry > 0) m += (o.writer_threads() + 1) * (entry + entry / 255 + 64);
+    // writer thread and one for the reader. The cap counts raw bytes only.
+    m += (o.writer_threads() + 1) * detail::codec_buffer_bytes(o.codec(), entry);
   }
   return m;
 }
@@ -369,9 +369,10 @@ std::vector<std::vector<int64_t>> AutoCheckpoint::Impl::cap_ladder() const {
       l.push_back(given);
       continue;
     }
-    // One entry at a time (any cap up to the largest tensor: it goes
-    // alone); 4x, 16x, 64x that and the given cap; the given cap; room for
-    // all one call sends. None above that: it holds no more.
+    // NOTE [in flight planned]: one entry at a time (any cap up to the
+    // largest tensor: it goes alone), 4x, 16x, 64x that; the given cap,
+    // 4x, 16x, 64x the larger of the two; room for all one call sends, the
+    // top.
     const int64_t one = std::min(given, largest[i] > 0 ? largest[i] : given);
     std::vector<int64_t> c{one, given, whole[i]};
     for (int64_t base : {std::max<int64_t>(largest[i], 1), std::max(given, largest[i])}) {

@@ -49,6 +49,14 @@ struct Encoded {
   std::vector<int64_t> dense_strides;
 };
 
+/** The most bytes encode() holds beside a tensor of raw_bytes while it
+ *  encodes it (its stage or compressed buffer), and a read beside the
+ *  tensor it decodes into: 0 without a codec; else raw_bytes + raw_bytes /
+ *  255 + 64, above zstd's and lz4's compressBound and a lossy stage. */
+inline int64_t codec_buffer_bytes(Codec codec, int64_t raw_bytes) {
+  return codec == Codec::kNone || raw_bytes <= 0 ? 0 : raw_bytes + raw_bytes / 255 + 64;
+}
+
 /** Encodes t (any device; copied to CPU). exact_size: shrink a compressed
  *  buffer to its size (worth a copy when it stays in memory). Runs torch
  *  ops: call with grad off and remat's interception suspended. */
