@@ -173,7 +173,15 @@ int main(int argc, char** argv) {
   // disk"), so that auto prices offload by what a real step pays for it
   // (NOTE [offload priced by the step]). A plan that only sends inputs
   // ("recompute, inputs to disk") writes too little to show the disk's pace.
+  // First two steps at the whole budget, whose plan sends nothing: they
+  // measure the plain step that the predictions add to (the profile's
+  // steps, the process's first, run slower; NOTE [plain time calibrated]).
   auto calibrate = [&](remat::AutoCheckpoint& pl) {
+    pl.replan(pl.profiled_peak_bytes());
+    pl.step(step);
+    pl.step(step);
+    std::printf("plain step: profiled %.0f ms, as the planned steps measure it %.0f ms\n", pl.profiled_time_ms(),
+                pl.plain_time_ms());
     int steps = 0;
     for (int i = 0; i < 8 && steps == 0; ++i) {
       const int64_t lo = pl.leanest_peak_bytes(), hi = pl.profiled_peak_bytes();
@@ -460,11 +468,13 @@ int main(int argc, char** argv) {
   out << "{\"kind\": \"profile\", \"profile_s\": " << num(profile_s) << ", \"calibration_steps\": " << calibration_steps
       << ", \"units\": " << model.units.size() << ", \"segments\": " << model.segment_peak_bytes.size()
       << ", \"profiled_peak\": " << high << ", \"profiled_ms\": " << num(planner.profiled_time_ms())
-      << ", \"leanest_peak\": " << low << ", \"leanest_solve_ms\": " << num(leanest_ms)
-      << ", \"leanest_where\": " << quoted(leanest_where) << ", \"state_bytes\": " << state_bytes << "}\n";
+      << ", \"plain_ms\": " << num(planner.plain_time_ms()) << ", \"leanest_peak\": " << low
+      << ", \"leanest_solve_ms\": " << num(leanest_ms) << ", \"leanest_where\": " << quoted(leanest_where)
+      << ", \"state_bytes\": " << state_bytes << "}\n";
   out << "{\"kind\": \"profile_ib\", \"profile_s\": " << num(profile_ib_s)
       << ", \"calibration_steps\": " << calibration_ib << ", \"profiled_peak\": " << high_ib
-      << ", \"profiled_ms\": " << num(planner_ib->profiled_time_ms()) << ", \"leanest_peak\": " << low_ib
+      << ", \"profiled_ms\": " << num(planner_ib->profiled_time_ms())
+      << ", \"plain_ms\": " << num(planner_ib->plain_time_ms()) << ", \"leanest_peak\": " << low_ib
       << ", \"leanest_where\": " << quoted(where_ib) << ", \"state_bytes\": " << state_ib << "}\n";
   out << "{\"kind\": \"profile_offload\", \"profile_s\": " << num(profile_off_s)
       << ", \"calibration_steps\": " << calibration_off << ", \"leanest_peak\": " << low_off

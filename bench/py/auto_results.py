@@ -80,8 +80,8 @@ def frontier(recs, py=None):
     for r in strat:
         budget = _mib(r["budget"]) if "budget" in r else "-"
         pred = _mib(r["predicted_peak"]) if "budget" in r else "-"
-        own = prof_ib if _ib(r) and prof_ib else prof  # auto+ib: its own profile's plain step
-        pt = f"{r['predicted_ms'] / own['profiled_ms']:.3f}" if "budget" in r else "-"
+        own = prof_ib if _ib(r) and prof_ib else prof  # auto+ib: its own planner's plain step
+        pt = f"{r['predicted_ms'] / own.get('plain_ms', own['profiled_ms']):.3f}" if "budget" in r else "-"
         out.append(f"| {r['label']} | {_ratio(r)} | {_mib(r['peak'])} | {r['peak_ratio']:.3f} | {budget} | {pred} "
                    f"| {pt} |")
     ib = [r for r in strat if _ib(r)]

@@ -315,6 +315,12 @@ class AutoCheckpoint {
   int64_t profiled_peak_bytes() const;
   double profiled_time_ms() const;
   ///@}
+  /** The plain step's time (ms) that every predicted time adds to: the
+   *  profiled step's, until two planned steps in a row whose plan sends
+   *  nothing to a store measure it (each one's time less what its plan
+   *  adds; their mean, updated by every such pair after). The profile runs
+   *  in a process's first steps, which can be slower than later ones. */
+  double plain_time_ms() const;
   /** The last planned step's measured peak (bytes of the measured device:
    *  tracked CPU bytes, or the CUDA caching allocator's allocated bytes) and time;
    *  -1 before one ran. */

@@ -52,6 +52,7 @@ AutoCheckpoint::Impl::~Impl() {
 
 void AutoCheckpoint::Impl::solve_and_apply(int64_t target) {
   transfer_price.restart();  // a new plan: its own steps count
+  plain_streak.clear();
   step_plan = solve(target);
   planned = true;
   apply();
@@ -118,6 +119,7 @@ void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
   measured_peak = mem->peak_bytes();
   const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
   if (overrun) transfer_price.restart();
+  calibrate_plain(measured_ms);
   if (!overrun && reprice_offload(measured_ms)) {
     try {
       solve_and_apply(step_plan.budget_bytes);

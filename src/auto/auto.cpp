@@ -239,6 +239,7 @@ const plan::StepModel& AutoCheckpoint::step_model() const { return impl_->step_m
 const plan::StepPlan& AutoCheckpoint::plan() const { return impl_->step_plan; }
 int64_t AutoCheckpoint::profiled_peak_bytes() const { return impl_->profiled_peak; }
 double AutoCheckpoint::profiled_time_ms() const { return impl_->profiled_ms; }
+double AutoCheckpoint::plain_time_ms() const { return impl_->step_model.step_time_ms; }
 int64_t AutoCheckpoint::inflight_bytes() const {
   const Impl& m = *impl_;
   if (!m.planned || m.step_plan.budget_bytes == 0) return 0;

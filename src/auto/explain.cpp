@@ -116,11 +116,15 @@ std::string AutoCheckpoint::explain() const {
   if (m.step_model.units.empty()) return "remat::auto_checkpoint: not profiled yet\n";
   const plan::StepPrediction& p = m.step_plan.prediction;
   os << "remat::auto_checkpoint: budget " << plan::format_bytes(m.budget) << "; profiled step (plain): peak "
-     << plan::format_bytes(m.profiled_peak) << ", " << fmt_ms(m.profiled_ms) << "\n";
+     << plan::format_bytes(m.profiled_peak) << ", " << fmt_ms(m.profiled_ms);
+  // NOTE [plain time calibrated]
+  const double plain_ms = m.step_model.step_time_ms;
+  if (m.plain_calibrations > 0) os << "; plain as measured by planned steps since: " << fmt_ms(plain_ms);
+  os << "\n";
   if (m.planned) {
     os << "plan: predicted peak " << plan::format_bytes(p.peak_bytes) << " (reached "
        << plan::describe_segment(m.step_model, p.peak_segment) << "), " << fmt_ms(p.time_ms) << " ("
-       << fmt_pct(p.time_ms / std::max(1e-9, m.profiled_ms) - 1) << " on plain); solver: " << m.step_plan.solver << ", "
+       << fmt_pct(p.time_ms / std::max(1e-9, plain_ms) - 1) << " on plain); solver: " << m.step_plan.solver << ", "
        << (m.step_plan.optimal                       ? "optimal"
            : std::isfinite(m.step_plan.relative_gap) ? "gap " + fmt_pct(m.step_plan.relative_gap)
                                                      : "stopped at its time limit, gap not known")

@@ -173,6 +173,10 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
+  // NOTE [plain time calibrated]: the plain step's time each planned step
+  // of the plan in force implies, while its plan sends nothing to a store.
+  std::vector<double> plain_streak;
+  int plain_calibrations = 0;  // how many times two such steps set it
 
   // The profiled step.
   plan::StepModel step_model;
@@ -366,6 +370,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   };
   Leanest leanest() const;
   bool reprice_offload(double step_ms);
+  void calibrate_plain(double step_ms);
 
   // --- apply.cpp: the switches, the plan put in force, planned steps -------
   void note_switches();

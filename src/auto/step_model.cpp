@@ -413,6 +413,12 @@ std::vector<std::vector<double>> AutoCheckpoint::Impl::priced_at(const std::vect
         if (r.written_bytes == 0 && r.read_bytes == 0) continue;
         d[kk] += plan::transfer_wait_ms(r, caps[static_cast<size_t>(store)]) - r.write_wait_ms - r.read_wait_ms;
       }
+      // NOTE [no option runs faster than keep] (menu.cpp): room in flight
+      // takes off at most the option's time above keep's, and a nanosecond
+      // less, so that keep wins the tie after rounding.
+      double above_keep = 0;
+      for (const plan::StepCall& c : step_model.units[j].calls) above_keep += c.costs[kk].time_ms - c.costs[0].time_ms;
+      d[kk] = std::max(d[kk], 1e-6 - above_keep);
       any = any || d[kk] != 0;
     }
     out.push_back(std::move(d));
@@ -537,6 +543,39 @@ AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
       plan::min_peak_step_variants(step_model, v.list, plan::StepSolveOptions{options.solver_time_limit_s()});
   return Leanest{lean.prediction.peak_bytes, lean.prediction.peak_segment,
                  v.of[static_cast<size_t>(lean.variant)].first.margin, lean.optimal};
+}
+
+/** NOTE [plain time calibrated]: a predicted time is the plain step's
+ *  time plus what the plan's options add. The profile runs in a process's
+ *  first steps (the optimizer's state created, fresh pages touched, the
+ *  isolated runs around it), which at the reference GPT size on a CPU took
+ *  ~20% longer than the plain steps after them. A planned step whose plan
+ *  sends nothing to a store (no offloading option, no optimizer state in a
+ *  store) implies a plain time: its own less what its plan adds, which is
+ *  compute the profile measured. Two such steps in a row of one plan set
+ *  the plain time to their mean (a plan's first step may pay for new
+ *  allocations, so one step alone sets nothing), and every later pair
+ *  updates it. A plan that sends is not used: its excess belongs to the
+ *  transfers (NOTE [offload priced by the step]). Every plan carries the
+ *  same plain time, so no choice changes; the predictions, explain() and the
+ *  repricing's 10% test then measure against what the steps run in. */
+void AutoCheckpoint::Impl::calibrate_plain(double step_ms) {
+  plan::StepPrediction& p = step_plan.prediction;
+  bool sends = placement.state_bytes > 0;
+  for (size_t j = 0; j < step_model.units.size() && j < p.choice.size() && !sends; ++j) {
+    sends = store_of(j, static_cast<size_t>(p.choice[j])) >= 0;
+  }
+  const double implied = step_ms - (p.time_ms - step_model.step_time_ms);
+  if (sends || !(implied > 0)) {
+    plain_streak.clear();
+    return;
+  }
+  plain_streak.push_back(implied);
+  if (plain_streak.size() < 2) return;
+  const double plain = 0.5 * (plain_streak[plain_streak.size() - 1] + plain_streak[plain_streak.size() - 2]);
+  p.time_ms += plain - step_model.step_time_ms;
+  step_model.step_time_ms = plain;
+  ++plain_calibrations;
 }
 
 /** NOTE [offload priced by the step]: an isolated run writes and reads

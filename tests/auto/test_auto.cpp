@@ -1162,6 +1162,108 @@ TEST(Auto, OneSlowStepDoesNotPriceOffloadTwoInARowDo) {
   EXPECT_EQ(remat_test::files_in(dir), 0u);
 }
 
+// The profile runs in a process's first steps, which may be slower than
+// the steps after it: two planned steps in a row of a plan that sends
+// nothing set the plain time the predictions add to; a plan that offloads
+// leaves it (its excess is the transfers'); no choice changes.
+TEST(Auto, TwoPlannedStepsThatSendNothingCalibrateThePlainTime) {
+  constexpr double kSlowMs = 400;  // what the profile's two steps take more
+  const std::string dir = remat_test::fresh_dir("auto_plain_time");
+  Workload w = dense_blocks(8);
+  auto planner =
+      remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).recompute(false).offload(
+                                           {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)}));
+  for (int k = 0; k < 2; ++k) {
+    planner.step([&] {
+      w.step(k);
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kSlowMs));
+    });
+  }
+  ASSERT_TRUE(planner.planned());
+  const double profiled = planner.profiled_time_ms();
+  ASSERT_GT(profiled, kSlowMs);
+  EXPECT_EQ(planner.plain_time_ms(), profiled);
+  const auto choice = [&] {
+    std::vector<size_t> c;
+    for (const auto& u : planner.units()) c.push_back(u.choice);
+    return c;
+  };
+  const std::vector<size_t> kept = choice();
+  for (size_t c : kept) EXPECT_EQ(c, 0u) << planner.explain();  // the whole budget: every unit keeps
+  planner.step([&] { w.step(2); });
+  EXPECT_EQ(planner.plain_time_ms(), profiled) << "one step sets nothing";
+  const double first = planner.measured_time_ms();
+  planner.step([&] { w.step(3); });
+  const double second = planner.measured_time_ms();
+  // Keep adds nothing: the plain time is the two steps' mean.
+  EXPECT_NEAR(planner.plain_time_ms(), 0.5 * (first + second), 1e-9 * profiled);
+  EXPECT_LT(planner.plain_time_ms(), profiled - kSlowMs / 2) << planner.explain();
+  EXPECT_NEAR(planner.plan().prediction.time_ms, planner.plain_time_ms(), 1e-9 * profiled);
+  EXPECT_EQ(choice(), kept);
+  EXPECT_NE(planner.explain().find("plain as measured by planned steps since: "), std::string::npos)
+      << planner.explain();
+  // A plan that offloads: its steps, slow or not, leave the plain time.
+  const double plain = planner.plain_time_ms();
+  planner.replan(planner.leanest_peak_bytes());
+  bool sends = false;
+  for (const auto& u : planner.units()) sends |= u.options[u.choice] == "offload disk";
+  ASSERT_TRUE(sends) << planner.explain();
+  EXPECT_EQ(planner.plain_time_ms(), plain) << "a new plan keeps the calibration";
+  for (int k = 4; k < 6; ++k) {
+    planner.step([&] {
+      w.step(k);
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kSlowMs));
+    });
+  }
+  EXPECT_EQ(planner.plain_time_ms(), plain);
+  EXPECT_EQ(remat_test::files_in(dir), 0u);
+}
+
+// NOTE [no option runs faster than keep]: units whose writes to a zstd
+// disk store take about what their isolated runs waited for them, so that
+// at the rungs with room in flight the option's time above keep is noise
+// around 0. No option is priced faster than keep, on any rung, and the
+// whole budget's plan keeps every unit: noise alone never makes a plan
+// offload or recompute.
+TEST(Auto, NoOptionIsPricedFasterThanKeep) {
+  const std::string dir = remat_test::fresh_dir("auto_no_faster");
+  torch::manual_seed(3);
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(256, 256));
+  for (int i = 0; i < 16; ++i) net->push_back(SiluUnit());
+  net->push_back(torch::nn::Linear(256, 10));
+  auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+  Workload w = classifier(net, opt, batches(2, {1024, 256}), batches(2, {1024}, true, 10), true);
+  auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).offload(
+                                                      {remat::OffloadOptions(remat::OffloadTarget::kDisk)
+                                                           .directory(dir)
+                                                           .min_bytes(0)
+                                                           .max_inflight_bytes(64 << 10)
+                                                           .codec(remat::Codec::kZstd)}));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  ASSERT_TRUE(planner.planned());
+  const remat::plan::StepModel& m = planner.step_model();
+  size_t options = 0;
+  for (const auto& u : m.units) {
+    for (const auto& c : u.calls) {
+      for (size_t k = 1; k < c.costs.size(); ++k, ++options) {
+        EXPECT_GE(c.costs[k].time_ms, c.costs[0].time_ms) << u.name << " " << u.options[k];
+      }
+    }
+  }
+  EXPECT_GE(options, 16u * 2);
+  // At budgets from the leanest up, each plan priced at its own rung.
+  const int64_t low = planner.leanest_peak_bytes(), high = planner.profiled_peak_bytes();
+  for (int b = 0; b <= 8; ++b) {
+    planner.replan(low + (high - low) * b / 8);
+    for (const auto& u : planner.units()) {
+      EXPECT_GE(u.time_added_ms, 0.0) << u.name << " " << u.options[u.choice] << "\n" << planner.explain();
+    }
+  }
+  for (const auto& u : planner.units()) EXPECT_EQ(u.choice, 0) << planner.explain();
+  EXPECT_EQ(remat_test::files_in(dir), 0u);
+}
+
 TEST(Auto, UNetWithSkipsAcrossNestedStagesBitwiseAndWithinBudget) {
   check_workload(
       [](bool set_to_none) {
