@@ -195,11 +195,68 @@ double time_scale(const StepModel& m) {
 }
 constexpr double kTimeRel = 1e-12;
 
+// NOTE [GLPK in bytes]: the memory rows are in MiB, and GLPK's tolerances
+// hide bytes in them. Its integer tolerance (tol_int, 1e-5): an x within
+// it of 0 or 1 counts as integral and is rounded, which moves a row by up
+// to 1e-5 of each coefficient (88 B of a 9 MiB option: fuzz/FINDINGS.md).
+// Its presolver drops a row whose implied bound on a column is within
+// 1e-3 + 1e-6 * |bound| of one it has (npp_implied_lower: 1 KiB). Its LP
+// takes a row within 1e-7 of its bound as met (its feasibility tolerance,
+// relative: bytes at tens of MiB). Its pruning: a branch within tol_obj *
+// (1 + |best|) of its best (peak_tol_obj). Every choice is checked in
+// integer bytes; where GLPK's is off, the program is solved again
+// "exactly": no presolve and an integer tolerance that hides under 0.5 B
+// per row. Left: the LP's tolerances. Its feasibility tolerance lets more
+// choices in (an exact program that finds no choice proves that none
+// fits), but its optimum, the peak program's bound, is good to about 1e-10
+// of the peak only (in a search of random steps: 86 B high at a 1.3 TB
+// peak, none off at 40 GiB), and a budget at the least peak may be refused
+// where GLPK keeps taking a choice bytes over it (TB peaks).
+constexpr double kGlpTolInt = 1e-5;  // GLPK's default tol_int
+
+// Bytes a row's columns can move it: its coefficients, summed.
+double row_bytes(const Row& r) {
+  double sum = 0;
+  for (const auto& [deltas, u] : r.units) {
+    for (int64_t d : deltas) sum += std::abs(static_cast<double>(d));
+  }
+  for (const auto& [i, bytes] : r.pairs) sum += static_cast<double>(bytes);
+  return sum;
+}
+
+// The integer tolerance of an exact solve: the x GLPK counts as integral
+// hide under 0.5 B in every row.
+double exact_tol_int(const std::vector<Row>& rows) {
+  double most = 1;
+  for (const Row& r : rows) most = std::max(most, row_bytes(r));
+  return std::min(kGlpTolInt, 0.5 / most);
+}
+
+// The peak program's objective tolerance: GLPK's optimum is then a lower
+// bound on every choice's peak to within 0.25 B (with the peak in MiB,
+// tol_obj * (1 + |peak|) MiB), or to within 1e-14 of the peak beyond 25
+// TiB (far above the LP's rounding, ~1e-16 of it: GLPK still prunes ties).
+double peak_tol_obj(const std::vector<Row>& rows) {
+  double most = 0;  // bytes: at least |peak| of every choice
+  for (const Row& r : rows) most = std::max(most, std::abs(static_cast<double>(r.peak_bytes)) + row_bytes(r));
+  return std::clamp(0.25 / (kMiB + most), 1e-14, kGlpTolObj);
+}
+
+// Whether a choice's exact peak meets a lower bound on every choice's
+// (bytes): within 0.5 B and 1e-14 of it (the rounding of sums in doubles).
+bool meets_bound(int64_t peak_bytes, double bound_bytes) {
+  return static_cast<double>(peak_bytes) <= bound_bytes + 0.5 + 1e-14 * std::abs(bound_bytes);
+}
+
 struct MipResult {
   std::vector<int> choice;
   bool optimal = false;
-  bool timed_out = false;  // stopped at the time limit (with or without a choice)
+  bool timed_out = false;   // stopped at the time limit (with or without a choice)
+  bool infeasible = false;  // GLPK proved that no choice satisfies the rows
   double gap = 0;
+  // The peak program's optimum less its pruning tolerance: a lower bound
+  // on every choice's peak, bytes (when optimal).
+  double peak_bound_bytes = 0;
   int64_t rows = 0, columns = 0;
 };
 
@@ -257,9 +314,10 @@ void gap_callback(glp_tree* tree, void* info) {
 
 // Solves: min sum(time * x) [+ peak variable when min_peak], subject to one
 // option per unit and every row within budget (or within the peak variable).
+// `exact`: without the tolerances that hide bytes (NOTE [GLPK in bytes]).
 // Returns false when the program has no solution.
 bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_bytes, bool min_peak,
-               const StepSolveOptions& opt, MipResult* out) {
+               const StepSolveOptions& opt, MipResult* out, bool exact = false) {
   GlpProb prob;
   glp_prob* p = prob.p;
   glp_set_obj_dir(p, GLP_MIN);
@@ -380,19 +438,37 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
   parm.presolve = GLP_ON;
   parm.msg_lev = GLP_MSG_OFF;
   parm.tm_lim = static_cast<int>(std::min(opt.time_limit_s * 1000.0, 2e9));
-  parm.tol_obj = kGlpTolObj;
+  parm.tol_obj = min_peak ? peak_tol_obj(rows) : kGlpTolObj;
+  out->rows = row;
+  out->columns = cols;
+  if (exact) {  // as glp_intopt's presolver path prepares its LP: scaled by powers of 2, an advanced basis
+    const int term_out = glp_term_out(GLP_OFF);  // glp_adv_basis prints
+    glp_scale_prob(p, GLP_SF_GM | GLP_SF_EQ | GLP_SF_2N | GLP_SF_SKIP);
+    glp_adv_basis(p, 0);
+    glp_term_out(term_out);
+    glp_smcp lp;
+    glp_init_smcp(&lp);
+    lp.msg_lev = GLP_MSG_OFF;
+    lp.tm_lim = parm.tm_lim;
+    const int ret = glp_simplex(p, &lp);
+    out->timed_out = ret == GLP_ETMLIM;
+    out->infeasible = ret == 0 && glp_get_status(p) == GLP_NOFEAS;
+    if (ret != 0 || glp_get_status(p) != GLP_OPT) return false;
+    parm.presolve = GLP_OFF;
+    parm.tol_int = exact_tol_int(rows);
+  }
   Gap gap;
   parm.cb_func = gap_callback;
   parm.cb_info = &gap;
   const int ret = glp_intopt(p, &parm);
   const int status = glp_mip_status(p);
-  out->rows = row;
-  out->columns = cols;
   if (ret != 0 && ret != GLP_ETMLIM && ret != GLP_ENOPFS && ret != GLP_ENODFS) {
+    if (exact) return false;  // a check that failed (numerical trouble): no answer
     throw Error("[remat::plan] internal: GLPK's glp_intopt returned " + std::to_string(ret) +
                 " on the step model; please report it with the model.");
   }
   out->timed_out = ret == GLP_ETMLIM;
+  out->infeasible = ret == GLP_ENOPFS || status == GLP_NOFEAS;
   if (status != GLP_OPT && status != GLP_FEAS) return false;
   out->choice.assign(m.units.size(), 0);
   for (size_t u = 0; u < m.units.size(); ++u) {
@@ -400,13 +476,17 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
       if (glp_mip_col_val(p, first_col[u] + static_cast<int>(k) - 1) > 0.5) out->choice[u] = static_cast<int>(k);
     }
   }
+  if (exact && nesting_violation(m, out->choice).first >= 0) return false;  // numerical trouble: no answer
   out->optimal = status == GLP_OPT;
   out->gap = out->optimal ? 0 : gap.gap;
+  const double z = glp_mip_obj_val(p);  // before rounding its x
+  out->peak_bound_bytes = (z - parm.tol_obj * (1 + std::abs(z))) * kMiB;
   return true;
 }
 
 #else
-bool solve_mip(const StepModel& m, const std::vector<Row>&, int64_t, bool, const StepSolveOptions&, MipResult*) {
+bool solve_mip(const StepModel& m, const std::vector<Row>&, int64_t, bool, const StepSolveOptions&, MipResult*,
+               bool = false) {
   throw Error("[remat::plan] the step's " + std::to_string(m.units.size()) +
               " units are not a chain (a unit is called more than once, or a unit's windows do not nest in the "
               "earlier ones': a skip across units), and remat was built without GLPK, which solves such steps. "
@@ -435,13 +515,13 @@ std::vector<Row> binding_rows(const std::vector<Row>& rows, int64_t budget_bytes
   return out;
 }
 
-// GLPK decides in doubles, within its tolerances; its answer is checked
+// GLPK decides in doubles, within its tolerances; its answers are checked
 // against the exact rule: one unit's option changed at a time (the nesting
-// kept), in integer bytes. A change that fits the budget and is faster by
-// more than rounding is taken, until none is; returns whether one was
-// (then GLPK's "optimal" was not).
-bool improve_one_at_a_time(const StepModel& m, int64_t budget_bytes, StepPrediction* pred) {
-  const double eps = kTimeRel * time_scale(m);
+// kept), in integer bytes. A change that `better(candidate, current)`
+// accepts is taken, until none is; returns whether one was (then GLPK's
+// "optimal" was not).
+template <typename Better>
+bool descend_one_at_a_time(const StepModel& m, StepPrediction* pred, Better better) {
   bool improved = false;
   for (bool again = true; again;) {
     again = false;
@@ -452,7 +532,7 @@ bool improve_one_at_a_time(const StepModel& m, int64_t budget_bytes, StepPredict
         c[u] = static_cast<int>(k);
         if (nesting_violation(m, c).first >= 0) continue;
         StepPrediction p = simulate_step(m, c);
-        if (p.peak_bytes <= budget_bytes && p.time_ms < pred->time_ms - eps) {
+        if (better(p, *pred)) {
           *pred = std::move(p);
           improved = again = true;
         }
@@ -460,6 +540,48 @@ bool improve_one_at_a_time(const StepModel& m, int64_t budget_bytes, StepPredict
     }
   }
   return improved;
+}
+
+// The time program's check: a change that fits the budget and is faster by
+// more than rounding.
+bool improve_one_at_a_time(const StepModel& m, int64_t budget_bytes, StepPrediction* pred) {
+  const double eps = kTimeRel * time_scale(m);
+  return descend_one_at_a_time(m, pred, [&](const StepPrediction& p, const StepPrediction& now) {
+    return p.peak_bytes <= budget_bytes && p.time_ms < now.time_ms - eps;
+  });
+}
+
+// The peak program's check: a change whose peak is lower.
+bool lower_peak_one_at_a_time(const StepModel& m, StepPrediction* pred) {
+  return descend_one_at_a_time(
+      m, pred, [](const StepPrediction& p, const StepPrediction& now) { return p.peak_bytes < now.peak_bytes; });
+}
+
+// GLPK's optimal peak program bounds every choice's peak from below
+// (*bound_bytes); its choice is the least peak when its exact peak meets
+// that bound. When it does not (NOTE [GLPK in bytes]): lower it one option
+// at a time; else solve the program again exactly (a bound at least as
+// high); else ask an exact program for a choice a byte leaner: none proves
+// it. Lowers *best where it can; returns whether it is proved the least.
+bool prove_least_peak(const StepModel& m, const std::vector<Row>& rows, const StepSolveOptions& opt,
+                      StepPrediction* best, double* bound_bytes) {
+  if (meets_bound(best->peak_bytes, *bound_bytes)) return true;
+  lower_peak_one_at_a_time(m, best);
+  if (meets_bound(best->peak_bytes, *bound_bytes)) return true;
+  MipResult again;
+  if (!solve_mip(m, rows, 0, /*min_peak=*/true, opt, &again, /*exact=*/true) || !again.optimal) return false;
+  StepPrediction p = simulate_step(m, again.choice);
+  lower_peak_one_at_a_time(m, &p);
+  if (p.peak_bytes < best->peak_bytes) *best = std::move(p);
+  *bound_bytes = std::max(*bound_bytes, again.peak_bound_bytes);
+  if (meets_bound(best->peak_bytes, *bound_bytes)) return true;
+  const int64_t less = best->peak_bytes - 1;
+  MipResult leaner;
+  if (solve_mip(m, binding_rows(rows, less), less, /*min_peak=*/false, opt, &leaner, /*exact=*/true)) {
+    if (StepPrediction q = simulate_step(m, leaner.choice); q.peak_bytes < best->peak_bytes) *best = std::move(q);
+    return false;
+  }
+  return leaner.infeasible;
 }
 
 // NOTE [the chain DP]: when the outermost units (parent -1) are each
@@ -1187,28 +1309,37 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
       return plan;
     }
   }
-  std::vector<Row> rows = rows_of(m);
+  const std::vector<Row> rows = rows_of(m);
   MipResult r;
   const bool found = solve_mip(m, rows, 0, /*min_peak=*/true, opt, &r);
   // Stopped at the time limit: the leaner of what it found and the guess.
   const std::vector<int> guess = leanest_guess(m);
-  choice = found ? r.choice : guess;
-  if (!(found && r.optimal) && simulate_step(m, guess).peak_bytes < simulate_step(m, choice).peak_bytes) choice = guess;
+  StepPrediction best = simulate_step(m, found ? r.choice : guess);
+  if (!(found && r.optimal)) {
+    if (StepPrediction g = simulate_step(m, guess); g.peak_bytes < best.peak_bytes) best = std::move(g);
+  }
+  double bound = r.peak_bound_bytes;
+  const bool proved = found && r.optimal && prove_least_peak(m, rows, opt, &best, &bound);
   // The fastest choice at that peak (the peak program ignores time).
-  const int64_t peak = simulate_step(m, choice).peak_bytes;
+  const int64_t peak = best.peak_bytes;
   StepPlan plan;
   try {
     plan = solve_within(m, peak, opt);
   } catch (const Error&) {  // the time program stopped too: the choice itself
-    plan.prediction = simulate_step(m, choice);
+    plan.prediction = std::move(best);
     plan.budget_bytes = peak;
     plan.solver = "GLPK";
     plan.optimal = false;
     plan.relative_gap = std::numeric_limits<double>::infinity();
   }
-  if (!(found && r.optimal)) {
+  if (!proved) {
     plan.optimal = false;
-    plan.relative_gap = found ? r.gap : std::numeric_limits<double>::infinity();
+    if (found && r.optimal) {  // the peak's gap to GLPK's bound
+      plan.relative_gap =
+          std::max(0.0, static_cast<double>(plan.prediction.peak_bytes) - bound) / std::max(std::abs(bound), 1.0);
+    } else {
+      plan.relative_gap = found ? r.gap : std::numeric_limits<double>::infinity();
+    }
   }
   plan.solve_ms = ms_since(t0);
   return plan;
@@ -1255,18 +1386,19 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
     if (!too_big) throw_infeasible(m, budget_bytes, opt);
   }
   plan.solver = "GLPK";
-  const std::vector<Row> all = rows_of(m);
-  // GLPK works in doubles: a choice it accepts within its tolerance is
-  // checked in integer bytes and, if over, solved again with the budget
-  // lowered by the excess and a margin that grows (64 B, 256 B, ...).
-  // A plan solved at a lowered budget is optimal only if it is as fast as
-  // the first program's optimum (over every choice GLPK accepted within
-  // the budget: no faster choice fits).
-  int64_t target = budget_bytes;
+  std::vector<Row> all = rows_of(m);
+  // GLPK works in doubles: a choice it accepts within its tolerances is
+  // checked in integer bytes and, if over, solved again exactly (NOTE [GLPK
+  // in bytes]): at the budget, then with each row it went over lowered by
+  // its excess and a margin that grows (64 B, 256 B, ...: its LP's
+  // feasibility tolerance). A plan solved with rows lowered is optimal only
+  // if it is as fast as the optimum of a program at the budget (over every
+  // choice GLPK accepted within the budget: no faster choice fits).
+  bool lowered = false;
   bool timed_out = false;
-  std::optional<double> bound;  // the first program's optimum, ms, when GLPK proved it
+  std::optional<double> bound;  // the highest optimum, ms, GLPK proved at the budget
   for (int attempt = 0; attempt < 6; ++attempt) {
-    const std::vector<Row> rows = binding_rows(all, target);
+    const std::vector<Row> rows = binding_rows(all, budget_bytes);
     MipResult r;
     bool found;
     if (rows.empty() && nesting_violation(m, fastest_choice(m)).first < 0) {
@@ -1275,16 +1407,16 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
       r.optimal = true;
       found = true;
     } else {
-      found = solve_mip(m, rows, target, /*min_peak=*/false, opt, &r);
+      found = solve_mip(m, rows, budget_bytes, /*min_peak=*/false, opt, &r, /*exact=*/attempt > 0);
       timed_out = timed_out || r.timed_out;
     }
     if (!found) break;
     StepPrediction pred = simulate_step(m, r.choice);
-    if (attempt == 0 && r.optimal) bound = pred.time_ms;
+    if (!lowered && r.optimal) bound = std::max(bound.value_or(pred.time_ms), pred.time_ms);
     if (pred.peak_bytes <= budget_bytes) {
       const bool improved = improve_one_at_a_time(m, budget_bytes, &pred);
       if (r.optimal && (improved || attempt > 0)) {
-        // Optimal only as fast as the first program's optimum; else the gap
+        // Optimal only as fast as the bound at the budget; else the gap
         // to it, less GLPK's objective tolerance.
         r.optimal = !improved && bound && pred.time_ms <= *bound + kTimeRel * time_scale(m);
         if (!r.optimal && bound) {
@@ -1302,7 +1434,12 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
       plan.solve_ms = ms_since(t0);
       return plan;
     }
-    target = budget_bytes - (pred.peak_bytes - budget_bytes) - (int64_t{64} << (2 * attempt));
+    if (attempt == 0) continue;
+    for (Row& row : all) {  // its segments share their deltas: the highest is row.segment
+      const int64_t over = pred.segment_bytes[row.segment] - budget_bytes;
+      if (over > 0) row.peak_bytes += over + (int64_t{64} << (2 * (attempt - 1)));
+    }
+    lowered = true;
   }
   // The program found nothing that fits (stopped at its time limit, or
   // within GLPK's tolerance): each unit's leanest option, if that fits.

@@ -184,7 +184,9 @@ struct StepPlan {
   bool optimal = false;
   /** (time - best bound) / best bound when stopped early; 0 when optimal;
    *  infinity when the plan is not the program's (no bound to measure it
-   *  by). min_peak_step: the peak program's gap when it stopped early. */
+   *  by). min_peak_step: the peak program's gap when it stopped early,
+   *  or (peak - GLPK's bound on every choice's peak) / that bound when its
+   *  choice's exact peak, in bytes, could not be proved the least. */
   double relative_gap = 0;
   double solve_ms = 0;  ///< wall time of the solve, ms
   /** solve_step_variants, min_peak_step_variants: the variant chosen (an
