@@ -173,13 +173,13 @@ int main(int argc, char** argv) {
   // disk"), so that auto prices offload by what a real step pays for it
   // (NOTE [offload priced by the step]). A plan that only sends inputs
   // ("recompute, inputs to disk") writes too little to show the disk's pace.
-  // First two steps at the whole budget, whose plan sends nothing: they
-  // measure the plain step that the predictions add to (the profile's
-  // steps, the process's first, run slower; NOTE [plain time calibrated]).
+  // First three steps at the whole budget, whose plan sends nothing and
+  // adds nothing: the last two measure the plain step that the predictions
+  // add to (the profile's steps, the process's first, run slower; NOTE
+  // [plain time calibrated]).
   auto calibrate = [&](remat::AutoCheckpoint& pl) {
     pl.replan(pl.profiled_peak_bytes());
-    pl.step(step);
-    pl.step(step);
+    for (int i = 0; i < 3; ++i) pl.step(step);
     std::printf("plain step: profiled %.0f ms, as the planned steps measure it %.0f ms\n", pl.profiled_time_ms(),
                 pl.plain_time_ms());
     int steps = 0;

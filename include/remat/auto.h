@@ -316,10 +316,13 @@ class AutoCheckpoint {
   double profiled_time_ms() const;
   ///@}
   /** The plain step's time (ms) that every predicted time adds to: the
-   *  profiled step's, until two planned steps in a row whose plan sends
-   *  nothing to a store measure it (each one's time less what its plan
-   *  adds; their mean, updated by every such pair after). The profile runs
-   *  in a process's first steps, which can be slower than later ones. */
+   *  profiled step's, until planned steps measure it. A step counts when
+   *  its plan sends nothing to a store and adds at most 10% to the plain
+   *  time, and it is not its plan's first: two in a row set it to the mean
+   *  of their times less what their plan adds, and every such step after
+   *  updates it with the one before. The profile runs in a process's first
+   *  steps, which can be slower than later ones. step_model().step_time_ms
+   *  holds the same value. */
   double plain_time_ms() const;
   /** The last planned step's measured peak (bytes of the measured device:
    *  tracked CPU bytes, or the CUDA caching allocator's allocated bytes) and time;

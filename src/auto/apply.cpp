@@ -52,7 +52,8 @@ AutoCheckpoint::Impl::~Impl() {
 
 void AutoCheckpoint::Impl::solve_and_apply(int64_t target) {
   transfer_price.restart();  // a new plan: its own steps count
-  plain_streak.clear();
+  plain_last = -1;           // NOTE [plain time calibrated]: a new plan's steps count from its first
+  plain_plan_steps = 0;
   step_plan = solve(target);
   planned = true;
   apply();

@@ -173,10 +173,12 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   int64_t measured_peak = -1;
   double measured_ms = -1;
   double warmup_ms = -1;  // the last warm-up step's time
-  // NOTE [plain time calibrated]: the plain step's time each planned step
-  // of the plan in force implies, while its plan sends nothing to a store.
-  std::vector<double> plain_streak;
-  int plain_calibrations = 0;  // how many times two such steps set it
+  // NOTE [plain time calibrated]: the plain time the last planned step
+  // implied (-1: none trusted), the plan in force's steps so far, and how
+  // many times two trusted steps in a row set the plain time.
+  double plain_last = -1;
+  int plain_plan_steps = 0;
+  int plain_calibrations = 0;
 
   // The profiled step.
   plan::StepModel step_model;

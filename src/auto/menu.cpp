@@ -221,11 +221,11 @@ void AutoCheckpoint::Impl::measure(Unit& u, const std::vector<at::Tensor>& input
   // transfer). A run measured faster than keep is the machine's noise,
   // which made the whole budget's fastest plan offload (an option at -7 ms
   // on a 3 ms call) or keep room in flight for nothing: priced at keep's
-  // time, keep wins the tie. A chunked call's counts run other kernels and
-  // may be faster: as measured.
+  // time and a nanosecond, so that keep wins where both fit. A chunked
+  // call's counts run other kernels and may be faster: as measured.
   if (u.kind.empty()) {
     for (size_t k = 1; k < rec.costs.size(); ++k) {
-      rec.costs[k].time_ms = std::max(rec.costs[k].time_ms, rec.costs[0].time_ms);
+      rec.costs[k].time_ms = std::max(rec.costs[k].time_ms, rec.costs[0].time_ms + 1e-6);
     }
   }
   // NOTE [inputs an option keeps]: the costs count the call's inputs and

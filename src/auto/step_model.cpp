@@ -240,6 +240,8 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
     }
   }
   step_model = std::move(m);
+  plain_calibrations = 0;  // the new profile's plain time (NOTE [plain time calibrated])
+  plain_last = -1;
   surcharge_ms_per_byte.assign(options.offload().size(), 0.0);  // fresh prices: nothing added
   offload_ms_per_gib = 0;
   transfer_price.reset();
@@ -549,33 +551,38 @@ AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
  *  time plus what the plan's options add. The profile runs in a process's
  *  first steps (the optimizer's state created, fresh pages touched, the
  *  isolated runs around it), which at the reference GPT size on a CPU took
- *  ~20% longer than the plain steps after them. A planned step whose plan
- *  sends nothing to a store (no offloading option, no optimizer state in a
- *  store) implies a plain time: its own less what its plan adds, which is
- *  compute the profile measured. Two such steps in a row of one plan set
- *  the plain time to their mean (a plan's first step may pay for new
- *  allocations, so one step alone sets nothing), and every later pair
- *  updates it. A plan that sends is not used: its excess belongs to the
- *  transfers (NOTE [offload priced by the step]). Every plan carries the
- *  same plain time, so no choice changes; the predictions, explain() and the
- *  repricing's 10% test then measure against what the steps run in. */
+ *  ~20% longer than the plain steps after them. A planned step implies a
+ *  plain time (its own less what its plan adds) that is trusted when its
+ *  plan sends nothing to a store (no offloading option, no optimizer state
+ *  in a store: a transfer's excess is the repricing's, NOTE [offload
+ *  priced by the step]) and adds at most 10% to the plain time (what the
+ *  options add was measured in the same first steps; on a plan that adds
+ *  little, their error is small beside the plain time's). A plan's first
+ *  step is left out (it may pay for new allocations); the next two in a row
+ *  set the plain time to their mean, and so does every step after with the
+ *  one before it. Every plan carries the same plain time, so it moves no
+ *  choice by itself; the predictions, explain() and the repricing's 10%
+ *  test then measure against the steps the user runs. */
 void AutoCheckpoint::Impl::calibrate_plain(double step_ms) {
   plan::StepPrediction& p = step_plan.prediction;
   bool sends = placement.state_bytes > 0;
   for (size_t j = 0; j < step_model.units.size() && j < p.choice.size() && !sends; ++j) {
     sends = store_of(j, static_cast<size_t>(p.choice[j])) >= 0;
   }
-  const double implied = step_ms - (p.time_ms - step_model.step_time_ms);
-  if (sends || !(implied > 0)) {
-    plain_streak.clear();
+  const double added = p.time_ms - step_model.step_time_ms;
+  const double implied = step_ms - added;
+  const bool first = plain_plan_steps++ == 0;
+  if (sends || first || added > 0.1 * step_model.step_time_ms || !(implied > 0)) {
+    plain_last = -1;
     return;
   }
-  plain_streak.push_back(implied);
-  if (plain_streak.size() < 2) return;
-  const double plain = 0.5 * (plain_streak[plain_streak.size() - 1] + plain_streak[plain_streak.size() - 2]);
-  p.time_ms += plain - step_model.step_time_ms;
-  step_model.step_time_ms = plain;
-  ++plain_calibrations;
+  if (plain_last > 0) {
+    const double plain = 0.5 * (plain_last + implied);
+    p.time_ms += plain - step_model.step_time_ms;
+    step_model.step_time_ms = plain;
+    ++plain_calibrations;
+  }
+  plain_last = implied;
 }
 
 /** NOTE [offload priced by the step]: an isolated run writes and reads

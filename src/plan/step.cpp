@@ -206,7 +206,9 @@ constexpr double kTimeRel = 1e-12;
 // (1 + |best|) of its best (peak_tol_obj). Every choice is checked in
 // integer bytes; where GLPK's is off, the program is solved again
 // "exactly": no presolve and an integer tolerance that hides under 0.5 B
-// per row. Left: the LP's tolerances. Its feasibility tolerance lets more
+// per row (not below 1e-9: rows of GiBs may hide a byte or so). An exact
+// program that fails numerically is solved again with GLPK's defaults,
+// and its choice checked in bytes as any. Left: the LP's tolerances. Its feasibility tolerance lets more
 // choices in (an exact program that finds no choice proves that none
 // fits), but its optimum, the peak program's bound, is good to about 1e-10
 // of the peak only (in a search of random steps: 86 B high at a 1.3 TB
@@ -229,7 +231,9 @@ double row_bytes(const Row& r) {
 double exact_tol_int(const std::vector<Row>& rows) {
   double most = 1;
   for (const Row& r : rows) most = std::max(most, row_bytes(r));
-  return std::min(kGlpTolInt, 0.5 / most);
+  // Not below 1e-9: under that GLPK would branch on its LP's own rounding
+  // (rows of a GiB and more then hide up to ~1 B each).
+  return std::clamp(0.5 / most, 1e-9, kGlpTolInt);
 }
 
 // The peak program's objective tolerance: GLPK's optimum is then a lower
@@ -1409,6 +1413,12 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
     } else {
       found = solve_mip(m, rows, budget_bytes, /*min_peak=*/false, opt, &r, /*exact=*/attempt > 0);
       timed_out = timed_out || r.timed_out;
+      if (!found && attempt > 0 && !r.timed_out && !r.infeasible) {
+        // The exact program ran into numerical trouble: the same rows with
+        // GLPK's defaults, whose choice is checked in bytes as any.
+        found = solve_mip(m, rows, budget_bytes, /*min_peak=*/false, opt, &r);
+        timed_out = timed_out || r.timed_out;
+      }
     }
     if (!found) break;
     StepPrediction pred = simulate_step(m, r.choice);
