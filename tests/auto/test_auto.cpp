@@ -958,6 +958,18 @@ struct SiluUnitImpl : torch::nn::Module, remat::Checkpointable {
 };
 TORCH_MODULE(SiluUnit);
 
+/** 16 SiluUnits between two Linear(256) layers, batch 1024, SGD: units
+ *  whose writes to a zstd disk store outlast their compute. */
+Workload silu_stack(int steps, uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(256, 256));
+  for (int i = 0; i < 16; ++i) net->push_back(SiluUnit());
+  net->push_back(torch::nn::Linear(256, 10));
+  auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+  return classifier(net, opt, batches(steps, {1024, 256}), batches(steps, {1024}, true, 10), true);
+}
+
 // NOTE [in flight planned]: a disk store's in-flight bytes are the plan's.
 // Given a cap below one saved activation (which a store lets go alone, so
 // the margin is that entry's bytes anyway), the plans run the store with
@@ -979,15 +991,7 @@ TEST(Auto, ADiskStoreRunsWithTheInFlightBytesThePlanChose) {
                                                       .max_inflight_bytes(given)
                                                       .codec(remat::Codec::kZstd)});
   constexpr int kBudgets = 4, kRun = 2 + kBudgets;  // warm-up, profiled, one planned step per budget
-  const auto make = [] {
-    torch::manual_seed(5);
-    torch::nn::Sequential net;
-    net->push_back(torch::nn::Linear(256, 256));
-    for (int i = 0; i < 16; ++i) net->push_back(SiluUnit());
-    net->push_back(torch::nn::Linear(256, 10));
-    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
-    return classifier(net, opt, batches(kRun, {1024, 256}), batches(kRun, {1024}, true, 10), true);
-  };
+  const auto make = [] { return silu_stack(kRun, 5); };
   std::vector<Bytes> want;
   {
     Workload plain = make();
@@ -1070,6 +1074,16 @@ Workload dense_blocks(int steps) {
   return classifier(net, opt, batches(steps, {512, 128}), batches(steps, {512}, true, 10), true);
 }
 
+/** auto over w's units, each keeping or sending its saves to a disk store
+ *  in dir, profiled (a warm-up step and the profiled one: w's steps 0, 1). */
+remat::AutoCheckpoint keep_or_disk(Workload& w, const std::string& dir) {
+  auto planner =
+      remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).recompute(false).offload(
+                                           {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)}));
+  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  return planner;
+}
+
 TEST(Auto, WithoutRecomputeEveryUnitKeepsOrOffloadsAndNothingRunsTwice) {
   const std::string dir = remat_test::fresh_dir("auto_no_recompute");
   constexpr int kBudgets = 3, kRun = 2 + kBudgets;
@@ -1143,10 +1157,7 @@ TEST(Auto, WithoutRecomputeEveryUnitKeepsOrOffloadsAndNothingRunsTwice) {
 TEST(Auto, OneSlowStepDoesNotPriceOffloadTwoInARowDo) {
   const std::string dir = remat_test::fresh_dir("auto_reprice");
   Workload w = dense_blocks(4);
-  auto planner =
-      remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).recompute(false).offload(
-                                           {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)}));
-  for (int k = 0; k < 2; ++k) planner.step([&] { w.step(k); });
+  auto planner = keep_or_disk(w, dir);
   planner.replan(planner.leanest_peak_bytes());  // every unit but the last offloads
   const auto slow = [&](int k) {
     const auto extra = std::chrono::duration<double, std::milli>(planner.plan().prediction.time_ms);
@@ -1213,10 +1224,7 @@ TEST(Auto, PlannedStepsThatSendNothingAndAddLittleCalibrateThePlainTime) {
   // A plan that sends to disk: its steps leave it too.
   const std::string dir = remat_test::fresh_dir("auto_plain_time");
   Workload w2 = dense_blocks(7);
-  auto sending =
-      remat::auto_checkpoint(*w2.model, remat::AutoOptions().memory_budget_fraction(1.0).recompute(false).offload(
-                                            {remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)}));
-  for (int k = 0; k < 2; ++k) sending.step([&] { w2.step(k); });
+  auto sending = keep_or_disk(w2, dir);
   sending.replan(sending.leanest_peak_bytes());
   bool sends = false;
   for (const auto& u : sending.units()) sends |= u.options[u.choice] == "offload disk";
@@ -1234,13 +1242,7 @@ TEST(Auto, PlannedStepsThatSendNothingAndAddLittleCalibrateThePlainTime) {
 // offload or recompute.
 TEST(Auto, NoOptionIsPricedFasterThanKeep) {
   const std::string dir = remat_test::fresh_dir("auto_no_faster");
-  torch::manual_seed(3);
-  torch::nn::Sequential net;
-  net->push_back(torch::nn::Linear(256, 256));
-  for (int i = 0; i < 16; ++i) net->push_back(SiluUnit());
-  net->push_back(torch::nn::Linear(256, 10));
-  auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
-  Workload w = classifier(net, opt, batches(2, {1024, 256}), batches(2, {1024}, true, 10), true);
+  Workload w = silu_stack(2, 3);
   auto planner = remat::auto_checkpoint(*w.model, remat::AutoOptions().memory_budget_fraction(1.0).offload(
                                                       {remat::OffloadOptions(remat::OffloadTarget::kDisk)
                                                            .directory(dir)

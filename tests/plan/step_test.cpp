@@ -643,6 +643,28 @@ TEST(StepSolve, GlpkTellsApartOptionsCloserThanItsDefaultObjectiveTolerance) {
   EXPECT_EQ(plan.prediction.choice, (std::vector<int>{0, 0, 2}));
 }
 
+namespace {
+// A call with windows [fb, fe) forward and [bb, be) backward, a release
+// point (-1: none) and its costs per option.
+rp::StepCall call_at(int64_t fb, int64_t fe, int64_t bb, int64_t be, int64_t release, std::vector<rp::StepCost> costs) {
+  rp::StepCall c{fb, fe, bb, be, std::move(costs)};
+  c.release_begin = release;
+  return c;
+}
+// c sharing its inputs with call `call` of `unit` from segment `begin`
+// (pair_bytes freed when both let go); which options of each let go.
+rp::StepCall paired(rp::StepCall c, int64_t unit, int64_t call, int64_t bytes, int64_t begin, std::vector<bool> lets_go,
+                    std::vector<bool> other_lets_go) {
+  c.pair_unit = unit;
+  c.pair_call = call;
+  c.pair_bytes = bytes;
+  c.pair_begin = begin;
+  c.pair_lets_go = std::move(lets_go);
+  c.pair_other_lets_go = std::move(other_lets_go);
+  return c;
+}
+}  // namespace
+
 // fuzz/FINDINGS.md, "Fixed", item 9: GLPK's peak program called a choice
 // optimal that peaked 88 B above the least peak. Only u0 has a choice:
 // opt1 takes segment 4 (17069172 B) below segment 2 (17069084 B), which
@@ -657,26 +679,13 @@ TEST(StepSolve, GlpkLeastPeakIsExactBelowItsIntegerTolerance) {
   m.units.push_back({"u0",
                      {"keep", "opt1"},
                      {{3, 6, 6, 6, {{0, 9437184, 7340032, 7340032, 14680064}, {0, 0, 9437184, 12582912, 0}}}}});
-  rp::StepCall u1_second{0, 3, 5, 6, {{}}};
-  u1_second.release_begin = 4;
+  rp::StepCall u1_second = call_at(0, 3, 5, 6, 4, {{}});
   u1_second.release_end = 5;
   m.units.push_back({"u1", {"keep"}, {{2, 2, 4, 6, {{}}}, u1_second}});
-  rp::StepCall u2_second{3, 5, 6, 6, {{}}};
-  u2_second.pair_unit = 1;
-  u2_second.pair_call = 1;
-  u2_second.pair_bytes = 13631488;
-  u2_second.pair_begin = 5;
-  u2_second.pair_lets_go = {false};
-  u2_second.pair_other_lets_go = {false};
-  m.units.push_back({"u2", {"keep"}, {{0, 0, 2, 5, {{}}}, u2_second}});
-  rp::StepCall u3{2, 5, 6, 6, {{}}};
-  u3.release_begin = 5;
-  u3.pair_unit = 0;
-  u3.pair_bytes = 7340032;
-  u3.pair_begin = 6;
-  u3.pair_lets_go = {false};
-  u3.pair_other_lets_go = {false, false};
-  m.units.push_back({"u3", {"keep"}, {u3}, /*parent=*/0});
+  m.units.push_back(
+      {"u2", {"keep"}, {{0, 0, 2, 5, {{}}}, paired({3, 5, 6, 6, {{}}}, 1, 1, 13631488, 5, {false}, {false})}});
+  m.units.push_back(
+      {"u3", {"keep"}, {paired(call_at(2, 5, 6, 6, 5, {{}}), 0, 0, 7340032, 6, {false}, {false, false})}, 0});
   ASSERT_EQ(validate_error(m), "valid");
   EXPECT_EQ(rp::simulate_step(m, {0, 0, 0, 0}).peak_bytes, 17069172);
   const Brute b = brute(m, std::numeric_limits<int64_t>::max());
@@ -689,16 +698,6 @@ TEST(StepSolve, GlpkLeastPeakIsExactBelowItsIntegerTolerance) {
   EXPECT_TRUE(low.optimal);
   EXPECT_EQ(low.relative_gap, 0);
 }
-
-namespace {
-// A call with windows [fb, fe) forward and [bb, be) backward, a release
-// point (-1: none) and its costs per option.
-rp::StepCall call_at(int64_t fb, int64_t fe, int64_t bb, int64_t be, int64_t release, std::vector<rp::StepCost> costs) {
-  rp::StepCall c{fb, fe, bb, be, std::move(costs)};
-  c.release_begin = release;
-  return c;
-}
-}  // namespace
 
 // GLPK's tolerances where one option at a time does not help: the least
 // peak (130023505 B) needs u1 and u2 both changed, and each alone is no
@@ -755,13 +754,9 @@ TEST(StepSolve, GlpkPlanAtTheLeastPeakWhereAFasterChoiceIsBytesOver) {
                               {{3, 3145728, 0, 7864320, 0},
                                {3, 7864320, 7340032, 3145728, 2621440},
                                {2, 6815744, 4194304, 0, 8388608}})}});
-  rp::StepCall shared =
-      call_at(1, 1, 4, 4, 4, {{2, 6291456, 5242880, 2097152, 3670016}, {1, 2097152, 5242880, 0, 2621440}});
-  shared.pair_unit = 0;
-  shared.pair_bytes = 8388608;
-  shared.pair_begin = 3;
-  shared.pair_lets_go = {false, true};
-  shared.pair_other_lets_go = {false, true, true};
+  const rp::StepCall shared =
+      paired(call_at(1, 1, 4, 4, 4, {{2, 6291456, 5242880, 2097152, 3670016}, {1, 2097152, 5242880, 0, 2621440}}), 0, 0,
+             8388608, 3, {false, true}, {false, true, true});
   m.units.push_back(
       {"u1",
        {"keep", "opt1"},
