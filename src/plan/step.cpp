@@ -30,6 +30,41 @@ std::string fmt_seconds(double s) {
   return os.str();
 }
 
+// NOTE [one deadline]: StepSolveOptions::time_limit_s bounds a whole call
+// of solve_step or min_peak_step, not each GLPK program in it (one call may
+// run a dozen: default, exact re-solves, the proof, the time program at
+// the least peak, throw_infeasible's least peak). Each program gets what
+// is left, at least 1 ms (GLPK's tm_lim, whole ms), and one that runs out
+// reports GLPK's time limit as before. GLPK does not bound the LP
+// relaxation it solves after its presolver, so a program started late
+// still runs that LP to its end (0.7 s for 200 units called twice).
+class Deadline {
+ public:
+  explicit Deadline(const StepSolveOptions& o)
+      : limit_s_(o.time_limit_s),
+        end_(std::chrono::steady_clock::now() +
+             std::chrono::milliseconds(static_cast<int64_t>(
+                 std::clamp(std::isnan(o.time_limit_s) ? 0.0 : o.time_limit_s * 1000.0, 0.0, kMaxMs)))) {}
+  // GLPK's tm_lim for a program started now, ms.
+  int ms_left() const {
+    const double left = std::chrono::duration<double, std::milli>(end_ - std::chrono::steady_clock::now()).count();
+    return static_cast<int>(std::clamp(std::ceil(left), 1.0, kMaxMs));
+  }
+  double limit_s() const { return limit_s_; }  // as given, for messages
+  bool passed() const { return std::chrono::steady_clock::now() >= end_; }
+
+ private:
+  static constexpr double kMaxMs = 2e9;  // fits GLPK's int tm_lim (23 days)
+  double limit_s_;
+  std::chrono::steady_clock::time_point end_;
+};
+
+std::string fmt_g(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
 std::string unit_label(const StepModel& m, size_t u) {
   return "unit " + std::to_string(u) + " ('" + m.units[u].name + "')";
 }
@@ -200,20 +235,25 @@ constexpr double kTimeRel = 1e-12;
 // it of 0 or 1 counts as integral and is rounded, which moves a row by up
 // to 1e-5 of each coefficient (88 B of a 9 MiB option: fuzz/FINDINGS.md).
 // Its presolver drops a row whose implied bound on a column is within
-// 1e-3 + 1e-6 * |bound| of one it has (npp_implied_lower: 1 KiB). Its LP
-// takes a row within 1e-7 of its bound as met (its feasibility tolerance,
-// relative: bytes at tens of MiB). Its pruning: a branch within tol_obj *
-// (1 + |best|) of its best (peak_tol_obj). Every choice is checked in
-// integer bytes; where GLPK's is off, the program is solved again
-// "exactly": no presolve and an integer tolerance that hides under 0.5 B
-// per row (not below 1e-9: rows of GiBs may hide a byte or so). An exact
-// program that fails numerically is solved again with GLPK's defaults,
-// and its choice checked in bytes as any. Left: the LP's tolerances. Its feasibility tolerance lets more
-// choices in (an exact program that finds no choice proves that none
-// fits), but its optimum, the peak program's bound, is good to about 1e-10
-// of the peak only (in a search of random steps: 86 B high at a 1.3 TB
-// peak, none off at 40 GiB), and a budget at the least peak may be refused
-// where GLPK keeps taking a choice bytes over it (TB peaks).
+// 1e-3 + 1e-6 * |bound| of one it has (npp_implied_lower: 1 KiB). Its
+// simplex takes a bound within 1e-7 + 1e-10 * |bound| as met, and a
+// reduced cost within as much of 0 as optimal (tol_bnd, tol_dj and 1e-3
+// of them, in its scaled rows): the peak program's rows are bounded by
+// the peaks themselves, so its optimum, the bound on every choice's peak,
+// is good to about 1e-10 of the peak only (up to 127 B high at 1.3 TB,
+// 3 B at 40 GB, in a search of random steps). Its pruning: a branch within
+// tol_obj * (1 + |best|) of its best (peak_tol_obj). Every choice is
+// checked in integer bytes; where GLPK's is off, the program is solved
+// again "exactly": no presolve and an integer tolerance that hides under
+// 0.5 B per row (not below 1e-9: rows of GiBs may hide a byte or so). An
+// exact program that fails numerically is solved again with GLPK's
+// defaults, and its choice checked in bytes as any. A least peak is
+// proved only by an exact program that finds no choice a byte leaner:
+// each tolerance lets more choices in, none keeps one out, so "none"
+// holds in bytes (prove_least_peak). Left: the same tolerance lets in a
+// choice bytes over a budget; then there is no proof (optimal false,
+// relative_gap from GLPK's bound less kLpRel of the peak), and solve_step
+// may refuse a budget at the least peak (TB peaks).
 constexpr double kGlpTolInt = 1e-5;  // GLPK's default tol_int
 
 // Bytes a row's columns can move it: its coefficients, summed.
@@ -236,21 +276,40 @@ double exact_tol_int(const std::vector<Row>& rows) {
   return std::clamp(0.5 / most, 1e-9, kGlpTolInt);
 }
 
+// Bytes: at least |peak| of every choice, the size GLPK's LP tolerances
+// are relative to in the peak program.
+double peak_scale(const std::vector<Row>& rows) {
+  double most = 0;
+  for (const Row& r : rows) most = std::max(most, std::abs(static_cast<double>(r.peak_bytes)) + row_bytes(r));
+  return most;
+}
+// GLPK's peak bound less kLpRel of peak_scale bounds every choice's peak:
+// ten times its simplex's relative tolerance (1e-10), for the gap it
+// reports when the least peak is not proved.
+constexpr double kLpRel = 1e-9;
+
 // The peak program's objective tolerance: GLPK's optimum is then a lower
 // bound on every choice's peak to within 0.25 B (with the peak in MiB,
 // tol_obj * (1 + |peak|) MiB), or to within 1e-14 of the peak beyond 25
 // TiB (far above the LP's rounding, ~1e-16 of it: GLPK still prunes ties).
 double peak_tol_obj(const std::vector<Row>& rows) {
-  double most = 0;  // bytes: at least |peak| of every choice
-  for (const Row& r : rows) most = std::max(most, std::abs(static_cast<double>(r.peak_bytes)) + row_bytes(r));
-  return std::clamp(0.25 / (kMiB + most), 1e-14, kGlpTolObj);
+  return std::clamp(0.25 / (kMiB + peak_scale(rows)), 1e-14, kGlpTolObj);
 }
 
-// Whether a choice's exact peak meets a lower bound on every choice's
+// Whether a choice's exact peak meets GLPK's bound on every choice's
 // (bytes): within 0.5 B and 1e-14 of it (the rounding of sums in doubles).
+// GLPK's choice is then its optimum: no exact re-solve. Not a proof: the
+// bound is good to its LP's tolerance only (NOTE [GLPK in bytes]).
 bool meets_bound(int64_t peak_bytes, double bound_bytes) {
   return static_cast<double>(peak_bytes) <= bound_bytes + 0.5 + 1e-14 * std::abs(bound_bytes);
 }
+
+enum class Goal { kFastest, kLeastPeak, kAnyFits };
+
+// Options of some units, (unit, option), that no choice may take together
+// (each choice that does breaks a row in bytes): a row of the program, in
+// whole numbers, that GLPK's tolerances cannot blur.
+using Cut = std::vector<std::pair<size_t, int>>;
 
 struct MipResult {
   std::vector<int> choice;
@@ -316,12 +375,15 @@ void gap_callback(glp_tree* tree, void* info) {
   }
 }
 
-// Solves: min sum(time * x) [+ peak variable when min_peak], subject to one
-// option per unit and every row within budget (or within the peak variable).
-// `exact`: without the tolerances that hide bytes (NOTE [GLPK in bytes]).
-// Returns false when the program has no solution.
-bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_bytes, bool min_peak,
-               const StepSolveOptions& opt, MipResult* out, bool exact = false) {
+// Solves, subject to one option per unit and every row within budget (or
+// within the peak variable): kFastest min sum(time * x), kLeastPeak min the
+// peak variable, kAnyFits the first choice found (objective 0: a
+// feasibility proof needs no time optimized). `exact`: without the
+// tolerances that hide bytes (NOTE [GLPK in bytes]). Returns false when the
+// program has no solution.
+bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_bytes, Goal goal, const Deadline& dl,
+               MipResult* out, bool exact = false, const std::vector<Cut>& cuts = {}) {
+  const bool min_peak = goal == Goal::kLeastPeak;
   GlpProb prob;
   glp_prob* p = prob.p;
   glp_set_obj_dir(p, GLP_MIN);
@@ -339,7 +401,13 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
   const std::vector<std::pair<size_t, size_t>> pairs = pairs_of(m);
   const int first_pair_col = cols + 1;
   cols += static_cast<int>(pairs.size());
-  if (cols == 0) return false;
+  if (cols == 0) {  // nothing to choose: the profiled choice breaks a row or not
+    out->infeasible = std::any_of(rows.begin(), rows.end(), [&](const Row& r) { return r.peak_bytes > budget_bytes; });
+    if (out->infeasible) return false;
+    out->choice.assign(m.units.size(), 0);
+    out->optimal = true;
+    return true;
+  }
   glp_add_cols(p, cols);
   for (size_t i = 0; i < pairs.size(); ++i) {
     glp_set_col_kind(p, first_pair_col + static_cast<int>(i), GLP_CV);
@@ -351,7 +419,7 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
       glp_set_col_kind(p, j, GLP_BV);
       // The peak program minimizes the peak first; time breaks ties only
       // in the second solve (solve_step at the peak found).
-      glp_set_obj_coef(p, j, min_peak ? 0.0 : added_ms(m.units[u], static_cast<int>(k)));
+      glp_set_obj_coef(p, j, goal == Goal::kFastest ? added_ms(m.units[u], static_cast<int>(k)) : 0.0);
     }
   }
   if (min_peak) {
@@ -435,13 +503,30 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
       }
     }
   }
+  // A cut: sum of x(u, k) over its (u, k >= 1), less the x of every option
+  // of its units at 0, stays below the count of its (u, k >= 1).
+  for (const Cut& cut : cuts) {
+    glp_add_rows(p, 1);
+    ++row;
+    double taken = 0;
+    for (const auto& [u, k] : cut) {
+      taken += k > 0 ? 1 : 0;
+      for (size_t j = 1; j < m.units[u].options.size(); ++j) {
+        if (k > 0 && static_cast<int>(j) != k) continue;
+        ia.push_back(row);
+        ja.push_back(first_col[u] + static_cast<int>(j) - 1);
+        ar.push_back(k > 0 ? 1 : -1);
+      }
+    }
+    glp_set_row_bnds(p, row, GLP_UP, 0, taken - 1);
+  }
   if (row == 0) return false;
   glp_load_matrix(p, static_cast<int>(ia.size()) - 1, ia.data(), ja.data(), ar.data());
   glp_iocp parm;
   glp_init_iocp(&parm);
   parm.presolve = GLP_ON;
   parm.msg_lev = GLP_MSG_OFF;
-  parm.tm_lim = static_cast<int>(std::min(opt.time_limit_s * 1000.0, 2e9));
+  parm.tm_lim = dl.ms_left();
   parm.tol_obj = min_peak ? peak_tol_obj(rows) : kGlpTolObj;
   out->rows = row;
   out->columns = cols;
@@ -453,13 +538,14 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
     glp_smcp lp;
     glp_init_smcp(&lp);
     lp.msg_lev = GLP_MSG_OFF;
-    lp.tm_lim = parm.tm_lim;
+    lp.tm_lim = dl.ms_left();
     const int ret = glp_simplex(p, &lp);
     out->timed_out = ret == GLP_ETMLIM;
     out->infeasible = ret == 0 && glp_get_status(p) == GLP_NOFEAS;
     if (ret != 0 || glp_get_status(p) != GLP_OPT) return false;
     parm.presolve = GLP_OFF;
     parm.tol_int = exact_tol_int(rows);
+    parm.tm_lim = dl.ms_left();  // what the LP left
   }
   Gap gap;
   parm.cb_func = gap_callback;
@@ -489,8 +575,8 @@ bool solve_mip(const StepModel& m, const std::vector<Row>& rows, int64_t budget_
 }
 
 #else
-bool solve_mip(const StepModel& m, const std::vector<Row>&, int64_t, bool, const StepSolveOptions&, MipResult*,
-               bool = false) {
+bool solve_mip(const StepModel& m, const std::vector<Row>&, int64_t, Goal, const Deadline&, MipResult*, bool = false,
+               const std::vector<Cut>& = {}) {
   throw Error("[remat::plan] the step's " + std::to_string(m.units.size()) +
               " units are not a chain (a unit is called more than once, or a unit's windows do not nest in the "
               "earlier ones': a skip across units), and remat was built without GLPK, which solves such steps. "
@@ -561,31 +647,76 @@ bool lower_peak_one_at_a_time(const StepModel& m, StepPrediction* pred) {
       m, pred, [](const StepPrediction& p, const StepPrediction& now) { return p.peak_bytes < now.peak_bytes; });
 }
 
-// GLPK's optimal peak program bounds every choice's peak from below
-// (*bound_bytes); its choice is the least peak when its exact peak meets
-// that bound. When it does not (NOTE [GLPK in bytes]): lower it one option
-// at a time; else solve the program again exactly (a bound at least as
-// high); else ask an exact program for a choice a byte leaner: none proves
-// it. Lowers *best where it can; returns whether it is proved the least.
-bool prove_least_peak(const StepModel& m, const std::vector<Row>& rows, const StepSolveOptions& opt,
-                      StepPrediction* best, double* bound_bytes) {
-  if (meets_bound(best->peak_bytes, *bound_bytes)) return true;
-  lower_peak_one_at_a_time(m, best);
-  if (meets_bound(best->peak_bytes, *bound_bytes)) return true;
-  MipResult again;
-  if (!solve_mip(m, rows, 0, /*min_peak=*/true, opt, &again, /*exact=*/true) || !again.optimal) return false;
-  StepPrediction p = simulate_step(m, again.choice);
-  lower_peak_one_at_a_time(m, &p);
-  if (p.peak_bytes < best->peak_bytes) *best = std::move(p);
-  *bound_bytes = std::max(*bound_bytes, again.peak_bound_bytes);
-  if (meets_bound(best->peak_bytes, *bound_bytes)) return true;
-  const int64_t less = best->peak_bytes - 1;
-  MipResult leaner;
-  if (solve_mip(m, binding_rows(rows, less), less, /*min_peak=*/false, opt, &leaner, /*exact=*/true)) {
-    if (StepPrediction q = simulate_step(m, leaner.choice); q.peak_bytes < best->peak_bytes) *best = std::move(q);
-    return false;
+// The options of `choice` that set row r's bytes: its units with more
+// than one option whose deltas there are not all 0, and both units of each
+// credit in force there. Every choice that takes them all gives r the same
+// bytes.
+Cut row_cut(const StepModel& m, const Row& r, const std::vector<int>& choice) {
+  std::vector<size_t> units;
+  for (const auto& [deltas, u] : r.units) {
+    if (std::any_of(deltas.begin(), deltas.end(), [](int64_t d) { return d != 0; })) units.push_back(u);
   }
-  return leaner.infeasible;
+  const std::vector<std::pair<size_t, size_t>> pairs = pairs_of(m);
+  for (const auto& [i, bytes] : r.pairs) {
+    units.push_back(pairs[i].first);
+    units.push_back(static_cast<size_t>(m.units[pairs[i].first].calls[pairs[i].second].pair_unit));
+  }
+  std::sort(units.begin(), units.end());
+  units.erase(std::unique(units.begin(), units.end()), units.end());
+  Cut cut;
+  for (size_t u : units) {
+    if (m.units[u].options.size() > 1) cut.emplace_back(u, choice[u]);
+  }
+  return cut;
+}
+
+// Whether every choice peaks at best->peak_bytes or more, in bytes: an
+// exact program finds no choice a byte leaner (NOTE [GLPK in bytes]: an
+// infeasible program is a proof, GLPK's bound is not). Its LP takes a
+// row bytes over as met, so a choice it finds that breaks rows in bytes
+// is cut off (row_cut: the options that set each row it breaks) and the
+// program solved again; a leaner choice replaces *best (GLPK's optimum was
+// off) and is asked about in turn. Before: the choice lowered one option
+// at a time and, when its peak is off GLPK's *bound_bytes (GLPK's choice
+// is not its optimum), the peak program solved again exactly. Returns
+// false, *best the leanest found, after kProofTries programs or at the
+// deadline.
+constexpr int kProofTries = 16;
+bool prove_least_peak(const StepModel& m, const std::vector<Row>& rows, const Deadline& dl, StepPrediction* best,
+                      double* bound_bytes, bool* timed_out) {
+  lower_peak_one_at_a_time(m, best);
+  if (!meets_bound(best->peak_bytes, *bound_bytes)) {
+    MipResult again;
+    const bool solved = solve_mip(m, rows, 0, Goal::kLeastPeak, dl, &again, /*exact=*/true);
+    *timed_out = *timed_out || again.timed_out;
+    if (solved && again.optimal) {
+      StepPrediction p = simulate_step(m, again.choice);
+      lower_peak_one_at_a_time(m, &p);
+      if (p.peak_bytes < best->peak_bytes) *best = std::move(p);
+      *bound_bytes = std::max(*bound_bytes, again.peak_bound_bytes);
+    }
+  }
+  std::vector<Cut> cuts;  // each stays valid below a leaner best: its row stays broken
+  for (int tries = 0; tries < kProofTries; ++tries) {
+    const int64_t less = best->peak_bytes - 1;
+    const std::vector<Row> lean_rows = binding_rows(rows, less);
+    MipResult leaner;
+    const bool found = solve_mip(m, lean_rows, less, Goal::kAnyFits, dl, &leaner, /*exact=*/true, cuts);
+    *timed_out = *timed_out || leaner.timed_out;
+    if (!found) return leaner.infeasible;
+    StepPrediction q = simulate_step(m, leaner.choice);
+    if (q.peak_bytes <= less) {
+      lower_peak_one_at_a_time(m, &q);
+      *best = std::move(q);
+      continue;
+    }
+    for (const Row& r : lean_rows) {
+      if (q.segment_bytes[r.segment] <= less) continue;
+      cuts.push_back(row_cut(m, r, q.choice));
+      if (cuts.back().empty()) return true;  // no option moves the row: every choice breaks it
+    }
+  }
+  return false;
 }
 
 // NOTE [the chain DP]: when the outermost units (parent -1) are each
@@ -1092,10 +1223,18 @@ bool solve_chain(const StepModel& m, const StepChain& sc, int64_t budget, std::v
 
 }  // namespace
 
-[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt);
+[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const Deadline& dl);
 // solve_step on a validated model, any budget (min_peak_step's least peak
 // may be 0 or less on a model whose segments hold nothing).
-StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt);
+StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& dl);
+// How min_peak_within's peak stands: proved the least in bytes, or not
+// and then whether a program stopped at the deadline (else GLPK's
+// tolerances left it unproved).
+struct LeastPeak {
+  bool proved = false, timed_out = false;
+};
+// min_peak_step on a validated model.
+StepPlan min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how = nullptr);
 
 void validate(const StepModel& m) {
   const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
@@ -1285,6 +1424,12 @@ std::string describe_segment(const StepModel& m, int64_t s) {
 
 StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   validate(m);
+  return min_peak_within(m, Deadline(opt));
+}
+
+StepPlan min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how) {
+  LeastPeak unused;
+  if (how == nullptr) how = &unused;
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<int> choice(m.units.size(), 0);
   if (const std::optional<StepChain> chain = chain_of(m)) {
@@ -1308,14 +1453,15 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
       }
     }
     if (!too_big) {
-      StepPlan plan = solve_within(m, hi, opt);
+      StepPlan plan = solve_within(m, hi, dl);
+      how->proved = true;  // the DP is exact in bytes
       plan.solve_ms = ms_since(t0);
       return plan;
     }
   }
   const std::vector<Row> rows = rows_of(m);
   MipResult r;
-  const bool found = solve_mip(m, rows, 0, /*min_peak=*/true, opt, &r);
+  const bool found = solve_mip(m, rows, 0, Goal::kLeastPeak, dl, &r);
   // Stopped at the time limit: the leaner of what it found and the guess.
   const std::vector<int> guess = leanest_guess(m);
   StepPrediction best = simulate_step(m, found ? r.choice : guess);
@@ -1323,12 +1469,14 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
     if (StepPrediction g = simulate_step(m, guess); g.peak_bytes < best.peak_bytes) best = std::move(g);
   }
   double bound = r.peak_bound_bytes;
-  const bool proved = found && r.optimal && prove_least_peak(m, rows, opt, &best, &bound);
+  how->timed_out = r.timed_out;
+  const bool proved = found && r.optimal && prove_least_peak(m, rows, dl, &best, &bound, &how->timed_out);
+  how->proved = proved;
   // The fastest choice at that peak (the peak program ignores time).
   const int64_t peak = best.peak_bytes;
   StepPlan plan;
   try {
-    plan = solve_within(m, peak, opt);
+    plan = solve_within(m, peak, dl);
   } catch (const Error&) {  // the time program stopped too: the choice itself
     plan.prediction = std::move(best);
     plan.budget_bytes = peak;
@@ -1338,9 +1486,10 @@ StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   }
   if (!proved) {
     plan.optimal = false;
-    if (found && r.optimal) {  // the peak's gap to GLPK's bound
+    if (found && r.optimal) {  // the peak's gap to GLPK's bound, less its LP's tolerance
+      const double low = bound - kLpRel * peak_scale(rows);
       plan.relative_gap =
-          std::max(0.0, static_cast<double>(plan.prediction.peak_bytes) - bound) / std::max(std::abs(bound), 1.0);
+          std::max(0.0, static_cast<double>(plan.prediction.peak_bytes) - low) / std::max(std::abs(low), 1.0);
     } else {
       plan.relative_gap = found ? r.gap : std::numeric_limits<double>::infinity();
     }
@@ -1354,10 +1503,10 @@ StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOpt
   if (budget_bytes <= 0) {
     throw Error("[remat::plan] budget_bytes is " + std::to_string(budget_bytes) + "; give a positive budget.");
   }
-  return solve_within(m, budget_bytes, opt);
+  return solve_within(m, budget_bytes, Deadline(opt));
 }
 
-StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
+StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& dl) {
   const auto t0 = std::chrono::steady_clock::now();
   StepPlan plan;
   plan.budget_bytes = budget_bytes;
@@ -1387,7 +1536,7 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
       plan.solve_ms = ms_since(t0);
       return plan;
     }
-    if (!too_big) throw_infeasible(m, budget_bytes, opt);
+    if (!too_big) throw_infeasible(m, budget_bytes, dl);
   }
   plan.solver = "GLPK";
   std::vector<Row> all = rows_of(m);
@@ -1411,12 +1560,12 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
       r.optimal = true;
       found = true;
     } else {
-      found = solve_mip(m, rows, budget_bytes, /*min_peak=*/false, opt, &r, /*exact=*/attempt > 0);
+      found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/attempt > 0);
       timed_out = timed_out || r.timed_out;
       if (!found && attempt > 0 && !r.timed_out && !r.infeasible) {
         // The exact program ran into numerical trouble: the same rows with
         // GLPK's defaults, whose choice is checked in bytes as any.
-        found = solve_mip(m, rows, budget_bytes, /*min_peak=*/false, opt, &r);
+        found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r);
         timed_out = timed_out || r.timed_out;
       }
     }
@@ -1462,15 +1611,15 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
     return plan;
   }
   if (timed_out) {
-    throw Error("[remat::plan] the solver stopped at its time limit of " + fmt_seconds(opt.time_limit_s) +
+    throw Error("[remat::plan] the solver stopped at its time limit of " + fmt_seconds(dl.limit_s()) +
                 " before it found a plan of the step's " + std::to_string(m.units.size()) + " units within " +
                 format_bytes(budget_bytes) + " (not a chain: GLPK's integer program). Raise the time limit (" +
                 "StepSolveOptions::time_limit_s, AutoOptions::solver_time_limit_s), or the budget.");
   }
-  throw_infeasible(m, budget_bytes, opt);
+  throw_infeasible(m, budget_bytes, dl);
 }
 
-[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
+[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const Deadline& dl) {
   // Nothing fits: say how low the step can go and who sets that floor.
   // min_peak_step solves at the floor it finds, which could land here again
   // (GLPK's tolerance): that inner call throws this short error, which
@@ -1481,14 +1630,20 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const StepSolveO
     Guard() { inside = true; }
     ~Guard() { inside = false; }
   } guard;
-  const StepPlan lean = min_peak_step(m, opt);
+  LeastPeak how;
+  const StepPlan lean = min_peak_within(m, dl, &how);  // what is left of the caller's time
   const StepPrediction& low = lean.prediction;
+  std::string why;  // why a leaner plan may exist
+  if (!how.proved && how.timed_out) {
+    why = " (the solver stopped at its time limit of " + fmt_seconds(dl.limit_s()) +
+          ": a longer one may find a leaner plan)";
+  } else if (!how.proved) {
+    why = " (not proved the least: GLPK's tolerances blur bytes at this size; a leaner plan may exist" +
+          (std::isfinite(lean.relative_gap) ? ", within a relative " + fmt_g(lean.relative_gap) : std::string()) + ")";
+  }
   throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) + "; the smallest " +
-              (lean.optimal ? "feasible peak is " : "peak found is ") + format_bytes(low.peak_bytes) + ", reached " +
-              describe_segment(m, low.peak_segment) +
-              (lean.optimal ? std::string()
-                            : " (the solver stopped at its time limit of " + fmt_seconds(opt.time_limit_s) +
-                                  ": a longer one may find a leaner plan)") +
+              (how.proved ? "feasible peak is " : "peak found is ") + format_bytes(low.peak_bytes) + ", reached " +
+              describe_segment(m, low.peak_segment) + why +
               ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or images "
               "per step).");
 }

@@ -162,7 +162,11 @@ StepPrediction simulate_step(const StepModel& model, const std::vector<int>& cho
 
 /** Solver settings. */
 struct StepSolveOptions {
-  /** Stop the integer program after this long, s, and report the gap. */
+  /** Seconds for one call of solve_step or min_peak_step, all its GLPK
+   *  programs together (each gets what is left, at least 1 ms); past it
+   *  the call reports the gap or that it stopped. GLPK's LP relaxation
+   *  after its presolver runs to its end, so a call may overrun by that
+   *  much. The _variants functions give each variant its own. */
   double time_limit_s = 30;
 };
 
@@ -180,13 +184,17 @@ struct StepPlan {
    *  unit's option that keeps the fewest bytes does: a plan, not the
    *  fastest). */
   std::string solver;
-  /** True when the solver proved the choice optimal (gap 0). */
+  /** True when the solver proved the choice optimal (gap 0); for
+   *  min_peak_step, its peak the least in integer bytes and its time the
+   *  least at that peak. */
   bool optimal = false;
   /** (time - best bound) / best bound when stopped early; 0 when optimal;
    *  infinity when the plan is not the program's (no bound to measure it
    *  by). min_peak_step: the peak program's gap when it stopped early,
-   *  or (peak - GLPK's bound on every choice's peak) / that bound when its
-   *  choice's exact peak, in bytes, could not be proved the least. */
+   *  or (peak - bound) / bound when its choice's exact peak, in bytes,
+   *  could not be proved the least, the bound being GLPK's on every
+   *  choice's peak less 1e-9 of the largest peak a choice may reach (its
+   *  LP's tolerance). */
   double relative_gap = 0;
   double solve_ms = 0;  ///< wall time of the solve, ms
   /** solve_step_variants, min_peak_step_variants: the variant chosen (an
