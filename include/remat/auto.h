@@ -169,8 +169,10 @@ struct AutoOptions {
   /** How many times each option of each call is timed (the minimum is
    *  kept). Default 2. */
   TORCH_ARG(int, profile_repeats) = 2;
-  /** The solver's time limit, s; at the limit, the best plan found and its
-   *  gap are reported. Default 30. */
+  /** The solver's time limit, s, for each of its solves (one per placement
+   *  of the optimizer state and per in-flight tier of the disk stores, each
+   *  all its integer programs together); at the limit, the best plan found
+   *  and its gap are reported. Default 30. */
   TORCH_ARG(double, solver_time_limit_s) = 30;
   /** Solve again, with the budget lowered by the excess, after a step whose
    *  measured peak exceeds the budget by more than 1%; when no plan fits
@@ -279,6 +281,17 @@ class AutoCheckpoint {
    *  (a sweep over budgets profiles once). Throws remat::Error before a
    *  profiled step, or when no plan fits (the plan in force then stays). */
   void replan(int64_t budget_bytes);
+  /** Puts a choice of your own in force instead of a solved plan: one
+   *  option index per entry of units(), in its order (0 is keep; a unit
+   *  inside one that does not keep takes 0). Takes effect at once, no new
+   *  profile: to pin a plan found before, or to measure what one option
+   *  does (the prediction is plan().prediction). It stays until replan(), a
+   *  new profile or, with replan_on_overrun, a step over the budget;
+   *  repricing offload changes its predicted time, not the choice. Throws
+   *  remat::Error before a profiled step, for a list of the wrong length,
+   *  an index outside a unit's menu, or an option inside a unit that does
+   *  not keep. */
+  void apply_choice(const std::vector<int>& choice);
   /** Sets the units' switches to the plan in force again (after other code
    *  changed them, e.g. a comparison against a hand-placed strategy). */
   void apply();

@@ -51,10 +51,23 @@ AutoCheckpoint::Impl::~Impl() {
 }
 
 void AutoCheckpoint::Impl::solve_and_apply(int64_t target) {
+  plan::StepPlan p = solve(target);
   transfer_price.restart();  // a new plan: its own steps count
   plain_last = -1;           // NOTE [plain time calibrated]: a new plan's steps count from its first
   plain_plan_steps = 0;
-  step_plan = solve(target);
+  step_plan = std::move(p);
+  given_choice = false;
+  planned = true;
+  apply();
+}
+
+void AutoCheckpoint::Impl::give_and_apply(const std::vector<int>& choice) {
+  plan::StepPlan p = given(choice);
+  transfer_price.restart();
+  plain_last = -1;
+  plain_plan_steps = 0;
+  step_plan = std::move(p);
+  given_choice = true;
   planned = true;
   apply();
 }
@@ -121,7 +134,7 @@ void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
   const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
   if (overrun) transfer_price.restart();
   calibrate_plain(measured_ms);
-  if (!overrun && reprice_offload(measured_ms)) {
+  if (!overrun && reprice_offload(measured_ms) && !given_choice) {
     try {
       solve_and_apply(step_plan.budget_bytes);
     } catch (const Error&) {

@@ -206,6 +206,38 @@ void AutoCheckpoint::replan(int64_t budget_bytes) {
   m.measured_ms = -1;
 }
 
+void AutoCheckpoint::apply_choice(const std::vector<int>& choice) {
+  Impl& m = *impl_;
+  const plan::StepModel& sm = m.step_model;
+  if (sm.units.empty())
+    throw Error("[remat::auto] apply_choice before a profiled step; run step() (or profile_step()) first.");
+  if (choice.size() != sm.units.size()) {
+    throw Error("[remat::auto] apply_choice got " + std::to_string(choice.size()) + " option indices for the step's " +
+                std::to_string(sm.units.size()) + " units; give one per entry of units(), in its order.");
+  }
+  for (size_t j = 0; j < choice.size(); ++j) {
+    const size_t n = sm.units[j].options.size();
+    if (choice[j] < 0 || static_cast<size_t>(choice[j]) >= n) {
+      throw Error("[remat::auto] apply_choice: option " + std::to_string(choice[j]) + " of unit '" + sm.units[j].name +
+                  "', which has " + std::to_string(n) + " (0 to " + std::to_string(n - 1) + ", as units()[" +
+                  std::to_string(j) + "].options lists them).");
+    }
+  }
+  for (size_t j = 0; j < choice.size(); ++j) {
+    for (int64_t a = sm.units[j].parent; a >= 0 && choice[j] != 0; a = sm.units[static_cast<size_t>(a)].parent) {
+      if (choice[static_cast<size_t>(a)] != 0) {
+        throw Error("[remat::auto] apply_choice: unit '" + sm.units[j].name + "' runs inside '" +
+                    sm.units[static_cast<size_t>(a)].name + "', which takes option " +
+                    std::to_string(choice[static_cast<size_t>(a)]) +
+                    " (not keep): it runs as part of it, so give it option 0, or give the outer unit option 0.");
+      }
+    }
+  }
+  m.give_and_apply(choice);
+  m.measured_peak = -1;
+  m.measured_ms = -1;
+}
+
 void AutoCheckpoint::apply() {
   if (!impl_->planned) throw Error("[remat::auto] apply() before a plan exists; run step() until planned().");
   impl_->apply();

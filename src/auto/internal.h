@@ -164,6 +164,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   std::unordered_map<const CheckpointedSequentialImpl*, size_t> chain_index;
   int steps_run = 0;
   bool planned = false;
+  bool given_choice = false;  // the plan in force is the user's (apply_choice): repricing solves no other
   int64_t budget = 0;
   int replans = 0;
   int reprices = 0;               // NOTE [offload priced by the step]
@@ -364,6 +365,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   };
   Variants variants() const;
   plan::StepPlan solve(int64_t target);
+  void adopt(const Variants& v, plan::StepPlan* plan);
+  plan::StepPlan given(const std::vector<int>& choice);
 
   struct Leanest {
     int64_t peak = 0, segment = 0;
@@ -377,6 +380,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   // --- apply.cpp: the switches, the plan put in force, planned steps -------
   void note_switches();
   void solve_and_apply(int64_t target);
+  void give_and_apply(const std::vector<int>& choice);
   void apply();
   void switch_off();
   void measured_step(const std::function<void()>& fn);

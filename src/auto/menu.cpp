@@ -20,6 +20,8 @@
 
 #include <ATen/Context.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <string>
@@ -30,7 +32,9 @@
 #include <remat/hooks.h>
 #include <remat/policy.h>
 
+#include "../chain/grad_edges.h"
 #include "../core/dispatch.h"
+#include "../core/node_ptr.h"
 #include "../core/replay.h"
 #include "../core/write_guard.h"
 #include "../region/levels.h"
@@ -439,11 +443,11 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   // What the call holds of its inputs and outputs besides the references
   // here (NOTE [inputs an option keeps]).
   *io_kept = held_elsewhere(t.in, out);
-  std::vector<at::Tensor> roots, grads_out;
+  std::vector<at::Tensor> roots, seeds;
   for (const auto& o : out) {
     if (o.defined() && o.requires_grad()) {
       roots.push_back(o);
-      grads_out.push_back(at::ones_like(o));
+      seeds.push_back(at::ones_like(o));
     }
   }
   // What the store took and the waits for it, once the run is done.
@@ -480,8 +484,26 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
   {
     memory::Probe backward(mem->device());
     t0.restart();
-    std::vector<at::Tensor> grads = torch::autograd::grad(roots, wrt, grads_out, /*retain_graph=*/false,
-                                                          /*create_graph=*/false, /*allow_unused=*/true);
+    // NOTE [the output's gradient as in the step]: the seeds go in
+    // through a node that lets go of each once handed on, so it is freed
+    // where its last use in the unit's backward is done, as the gradient a
+    // real step passes in. Held here to the end, it counted at the end of
+    // every option's backward: keep's peak there (its saved tensors gone,
+    // its input's gradient made) came out one output above the step's, and
+    // an option that peaks early (a selective level recomputing as its
+    // backward starts) was predicted that much low.
+    torch::autograd::edge_list to;  // as torch::autograd::grad with allow_unused
+    for (const at::Tensor& w : wrt) {
+      if (w.grad_fn()) {
+        to.push_back(torch::autograd::impl::gradient_edge(w));
+      } else if (auto acc = torch::autograd::impl::try_get_grad_accumulator(w)) {
+        to.emplace_back(std::move(acc), 0);
+      } else {  // not in the graph: an edge the backward never reaches (as autograd's own)
+        to.emplace_back(detail::make_node<torch::autograd::Identity>(), 0);
+      }
+    }
+    const torch::autograd::variable_list grads =
+        detail::backward_releasing(std::move(roots), std::move(seeds), /*keep_graph=*/false, to);
     ms += t0.elapsed_ms();
     cost.backward_peak_bytes = std::max<int64_t>(0, at_backward + backward.peak_bytes()) + codec_extra;
   }

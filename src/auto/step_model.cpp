@@ -513,6 +513,15 @@ plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
   } catch (const Error&) {
     throw Error(no_plan_fits(target));
   }
+  adopt(v, &p);
+  return p;
+}
+
+/** A plan of its variant as the plan in force counts it: the in-flight
+ *  margin and the state writes left out of the prediction, the variant's
+ *  caps, option times and state placement noted. */
+void AutoCheckpoint::Impl::adopt(const Variants& v, plan::StepPlan* plan) {
+  plan::StepPlan& p = *plan;
   const auto& [tier, pl] = v.of[static_cast<size_t>(p.variant)];
   p.prediction.peak_bytes -= tier.margin;
   for (int64_t& b : p.prediction.segment_bytes) b -= tier.margin;
@@ -535,7 +544,43 @@ plan::StepPlan AutoCheckpoint::Impl::solve(int64_t target) {
   plan_caps = tier.caps;
   plan_option_ms = tier.option_ms;
   placement = pl;
-  return p;
+}
+
+/** A choice of the user's as a plan (apply_choice): under each variant
+ *  that offers its options, the variant fastest within the budget (with
+ *  its in-flight margin), else the one that peaks lowest. Throws
+ *  remat::Error for a choice the nesting forbids. */
+plan::StepPlan AutoCheckpoint::Impl::given(const std::vector<int>& choice) {
+  const Variants v = variants();
+  std::optional<plan::StepPlan> best;
+  bool best_fits = false;
+  for (size_t i = 0; i < v.list.size(); ++i) {
+    bool offered = true;
+    const std::vector<size_t>& n = v.list[i].options_offered;
+    for (size_t j = 0; j < choice.size() && j < n.size(); ++j) {
+      offered = offered && (n[j] == 0 || static_cast<size_t>(choice[j]) < n[j]);
+    }
+    if (!offered) continue;
+    plan::StepPlan p;
+    p.prediction = plan::simulate_step(plan::apply_variant(step_model, v.list[i]), choice);
+    p.variant = static_cast<int64_t>(i);
+    const bool fits = p.prediction.peak_bytes <= budget;
+    if (!best || (fits && !best_fits) ||
+        (fits == best_fits && (fits ? p.prediction.time_ms < best->prediction.time_ms
+                                    : p.prediction.peak_bytes < best->prediction.peak_bytes))) {
+      best = std::move(p);
+      best_fits = fits;
+    }
+  }
+  if (!best) {  // every variant withholds one of its options: never for a choice within the menus
+    throw Error("[remat::auto] internal: no variant offers the given choice; please report it with explain().");
+  }
+  best->budget_bytes = budget;
+  best->solver = "given";
+  best->optimal = false;
+  best->relative_gap = std::numeric_limits<double>::infinity();
+  adopt(v, &*best);
+  return *best;
 }
 
 /** The smallest peak a plan reaches, its in-flight margin included. */
