@@ -134,9 +134,13 @@ void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
   const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
   if (overrun) transfer_price.restart();
   calibrate_plain(measured_ms);
-  if (!overrun && reprice_offload(measured_ms) && !given_choice) {
+  if (!overrun && reprice_offload(measured_ms)) {
     try {
-      solve_and_apply(step_plan.budget_bytes);
+      if (given_choice) {
+        give_and_apply(step_plan.prediction.choice);  // the same choice at the new prices, a fresh streak
+      } else {
+        solve_and_apply(step_plan.budget_bytes);
+      }
     } catch (const Error&) {
       // The plan in force stays.
     }

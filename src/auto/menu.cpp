@@ -492,7 +492,10 @@ plan::StepCost AutoCheckpoint::Impl::measure_one(Unit& u, const std::vector<at::
     // its input's gradient made) came out one output above the step's, and
     // an option that peaks early (a selective level recomputing as its
     // backward starts) was predicted that much low.
-    torch::autograd::edge_list to;  // as torch::autograd::grad with allow_unused
+    // As torch::autograd::grad with allow_unused: the roots' edges first
+    // (an output that is an input leaf gets its accumulator), then wrt's.
+    for (const at::Tensor& r : roots) (void)torch::autograd::impl::gradient_edge(r);
+    torch::autograd::edge_list to;
     for (const at::Tensor& w : wrt) {
       if (w.grad_fn()) {
         to.push_back(torch::autograd::impl::gradient_edge(w));

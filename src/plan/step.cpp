@@ -51,7 +51,6 @@ class Deadline {
     return static_cast<int>(std::clamp(std::ceil(left), 1.0, kMaxMs));
   }
   double limit_s() const { return limit_s_; }  // as given, for messages
-  bool passed() const { return std::chrono::steady_clock::now() >= end_; }
 
  private:
   static constexpr double kMaxMs = 2e9;  // fits GLPK's int tm_lim (23 days)
@@ -1422,8 +1421,17 @@ std::string describe_segment(const StepModel& m, int64_t s) {
   return "outside every unit";
 }
 
+// A time limit the solver can keep: above 0 (infinity: none).
+static void check_limit(const StepSolveOptions& opt) {
+  if (!(opt.time_limit_s > 0)) {
+    throw Error("[remat::plan] StepSolveOptions::time_limit_s is " + fmt_g(opt.time_limit_s) +
+                "; give a positive number of seconds (the default is 30).");
+  }
+}
+
 StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   validate(m);
+  check_limit(opt);
   return min_peak_within(m, Deadline(opt));
 }
 
@@ -1500,6 +1508,7 @@ StepPlan min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how)
 
 StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
   validate(m);
+  check_limit(opt);
   if (budget_bytes <= 0) {
     throw Error("[remat::plan] budget_bytes is " + std::to_string(budget_bytes) + "; give a positive budget.");
   }

@@ -280,7 +280,8 @@ Result run(const Make& make, bool set_to_none, std::optional<remat::AutoOptions>
   auto planner = remat::auto_checkpoint(*w.model, options->profile_repeats(1));
   for (int k = 0; k < kSteps; ++k) {
     const bool planned_step = planner.planned();
-    if (fraction && planned_step && k == kSteps - 2) {
+    if (fraction && k == kSteps - 2) {
+      EXPECT_TRUE(planned_step) << "the first planned step is step " << k << ": its budget is the fraction's";
       // The budget `fraction` of the way from this profile's leanest plan
       // to its plain peak: menus measured by time (a chain's schedules,
       // selective levels) differ from one profile to the next, and so
@@ -1178,6 +1179,41 @@ TEST(Auto, OneSlowStepDoesNotPriceOffloadTwoInARowDo) {
   EXPECT_EQ(planner.explain().find("offload repriced"), std::string::npos) << planner.explain();
   slow(3);
   EXPECT_NE(planner.explain().find("offload repriced 1x from measured steps"), std::string::npos) << planner.explain();
+  EXPECT_EQ(remat_test::files_in(dir), 0u);
+}
+
+// A choice given with apply_choice is repriced as a solved plan is (two
+// slow steps in a row), keeps its choice, and predicts at the new prices;
+// the next slow step starts a new streak (one more charge takes two more).
+TEST(Auto, AGivenChoiceIsRepricedLikeASolvedOneAndStays) {
+  const std::string dir = remat_test::fresh_dir("auto_given_reprice");
+  Workload w = dense_blocks(6);
+  auto planner = keep_or_disk(w, dir);
+  planner.replan(planner.leanest_peak_bytes());
+  const std::vector<int> lean = planner.plan().prediction.choice;
+  planner.replan(planner.profiled_peak_bytes());
+  planner.apply_choice(lean);  // the budget has room: no overrun replaces it
+  const double before_ms = planner.plan().prediction.time_ms;
+  const auto slow = [&](int k) {
+    const auto extra = std::chrono::duration<double, std::milli>(planner.plan().prediction.time_ms);
+    planner.step([&] {
+      w.step(k);
+      std::this_thread::sleep_for(extra);  // twice the predicted time
+    });
+  };
+  slow(2);
+  slow(3);
+  EXPECT_NE(planner.explain().find("offload repriced 1x from measured steps"), std::string::npos) << planner.explain();
+  EXPECT_EQ(planner.plan().prediction.choice, lean);
+  EXPECT_EQ(planner.plan().solver, "given");
+  EXPECT_NE(planner.explain().find("solver: given, your choice (apply_choice)"), std::string::npos)
+      << planner.explain();
+  EXPECT_GT(planner.plan().prediction.time_ms, before_ms);
+  slow(4);
+  EXPECT_NE(planner.explain().find("offload repriced 1x from measured steps"), std::string::npos) << planner.explain();
+  slow(5);
+  EXPECT_NE(planner.explain().find("offload repriced 2x from measured steps"), std::string::npos) << planner.explain();
+  EXPECT_EQ(planner.plan().prediction.choice, lean);
   EXPECT_EQ(remat_test::files_in(dir), 0u);
 }
 
