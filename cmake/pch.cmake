@@ -14,9 +14,9 @@
 #
 # Default on for GCC top-level builds only. As a subproject (tests'
 # consumer_add_subdirectory) nothing is force-included, so that build still
-# catches a source that forgets an include, and each public header that a
-# core source includes first; remat_header_check (the other public headers,
-# each on its own) never uses it. Off for the libFuzzer build (planner
+# catches a source that forgets an include (in unity batches of 8: unless a
+# source before it in its batch includes it); remat_header_check (every
+# public header, each on its own) never uses it. Off for the libFuzzer build (planner
 # only, no torch). Clang refuses, not falls back from, a mismatched PCH:
 # opt in there with -DREMAT_PCH=ON.
 set(_remat_pch_default OFF)

@@ -53,7 +53,7 @@ std::string shape_str(at::IntArrayRef sizes) {
   return os.str();
 }
 
-struct TensorMeta {
+struct SavedMeta {
   std::vector<int64_t> sizes;
   at::ScalarType dtype = at::ScalarType::Undefined;
   c10::Device device = c10::kCPU;
@@ -70,7 +70,7 @@ uint64_t hash_values(const at::Tensor& t) {
   return h;
 }
 
-TensorMeta meta_of(const at::Tensor& t, bool with_hash) {
+SavedMeta saved_meta_of(const at::Tensor& t, bool with_hash) {
   return {t.sizes().vec(), t.scalar_type(), t.device(), with_hash ? hash_values(t) : 0};
 }
 
@@ -85,7 +85,7 @@ struct Slot {
   size_t input_index = 0;  // kInput
   at::Tensor ref;          // kRef
   uint32_t ref_version = 0;
-  TensorMeta meta;                    // kRecompute
+  SavedMeta meta;                     // kRecompute
   at::Tensor value;                   // kRecompute: filled by recompute, moved out by unpack
   std::optional<c10::Stream> stream;  // kRecompute: where the re-run produced value (NOTE [recompute streams])
   bool alive = true;                  // false once the node that saved it is released
@@ -213,7 +213,7 @@ struct Frame : std::enable_shared_from_this<Frame> {
         }
       }
       if (s.kind == SlotKind::kRecompute) {
-        s.meta = meta_of(t, options.determinism_check() == DeterminismCheck::kValues);
+        s.meta = saved_meta_of(t, options.determinism_check() == DeterminismCheck::kValues);
       }
     }
     slots.push_back(std::move(s));
@@ -347,7 +347,7 @@ struct Frame : std::enable_shared_from_this<Frame> {
     if (--needed == 0 && options.early_stop()) throw StopRecompute{};
   }
 
-  void check(size_t k, const TensorMeta& m, const at::Tensor& t) const {
+  void check(size_t k, const SavedMeta& m, const at::Tensor& t) const {
     const auto mode = options.determinism_check();
     if (mode == DeterminismCheck::kNone) return;
     std::string what;

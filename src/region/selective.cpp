@@ -26,7 +26,7 @@ namespace {
 std::mutex g_stats_mu;
 std::map<std::string, OpCounts> g_op_stats;
 
-std::string shape_str(at::IntArrayRef s) {
+std::string sizes_str(at::IntArrayRef s) {
   std::ostringstream os;
   os << s;
   return os.str();
@@ -289,8 +289,8 @@ class Recompute final : public dispatch::Interceptor {
     }
     if (!same) {
       std::string first, again;
-      for (const auto& m : e.inputs) first += shape_str(m.sizes) + " ";
-      for (const auto& m : now) again += shape_str(m.sizes) + " ";
+      for (const auto& m : e.inputs) first += sizes_str(m.sizes) + " ";
+      for (const auto& m : now) again += sizes_str(m.sizes) + " ";
       throw Error("[remat::checkpoint] " + where + " got inputs of shapes " + first + "in the forward but " + again +
                   "in the recomputation; the checkpointed function must run the same ops each time.");
     }
@@ -784,7 +784,7 @@ std::string SavedResiduals::to_string() const {
     const auto& s = residuals[i];
     os << std::left << std::setw(4) << i << std::setw(13) << remat::to_string(s.kind) << std::setw(30)
        << (s.op.empty() ? "-" : s.op) << std::setw(16) << (s.tag.empty() ? "-" : s.tag) << std::setw(22)
-       << detail::shape_str(s.sizes) << std::setw(10) << c10::toString(s.dtype) << std::right << std::setw(12)
+       << detail::sizes_str(s.sizes) << std::setw(10) << c10::toString(s.dtype) << std::right << std::setw(12)
        << (s.shared ? "(shared)" : std::to_string(s.bytes));
     if (s.saves > 1) os << " x" << s.saves;
     if (!policy.empty() && s.kind == ResidualKind::kRecomputable)
