@@ -50,24 +50,16 @@ AutoCheckpoint::Impl::~Impl() {
   }
 }
 
-void AutoCheckpoint::Impl::solve_and_apply(int64_t target) {
-  plan::StepPlan p = solve(target);
-  transfer_price.restart();  // a new plan: its own steps count
-  plain_last = -1;           // NOTE [plain time calibrated]: a new plan's steps count from its first
-  plain_plan_steps = 0;
-  step_plan = std::move(p);
-  given_choice = false;
-  planned = true;
-  apply();
-}
+void AutoCheckpoint::Impl::solve_and_apply(int64_t target) { put_in_force(solve(target)); }
 
-void AutoCheckpoint::Impl::give_and_apply(const std::vector<int>& choice) {
-  plan::StepPlan p = given(choice);
+void AutoCheckpoint::Impl::give_and_apply(const std::vector<int>& choice) { put_in_force(given(choice)); }
+
+/** A new plan in force: its own steps count from its first. */
+void AutoCheckpoint::Impl::put_in_force(plan::StepPlan p) {
   transfer_price.restart();
-  plain_last = -1;
+  plain_last = -1;  // NOTE [plain time calibrated]
   plain_plan_steps = 0;
   step_plan = std::move(p);
-  given_choice = true;
   planned = true;
   apply();
 }
@@ -136,7 +128,7 @@ void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
   calibrate_plain(measured_ms);
   if (!overrun && reprice_offload(measured_ms)) {
     try {
-      if (given_choice) {
+      if (step_plan.solver == detail::kGivenSolver) {
         give_and_apply(step_plan.prediction.choice);  // the same choice at the new prices, a fresh streak
       } else {
         solve_and_apply(step_plan.budget_bytes);

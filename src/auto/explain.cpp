@@ -125,10 +125,10 @@ std::string AutoCheckpoint::explain() const {
     os << "plan: predicted peak " << plan::format_bytes(p.peak_bytes) << " (reached "
        << plan::describe_segment(m.step_model, p.peak_segment) << "), " << fmt_ms(p.time_ms) << " ("
        << fmt_pct(p.time_ms / std::max(1e-9, plain_ms) - 1) << " on plain); solver: " << m.step_plan.solver << ", "
-       << (m.step_plan.solver == "given"             ? "your choice (apply_choice)"
-           : m.step_plan.optimal                     ? "optimal"
-           : std::isfinite(m.step_plan.relative_gap) ? "gap " + fmt_pct(m.step_plan.relative_gap)
-                                                     : "stopped at its time limit, gap not known")
+       << (m.step_plan.solver == detail::kGivenSolver ? "your choice (apply_choice)"
+           : m.step_plan.optimal                      ? "optimal"
+           : std::isfinite(m.step_plan.relative_gap)  ? "gap " + fmt_pct(m.step_plan.relative_gap)
+                                                      : "stopped at its time limit, gap not known")
        << ", "
        << (m.step_plan.solver == "GLPK"
                ? std::to_string(m.step_plan.rows) + " rows x " + std::to_string(m.step_plan.columns) + " columns, "

@@ -67,6 +67,9 @@ using RunOption = std::function<std::vector<at::Tensor>(const Option&, const std
 constexpr int64_t kTop = -1;       // outside every unit
 constexpr int64_t kNotSeen = -2;   // not called yet
 constexpr int64_t kDisagree = -3;  // calls inside different units (or at the top and inside one)
+// plan().solver of a choice the user put in force (apply_choice): repricing
+// keeps that choice rather than solving another.
+inline constexpr const char* kGivenSolver = "given";
 
 /** A checkpointable module of the tree, a CheckpointedSequential, or a
  *  chunked call (NOTE [chunked calls as units], chunks.cpp). */
@@ -164,7 +167,6 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   std::unordered_map<const CheckpointedSequentialImpl*, size_t> chain_index;
   int steps_run = 0;
   bool planned = false;
-  bool given_choice = false;  // the plan in force is the user's (apply_choice): repricing solves no other
   int64_t budget = 0;
   int replans = 0;
   int reprices = 0;               // NOTE [offload priced by the step]
@@ -381,6 +383,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   void note_switches();
   void solve_and_apply(int64_t target);
   void give_and_apply(const std::vector<int>& choice);
+  void put_in_force(plan::StepPlan p);
   void apply();
   void switch_off();
   void measured_step(const std::function<void()>& fn);

@@ -576,7 +576,7 @@ plan::StepPlan AutoCheckpoint::Impl::given(const std::vector<int>& choice) {
     throw Error("[remat::auto] internal: no variant offers the given choice; please report it with explain().");
   }
   best->budget_bytes = budget;
-  best->solver = "given";
+  best->solver = detail::kGivenSolver;
   best->optimal = false;
   best->relative_gap = std::numeric_limits<double>::infinity();
   adopt(v, &*best);

@@ -669,6 +669,19 @@ rp::StepCall paired(rp::StepCall c, int64_t unit, int64_t call, int64_t bytes, i
   c.pair_other_lets_go = std::move(other_lets_go);
   return c;
 }
+
+// min_peak_step on m, whose least peak by brute force is `least`: no
+// optimal claim above it, that peak found, and optimal. *low: its plan.
+void least_peak_found(const rp::StepModel& m, int64_t least, rp::StepPlan* low) {
+  ASSERT_EQ(validate_error(m), "valid");
+  const Brute b = brute(m, std::numeric_limits<int64_t>::max());
+  ASSERT_EQ(b.min_peak, least);
+  *low = rp::min_peak_step(m);
+  EXPECT_TRUE(low->prediction.peak_bytes == b.min_peak || !low->optimal)
+      << "claims " << low->prediction.peak_bytes << " B optimal";
+  EXPECT_EQ(low->prediction.peak_bytes, b.min_peak);
+  EXPECT_TRUE(low->optimal);
+}
 }  // namespace
 
 // fuzz/FINDINGS.md, "Fixed", item 9: GLPK's peak program called a choice
@@ -692,16 +705,10 @@ TEST(StepSolve, GlpkLeastPeakIsExactBelowItsIntegerTolerance) {
       {"u2", {"keep"}, {{0, 0, 2, 5, {{}}}, paired({3, 5, 6, 6, {{}}}, 1, 1, 13631488, 5, {false}, {false})}});
   m.units.push_back(
       {"u3", {"keep"}, {paired(call_at(2, 5, 6, 6, 5, {{}}), 0, 0, 7340032, 6, {false}, {false, false})}, 0});
-  ASSERT_EQ(validate_error(m), "valid");
   EXPECT_EQ(rp::simulate_step(m, {0, 0, 0, 0}).peak_bytes, 17069172);
-  const Brute b = brute(m, std::numeric_limits<int64_t>::max());
-  ASSERT_EQ(b.min_peak, 17069084);
-  const rp::StepPlan low = rp::min_peak_step(m);
-  EXPECT_TRUE(low.prediction.peak_bytes == b.min_peak || !low.optimal)
-      << "claims " << low.prediction.peak_bytes << " B optimal";
-  EXPECT_EQ(low.prediction.peak_bytes, b.min_peak);
+  rp::StepPlan low;
+  ASSERT_NO_FATAL_FAILURE(least_peak_found(m, 17069084, &low));
   EXPECT_EQ(low.prediction.choice, (std::vector<int>{1, 0, 0, 0}));
-  EXPECT_TRUE(low.optimal);
   EXPECT_EQ(low.relative_gap, 0);
 }
 
@@ -733,17 +740,11 @@ TEST(StepSolve, GlpkLeastPeakThatNeedsTwoOptionsChangedIsExact) {
                 {{0, 41943040, 4194304, 4194304, 20971520},
                  {3, 16777216, 8388608, 33554432, 67108864},
                  {3, 37748736, 12582912, 16777216, 8388608}})}});
-  ASSERT_EQ(validate_error(m), "valid");
   EXPECT_EQ(rp::simulate_step(m, {0, 1, 0}).peak_bytes, 130023626);
   EXPECT_EQ(rp::simulate_step(m, {0, 0, 2}).peak_bytes, 130023621);
-  const Brute b = brute(m, std::numeric_limits<int64_t>::max());
-  ASSERT_EQ(b.min_peak, 130023505);
-  const rp::StepPlan low = rp::min_peak_step(m);
-  EXPECT_TRUE(low.prediction.peak_bytes == b.min_peak || !low.optimal)
-      << "claims " << low.prediction.peak_bytes << " B optimal";
-  EXPECT_EQ(low.prediction.peak_bytes, b.min_peak);
+  rp::StepPlan low;
+  ASSERT_NO_FATAL_FAILURE(least_peak_found(m, 130023505, &low));
   EXPECT_EQ(low.prediction.choice, (std::vector<int>{0, 1, 2}));
-  EXPECT_TRUE(low.optimal);
 }
 
 // solve_step at the least peak (18350164 B, every unit at keep), where a
@@ -900,16 +901,10 @@ TEST(StepSolve, GlpkLeastPeakAtTerabytesIsProvedInBytes) {
                      {"keep", "opt1"},
                      {paired(call_at(1, 4, 6, 6, -1, {cost(3, 8, 1, 10, 0), cost(1, 12, 12, 12, 7)}), 0, 0, 3 * G, 4,
                              {false, true}, {false, false, true})}});
-  ASSERT_EQ(validate_error(m), "valid");
   EXPECT_EQ(rp::simulate_step(m, {0, 2, 0, 0}).peak_bytes, 1030792151162);
   EXPECT_EQ(rp::simulate_step(m, {1, 2, 0, 0}).peak_bytes, 1030792151091);
-  const Brute b = brute(m, std::numeric_limits<int64_t>::max());
-  ASSERT_EQ(b.min_peak, 1030792151091);
-  const rp::StepPlan low = rp::min_peak_step(m);
-  EXPECT_TRUE(low.prediction.peak_bytes == b.min_peak || !low.optimal)
-      << "claims " << low.prediction.peak_bytes << " B optimal";
-  EXPECT_EQ(low.prediction.peak_bytes, b.min_peak);
-  EXPECT_TRUE(low.optimal);
+  rp::StepPlan low;
+  ASSERT_NO_FATAL_FAILURE(least_peak_found(m, 1030792151091, &low));
 }
 
 namespace {
