@@ -399,17 +399,19 @@ def levers(recs, hand=None):
     rows = [f"{what}. Run {meta['meta']['date_utc']}, commit {meta['meta']['git_commit'][:10]}, {meta['rounds']} "
             f"rounds" + (f", the machine's 1-minute load average {min(load):.1f}-{max(load):.1f}" if load else "")
             + "; time ratios: medians of per-round ratios to plain [min-max].", "",
-            "| strategy | budget | predicted peak | measured peak | x plain | step time x plain | state in the store | "
-            "room in flight | units not at keep | loss head |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| strategy | budget | predicted peak | measured peak | x plain | step time x plain | predicted time x plain | "
+            "state in the store | room in flight | units not at keep | loss head |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain_median = statistics.median(plain["ms"])
     for r in strat:
         if r["name"] == "plain":
-            rows.append(f"| plain (step after backward) | - | - | {_mib(r['peak'])} | 1.000 | {_ratio(r)} | - | - | - | - |")
+            rows.append(f"| plain (step after backward) | - | - | {_mib(r['peak'])} | 1.000 | {_ratio(r)} | - | - | - | - | - |")
             continue
+        pt = f"{r['predicted_ms'] / plain_median:.3f}" if "predicted_ms" in r else "-"
         stored = _mib(statistics.median(r["state_in_store"])) if r.get("state_in_store") else "-"
         inflight = _mib(r["inflight"]) if r.get("inflight") else "-"
         rows.append(f"| {r['label']} | {_mib(r['budget'])} | {_mib(r['predicted_peak'])} | {_mib(r['peak'])} | "
-                    f"{r['peak_ratio']:.3f} | {_ratio(r)} | {stored} | {inflight} | {r['units'] - r['units_keep']} of "
+                    f"{r['peak_ratio']:.3f} | {_ratio(r)} | {pt} | {stored} | {inflight} | {r['units'] - r['units_keep']} of "
                     f"{r['units']} | {r['loss_option'] or '-'} |")
     autos = [r for r in strat if r["name"] != "plain"]
     leanest = min(autos, key=lambda r: r["peak"])
@@ -455,6 +457,17 @@ def levers(recs, hand=None):
                   f"{outside(worst) * 100:.1f}% at most outside it; the prediction alone: "
                   f"{max(abs(r['predicted_peak'] / r['peak'] - 1) for r in autos) * 100:.1f}% at most")
                + ")")
+    # As the frontier's rule: the prediction against the median step of its point (its median ratio times plain's
+    # median step).
+    plain_ms = sorted(plain["ms"])
+    if all("predicted_ms" in r for r in autos):
+        def terr(r):
+            return r["predicted_ms"] / (r["time_ratio"]["median"] * plain_ms[len(plain_ms) // 2]) - 1
+        worst_t = max(autos, key=lambda r: abs(terr(r)))
+        tgt.append(f"- predicted time within 10% of the measured one on every point: "
+                   f"**{'met' if abs(terr(worst_t)) <= 0.10 else 'missed'}** ({abs(terr(worst_t)) * 100:.1f}% at most: "
+                   f"{worst_t['label']}, predicted {worst_t['predicted_ms']:.0f} ms, measured "
+                   f"{worst_t['time_ratio']['median'] * plain_ms[len(plain_ms) // 2]:.0f} ms)")
     if hand:
         hs = []
         for lib, recs_ in hand:

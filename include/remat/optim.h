@@ -92,6 +92,13 @@ struct StepInBackwardStats {
   int64_t state_write_failures = 0;
   /** The last failed write's error; "" when none failed. */
   std::string last_state_error;
+  /** Milliseconds backward waited on the state store (state_offload):
+   *  reading back a state that was not read ahead in time, handing one to
+   *  a store whose bytes in flight are at its cap, and the writes finished
+   *  as a backward ends. What keeping the state in a store added to the
+   *  steps, beside the compute it overlaps; auto_checkpoint prices its
+   *  store by it. */
+  double state_wait_ms = 0;
 };
 
 namespace detail {

@@ -119,6 +119,7 @@ void AutoCheckpoint::Impl::switch_off() {
 void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
   mem->enable();
   mem->reset_peak();
+  const double waited0 = state_waited_ms();
   memory::DeviceTimer t0(mem->device());
   fn();
   measured_ms = t0.elapsed_ms();
@@ -126,7 +127,9 @@ void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
   const bool overrun = static_cast<double>(measured_peak) > 1.01 * static_cast<double>(budget);
   if (overrun) transfer_price.restart();
   calibrate_plain(measured_ms);
-  if (!overrun && reprice_offload(measured_ms)) {
+  state_wait_last_ms = state_waited_ms() - waited0;
+  const bool state_moved = reprice_state(state_wait_last_ms);
+  if (!overrun && (reprice_offload(measured_ms) || state_moved)) {
     try {
       if (step_plan.solver == detail::kGivenSolver) {
         give_and_apply(step_plan.prediction.choice);  // the same choice at the new prices, a fresh streak

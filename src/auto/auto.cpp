@@ -257,6 +257,8 @@ int64_t AutoCheckpoint::optimizer_state_in_store_bytes() const {
   return bytes;
 }
 
+double AutoCheckpoint::optimizer_state_wait_ms() const { return impl_->state_wait_last_ms; }
+
 void AutoCheckpoint::fetch_optimizer_state() {
   for (auto& s : impl_->in_backward) s->fetch_state();
 }

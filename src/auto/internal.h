@@ -225,7 +225,11 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
     bool float32 = true;        // every parameter float32 (a lossy codec shrinks only those)
   };
   std::vector<StateGroup> state_groups;  // as of the last profile
-  double state_ms_per_byte = 0;          // measured: written to the store and read back
+  double state_ms_per_byte = 0;          // its price per byte sent: NOTE [state priced by the step]
+  int state_reprices = 0;                // planned steps that priced it
+  int state_steps = 0;                   // steps run with the placement in force
+  double state_last = -1;                // the last step's price (-1: none yet)
+  double state_wait_last_ms = 0;         // what the last planned step's backward waited on the store
   /** One update inside the profiled step's backward: optimizers()[opt]'s
    *  parameter of param group `group`, its state bytes, and when. */
   struct StateUpdate {
@@ -262,6 +266,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   void start_in_backward();
   void measure_state();
   void apply_state();
+  double state_waited_ms() const;        // the optimizers' StepInBackwardStats::state_wait_ms, summed
+  bool reprice_state(double waited_ms);  // NOTE [state priced by the step]
   std::string explain_state() const;
 
   // NOTE [chunked calls as units] (chunks.cpp).

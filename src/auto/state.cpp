@@ -2,8 +2,7 @@
 // optimizer_state_store): each optimizer updates its parameters inside
 // backward (remat::StepInBackward, made with the planner), and each of its
 // param groups keeps its state or sends it to the store, as the plan says.
-// Leaves out: placement per parameter (a param group is the unit), the loss
-// head as a unit, repricing the store from planned steps' times.
+// Leaves out: placement per parameter (a param group is the unit).
 //
 // NOTE [model state in the plan]: every step the planner sees, the profiled
 // one included, runs with the updates in backward, so the gradients it
@@ -23,10 +22,25 @@
 // groups' state x what the store takes off (all of it on disk, half of
 // float32 state in bfloat16, none on the host from a CPU) + what is in
 // flight there; and costs the time to write the state and read it back
-// once per step (measured on one parameter's state after the profiled
-// step; no overlap with compute assumed). solve() asks the step solver for
+// once per step (NOTE [state priced by the step]). solve() asks the step solver for
 // the fastest plan over every placement (every subset of the groups, up to
 // 6 groups; else none or all) and every offload tier: plan::StepVariant.
+//
+// NOTE [state priced by the step]: the profile prices the store by one
+// parameter's state written and read back with nothing else running, as
+// if backward waited for every byte. In a planned step the writes go on
+// behind the updates after them and the states read ahead arrive before
+// their update, so backward waits for a part of it only
+// (StepInBackwardStats::state_wait_ms: reads not back in time, a store at
+// its cap, the writes drained as backward ends). Each planned step with
+// state in the store, from its placement's second step on (the first
+// sends every state and reads none back), prices the store at what
+// backward waited per byte written and read back; the price is the mean
+// of the last two steps', and when it moves the plan in force by more
+// than 1% of the plain step the plan is solved again. What the store's
+// threads take from the compute beside them is not in a wait: where it
+// slows the step, the plain time's calibration and the offload repricing
+// leave it out too.
 //
 // NOTE [state writes in flight]: of what a store holds in flight, the
 // states read ahead and being updated are there whatever the disk's pace;
@@ -218,7 +232,6 @@ AutoCheckpoint::Impl::StateInflight AutoCheckpoint::Impl::state_inflight(const s
 
 void AutoCheckpoint::Impl::measure_state() {
   state_groups.clear();
-  state_ms_per_byte = 0;
   {
     std::lock_guard<std::mutex> lock(updates_mu);
     state_updates = std::move(updates_trial);
@@ -256,7 +269,33 @@ void AutoCheckpoint::Impl::measure_state() {
   detail::OffloadStore::Handle h = store->pack(probe);
   store->wait();
   (void)store->unpack(h);
-  state_ms_per_byte = t0.elapsed_ms() / static_cast<double>(bytes);
+  // A price planned steps measured stays (NOTE [state priced by the step]).
+  if (state_reprices == 0) state_ms_per_byte = t0.elapsed_ms() / static_cast<double>(bytes);
+}
+
+double AutoCheckpoint::Impl::state_waited_ms() const {
+  double ms = 0;
+  for (const auto& sib : in_backward) ms += sib->stats().state_wait_ms;
+  return ms;
+}
+
+/** NOTE [state priced by the step]. Returns true when the plan in force
+ *  should be solved again. */
+bool AutoCheckpoint::Impl::reprice_state(double waited_ms) {
+  if (placement.state_bytes <= 0 || state_groups.empty()) return false;
+  if (state_steps++ == 0) return false;  // the placement's first step
+  int64_t sent = 0;
+  for (size_t g = 0; g < state_groups.size() && g < placement.in_store.size(); ++g) {
+    if (placement.in_store[g]) sent += state_groups[g].bytes;
+  }
+  if (sent <= 0) return false;
+  const double observed = std::max(0.0, waited_ms) / (2.0 * static_cast<double>(sent));
+  const double price = state_last >= 0 ? 0.5 * (state_last + observed) : observed;
+  state_last = observed;
+  const double moved = std::abs(price - state_ms_per_byte) * 2.0 * static_cast<double>(sent);
+  state_ms_per_byte = price;
+  ++state_reprices;
+  return moved > 0.01 * step_model.step_time_ms;
 }
 
 std::vector<AutoCheckpoint::Impl::Placement> AutoCheckpoint::Impl::placements() const {
@@ -313,6 +352,7 @@ void AutoCheckpoint::Impl::apply_state() {
     in_backward[k]->offload_groups(groups);  // a group that goes sends its state now
   }
   state_in_force = want;
+  state_steps = 0;
 }
 
 std::string AutoCheckpoint::Impl::explain_state() const {
@@ -344,9 +384,16 @@ std::string AutoCheckpoint::Impl::explain_state() const {
        << plan::format_bytes(held) << " read ahead or being updated where the plan peaks (and up to "
        << plan::format_bytes(writes) << " being written, in the room kept in flight), for +"
        << static_cast<double>(static_cast<int64_t>(placement.ms * 10 + 0.5)) / 10 << " ms per step ("
-       << to_string(options.optimizer_state_store()->target()) << ", measured "
-       << (state_ms_per_byte > 0 ? plan::format_bytes(static_cast<int64_t>(1.0 / (state_ms_per_byte * 1e-3))) : "?")
-       << "/s written and read back)\n";
+       << to_string(options.optimizer_state_store()->target());
+    if (state_reprices > 0) {
+      os << ", what backward waited in " << state_reprices << (state_reprices == 1 ? " planned step" : " planned steps")
+         << ": " << static_cast<double>(static_cast<int64_t>(state_ms_per_byte * double(int64_t{1} << 30) * 2 + 0.5))
+         << " ms per GiB of state)\n";
+    } else {
+      os << ", measured "
+         << (state_ms_per_byte > 0 ? plan::format_bytes(static_cast<int64_t>(1.0 / (state_ms_per_byte * 1e-3))) : "?")
+         << "/s written and read back, until planned steps measure what backward waits)\n";
+    }
   }
   return os.str();
 }

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -140,6 +141,20 @@ struct StepInBackwardImpl {
   std::vector<int64_t> pos_in_last;         // per parameter, its place in last_order or -1
   StepInBackward::UpdateListener listener;  // on_update()
 
+  /** Runs fn, adding its time to st.state_wait_ms (NOTE [state between
+   *  updates]: what the store costs a step is what the updates wait for). */
+  template <typename F>
+  auto waited(F&& fn) {
+    struct Add {
+      StepInBackwardStats& st;
+      std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+      ~Add() {
+        st.state_wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      }
+    } add{st};
+    return fn();
+  }
+
   StepInBackwardImpl(torch::optim::Optimizer& o, StepInBackwardOptions opts) : opt(o), options(std::move(opts)) {}
 
   std::vector<at::Tensor*> state_tensors_of(torch::optim::OptimizerParamState& s) const {
@@ -169,7 +184,7 @@ struct StepInBackwardImpl {
       if (!p.had[k]) continue;
       if (count_miss && !store->resident(p.state[k])) st.state_misses++;
       try {
-        back[k] = store->unpack(p.state[k]);
+        back[k] = waited([&] { return store->unpack(p.state[k]); });
       } catch (const std::exception& e) {
         throw Error(std::string("[remat::StepInBackward] the optimizer state of ") + describe_param(p.index, p.tensor) +
                     " cannot be read back from its store: " + e.what() + " Its file is kept; " +
@@ -217,7 +232,7 @@ struct StepInBackwardImpl {
                        t->storage().nbytes() == static_cast<size_t>(t->nbytes()) && t->is_contiguous();
       p.had.push_back(own);
       if (own) {
-        p.state.push_back(store->pack(*t));
+        p.state.push_back(waited([&] { return store->pack(*t); }));
         // What the store keeps as it is (below min_bytes; kHost from a CPU
         // tensor) never left memory.
         const auto& o = store->options();
@@ -322,11 +337,14 @@ struct StepInBackwardImpl {
   /** End of a backward that sent states: their writes finish before the
    *  next forward, which then holds none of them. */
   void drain() {
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       store->wait();
     } catch (const std::exception&) {  // a failed write keeps its state in memory; failures() counts it
     }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     std::lock_guard<std::mutex> lock(mu);
+    st.state_wait_ms += ms;
     drained_for = -1;
     st.state_write_failures = store->failures(&st.last_state_error);
   }

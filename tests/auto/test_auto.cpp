@@ -32,6 +32,7 @@
 #include <remat/models/resnet.h>
 #include <remat/plan/error.h>
 
+#include "../../src/offload/offload_internal.h"
 #include "../common.h"
 
 namespace {
@@ -1466,6 +1467,71 @@ TEST(AutoModelState, UNetBitwiseWithinBudget) {
 TEST(AutoModelState, GanWithTwoOptimizersBitwiseWithinBudgetStateInTheStoreAtTheLeanest) {
   check_workload(gan_workload(true), "GAN, model state", remat::AutoOptions(), false, "",
                  remat_test::fresh_dir("auto_state_gan"), true);
+}
+
+// NOTE [state priced by the step]: the state store is priced by what
+// backward waited for it in planned steps (from a placement's second step,
+// the mean of the last two), not by one state written and read back as if
+// backward waited for every byte. Two steps whose store writers are held
+// wait that long, and the plan prices the store so; two steps that wait
+// little bring the price down again.
+TEST(AutoModelState, TheStateStoreIsPricedByWhatBackwardWaits) {
+  const std::string dir = remat_test::fresh_dir("auto_state_price");
+  torch::manual_seed(0);
+  Workload w = gpt_workload()(true);
+  {
+    auto planner = remat::auto_checkpoint(
+        *w.model, remat::AutoOptions()
+                      .memory_budget_fraction(1.0)
+                      .profile_repeats(1)
+                      .optimizers(w.optimizers)
+                      .optimizer_state_store(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)));
+    int k = 0;
+    auto step = [&](double hold_ms) {
+      std::thread release;
+      if (hold_ms > 0) {
+        remat::detail::pause_offload_writers(true);
+        release = std::thread([hold_ms] {
+          std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(hold_ms));
+          remat::detail::pause_offload_writers(false);
+        });
+      }
+      planner.step([&] { w.step(k++ % kSteps); });
+      if (release.joinable()) release.join();
+    };
+    // "for +X ms per step": what the plan in force charges for the store.
+    auto charged = [&] {
+      const std::string e = planner.explain();
+      const size_t at = e.find("for +");
+      EXPECT_NE(at, std::string::npos) << e;
+      return at == std::string::npos ? -1.0 : std::stod(e.substr(at + 5));
+    };
+    step(0);
+    step(0);  // warm-up, profiled
+    planner.replan(planner.leanest_peak_bytes());
+    ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
+    step(0);  // the placement's first step: it prices nothing
+    EXPECT_NE(planner.explain().find("until planned steps measure what backward waits"), std::string::npos)
+        << planner.explain();
+    const double step_ms = planner.measured_time_ms();
+    const double hold_ms = 10 * step_ms + 200;  // far longer than a step
+    for (int i = 0; i < 2; ++i) {
+      step(hold_ms);
+      EXPECT_GE(planner.optimizer_state_wait_ms(), hold_ms - 2 * step_ms) << planner.explain();
+    }
+    EXPECT_NE(planner.explain().find("what backward waited in 2 planned steps"), std::string::npos)
+        << planner.explain();
+    ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
+    const double slow = charged();
+    EXPECT_GE(slow, hold_ms - 2 * step_ms) << planner.explain();
+    EXPECT_GE(planner.plan().prediction.time_ms, planner.plain_time_ms() + slow - 1) << planner.explain();
+    step(0);
+    step(0);
+    EXPECT_NE(planner.explain().find("what backward waited in 4 planned steps"), std::string::npos)
+        << planner.explain();
+    EXPECT_LT(charged(), slow / 4) << planner.explain();
+  }
+  EXPECT_EQ(remat_test::files_in(dir), 0u);
 }
 
 TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
