@@ -169,10 +169,11 @@ struct AutoOptions {
   /** How many times each option of each call is timed (the minimum is
    *  kept). Default 2. */
   TORCH_ARG(int, profile_repeats) = 2;
-  /** The solver's time limit, s, for each of its solves (one per placement
-   *  of the optimizer state and per in-flight tier of the disk stores, each
-   *  all its integer programs together); at the limit, the best plan found
-   *  and its gap are reported. Default 30. */
+  /** The solver's time limit, s, for each plan it solves: every placement
+   *  of the optimizer state and every in-flight tier of the disk stores,
+   *  all their integer programs together (a step that is not a chain; a
+   *  chain's exact program takes milliseconds). At the limit, the best
+   *  plan found and its gap are reported. Default 30. */
   TORCH_ARG(double, solver_time_limit_s) = 30;
   /** Solve again, with the budget lowered by the excess, after a step whose
    *  measured peak exceeds the budget by more than 1%; when no plan fits

@@ -48,9 +48,11 @@ std::string AutoCheckpoint::Impl::no_plan_fits(int64_t target) const {
          plan::describe_segment(step_model, low.segment) +
          (low.margin > 0 ? " (with " + plan::format_bytes(low.margin) + " for offload writes and reads in flight)"
                          : std::string()) +
-         (low.proven ? std::string()
-                     : "; the solver stopped at its time limit of " + limit.str() +
-                           " s: a longer solver_time_limit_s may find a leaner plan") +
+         (low.proven      ? std::string()
+          : low.timed_out ? "; the solver stopped at its time limit of " + limit.str() +
+                                " s: a longer solver_time_limit_s may find a leaner plan"
+                          : "; not proved the least: the solver's tolerances blur bytes at this size, and a leaner "
+                            "plan may exist") +
          ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or "
          "images per step).";
 }

@@ -378,8 +378,9 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
 
   struct Leanest {
     int64_t peak = 0, segment = 0;
-    int64_t margin = 0;   // the in-flight margin of the plan that reaches it (included)
-    bool proven = false;  // the solver proved it least (else it stopped at its time limit)
+    int64_t margin = 0;      // the in-flight margin of the plan that reaches it (included)
+    bool proven = false;     // the solver proved it least
+    bool timed_out = false;  // not proven: it stopped at its time limit (else GLPK's tolerances)
   };
   Leanest leanest() const;
   bool reprice_offload(double step_ms);

@@ -589,7 +589,7 @@ AutoCheckpoint::Impl::Leanest AutoCheckpoint::Impl::leanest() const {
   const plan::StepPlan lean =
       plan::min_peak_step_variants(step_model, v.list, plan::StepSolveOptions{options.solver_time_limit_s()});
   return Leanest{lean.prediction.peak_bytes, lean.prediction.peak_segment,
-                 v.of[static_cast<size_t>(lean.variant)].first.margin, lean.optimal};
+                 v.of[static_cast<size_t>(lean.variant)].first.margin, lean.optimal, lean.timed_out};
 }
 
 /** NOTE [plain time calibrated]: a predicted time is the plain step's

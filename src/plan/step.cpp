@@ -20,8 +20,14 @@
 #include <sstream>
 
 #include "remat/plan/error.h"
+#include "step_internal.h"
 
 namespace remat::plan {
+using step_detail::Deadline;
+using step_detail::LeastPeak;
+using step_detail::min_peak_within;
+using step_detail::solve_within;
+using step_detail::Unproved;
 namespace {
 
 std::string fmt_seconds(double s) {
@@ -38,26 +44,6 @@ std::string fmt_seconds(double s) {
 // reports GLPK's time limit as before. GLPK does not bound the LP
 // relaxation it solves after its presolver, so a program started late
 // still runs that LP to its end (0.7 s for 200 units called twice).
-class Deadline {
- public:
-  explicit Deadline(const StepSolveOptions& o)
-      : limit_s_(o.time_limit_s),
-        end_(std::chrono::steady_clock::now() +
-             std::chrono::milliseconds(static_cast<int64_t>(
-                 std::clamp(std::isnan(o.time_limit_s) ? 0.0 : o.time_limit_s * 1000.0, 0.0, kMaxMs)))) {}
-  // GLPK's tm_lim for a program started now, ms.
-  int ms_left() const {
-    const double left = std::chrono::duration<double, std::milli>(end_ - std::chrono::steady_clock::now()).count();
-    return static_cast<int>(std::clamp(std::ceil(left), 1.0, kMaxMs));
-  }
-  double limit_s() const { return limit_s_; }  // as given, for messages
-
- private:
-  static constexpr double kMaxMs = 2e9;  // fits GLPK's int tm_lim (23 days)
-  double limit_s_;
-  std::chrono::steady_clock::time_point end_;
-};
-
 std::string fmt_g(double x) {
   std::ostringstream os;
   os << x;
@@ -1223,17 +1209,6 @@ bool solve_chain(const StepModel& m, const StepChain& sc, int64_t budget, std::v
 }  // namespace
 
 [[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const Deadline& dl);
-// solve_step on a validated model, any budget (min_peak_step's least peak
-// may be 0 or less on a model whose segments hold nothing).
-StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& dl);
-// How min_peak_within's peak stands: proved the least in bytes, or not
-// and then whether a program stopped at the deadline (else GLPK's
-// tolerances left it unproved).
-struct LeastPeak {
-  bool proved = false, timed_out = false;
-};
-// min_peak_step on a validated model.
-StepPlan min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how = nullptr);
 
 void validate(const StepModel& m) {
   const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
@@ -1421,8 +1396,7 @@ std::string describe_segment(const StepModel& m, int64_t s) {
   return "outside every unit";
 }
 
-// A time limit the solver can keep: above 0 (infinity: none).
-static void check_limit(const StepSolveOptions& opt) {
+void step_detail::check_limit(const StepSolveOptions& opt) {
   if (!(opt.time_limit_s > 0)) {
     throw Error("[remat::plan] StepSolveOptions::time_limit_s is " + fmt_g(opt.time_limit_s) +
                 "; give a positive number of seconds (the default is 30).");
@@ -1431,11 +1405,11 @@ static void check_limit(const StepSolveOptions& opt) {
 
 StepPlan min_peak_step(const StepModel& m, const StepSolveOptions& opt) {
   validate(m);
-  check_limit(opt);
+  step_detail::check_limit(opt);
   return min_peak_within(m, Deadline(opt));
 }
 
-StepPlan min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how) {
+StepPlan step_detail::min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how) {
   LeastPeak unused;
   if (how == nullptr) how = &unused;
   const auto t0 = std::chrono::steady_clock::now();
@@ -1485,15 +1459,18 @@ StepPlan min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how)
   StepPlan plan;
   try {
     plan = solve_within(m, peak, dl);
-  } catch (const Error&) {  // the time program stopped too: the choice itself
+  } catch (const Error& e) {  // the time program stopped too: the choice itself
     plan.prediction = std::move(best);
     plan.budget_bytes = peak;
     plan.solver = "GLPK";
     plan.optimal = false;
+    const auto* u = dynamic_cast<const Unproved*>(&e);
+    plan.timed_out = u != nullptr && u->timed_out;
     plan.relative_gap = std::numeric_limits<double>::infinity();
   }
   if (!proved) {
     plan.optimal = false;
+    plan.timed_out = plan.timed_out || how->timed_out;
     if (found && r.optimal) {  // the peak's gap to GLPK's bound, less its LP's tolerance
       const double low = bound - kLpRel * peak_scale(rows);
       plan.relative_gap =
@@ -1506,16 +1483,20 @@ StepPlan min_peak_within(const StepModel& m, const Deadline& dl, LeastPeak* how)
   return plan;
 }
 
-StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
-  validate(m);
-  check_limit(opt);
+void step_detail::check_budget(int64_t budget_bytes) {
   if (budget_bytes <= 0) {
     throw Error("[remat::plan] budget_bytes is " + std::to_string(budget_bytes) + "; give a positive budget.");
   }
+}
+
+StepPlan solve_step(const StepModel& m, int64_t budget_bytes, const StepSolveOptions& opt) {
+  validate(m);
+  step_detail::check_limit(opt);
+  step_detail::check_budget(budget_bytes);
   return solve_within(m, budget_bytes, Deadline(opt));
 }
 
-StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& dl) {
+StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& dl) {
   const auto t0 = std::chrono::steady_clock::now();
   StepPlan plan;
   plan.budget_bytes = budget_bytes;
@@ -1596,6 +1577,7 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& 
       }
       plan.prediction = std::move(pred);
       plan.optimal = r.optimal;
+      plan.timed_out = timed_out && !r.optimal;
       plan.relative_gap = r.gap;
       plan.rows = r.rows;
       plan.columns = r.columns;
@@ -1615,15 +1597,17 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& 
     plan.prediction = std::move(guess);
     plan.solver = "leanest options";
     plan.optimal = false;
+    plan.timed_out = timed_out;
     plan.relative_gap = std::numeric_limits<double>::infinity();
     plan.solve_ms = ms_since(t0);
     return plan;
   }
   if (timed_out) {
-    throw Error("[remat::plan] the solver stopped at its time limit of " + fmt_seconds(dl.limit_s()) +
-                " before it found a plan of the step's " + std::to_string(m.units.size()) + " units within " +
-                format_bytes(budget_bytes) + " (not a chain: GLPK's integer program). Raise the time limit (" +
-                "StepSolveOptions::time_limit_s, AutoOptions::solver_time_limit_s), or the budget.");
+    throw Unproved("[remat::plan] the solver stopped at its time limit of " + fmt_seconds(dl.limit_s()) +
+                       " before it found a plan of the step's " + std::to_string(m.units.size()) + " units within " +
+                       format_bytes(budget_bytes) + " (not a chain: GLPK's integer program). Raise the time limit (" +
+                       "StepSolveOptions::time_limit_s, AutoOptions::solver_time_limit_s), or the budget.",
+                   /*timed_out=*/true);
   }
   throw_infeasible(m, budget_bytes, dl);
 }
@@ -1650,11 +1634,13 @@ StepPlan solve_within(const StepModel& m, int64_t budget_bytes, const Deadline& 
     why = " (not proved the least: GLPK's tolerances blur bytes at this size; a leaner plan may exist" +
           (std::isfinite(lean.relative_gap) ? ", within a relative " + fmt_g(lean.relative_gap) : std::string()) + ")";
   }
-  throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) + "; the smallest " +
-              (how.proved ? "feasible peak is " : "peak found is ") + format_bytes(low.peak_bytes) + ", reached " +
-              describe_segment(m, low.peak_segment) + why +
-              ". Raise the memory budget to at least that, or make what runs there smaller (fewer tokens or images "
-              "per step).");
+  const std::string what = "[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) +
+                           "; the smallest " + (how.proved ? "feasible peak is " : "peak found is ") +
+                           format_bytes(low.peak_bytes) + ", reached " + describe_segment(m, low.peak_segment) + why +
+                           ". Raise the memory budget to at least that, or make what runs there smaller (fewer "
+                           "tokens or images per step).";
+  if (!how.proved) throw Unproved(what, how.timed_out);
+  throw Error(what);
 }
 
 }  // namespace remat::plan

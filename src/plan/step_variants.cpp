@@ -9,6 +9,8 @@
 #include <remat/plan/error.h>
 #include <remat/plan/step.h>
 
+#include "step_internal.h"
+
 namespace remat::plan {
 
 namespace {
@@ -19,6 +21,27 @@ void check_list(const std::vector<StepVariant>& variants, const char* fn) {
                 " with no variants; give at least one (a default StepVariant is "
                 "the model itself).");
   }
+}
+
+/** min_peak_step_variants within the deadline of the call. */
+StepPlan min_peak_within_variants(const StepModel& model, const std::vector<StepVariant>& variants,
+                                  const step_detail::Deadline& dl) {
+  std::optional<StepPlan> best;
+  bool proven = true, timed_out = false;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    StepPlan p = step_detail::min_peak_within(apply_variant(model, variants[i]), dl);
+    proven = proven && p.optimal;
+    timed_out = timed_out || p.timed_out;
+    const StepPrediction& a = p.prediction;
+    if (!best || a.peak_bytes < best->prediction.peak_bytes ||
+        (a.peak_bytes == best->prediction.peak_bytes && a.time_ms < best->prediction.time_ms)) {
+      p.variant = static_cast<int64_t>(i);
+      best = std::move(p);
+    }
+  }
+  best->optimal = best->optimal && proven;
+  best->timed_out = !best->optimal && timed_out;
+  return *best;
 }
 
 }  // namespace
@@ -77,34 +100,47 @@ StepModel apply_variant(const StepModel& model, const StepVariant& v) {
   return m;
 }
 
+// NOTE [one deadline] across variants: the call's time limit bounds every
+// variant's solve together; each gets what is left (GLPK at least 1 ms, the
+// chain DP as long as it takes), so a list of many variants of a model that
+// is not a chain stops near the limit, not at the limit times the list.
+
 StepPlan solve_step_variants(const StepModel& model, const std::vector<StepVariant>& variants, int64_t budget_bytes,
                              const StepSolveOptions& options) {
   check_list(variants, "solve_step_variants");
   validate(model);
+  step_detail::check_limit(options);
+  step_detail::check_budget(budget_bytes);
+  const step_detail::Deadline dl(options);
   std::optional<StepPlan> best;
-  bool proven = true;  // every variant solved to optimality, or proven to have no plan
+  bool proven = true, timed_out = false;  // every variant solved to optimality, or proven to have no plan
   for (size_t i = 0; i < variants.size(); ++i) {
     const StepModel m = apply_variant(model, variants[i]);
     try {
-      StepPlan p = solve_step(m, budget_bytes, options);
+      StepPlan p = step_detail::solve_within(m, budget_bytes, dl);
       proven = proven && p.optimal;
+      timed_out = timed_out || p.timed_out;
       if (!best || p.prediction.time_ms < best->prediction.time_ms) {
         p.variant = static_cast<int64_t>(i);
         best = std::move(p);
       }
-    } catch (const Error& e) {
-      // This variant has no plan within the budget (or its solver stopped
-      // at its time limit first); another may.
-      proven = proven && std::string(e.what()).find("time limit") == std::string::npos;
+    } catch (const step_detail::Unproved& e) {
+      // No plan found, none proved not to exist; another variant may have one.
+      proven = false;
+      timed_out = timed_out || e.timed_out;
+    } catch (const Error&) {
+      // This variant has no plan within the budget; another may.
     }
   }
   if (best) {
     best->optimal = best->optimal && proven;  // the fastest of all only if each was
+    best->timed_out = !best->optimal && timed_out;
     return *best;
   }
   // None fits: the error of the variant that goes lowest, with its floor.
-  const StepPlan lean = min_peak_step_variants(model, variants, options);
-  StepPlan p = solve_step(apply_variant(model, variants[static_cast<size_t>(lean.variant)]), budget_bytes, options);
+  const StepPlan lean = min_peak_within_variants(model, variants, dl);
+  StepPlan p =
+      step_detail::solve_within(apply_variant(model, variants[static_cast<size_t>(lean.variant)]), budget_bytes, dl);
   p.variant = lean.variant;  // reached only when that solve now fits (a solver time limit)
   return p;
 }
@@ -113,20 +149,8 @@ StepPlan min_peak_step_variants(const StepModel& model, const std::vector<StepVa
                                 const StepSolveOptions& options) {
   check_list(variants, "min_peak_step_variants");
   validate(model);
-  std::optional<StepPlan> best;
-  bool proven = true;
-  for (size_t i = 0; i < variants.size(); ++i) {
-    StepPlan p = min_peak_step(apply_variant(model, variants[i]), options);
-    proven = proven && p.optimal;
-    const StepPrediction& a = p.prediction;
-    if (!best || a.peak_bytes < best->prediction.peak_bytes ||
-        (a.peak_bytes == best->prediction.peak_bytes && a.time_ms < best->prediction.time_ms)) {
-      p.variant = static_cast<int64_t>(i);
-      best = std::move(p);
-    }
-  }
-  best->optimal = best->optimal && proven;
-  return *best;
+  step_detail::check_limit(options);
+  return min_peak_within_variants(model, variants, step_detail::Deadline(options));
 }
 
 }  // namespace remat::plan

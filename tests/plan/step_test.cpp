@@ -856,6 +856,7 @@ TEST(StepSolve, TheTimeLimitIsOneDeadlineForTheWholeCall) {
   EXPECT_GT(lean.solve_ms, limit_ms / 2) << "the step should keep GLPK busy to its limit";
   EXPECT_LT(lean.solve_ms, limit_ms + margin_ms);
   EXPECT_FALSE(lean.optimal);
+  EXPECT_TRUE(lean.timed_out);
   EXPECT_EQ(rp::simulate_step(m, lean.prediction.choice).peak_bytes, lean.prediction.peak_bytes);
   const auto t0 = std::chrono::steady_clock::now();
   try {
@@ -870,6 +871,41 @@ TEST(StepSolve, TheTimeLimitIsOneDeadlineForTheWholeCall) {
   }
   const double error_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_LT(error_ms, limit_ms + margin_ms);
+}
+
+// The same across variants: solve_step_variants and min_peak_step_variants
+// solve every variant within one limit. Three variants of the step above
+// took the limit each (3.0 s at 1 s); now 1.0 s, with the same margin.
+TEST(StepSolve, TheTimeLimitIsOneDeadlineForAllVariants) {
+  std::mt19937 rng(1);
+  const rp::StepModel m = partition_step(rng, 200);
+  std::vector<rp::StepVariant> variants(3);
+  variants[1].time_ms = 1;  // the same memory, a little slower
+  variants[2].time_ms = 2;
+  rp::StepSolveOptions opt;
+  opt.time_limit_s = 1;
+  const double limit_ms = 1000, margin_ms = 800;
+  auto ms_since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  const rp::StepPlan lean = rp::min_peak_step_variants(m, variants, opt);
+  EXPECT_LT(ms_since(t0), limit_ms + margin_ms);
+  EXPECT_FALSE(lean.optimal);
+  EXPECT_TRUE(lean.timed_out);
+  t0 = std::chrono::steady_clock::now();
+  const rp::StepPlan fits = rp::solve_step_variants(m, variants, lean.prediction.peak_bytes, opt);
+  EXPECT_LT(ms_since(t0), limit_ms + margin_ms);
+  EXPECT_LE(fits.prediction.peak_bytes, lean.prediction.peak_bytes);
+  EXPECT_EQ(fits.timed_out, !fits.optimal);
+  t0 = std::chrono::steady_clock::now();
+  try {
+    rp::solve_step_variants(m, variants, 1 << 20, opt);
+    FAIL() << "expected an error";
+  } catch (const remat::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the solver stopped at its time limit of 1 s"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(ms_since(t0), limit_ms + margin_ms);
 }
 
 // fuzz/FINDINGS.md, "Fixed", item 10: at TB peaks GLPK's peak program is
@@ -981,8 +1017,10 @@ TEST(StepSolve, GlpkLeastPeaksOfRandomStepsAreOptimalOnlyWhenProved) {
       if (!low.optimal) {
         ++unproved;
         EXPECT_GT(low.relative_gap, 0) << what;
+        EXPECT_FALSE(low.timed_out) << what << ": its tolerances, not the time limit, left it unproved";
         continue;
       }
+      EXPECT_FALSE(low.timed_out) << what;
       EXPECT_EQ(low.prediction.peak_bytes, all.min_peak) << what << ": claims optimal";
       EXPECT_EQ(low.relative_gap, 0) << what;
       EXPECT_EQ(low.prediction.time_ms, remat_test::step::best_of(every, all.min_peak).best_time) << what;

@@ -166,7 +166,8 @@ struct StepSolveOptions {
    *  programs together (each gets what is left, at least 1 ms); past it
    *  the call reports the gap or that it stopped. GLPK's LP relaxation
    *  after its presolver runs to its end, so a call may overrun by that
-   *  much. The _variants functions give each variant its own. */
+   *  much. solve_step_variants and min_peak_step_variants: one limit for
+   *  all their variants together (each solve gets what is left). */
   double time_limit_s = 30;
 };
 
@@ -196,6 +197,12 @@ struct StepPlan {
    *  choice's peak less 1e-9 of the largest peak a choice may reach (its
    *  LP's tolerance). */
   double relative_gap = 0;
+  /** True when a program stopped at the time limit before the plan was
+   *  proved (optimal is then false): a longer limit may find better.
+   *  False when optimal, and when only GLPK's tolerances left the plan
+   *  unproved (min_peak_step at peaks of terabytes: relative_gap says by
+   *  how much). */
+  bool timed_out = false;
   double solve_ms = 0;  ///< wall time of the solve, ms
   /** solve_step_variants, min_peak_step_variants: the variant chosen (an
    *  index into their list); -1 elsewhere. */
@@ -251,10 +258,11 @@ struct StepVariant {
 StepModel apply_variant(const StepModel& model, const StepVariant& variant);
 
 /** The fastest plan over every variant, each solved as solve_step solves
- *  apply_variant(model, variant) under budget_bytes; the earlier variant
- *  among equally fast ones. StepPlan::variant names the one chosen, and
- *  the prediction is that variant's (its shifts and time included);
- *  optimal only when every variant's solve was.
+ *  apply_variant(model, variant) under budget_bytes, within one time
+ *  limit for them all; the earlier variant among equally fast ones.
+ *  StepPlan::variant names the one chosen, and the prediction is that
+ *  variant's (its shifts and time included); optimal only when every
+ *  variant's solve was (timed_out: one stopped at the time limit).
  *  Throws remat::Error for an empty list and, when no variant has a plan
  *  that fits, solve_step's error for the variant whose least peak is
  *  smallest. */
