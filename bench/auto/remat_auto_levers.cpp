@@ -35,7 +35,8 @@
 // bench/results/auto-levers.json (auto-resnet-levers.json; --quick: a toy
 // size, -quick.json): {"kind": "meta"}, {"kind": "profile"} (the planner's
 // profile: its profiled and leanest peaks, where the leanest plan peaks, its
-// explain()), one {"kind": "strategy"} per strategy. Prints a table.
+// explain()), one {"kind": "strategy"} per strategy (with, per timed step, what
+// its backward waited on the state store, ms). Prints a table.
 // Leaves out: dropout, SDPA, mixed precision, the Python anchors (those of
 // remat_auto run in bench/py/auto_py.py).
 
@@ -98,6 +99,7 @@ struct Record {
   int units = 0, keep = 0;  // units of the plan, and those at "keep"
   std::vector<double> ms, time_ratios;
   std::vector<int64_t> peaks, state_in_store;
+  std::vector<double> state_wait_ms;  // what each step's backward waited on the state store
 };
 
 }  // namespace
@@ -219,7 +221,10 @@ int main(int argc, char** argv) {
     if (timed) {
       r.ms.push_back(ms);
       r.peaks.push_back(peak);
-      if (on_b) r.state_in_store.push_back(planner.optimizer_state_in_store_bytes());
+      if (on_b) {
+        r.state_in_store.push_back(planner.optimizer_state_in_store_bytes());
+        r.state_wait_ms.push_back(planner.optimizer_state_wait_ms());
+      }
     }
   };
   for (auto& r : recs) run(r, false);  // each plan's first step (the state goes to the store, the read-ahead learns)
@@ -278,7 +283,8 @@ int main(int argc, char** argv) {
       out << ", \"budget\": " << own(r.budget) << ", \"predicted_peak\": " << own(r.predicted_peak)
           << ", \"inflight\": " << r.inflight << ", \"predicted_ms\": " << num(r.predicted_ms)
           << ", \"plan\": " << quoted(r.plan) << ", \"loss_option\": " << quoted(r.loss) << ", \"units\": " << r.units
-          << ", \"units_keep\": " << r.keep << ", \"state_in_store\": " << json_list(r.state_in_store);
+          << ", \"units_keep\": " << r.keep << ", \"state_in_store\": " << json_list(r.state_in_store)
+          << ", \"state_wait_ms\": " << json_list(r.state_wait_ms);
     }
     out << "}\n";
   }

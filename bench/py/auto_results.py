@@ -400,18 +400,19 @@ def levers(recs, hand=None):
             f"rounds" + (f", the machine's 1-minute load average {min(load):.1f}-{max(load):.1f}" if load else "")
             + "; time ratios: medians of per-round ratios to plain [min-max].", "",
             "| strategy | budget | predicted peak | measured peak | x plain | step time x plain | predicted time x plain | "
-            "state in the store | room in flight | units not at keep | loss head |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "state in the store | backward waited on it | room in flight | units not at keep | loss head |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain_median = statistics.median(plain["ms"])
     for r in strat:
         if r["name"] == "plain":
-            rows.append(f"| plain (step after backward) | - | - | {_mib(r['peak'])} | 1.000 | {_ratio(r)} | - | - | - | - | - |")
+            rows.append(f"| plain (step after backward) | - | - | {_mib(r['peak'])} | 1.000 | {_ratio(r)} | - | - | - | - | - | - |")
             continue
         pt = f"{r['predicted_ms'] / plain_median:.3f}" if "predicted_ms" in r else "-"
         stored = _mib(statistics.median(r["state_in_store"])) if r.get("state_in_store") else "-"
+        waited = f"{statistics.median(r['state_wait_ms']):.0f} ms" if r.get("state_wait_ms") else "-"
         inflight = _mib(r["inflight"]) if r.get("inflight") else "-"
         rows.append(f"| {r['label']} | {_mib(r['budget'])} | {_mib(r['predicted_peak'])} | {_mib(r['peak'])} | "
-                    f"{r['peak_ratio']:.3f} | {_ratio(r)} | {pt} | {stored} | {inflight} | {r['units'] - r['units_keep']} of "
+                    f"{r['peak_ratio']:.3f} | {_ratio(r)} | {pt} | {stored} | {waited} | {inflight} | {r['units'] - r['units_keep']} of "
                     f"{r['units']} | {r['loss_option'] or '-'} |")
     autos = [r for r in strat if r["name"] != "plain"]
     leanest = min(autos, key=lambda r: r["peak"])
@@ -424,7 +425,11 @@ def levers(recs, hand=None):
             + (", more or less where the plan chose it (\"room in flight\": the margin the plan keeps above its "
                "prediction for what its disk stores may hold in flight while the disk is behind: activations being "
                "written or read ahead, and, in plans from after the optimizer state's writes joined it, the states "
-               "being written; '-' when there are none)." if any("inflight" in r for r in autos) else ".")]
+               "being written; '-' when there are none)." if any("inflight" in r for r in autos) else ".")
+            + (" \"Backward waited on it\": the median over the rounds of what a step's backward waited on the "
+               "state store (reads not back in time, the store at its cap, the writes finished as backward ends; "
+               "StepInBackwardStats::state_wait_ms), which the plan prices the store by."
+               if any(r.get("state_wait_ms") for r in autos) else "")]
     tgt = []
     lean_target = 0.22 if gpt else 0.35
     tgt.append(f"- the leanest plan <= {lean_target}x plain's peak: **{'met' if leanest['peak_ratio'] <= lean_target else 'missed'}** "
