@@ -667,6 +667,8 @@ Cut row_cut(const StepModel& m, const Row& r, const std::vector<int>& choice) {
 // false, *best the leanest found, after kProofTries programs or at the
 // deadline.
 constexpr int kProofTries = 16;
+// Programs solve_within runs at most: the first, then one per round of cuts.
+constexpr int kFitTries = 16;
 bool prove_least_peak(const StepModel& m, const std::vector<Row>& rows, const Deadline& dl, StepPrediction* best,
                       double* bound_bytes, bool* timed_out) {
   lower_peak_one_at_a_time(m, best);
@@ -1529,19 +1531,18 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
     if (!too_big) throw_infeasible(m, budget_bytes, dl);
   }
   plan.solver = "GLPK";
-  std::vector<Row> all = rows_of(m);
   // GLPK works in doubles: a choice it accepts within its tolerances is
-  // checked in integer bytes and, if over, solved again exactly (NOTE [GLPK
-  // in bytes]): at the budget, then with each row it went over lowered by
-  // its excess and a margin that grows (64 B, 256 B, ...: its LP's
-  // feasibility tolerance). A plan solved with rows lowered is optimal only
-  // if it is as fast as the optimum of a program at the budget (over every
-  // choice GLPK accepted within the budget: no faster choice fits).
-  bool lowered = false;
+  // checked in integer bytes and, if over, the options that set each row it
+  // breaks are cut off (row_cut: every choice with those options breaks
+  // that row too) and the program is solved again exactly (NOTE [GLPK in
+  // bytes]). The cuts remove only choices that do not fit, so each
+  // program's optimum bounds every plan that fits: the plan returned is
+  // optimal when it is as fast as the highest such bound.
+  const std::vector<Row> rows = binding_rows(rows_of(m), budget_bytes);
+  std::vector<Cut> cuts;
   bool timed_out = false;
   std::optional<double> bound;  // the highest optimum, ms, GLPK proved at the budget
-  for (int attempt = 0; attempt < 6; ++attempt) {
-    const std::vector<Row> rows = binding_rows(all, budget_bytes);
+  for (int attempt = 0; attempt < kFitTries; ++attempt) {
     MipResult r;
     bool found;
     if (rows.empty() && nesting_violation(m, fastest_choice(m)).first < 0) {
@@ -1550,18 +1551,18 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
       r.optimal = true;
       found = true;
     } else {
-      found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/attempt > 0);
+      found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/attempt > 0, cuts);
       timed_out = timed_out || r.timed_out;
       if (!found && attempt > 0 && !r.timed_out && !r.infeasible) {
         // The exact program ran into numerical trouble: the same rows with
         // GLPK's defaults, whose choice is checked in bytes as any.
-        found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r);
+        found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/false, cuts);
         timed_out = timed_out || r.timed_out;
       }
     }
     if (!found) break;
     StepPrediction pred = simulate_step(m, r.choice);
-    if (!lowered && r.optimal) bound = std::max(bound.value_or(pred.time_ms), pred.time_ms);
+    if (r.optimal) bound = std::max(bound.value_or(pred.time_ms), pred.time_ms);
     if (pred.peak_bytes <= budget_bytes) {
       const bool improved = improve_one_at_a_time(m, budget_bytes, &pred);
       if (r.optimal && (improved || attempt > 0)) {
@@ -1584,12 +1585,13 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
       plan.solve_ms = ms_since(t0);
       return plan;
     }
-    if (attempt == 0) continue;
-    for (Row& row : all) {  // its segments share their deltas: the highest is row.segment
-      const int64_t over = pred.segment_bytes[row.segment] - budget_bytes;
-      if (over > 0) row.peak_bytes += over + (int64_t{64} << (2 * (attempt - 1)));
+    bool movable = true;  // some option moves each row the choice breaks
+    for (const Row& row : rows) {
+      if (pred.segment_bytes[row.segment] <= budget_bytes) continue;
+      cuts.push_back(row_cut(m, row, r.choice));
+      movable = movable && !cuts.back().empty();
     }
-    lowered = true;
+    if (!movable) break;  // every choice breaks that row: none fits
   }
   // The program found nothing that fits (stopped at its time limit, or
   // within GLPK's tolerance): each unit's leanest option, if that fits.

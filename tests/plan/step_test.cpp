@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -1025,8 +1026,50 @@ TEST(StepSolve, GlpkLeastPeaksOfRandomStepsAreOptimalOnlyWhenProved) {
       EXPECT_EQ(low.relative_gap, 0) << what;
       EXPECT_EQ(low.prediction.time_ms, remat_test::step::best_of(every, all.min_peak).best_time) << what;
     }
-    // Most are proved (2-3% not: GLPK's time program at the least peak
-    // keeps taking a faster choice bytes over it).
-    EXPECT_LT(unproved, steps / 10) << "unit " << unit;
+    std::printf("unit %lld: %d of %d least peaks not proved\n", static_cast<long long>(unit), unproved, steps);
+    // All of these are proved (2-3% were not while solve_step lowered the
+    // rows GLPK's time program broke at the least peak: item 11).
+    EXPECT_LT(unproved, steps / 100) << "unit " << unit;
+  }
+}
+
+// fuzz/FINDINGS.md, "Fixed", item 11: at a step's least peak GLPK's time
+// program takes a choice bytes over the budget (its LP's tolerance), and
+// solve_step lowered the rows it broke by growing margins (64 B, 256 B,
+// ...), which could cut off every plan that fits: it refused 53, 57 and
+// 1,507 of 100,000 near-tie steps (units of 1 MiB, 1 GiB, 32 GiB) whose
+// least peak it had been given, and left others unproved. Now the options
+// that set a broken row are cut off, which removes only choices that break
+// it. Every step here has its plan at its least peak, the fastest there
+// whenever solve_step says optimal.
+TEST(StepSolve, AtTheLeastPeakSolveStepFindsAPlanOfNearTieSteps) {
+  rp::StepSolveOptions opt;
+  opt.time_limit_s = 5;
+  for (const int64_t unit : {int64_t{1} << 20, int64_t{1} << 30, int64_t{32} << 30}) {
+    int steps = 0, unproved = 0;
+    for (uint64_t seed = 0; seed < 10000; ++seed) {
+      const rp::StepModel m = near_tie_step(seed, unit);
+      if (validate_error(m) != "valid") continue;
+      const auto every = remat_test::step::every_choice(m);
+      const Brute all = remat_test::step::best_of(every, std::numeric_limits<int64_t>::max());
+      if (all.min_peak <= 0) continue;
+      ++steps;
+      const std::string what = "unit " + std::to_string(unit) + " seed " + std::to_string(seed);
+      try {
+        const rp::StepPlan p = rp::solve_step(m, all.min_peak, opt);
+        ASSERT_EQ(rp::simulate_step(m, p.prediction.choice).peak_bytes, p.prediction.peak_bytes) << what;
+        EXPECT_LE(p.prediction.peak_bytes, all.min_peak) << what;
+        if (p.optimal) {
+          EXPECT_EQ(p.prediction.time_ms, remat_test::step::best_of(every, all.min_peak).best_time) << what;
+        } else {
+          ++unproved;
+        }
+      } catch (const remat::Error& e) {
+        ADD_FAILURE() << what << ": " << e.what();
+      }
+    }
+    std::printf("unit %lld: %d of %d plans at the least peak not proved the fastest\n", static_cast<long long>(unit),
+                unproved, steps);
+    EXPECT_LT(unproved, steps / 100) << "unit " << unit << ": " << unproved << " of " << steps << " not proved";
   }
 }
