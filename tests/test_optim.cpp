@@ -485,6 +485,10 @@ TEST(StepInBackward, ABackwardThatSentStatesEndsOnceTheirWritesAreDone) {
   // What the store cost is what backward waited: here at least the 1.5 s
   // the writers were held (less the forward and backward before the wait).
   EXPECT_GE(sib.stats().state_wait_ms, 1000.0);
+  // Reading every state back between steps is not a backward's wait.
+  const double waited = sib.stats().state_wait_ms;
+  sib.fetch_state();
+  EXPECT_EQ(sib.stats().state_wait_ms, waited);
 }
 
 TEST(StepInBackward, StateReadAheadInTheOrderOfTheLastBackward) {

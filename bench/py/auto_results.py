@@ -462,17 +462,15 @@ def levers(recs, hand=None):
                   f"{outside(worst) * 100:.1f}% at most outside it; the prediction alone: "
                   f"{max(abs(r['predicted_peak'] / r['peak'] - 1) for r in autos) * 100:.1f}% at most")
                + ")")
-    # As the frontier's rule: the prediction against the median step of its point (its median ratio times plain's
-    # median step).
-    plain_ms = sorted(plain["ms"])
+    # The prediction against the median step of its point (its median ratio times plain's median step).
     if all("predicted_ms" in r for r in autos):
         def terr(r):
-            return r["predicted_ms"] / (r["time_ratio"]["median"] * plain_ms[len(plain_ms) // 2]) - 1
+            return r["predicted_ms"] / (r["time_ratio"]["median"] * plain_median) - 1
         worst_t = max(autos, key=lambda r: abs(terr(r)))
         tgt.append(f"- predicted time within 10% of the measured one on every point: "
                    f"**{'met' if abs(terr(worst_t)) <= 0.10 else 'missed'}** ({abs(terr(worst_t)) * 100:.1f}% at most: "
                    f"{worst_t['label']}, predicted {worst_t['predicted_ms']:.0f} ms, measured "
-                   f"{worst_t['time_ratio']['median'] * plain_ms[len(plain_ms) // 2]:.0f} ms)")
+                   f"{worst_t['time_ratio']['median'] * plain_median:.0f} ms)")
     if hand:
         hs = []
         for lib, recs_ in hand:

@@ -95,9 +95,10 @@ struct StepInBackwardStats {
   /** Milliseconds backward waited on the state store (state_offload):
    *  reading back a state that was not read ahead in time, handing one to
    *  a store whose bytes in flight are at its cap, and the writes finished
-   *  as a backward ends. What keeping the state in a store added to the
-   *  steps, beside the compute it overlaps; auto_checkpoint prices its
-   *  store by it. */
+   *  as a backward ends (host wall time; fetch_state() and the like,
+   *  between steps, do not count). What keeping the state in a store
+   *  added to the steps, beside the compute it overlaps; auto_checkpoint
+   *  prices its store by it. */
   double state_wait_ms = 0;
 };
 

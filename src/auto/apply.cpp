@@ -59,6 +59,7 @@ void AutoCheckpoint::Impl::put_in_force(plan::StepPlan p) {
   transfer_price.restart();
   plain_last = -1;  // NOTE [plain time calibrated]
   plain_plan_steps = 0;
+  state_price_planned = state_ms_per_byte;  // NOTE [state priced by the step]
   step_plan = std::move(p);
   planned = true;
   apply();

@@ -229,6 +229,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   int state_reprices = 0;                // planned steps that priced it
   int state_steps = 0;                   // steps run with the placement in force
   double state_last = -1;                // the last step's price (-1: none yet)
+  double state_price_planned = 0;        // the price the plan in force was solved with
   double state_wait_last_ms = 0;         // what the last planned step's backward waited on the store
   /** One update inside the profiled step's backward: optimizers()[opt]'s
    *  parameter of param group `group`, its state bytes, and when. */

@@ -36,8 +36,10 @@
 // state in the store, from its placement's second step on (the first
 // sends every state and reads none back), prices the store at what
 // backward waited per byte written and read back; the price is the mean
-// of the last two steps', and when it moves the plan in force by more
-// than 1% of the plain step the plan is solved again. What the store's
+// of the last two steps' (of one placement), and when it is more than 1%
+// of the plain step off the price the plan in force was solved with, the
+// plan is solved again (an overrun or a plan that no longer fits leaves
+// that to the next step). What the store's
 // threads take from the compute beside them is not in a wait: where it
 // slows the step, the plain time's calibration and the offload repricing
 // leave it out too.
@@ -292,7 +294,7 @@ bool AutoCheckpoint::Impl::reprice_state(double waited_ms) {
   const double observed = std::max(0.0, waited_ms) / (2.0 * static_cast<double>(sent));
   const double price = state_last >= 0 ? 0.5 * (state_last + observed) : observed;
   state_last = observed;
-  const double moved = std::abs(price - state_ms_per_byte) * 2.0 * static_cast<double>(sent);
+  const double moved = std::abs(price - state_price_planned) * 2.0 * static_cast<double>(sent);
   state_ms_per_byte = price;
   ++state_reprices;
   return moved > 0.01 * step_model.step_time_ms;
@@ -353,6 +355,7 @@ void AutoCheckpoint::Impl::apply_state() {
   }
   state_in_force = want;
   state_steps = 0;
+  state_last = -1;  // a new placement's price starts from its own steps
 }
 
 std::string AutoCheckpoint::Impl::explain_state() const {
@@ -386,8 +389,8 @@ std::string AutoCheckpoint::Impl::explain_state() const {
        << static_cast<double>(static_cast<int64_t>(placement.ms * 10 + 0.5)) / 10 << " ms per step ("
        << to_string(options.optimizer_state_store()->target());
     if (state_reprices > 0) {
-      os << ", what backward waited in " << state_reprices << (state_reprices == 1 ? " planned step" : " planned steps")
-         << ": " << static_cast<double>(static_cast<int64_t>(state_ms_per_byte * double(int64_t{1} << 30) * 2 + 0.5))
+      os << ", priced by what backward waited in its last planned steps (" << state_reprices << " priced it so far): "
+         << static_cast<double>(static_cast<int64_t>(state_ms_per_byte * double(int64_t{1} << 30) * 2 + 0.5))
          << " ms per GiB of state)\n";
     } else {
       os << ", measured "

@@ -141,19 +141,33 @@ struct StepInBackwardImpl {
   std::vector<int64_t> pos_in_last;         // per parameter, its place in last_order or -1
   StepInBackward::UpdateListener listener;  // on_update()
 
-  /** Runs fn, adding its time to st.state_wait_ms (NOTE [state between
-   *  updates]: what the store costs a step is what the updates wait for). */
+  /** Inside a backward's updates (on_grad, fetch_pending; with mu held):
+   *  the store calls there count as waits. fetch_state(), offload_groups()
+   *  and the like run between steps and do not. */
+  bool in_updates = false;
+  /** Runs fn, adding its time to st.state_wait_ms when in_updates (NOTE
+   *  [state between updates]: what the store costs a step is what
+   *  backward waits for it). Host wall time. */
   template <typename F>
   auto waited(F&& fn) {
     struct Add {
       StepInBackwardStats& st;
+      bool on;
       std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
       ~Add() {
-        st.state_wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (on) {
+          st.state_wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        }
       }
-    } add{st};
+    } add{st, in_updates};
     return fn();
   }
+  /** RAII: in_updates while it lives; call with mu held. */
+  struct Updating {
+    bool& flag;
+    explicit Updating(bool& f) : flag(f) { flag = true; }
+    ~Updating() { flag = false; }
+  };
 
   StepInBackwardImpl(torch::optim::Optimizer& o, StepInBackwardOptions opts) : opt(o), options(std::move(opts)) {}
 
@@ -282,6 +296,7 @@ struct StepInBackwardImpl {
     }
     const std::string why = deferred_why(t);
     std::lock_guard<std::mutex> lock(mu);
+    const Updating updating(in_updates);
     auto it = by_impl.find(t.unsafeGetTensorImpl());
     if (it == by_impl.end()) return;
     Param& p = params[it->second];
@@ -354,6 +369,7 @@ struct StepInBackwardImpl {
    *  step(). */
   void fetch_pending() {
     std::lock_guard<std::mutex> lock(mu);
+    const Updating updating(in_updates);
     queued_for = -1;
     for (auto& q : params) {
       if (!q.pending) continue;

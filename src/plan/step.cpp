@@ -36,14 +36,6 @@ std::string fmt_seconds(double s) {
   return os.str();
 }
 
-// NOTE [one deadline]: StepSolveOptions::time_limit_s bounds a whole call
-// of solve_step or min_peak_step, not each GLPK program in it (one call may
-// run a dozen: default, exact re-solves, the proof, the time program at
-// the least peak, throw_infeasible's least peak). Each program gets what
-// is left, at least 1 ms (GLPK's tm_lim, whole ms), and one that runs out
-// reports GLPK's time limit as before. GLPK does not bound the LP
-// relaxation it solves after its presolver, so a program started late
-// still runs that LP to its end (0.7 s for 200 units called twice).
 std::string fmt_g(double x) {
   std::ostringstream os;
   os << x;
@@ -1210,7 +1202,7 @@ bool solve_chain(const StepModel& m, const StepChain& sc, int64_t budget, std::v
 
 }  // namespace
 
-[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const Deadline& dl);
+StepPlan least_or_throw(const StepModel& m, int64_t budget_bytes, const Deadline& dl);
 
 void validate(const StepModel& m) {
   const int64_t n = static_cast<int64_t>(m.segment_peak_bytes.size());
@@ -1528,7 +1520,7 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
       plan.solve_ms = ms_since(t0);
       return plan;
     }
-    if (!too_big) throw_infeasible(m, budget_bytes, dl);
+    if (!too_big) return least_or_throw(m, budget_bytes, dl);
   }
   plan.solver = "GLPK";
   // GLPK works in doubles: a choice it accepts within its tolerances is
@@ -1611,14 +1603,21 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
                        "StepSolveOptions::time_limit_s, AutoOptions::solver_time_limit_s), or the budget.",
                    /*timed_out=*/true);
   }
-  throw_infeasible(m, budget_bytes, dl);
+  // No program proved that nothing fits (infeasible, or a row no option
+  // moves) when the tries ran out or GLPK ran into numerical trouble: the
+  // least peak says.
+  StepPlan least = least_or_throw(m, budget_bytes, dl);
+  least.solve_ms = ms_since(t0);
+  return least;
 }
 
-[[noreturn]] void throw_infeasible(const StepModel& m, int64_t budget_bytes, const Deadline& dl) {
-  // Nothing fits: say how low the step can go and who sets that floor.
-  // min_peak_step solves at the floor it finds, which could land here again
-  // (GLPK's tolerance): that inner call throws this short error, which
-  // min_peak_step catches.
+// Nothing fit at the budget: throws, saying how low the step can go and
+// who sets that floor; or, when the least peak fits after all (the
+// programs at the budget gave up), returns that plan, not proved the
+// fastest. min_peak_step solves at the floor it finds, which could land
+// here again (GLPK's tolerance): that inner call throws a short error,
+// which min_peak_step catches.
+StepPlan least_or_throw(const StepModel& m, int64_t budget_bytes, const Deadline& dl) {
   thread_local bool inside = false;
   if (inside) throw Error("[remat::auto] no plan of the step fits in " + format_bytes(budget_bytes) + ".");
   struct Guard {
@@ -1626,7 +1625,14 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
     ~Guard() { inside = false; }
   } guard;
   LeastPeak how;
-  const StepPlan lean = min_peak_within(m, dl, &how);  // what is left of the caller's time
+  StepPlan lean = min_peak_within(m, dl, &how);  // what is left of the caller's time
+  if (lean.prediction.peak_bytes <= budget_bytes) {
+    lean.budget_bytes = budget_bytes;
+    lean.optimal = false;
+    lean.timed_out = lean.timed_out || how.timed_out;
+    lean.relative_gap = std::numeric_limits<double>::infinity();
+    return lean;
+  }
   const StepPrediction& low = lean.prediction;
   std::string why;  // why a leaner plan may exist
   if (!how.proved && how.timed_out) {

@@ -12,9 +12,15 @@
 
 namespace remat::plan::step_detail {
 
-// NOTE [one deadline] (step.cpp): StepSolveOptions::time_limit_s bounds a
-// whole call, however many programs (and, in step_variants.cpp, variants)
-// it solves. Each program gets what is left, at least 1 ms.
+// NOTE [one deadline]: StepSolveOptions::time_limit_s bounds a whole call
+// of solve_step or min_peak_step, not each GLPK program in it (one call may
+// run a dozen: default, exact re-solves, the proof, the time program at
+// the least peak, least_or_throw's least peak). Each program gets what
+// is left, at least 1 ms (GLPK's tm_lim, whole ms), and one that runs out
+// reports GLPK's time limit as before. GLPK does not bound the LP
+// relaxation it solves after its presolver, so a program started late
+// still runs that LP to its end (0.7 s for 200 units called twice).
+// The same across the variants of step_variants.cpp: one deadline for all.
 class Deadline {
  public:
   explicit Deadline(const StepSolveOptions& o)

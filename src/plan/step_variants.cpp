@@ -29,7 +29,9 @@ StepPlan min_peak_within_variants(const StepModel& model, const std::vector<Step
   std::optional<StepPlan> best;
   bool proven = true, timed_out = false;
   for (size_t i = 0; i < variants.size(); ++i) {
-    StepPlan p = step_detail::min_peak_within(apply_variant(model, variants[i]), dl);
+    const StepModel m = apply_variant(model, variants[i]);
+    validate(m);  // as min_peak_step does
+    StepPlan p = step_detail::min_peak_within(m, dl);
     proven = proven && p.optimal;
     timed_out = timed_out || p.timed_out;
     const StepPrediction& a = p.prediction;
@@ -117,6 +119,7 @@ StepPlan solve_step_variants(const StepModel& model, const std::vector<StepVaria
   for (size_t i = 0; i < variants.size(); ++i) {
     const StepModel m = apply_variant(model, variants[i]);
     try {
+      validate(m);  // a variant that breaks the model has no plan, as solve_step says
       StepPlan p = step_detail::solve_within(m, budget_bytes, dl);
       proven = proven && p.optimal;
       timed_out = timed_out || p.timed_out;

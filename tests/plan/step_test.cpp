@@ -815,7 +815,7 @@ rp::StepModel partition_step(std::mt19937& rng, int units) {
 // NOTE [one deadline] (src/plan/step.cpp): time_limit_s bounds a whole
 // call. Here min_peak_step runs the peak program to the limit, then the
 // time program at the peak found; solve_step below every choice proves
-// that at once, then throw_infeasible runs min_peak_step's programs. Each
+// that at once, then least_or_throw runs min_peak_step's programs. Each
 // program used to get the whole limit: 2.0 s per call at 1 s (measured;
 // GLPK's limit is wall time, so no machine makes that shorter); now 1.0 s.
 // The margin, 0.8 s (the old calls' 2.0 s stay above it), covers what a
@@ -894,11 +894,17 @@ TEST(StepSolve, TheTimeLimitIsOneDeadlineForAllVariants) {
   EXPECT_LT(ms_since(t0), limit_ms + margin_ms);
   EXPECT_FALSE(lean.optimal);
   EXPECT_TRUE(lean.timed_out);
+  // At the least peak found: a plan, or (a slow machine, a sanitizer build)
+  // the time limit's error, within the one limit either way.
   t0 = std::chrono::steady_clock::now();
-  const rp::StepPlan fits = rp::solve_step_variants(m, variants, lean.prediction.peak_bytes, opt);
+  try {
+    const rp::StepPlan fits = rp::solve_step_variants(m, variants, lean.prediction.peak_bytes, opt);
+    EXPECT_LE(fits.prediction.peak_bytes, lean.prediction.peak_bytes);
+    EXPECT_EQ(fits.timed_out, !fits.optimal);
+  } catch (const remat::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("stopped at its time limit of 1 s"), std::string::npos) << e.what();
+  }
   EXPECT_LT(ms_since(t0), limit_ms + margin_ms);
-  EXPECT_LE(fits.prediction.peak_bytes, lean.prediction.peak_bytes);
-  EXPECT_EQ(fits.timed_out, !fits.optimal);
   t0 = std::chrono::steady_clock::now();
   try {
     rp::solve_step_variants(m, variants, 1 << 20, opt);
@@ -999,7 +1005,7 @@ rp::StepModel near_tie_step(uint64_t seed, int64_t unit) {
 // of these 10,000 steps at 32 GiB (peaks to 1.3 TB) 7 were wrongly
 // optimal (by up to 109 B), and 1 at 1 GiB (1 B); of 100,000: 84 (126 B)
 // and 2 (2 B). GLPK's time limit is cut to 5 s: a 4-row program may stall
-// there (fuzz/FINDINGS.md, item 11).
+// there (fuzz/FINDINGS.md, item 12).
 TEST(StepSolve, GlpkLeastPeaksOfRandomStepsAreOptimalOnlyWhenProved) {
   rp::StepSolveOptions opt;
   opt.time_limit_s = 5;
@@ -1029,7 +1035,7 @@ TEST(StepSolve, GlpkLeastPeaksOfRandomStepsAreOptimalOnlyWhenProved) {
     std::printf("unit %lld: %d of %d least peaks not proved\n", static_cast<long long>(unit), unproved, steps);
     // All of these are proved (2-3% were not while solve_step lowered the
     // rows GLPK's time program broke at the least peak: item 11).
-    EXPECT_LT(unproved, steps / 100) << "unit " << unit;
+    EXPECT_EQ(unproved, 0) << "unit " << unit << ": " << unproved << " of " << steps;
   }
 }
 
@@ -1070,6 +1076,6 @@ TEST(StepSolve, AtTheLeastPeakSolveStepFindsAPlanOfNearTieSteps) {
     }
     std::printf("unit %lld: %d of %d plans at the least peak not proved the fastest\n", static_cast<long long>(unit),
                 unproved, steps);
-    EXPECT_LT(unproved, steps / 100) << "unit " << unit << ": " << unproved << " of " << steps << " not proved";
+    EXPECT_EQ(unproved, 0) << "unit " << unit << ": " << unproved << " of " << steps << " not proved";
   }
 }
