@@ -428,7 +428,8 @@ def levers(recs, hand=None):
                "being written; '-' when there are none)." if any("inflight" in r for r in autos) else ".")
             + (" \"Backward waited on it\": the median over the rounds of what a step's backward waited on the "
                "state store (reads not back in time, the store at its cap, the writes finished as backward ends; "
-               "StepInBackwardStats::state_wait_ms), which the plan prices the store by."
+               "StepInBackwardStats::state_wait_ms); the plan prices the store by that or, if more, by what the step "
+               "took over its plan's prediction without the store (the store's threads share the disk and the cores)."
                if any(r.get("state_wait_ms") for r in autos) else "")]
     tgt = []
     lean_target = 0.22 if gpt else 0.35

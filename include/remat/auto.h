@@ -201,9 +201,9 @@ struct AutoOptions {
    *  parameter's updates (StepInBackwardOptions::state_offload). Where each
    *  param group's state lives, kept or in the store, is then part of the
    *  plan: the store saves that state's bytes at every point of the step
-   *  but what it holds in flight, and costs what backward waits for it
-   *  (optimizer_state_wait_ms()). Default none: the state stays with the
-   *  optimizer. */
+   *  but what it holds in flight, and costs what it adds to the planned
+   *  steps (optimizer_state_wait_ms()). Default none: the state stays with
+   *  the optimizer. */
   TORCH_ARG(std::optional<OffloadOptions>, optimizer_state_store);
   /** Chunk counts (each >= 1) offered to every remat::chunked_cross_entropy
    *  and remat::chunked call of the step (a model's loss head: GptImpl::loss
@@ -367,12 +367,14 @@ class AutoCheckpoint {
    *  left this process's memory). */
   int64_t optimizer_state_in_store_bytes() const;
   /** Milliseconds the last planned step's backward waited on
-   *  optimizer_state_store (StepInBackwardStats::state_wait_ms): what
-   *  keeping the state there added to that step. The plan prices the store
-   *  by it: from a placement's second step, at the mean of the last two
-   *  steps' waits per byte of state; until then, at one state written and
-   *  read back after the profiled step, as if backward waited for all of
-   *  it. 0 before a planned step or without a store. */
+   *  optimizer_state_store (StepInBackwardStats::state_wait_ms). The plan
+   *  prices the store by what it cost planned steps: from a placement's
+   *  second step, the mean over the last two steps of the step's time over
+   *  its plan's prediction without the store, or this wait if more (the
+   *  store's threads share the disk and the cores with the step), per byte
+   *  of state; until then, at one state written and read back after the
+   *  profiled step, as if backward waited for all of it. 0 before a
+   *  planned step or without a store. */
   double optimizer_state_wait_ms() const;
   /** Writes the profiled step's memory, the plan's predicted memory per
    *  segment and the units' windows as Chrome trace JSON (Perfetto). */

@@ -129,7 +129,7 @@ void AutoCheckpoint::Impl::measured_step(const std::function<void()>& fn) {
   if (overrun) transfer_price.restart();
   calibrate_plain(measured_ms);
   state_wait_last_ms = state_waited_ms() - waited0;
-  const bool state_moved = reprice_state(state_wait_last_ms);
+  const bool state_moved = reprice_state(state_wait_last_ms, measured_ms);
   if (!overrun && (reprice_offload(measured_ms) || state_moved)) {
     try {
       if (step_plan.solver == detail::kGivenSolver) {

@@ -267,8 +267,8 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   void start_in_backward();
   void measure_state();
   void apply_state();
-  double state_waited_ms() const;        // the optimizers' StepInBackwardStats::state_wait_ms, summed
-  bool reprice_state(double waited_ms);  // NOTE [state priced by the step]
+  double state_waited_ms() const;                        // the optimizers' StepInBackwardStats::state_wait_ms, summed
+  bool reprice_state(double waited_ms, double step_ms);  // NOTE [state priced by the step]
   std::string explain_state() const;
 
   // NOTE [chunked calls as units] (chunks.cpp).

@@ -32,18 +32,21 @@
 // behind the updates after them and the states read ahead arrive before
 // their update, so backward waits for a part of it only
 // (StepInBackwardStats::state_wait_ms: reads not back in time, a store at
-// its cap, the writes drained as backward ends). Each planned step with
-// state in the store, from its placement's second step on (the first
-// sends every state and reads none back), prices the store at what
-// backward waited per byte written and read back; the price is the mean
-// of the last two steps' (of one placement), and when it is more than 1%
-// of the plain step off the price the plan in force was solved with, the
-// plan is solved again (an overrun or a plan that no longer fits leaves
-// that to the next step). What the store's
-// threads take from the compute beside them is not in a wait: where it
-// slows the step, the plain time's calibration and the offload repricing
-// leave it out too.
-//
+// its cap, the writes drained as backward ends); but the store's threads
+// share the disk and the cores with the compute and with the activations'
+// stores, which slows the step by more than its waits (at the reference
+// GPT with activations on disk too: waits of ~40 ms a step, steps 100-250
+// ms over their predictions). So each planned step with state in the
+// store, from its placement's second step on (the first sends every state
+// and reads none back), prices the store at what the step took over its
+// plan's prediction without the store, or what backward waited if that is
+// more, per byte written and read back; the price is the mean of the last
+// two steps' (of one placement), and when it is more than 1% of the plain
+// step off the price the plan in force was solved with, the plan is solved
+// again (an overrun or a plan that no longer fits leaves that to the next
+// step). A step's noise (a few percent of a step on a shared machine)
+// moves the price as much; the store is charged for it, not the units.
+
 // NOTE [state writes in flight]: of what a store holds in flight, the
 // states read ahead and being updated are there whatever the disk's pace;
 // the writes not yet on disk are there only while the disk is behind (a
@@ -283,7 +286,7 @@ double AutoCheckpoint::Impl::state_waited_ms() const {
 
 /** NOTE [state priced by the step]. Returns true when the plan in force
  *  should be solved again. */
-bool AutoCheckpoint::Impl::reprice_state(double waited_ms) {
+bool AutoCheckpoint::Impl::reprice_state(double waited_ms, double step_ms) {
   if (placement.state_bytes <= 0 || state_groups.empty()) return false;
   if (state_steps++ == 0) return false;  // the placement's first step
   int64_t sent = 0;
@@ -291,7 +294,10 @@ bool AutoCheckpoint::Impl::reprice_state(double waited_ms) {
     if (placement.in_store[g]) sent += state_groups[g].bytes;
   }
   if (sent <= 0) return false;
-  const double observed = std::max(0.0, waited_ms) / (2.0 * static_cast<double>(sent));
+  // What the step took over its plan's prediction without the store, or
+  // what backward waited for it if that is more.
+  const double over = step_ms - (step_plan.prediction.time_ms - placement.ms);
+  const double observed = std::max({0.0, waited_ms, over}) / (2.0 * static_cast<double>(sent));
   const double price = state_last >= 0 ? 0.5 * (state_last + observed) : observed;
   state_last = observed;
   const double moved = std::abs(price - state_price_planned) * 2.0 * static_cast<double>(sent);
@@ -389,13 +395,14 @@ std::string AutoCheckpoint::Impl::explain_state() const {
        << static_cast<double>(static_cast<int64_t>(placement.ms * 10 + 0.5)) / 10 << " ms per step ("
        << to_string(options.optimizer_state_store()->target());
     if (state_reprices > 0) {
-      os << ", priced by what backward waited in its last planned steps (" << state_reprices << " priced it so far): "
+      os << ", priced by its last planned steps (" << state_reprices << " so far; the last one's backward waited "
+         << static_cast<double>(static_cast<int64_t>(state_wait_last_ms * 10 + 0.5)) / 10 << " ms for it): "
          << static_cast<double>(static_cast<int64_t>(state_ms_per_byte * double(int64_t{1} << 30) * 2 + 0.5))
          << " ms per GiB of state)\n";
     } else {
       os << ", measured "
          << (state_ms_per_byte > 0 ? plan::format_bytes(static_cast<int64_t>(1.0 / (state_ms_per_byte * 1e-3))) : "?")
-         << "/s written and read back, until planned steps measure what backward waits)\n";
+         << "/s written and read back, until planned steps measure what it costs them)\n";
     }
   }
   return os.str();

@@ -1469,13 +1469,14 @@ TEST(AutoModelState, GanWithTwoOptimizersBitwiseWithinBudgetStateInTheStoreAtThe
                  remat_test::fresh_dir("auto_state_gan"), true);
 }
 
-// NOTE [state priced by the step]: the state store is priced by what
-// backward waited for it in planned steps (from a placement's second step,
-// the mean of the last two), not by one state written and read back as if
-// backward waited for every byte. Two steps whose store writers are held
-// wait that long, and the plan prices the store so; two steps that wait
-// little bring the price down again.
-TEST(AutoModelState, TheStateStoreIsPricedByWhatBackwardWaits) {
+// NOTE [state priced by the step]: the state store is priced by what it
+// cost planned steps (from a placement's second step, the mean of the last
+// two: the step's time over its plan's prediction without the store, or
+// what backward waited for it if more), not by one state written and read
+// back as if backward waited for every byte. Two steps whose store writers
+// are held wait that long, and the plan prices the store so; two steps
+// that wait little bring the price down again.
+TEST(AutoModelState, TheStateStoreIsPricedByWhatItCostsThePlannedSteps) {
   const std::string dir = remat_test::fresh_dir("auto_state_price");
   torch::manual_seed(0);
   Workload w = gpt_workload()(true);
@@ -1518,7 +1519,7 @@ TEST(AutoModelState, TheStateStoreIsPricedByWhatBackwardWaits) {
     planner.replan(planner.leanest_peak_bytes());
     ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
     step(0);  // the placement's first step: it prices nothing
-    EXPECT_NE(planner.explain().find("until planned steps measure what backward waits"), std::string::npos)
+    EXPECT_NE(planner.explain().find("until planned steps measure what it costs them"), std::string::npos)
         << planner.explain();
     const double step_ms = planner.measured_time_ms();
     const double hold_ms = 10 * step_ms + 200;  // far longer than a step
@@ -1526,8 +1527,7 @@ TEST(AutoModelState, TheStateStoreIsPricedByWhatBackwardWaits) {
       step(hold_ms);
       EXPECT_GE(planner.optimizer_state_wait_ms(), hold_ms - 2 * step_ms) << planner.explain();
     }
-    EXPECT_NE(planner.explain().find("what backward waited in its last planned steps (2 priced it so far)"),
-              std::string::npos)
+    EXPECT_NE(planner.explain().find("priced by its last planned steps (2 so far;"), std::string::npos)
         << planner.explain();
     ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
     const double slow = charged();
@@ -1535,8 +1535,7 @@ TEST(AutoModelState, TheStateStoreIsPricedByWhatBackwardWaits) {
     EXPECT_GE(planner.plan().prediction.time_ms, planner.plain_time_ms() + slow - 1) << planner.explain();
     step(0);
     step(0);
-    EXPECT_NE(planner.explain().find("what backward waited in its last planned steps (4 priced it so far)"),
-              std::string::npos)
+    EXPECT_NE(planner.explain().find("priced by its last planned steps (4 so far;"), std::string::npos)
         << planner.explain();
     EXPECT_LT(charged(), slow / 4) << planner.explain();
   }
