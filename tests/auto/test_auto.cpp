@@ -1542,6 +1542,58 @@ TEST(AutoModelState, TheStateStoreIsPricedByWhatItCostsThePlannedSteps) {
   EXPECT_EQ(remat_test::files_in(dir), 0u);
 }
 
+// The same with what the store costs a step beside backward's waits (its
+// threads share the disk and the cores): two steps that run long while
+// backward waits little price the store at what they ran over their
+// plan's prediction without it; two ordinary steps bring it down again.
+TEST(AutoModelState, AStepThatRunsOverItsPredictionWithTheStateStoredPricesTheStore) {
+  const std::string dir = remat_test::fresh_dir("auto_state_over");
+  torch::manual_seed(0);
+  Workload w = gpt_workload()(true);
+  {
+    auto planner = remat::auto_checkpoint(
+        *w.model, remat::AutoOptions()
+                      .memory_budget_fraction(1.0)
+                      .profile_repeats(1)
+                      .replan_on_overrun(false)
+                      .optimizers(w.optimizers)
+                      .optimizer_state_store(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)));
+    int k = 0;
+    auto step = [&](double extra_ms) {
+      planner.step([&] {
+        w.step(k++ % kSteps);
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(extra_ms));
+      });
+    };
+    auto charged = [&] {
+      const std::string e = planner.explain();
+      const size_t at = e.find("for +");
+      EXPECT_NE(at, std::string::npos) << e;
+      return at == std::string::npos ? -1.0 : std::stod(e.substr(at + 5));
+    };
+    step(0);
+    step(0);  // warm-up, profiled
+    planner.replan(planner.leanest_peak_bytes());
+    ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
+    step(0);  // the placement's first step: it prices nothing
+    const double step_ms = planner.measured_time_ms();
+    const double extra_ms = 10 * step_ms + 200;
+    double waited = 0;
+    for (int i = 0; i < 2; ++i) {
+      step(extra_ms);
+      waited = std::max(waited, planner.optimizer_state_wait_ms());
+    }
+    ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
+    const double slow = charged();
+    EXPECT_LT(waited, extra_ms / 4) << "backward should have waited little: " << planner.explain();
+    EXPECT_GE(slow, extra_ms - 2 * step_ms) << planner.explain();
+    step(0);
+    step(0);
+    EXPECT_LT(charged(), slow / 4) << planner.explain();
+  }
+  EXPECT_EQ(remat_test::files_in(dir), 0u);
+}
+
 TEST(Auto, OffloadOptionsJoinTheMenuBitwiseWithinBudgetAndLeaveNoFiles) {
   // Disk and compressed memory beside recompute and the selective levels:
   // on the GPT, and on the U-Net whose in-place ReLUs write tensors that
