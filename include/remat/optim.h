@@ -97,8 +97,9 @@ struct StepInBackwardStats {
    *  a store whose bytes in flight are at its cap, and the writes finished
    *  as a backward ends (host wall time; fetch_state() and the like,
    *  between steps, do not count). What keeping the state in a store
-   *  added to the steps, beside the compute it overlaps; auto_checkpoint
-   *  prices its store by it. */
+   *  added to the steps, beside the compute it overlaps (its threads may
+   *  slow that compute too: auto_checkpoint prices its store by this or
+   *  by the step's time over its prediction, the larger). */
   double state_wait_ms = 0;
 };
 
