@@ -35,7 +35,7 @@
 // its cap, the writes drained as backward ends); but the store's threads
 // share the disk and the cores with the compute and with the activations'
 // stores, which slows the step by more than its waits (at the reference
-// GPT with activations on disk too: waits of ~40 ms a step, steps 100-250
+// GPT with activations on disk too: waits of ~40 ms a step, steps 100-270
 // ms over their predictions). So each planned step with state in the
 // store, from its placement's second step on (the first sends every state
 // and reads none back), prices the store at what the step took over its

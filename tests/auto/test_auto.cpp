@@ -1469,6 +1469,25 @@ TEST(AutoModelState, GanWithTwoOptimizersBitwiseWithinBudgetStateInTheStoreAtThe
                  remat_test::fresh_dir("auto_state_gan"), true);
 }
 
+/** A planner of w's step with its optimizers updating in backward and a
+ *  disk state store in dir, at the plain peak until replanned. */
+remat::AutoCheckpoint state_store_planner(Workload& w, const std::string& dir, remat::AutoOptions o) {
+  return remat::auto_checkpoint(
+      *w.model, o.memory_budget_fraction(1.0)
+                    .profile_repeats(1)
+                    .optimizers(w.optimizers)
+                    .optimizer_state_store(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)));
+}
+
+/** "for +X ms per step" of explain(): what the plan in force charges for
+ *  the state store (-1, and a failure, when it says none). */
+double store_charge(const remat::AutoCheckpoint& planner) {
+  const std::string e = planner.explain();
+  const size_t at = e.find("for +");
+  EXPECT_NE(at, std::string::npos) << e;
+  return at == std::string::npos ? -1.0 : std::stod(e.substr(at + 5));
+}
+
 // NOTE [state priced by the step]: the state store is priced by what it
 // cost planned steps (from a placement's second step, the mean of the last
 // two: the step's time over its plan's prediction without the store, or
@@ -1481,12 +1500,7 @@ TEST(AutoModelState, TheStateStoreIsPricedByWhatItCostsThePlannedSteps) {
   torch::manual_seed(0);
   Workload w = gpt_workload()(true);
   {
-    auto planner = remat::auto_checkpoint(
-        *w.model, remat::AutoOptions()
-                      .memory_budget_fraction(1.0)
-                      .profile_repeats(1)
-                      .optimizers(w.optimizers)
-                      .optimizer_state_store(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)));
+    auto planner = state_store_planner(w, dir, remat::AutoOptions());
     int k = 0;
     auto step = [&](double hold_ms) {
       // The store's writers held for hold_ms from the step's start; let go
@@ -1507,13 +1521,7 @@ TEST(AutoModelState, TheStateStoreIsPricedByWhatItCostsThePlannedSteps) {
       }
       planner.step([&] { w.step(k++ % kSteps); });
     };
-    // "for +X ms per step": what the plan in force charges for the store.
-    auto charged = [&] {
-      const std::string e = planner.explain();
-      const size_t at = e.find("for +");
-      EXPECT_NE(at, std::string::npos) << e;
-      return at == std::string::npos ? -1.0 : std::stod(e.substr(at + 5));
-    };
+    auto charged = [&] { return store_charge(planner); };
     step(0);
     step(0);  // warm-up, profiled
     planner.replan(planner.leanest_peak_bytes());
@@ -1551,13 +1559,7 @@ TEST(AutoModelState, AStepThatRunsOverItsPredictionWithTheStateStoredPricesTheSt
   torch::manual_seed(0);
   Workload w = gpt_workload()(true);
   {
-    auto planner = remat::auto_checkpoint(
-        *w.model, remat::AutoOptions()
-                      .memory_budget_fraction(1.0)
-                      .profile_repeats(1)
-                      .replan_on_overrun(false)
-                      .optimizers(w.optimizers)
-                      .optimizer_state_store(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir)));
+    auto planner = state_store_planner(w, dir, remat::AutoOptions().replan_on_overrun(false));
     int k = 0;
     auto step = [&](double extra_ms) {
       planner.step([&] {
@@ -1565,12 +1567,7 @@ TEST(AutoModelState, AStepThatRunsOverItsPredictionWithTheStateStoredPricesTheSt
         std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(extra_ms));
       });
     };
-    auto charged = [&] {
-      const std::string e = planner.explain();
-      const size_t at = e.find("for +");
-      EXPECT_NE(at, std::string::npos) << e;
-      return at == std::string::npos ? -1.0 : std::stod(e.substr(at + 5));
-    };
+    auto charged = [&] { return store_charge(planner); };
     step(0);
     step(0);  // warm-up, profiled
     planner.replan(planner.leanest_peak_bytes());
