@@ -222,7 +222,10 @@ constexpr double kTimeRel = 1e-12;
 // tol_obj * (1 + |best|) of its best (peak_tol_obj). Every choice is
 // checked in integer bytes; where GLPK's is off, the program is solved
 // again "exactly": no presolve and an integer tolerance that hides under
-// 0.5 B per row (not below 1e-9: rows of GiBs may hide a byte or so). An
+// 0.5 B per row (not below 1e-9: rows of GiBs may hide a byte or so).
+// solve_step's time program is exact from its first run: GLPK 5.0's
+// presolved LP of a 4-row near tie cycled in its primal simplex ("numerical
+// instability") until the time limit (fuzz/FINDINGS.md, item 12). An
 // exact program that fails numerically is solved again with GLPK's
 // defaults, and its choice checked in bytes as any. A least peak is
 // proved only by an exact program that finds no choice a byte leaner:
@@ -580,6 +583,20 @@ std::vector<Row> binding_rows(const std::vector<Row>& rows, int64_t budget_bytes
     if (worst > budget_bytes) out.push_back(r);
   }
   return out;
+}
+
+// The least a row can be, bytes: its profiled peak with each unit's
+// leanest option and every pair credited (nesting ignored: a bound below
+// every choice's).
+int64_t least_bytes(const Row& r) {
+  int64_t least = r.peak_bytes;
+  for (const auto& unit : r.units) {
+    int64_t low = 0;  // the profiled option adds nothing
+    for (int64_t d : unit.first) low = std::min(low, d);
+    least += low;
+  }
+  for (const auto& pair : r.pairs) least -= pair.second;
+  return least;
 }
 
 // GLPK decides in doubles, within its tolerances; its answers are checked
@@ -1446,7 +1463,13 @@ StepPlan step_detail::min_peak_within(const StepModel& m, const Deadline& dl, Le
   }
   double bound = r.peak_bound_bytes;
   how->timed_out = r.timed_out;
-  const bool proved = found && r.optimal && prove_least_peak(m, rows, dl, &best, &bound, &how->timed_out);
+  // A row no choice lowers below this peak proves it, in bytes, whatever
+  // GLPK reached (a segment outside every option's reach sets the floor).
+  int64_t row_floor = std::numeric_limits<int64_t>::min();
+  for (const Row& row : rows) row_floor = std::max(row_floor, least_bytes(row));
+  const bool proved = best.peak_bytes <= row_floor ||
+                      (found && r.optimal && prove_least_peak(m, rows, dl, &best, &bound, &how->timed_out));
+  if (proved) how->timed_out = false;
   how->proved = proved;
   // The fastest choice at that peak (the peak program ignores time).
   const int64_t peak = best.peak_bytes;
@@ -1531,6 +1554,9 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
   // program's optimum bounds every plan that fits: the plan returned is
   // optimal when it is as fast as the highest such bound.
   const std::vector<Row> rows = binding_rows(rows_of(m), budget_bytes);
+  if (std::any_of(rows.begin(), rows.end(), [&](const Row& r) { return least_bytes(r) > budget_bytes; })) {
+    return least_or_throw(m, budget_bytes, dl);  // every choice breaks that row, in bytes: no program needed
+  }
   std::vector<Cut> cuts;
   bool timed_out = false;
   std::optional<double> bound;  // the highest optimum, ms, GLPK proved at the budget
@@ -1543,9 +1569,11 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
       r.optimal = true;
       found = true;
     } else {
-      found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/attempt > 0, cuts);
+      // Exact from the first program: GLPK's presolved LP can cycle until
+      // the time limit (fuzz/FINDINGS.md, item 12: a 4-row program).
+      found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/true, cuts);
       timed_out = timed_out || r.timed_out;
-      if (!found && attempt > 0 && !r.timed_out && !r.infeasible) {
+      if (!found && !r.timed_out && !r.infeasible) {
         // The exact program ran into numerical trouble: the same rows with
         // GLPK's defaults, whose choice is checked in bytes as any.
         found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/false, cuts);
