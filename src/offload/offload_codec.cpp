@@ -6,10 +6,12 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <remat/error.h>
 
@@ -62,27 +64,51 @@ const at::Tensor& int8_bounds() {
   return bounds;
 }
 
-/** A dense tensor's elements in memory order (dense: they fill
- *  [offset, offset + numel) of its storage, in some order of its dims). */
-at::Tensor memory_order(const at::Tensor& dense) {
-  return dense.as_strided({dense.numel()}, {1}, dense.storage_offset());
-}
+// NOTE [int8 codec in place]: both directions run one block at a time
+// straight from the source into the result, allocating nothing else. The
+// whole-tensor ATen form took as much again as the state tensor 4x over to
+// encode (a padded copy, the quotients, searchsorted's int64 indices) and
+// 6x to decode (int64 codes, per-value scales, the gathered levels), inside
+// the parameter's update in backward, which auto's plan does not count: its
+// first planned steps ran up to 90% over their budgets. Same values bit for
+// bit: the same float division, the first bound >= the quotient
+// (searchsorted's), the same float product.
 
 /** Codec::kInt8Block of a dense float32 CPU tensor, or false when it holds
  *  inf or NaN (stored raw then). */
 bool encode_int8_block(const at::Tensor& dense, Encoded& e) {
   const int64_t n = dense.numel(), blocks = (n + kInt8BlockValues - 1) / kInt8BlockValues;
-  at::Tensor padded = at::zeros({blocks * kInt8BlockValues}, at::kFloat);
-  padded.narrow(0, 0, n).copy_(memory_order(dense));
-  const at::Tensor values = padded.view({blocks, kInt8BlockValues});
-  const at::Tensor amax = values.abs().amax(1);
-  if (n > 0 && !std::isfinite(amax.max().item<double>())) return false;
-  const at::Tensor scale = at::where(amax > 0, amax, at::ones_like(amax));
-  const at::Tensor codes =
-      at::searchsorted(int8_bounds(), (values / scale.unsqueeze(1)).reshape({-1})).narrow(0, 0, n).to(at::kByte);
+  const float* src = dense.data_ptr<float>();  // its elements fill [src, src + n) (dense)
+  // Finite first: a tensor with inf or NaN is stored raw.
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      if (!std::isfinite(src[i])) {
+        finite = false;
+        return;
+      }
+    }
+  });
+  if (!finite) return false;
   at::Tensor stage = at::empty({blocks * 4 + n}, at::kByte);
-  stage.narrow(0, 0, blocks * 4).view(at::kFloat).copy_(scale);
-  stage.narrow(0, blocks * 4, n).copy_(codes);
+  auto* scales = reinterpret_cast<float*>(stage.data_ptr<uint8_t>());
+  uint8_t* codes = stage.data_ptr<uint8_t>() + blocks * 4;
+  const at::Tensor& bounds_t = int8_bounds();
+  const float* bounds = bounds_t.data_ptr<float>();
+  const float* bounds_end = bounds + bounds_t.numel();
+  at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t first = b * kInt8BlockValues, last = std::min(n, first + kInt8BlockValues);
+      float amax = 0;
+      for (int64_t i = first; i < last; ++i) amax = std::max(amax, std::abs(src[i]));
+      const float scale = amax > 0 ? amax : 1.0F;
+      std::memcpy(scales + b, &scale, sizeof scale);
+      for (int64_t i = first; i < last; ++i) {
+        const float q = src[i] / scale;
+        codes[i] = static_cast<uint8_t>(std::lower_bound(bounds, bounds_end, q) - bounds);
+      }
+    }
+  });
   e.block = kInt8BlockValues;
   e.dense_strides = vec(dense.strides());
   e.data = stage;
@@ -95,11 +121,20 @@ at::Tensor decode_int8_block(const TensorMeta& m, const Encoded& e, const at::Te
   int64_t n = 1;
   for (int64_t s : m.sizes) n *= s;
   const int64_t blocks = (n + e.block - 1) / e.block;
-  const at::Tensor scale = stage.narrow(0, 0, blocks * 4).view(at::kFloat);
-  const at::Tensor codes = stage.narrow(0, blocks * 4, n).to(at::kLong);
-  const at::Tensor per_value = scale.repeat_interleave(e.block).narrow(0, 0, n);
+  const at::Tensor bytes = stage.contiguous();
+  const uint8_t* codes = bytes.data_ptr<uint8_t>() + blocks * 4;
+  const uint8_t* scales = bytes.data_ptr<uint8_t>();
+  const float* levels = int8_levels().data_ptr<float>();
   at::Tensor out = at::empty_strided(m.sizes, e.dense_strides, at::kFloat);
-  memory_order(out).copy_(int8_levels().index_select(0, codes) * per_value);
+  float* dst = out.data_ptr<float>();  // fills [dst, dst + n) (dense)
+  at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      float scale;
+      std::memcpy(&scale, scales + b * 4, sizeof scale);
+      const int64_t first = b * e.block, last = std::min(n, first + e.block);
+      for (int64_t i = first; i < last; ++i) dst[i] = levels[codes[i]] * scale;
+    }
+  });
   return out;
 }
 
