@@ -710,3 +710,33 @@ TEST(StepInBackward, AnUnknownOptimizersStateNeedsItsTensorsNamed) {
 }
 
 }  // namespace
+
+// A kMemory codec keeps its encoding in memory: state_offloaded_bytes (and
+// auto's optimizer_state_in_store_bytes) count only the bytes it saved, the
+// drop in this process's memory when the state goes to the store. Counting
+// the whole state moved remat-train's auto budget (the step's start counts
+// the stored state as kept) by the encoding at every move, and its plans
+// alternated step after step between the state kept and stored.
+TEST(StepInBackward, ACompressedStoreCountsTheBytesItSaved) {
+  for (auto codec : {remat::Codec::kInt8Block, remat::Codec::kBFloat16}) {
+    auto m = wide_mlp();
+    torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
+    remat::StepInBackward sib(opt, remat::StepInBackwardOptions().state_offload(
+                                       remat::OffloadOptions(remat::OffloadTarget::kMemory).codec(codec).min_bytes(0)));
+    const auto x = torch::randn({8, 512});
+    remat::memory::enable_tracking();
+    for (int k = 0; k < 2; ++k) m->forward(x).square().mean().backward();
+    sib.fetch_state();
+    int64_t state = 0;
+    for (auto& [key, s] : opt.state()) {
+      auto& a = static_cast<torch::optim::AdamParamState&>(*s);
+      state += static_cast<int64_t>(a.exp_avg().nbytes() + a.exp_avg_sq().nbytes());
+    }
+    const int64_t kept = remat::memory::current_bytes();
+    m->forward(x).square().mean().backward();  // each state goes to the store after its update
+    const int64_t stored = remat::memory::current_bytes();
+    EXPECT_GT(kept - stored, state / 3) << "the store saved memory";
+    EXPECT_EQ(sib.stats().state_offloaded_bytes, kept - stored);
+    EXPECT_EQ(sib.state_bytes_per_group()[0], state) << "a group's state, wherever it lives";
+  }
+}

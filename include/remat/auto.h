@@ -363,8 +363,9 @@ class AutoCheckpoint {
    *  its parameter's next update, as the plan says, so the steps until then
    *  hold it. */
   void fetch_optimizer_state();
-  /** Bytes of the optimizers' state in optimizer_state_store now (they
-   *  left this process's memory). */
+  /** Bytes of the optimizers' state that optimizer_state_store took out of
+   *  this process's memory now (a kMemory codec's encoding stays, and is
+   *  not counted; StepInBackwardStats::state_offloaded_bytes). */
   int64_t optimizer_state_in_store_bytes() const;
   /** Milliseconds the last planned step's backward waited on
    *  optimizer_state_store (StepInBackwardStats::state_wait_ms). The plan

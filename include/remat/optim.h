@@ -78,7 +78,10 @@ struct StepInBackwardStats {
   /** Backward passes that only accumulated (under accumulate()): the
    *  parameters' hooks that kept their gradient. */
   int64_t accumulated = 0;
-  /** Bytes of optimizer state in the store now (state_offload). */
+  /** Bytes of optimizer state the store took out of the parameters'
+   *  memory now (state_offload): in files (kDisk), in pinned host memory
+   *  from a GPU (kHost), or what a kMemory codec saved (its encoding stays
+   *  in memory: a quarter of float32 state with Codec::kInt8Block). */
   int64_t state_offloaded_bytes = 0;
   /** Gradients left to the optimizer's step() because a parallel wrapper
    *  finishes them after backward (DataParallel). */

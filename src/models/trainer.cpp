@@ -238,6 +238,7 @@ std::string format_step(const StepStats& s, int64_t total_steps, std::string_vie
   if (s.phase == StepPhase::kProfiled)
     os << "  (auto: profiling, a plain step that also measured every unit's options: its time and peak are the "
           "profiling's; the plan runs from the next step)";
+  if (s.replanned) os << "  (auto: more than 1% over the budget; planned again for the next step)";
   return os.str();
 }
 
@@ -875,6 +876,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
     if (timeline) timeline->add_span("optimizer", o0, timeline->now_us());
   };
   StepPhase phase = StepPhase::kNormal;
+  bool replanned = false;
   int64_t start = -1;  // auto: the step's start as its budget counts it, bytes
   if (m.auto_ck) {
     // The budget is --memory-budget above the step's start: what is live
@@ -896,7 +898,9 @@ StepStats Trainer::step(memory::Timeline* timeline) {
                       "times a plain step");
       m.profiling_since = Clock::now();
     }
+    const int replans = m.auto_ck->replans();
     m.auto_ck->step(body);
+    replanned = m.auto_ck->replans() > replans;
     ++m.auto_steps;
     if (!was_planned && m.auto_ck->planned()) {  // just profiled
       m.profiling_note("done; solving for the budget");
@@ -927,7 +931,8 @@ StepStats Trainer::step(memory::Timeline* timeline) {
                    m.offloaded_bytes,
                    phase,
                    whole.baseline_bytes(),
-                   whole.baseline_bytes() + whole.peak_bytes()};
+                   whole.baseline_bytes() + whole.peak_bytes(),
+                   replanned};
 }
 
 std::vector<StepStats> Trainer::run(std::ostream* log) {

@@ -118,7 +118,8 @@ struct StepInBackwardImpl {
     int64_t index = 0;                        // in the optimizer's order, for messages
     std::vector<OffloadStore::Handle> state;  // one per state tensor (state_offload), in state_tensors() order
     std::vector<char> had;                    // which state tensors were defined when stored
-    int64_t state_bytes = 0;
+    int64_t state_bytes = 0;                  // of the stored state, the bytes that left memory (state_offloaded_bytes)
+    int64_t state_total_bytes = 0;            // of the stored state, all its bytes (as the optimizer held them)
     /** The state object the stored tensors came from: a load() into the
      *  optimizer since then replaced it, and the stored copy is stale. */
     const torch::optim::OptimizerParamState* stored_for = nullptr;
@@ -217,12 +218,13 @@ struct StepInBackwardImpl {
     p.had.clear();
     st.state_offloaded_bytes -= p.state_bytes;
     p.state_bytes = 0;
+    p.state_total_bytes = 0;
   }
 
   /** Bytes of p's optimizer state wherever it lives: with the optimizer now,
    *  or in the store. */
   int64_t state_bytes(Param& p) {
-    int64_t b = p.state_bytes;
+    int64_t b = p.state_total_bytes;
     auto* s = state_of(p);
     if (!s) return b;
     for (at::Tensor* t : state_tensors_of(*s)) {
@@ -246,13 +248,20 @@ struct StepInBackwardImpl {
                        t->storage().nbytes() == static_cast<size_t>(t->nbytes()) && t->is_contiguous();
       p.had.push_back(own);
       if (own) {
-        p.state.push_back(waited([&] { return store->pack(*t); }));
-        // What the store keeps as it is (below min_bytes; kHost from a CPU
-        // tensor) never left memory.
         const auto& o = store->options();
+        const bool in_memory = o.target() == OffloadTarget::kMemory;
+        const int64_t stored0 = in_memory ? store->stats().bytes_stored : 0;
+        p.state.push_back(waited([&] { return store->pack(*t); }));
+        p.state_total_bytes += static_cast<int64_t>(t->nbytes());
+        // What the store keeps as it is (below min_bytes; kHost from a CPU
+        // tensor) never left memory; a kMemory codec's encoding (encoded at
+        // pack) stays, and only the bytes it saved left.
         const bool moved = static_cast<int64_t>(t->nbytes()) >= o.min_bytes() &&
                            !(o.target() == OffloadTarget::kHost && t->device().is_cpu());
-        if (moved) p.state_bytes += static_cast<int64_t>(t->nbytes());
+        if (moved) {
+          const int64_t kept = in_memory ? store->stats().bytes_stored - stored0 : 0;
+          p.state_bytes += std::max<int64_t>(0, static_cast<int64_t>(t->nbytes()) - kept);
+        }
         *t = at::Tensor();
       } else {
         p.state.emplace_back();

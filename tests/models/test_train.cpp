@@ -1032,3 +1032,52 @@ TEST(TrainCli, BadBudgetAndTooSmallBudgetExit2) {
 }
 
 }  // namespace
+
+// A planned step more than 1% over the budget makes auto solve again; the
+// step's line says so (the steps after it run the new plan), as the
+// warm-up and profiled steps' lines say what they were.
+TEST(Train, AStepLineSaysWhenAutoPlannedAgainAfterIt) {
+  rm::StepStats s;
+  s.step = 3;
+  s.loss = 4.0;
+  s.step_ms = 17.0;
+  s.items_per_s = 7500.0;
+  s.peak_bytes = 453 << 10;
+  EXPECT_EQ(rm::format_step(s, 8, "tok"), "step 3/8  loss 4.000000  7500.0 tok/s  17.0 ms  peak 453.00 KiB");
+  s.replanned = true;
+  EXPECT_EQ(rm::format_step(s, 8, "tok"),
+            "step 3/8  loss 4.000000  7500.0 tok/s  17.0 ms  peak 453.00 KiB  (auto: more than 1% over the budget; "
+            "planned again for the next step)");
+}
+
+// With compressed state (its encoding stays in memory) the step's start as
+// auto's budget counts it stays put whether the plan keeps the state or
+// stores it, so one plan runs step after step. Counting the whole state
+// as moved, the start grew by the encoding whenever the state was stored:
+// the budget rose, the next plan kept the state, the start fell, and the
+// plans alternated (33 and 153 ms steps, peaks 2.73 and 2.31 MiB here).
+TEST(Train, AutoWithCompressedStateKeepsOnePlan) {
+  auto c = tiny_gpt();
+  c.clip_norm = 0.0;
+  c.grad_accum = 1;
+  c.dropout = 0.0;
+  c.layers = 4;
+  c.d_model = 128;
+  c.seq_len = 64;
+  c.checkpoint = Strategy::kAuto;
+  c.optimizer_in_backward = true;
+  c.optimizer_state = "int8";
+  c.steps = 8;
+  c.memory_budget_bytes = 2949928;  // the least this step's plans reach, as remat-train names it
+  rm::Trainer t(c);
+  const auto stats = t.run();
+  std::vector<int64_t> peaks;
+  for (const auto& s : stats) {
+    if (s.phase == rm::StepPhase::kNormal) peaks.push_back(s.peak_bytes);
+  }
+  ASSERT_GE(peaks.size(), 4u);
+  for (size_t i = 1; i < peaks.size(); ++i) {
+    EXPECT_EQ(peaks[i], peaks[0]) << "planned step " << i << "\n" << t.planner()->explain();
+    EXPECT_LE(static_cast<double>(peaks[i]), 1.01 * static_cast<double>(c.memory_budget_bytes));
+  }
+}

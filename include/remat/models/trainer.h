@@ -364,6 +364,10 @@ struct StepStats {
    *  step's own; a state store's bytes count only while read back or in
    *  flight). What --max-d-model-under caps. */
   int64_t whole_peak_bytes = 0;
+  /** kAuto: the step's peak was more than 1% over the budget and the
+   *  planner solved again (AutoCheckpoint::replans() grew): the next step
+   *  runs the new plan. When no plan fits, the planner warns instead. */
+  bool replanned = false;
 };
 
 /** Refuses what Trainer's constructor would refuse before building anything,
