@@ -740,3 +740,73 @@ TEST(StepInBackward, ACompressedStoreCountsTheBytesItSaved) {
     EXPECT_EQ(sib.state_bytes_per_group()[0], state) << "a group's state, wherever it lives";
   }
 }
+
+// NOTE [saving stored state]: torch::save(optimizer) while the states are
+// in the store writes them as they are there (it wrote None in their place,
+// a checkpoint that cannot resume: "Expected a proper Tensor but got None"
+// at the first step after loading); they stay in the store. For each of
+// LibTorch's optimizers, what a fresh optimizer loads is bitwise the state
+// fetch_state() brings back. A read that fails throws from torch::save,
+// naming the parameter, and writes nothing.
+TEST(StepInBackward, SavingTheOptimizerWritesTheStateInTheStore) {
+  namespace fs = std::filesystem;
+  for (Opt o : {Opt::kSgd, Opt::kAdam, Opt::kAdamW, Opt::kRmsprop, Opt::kAdagrad}) {
+    SCOPED_TRACE(name_of(o));
+    const std::string dir = fresh_dir("optim-save-" + name_of(o));
+    const std::string path = dir + ".pt";  // beside the store's folder
+    fs::remove(path);
+    torch::manual_seed(0);
+    auto m = wide_mlp();
+    auto opt = make_opt(o, *m);
+    remat::StepInBackward sib(*opt,
+                              remat::StepInBackwardOptions().state_offload(
+                                  remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0)));
+    const auto x = torch::randn({8, 512});
+    for (int k = 0; k < 2; ++k) m->forward(x).square().mean().backward();
+    const int64_t stored = sib.stats().state_offloaded_bytes;
+    ASSERT_GT(stored, 0);
+    torch::save(*opt, path);
+    EXPECT_EQ(sib.stats().state_offloaded_bytes, stored) << "the state stays in the store";
+    auto m2 = wide_mlp();
+    auto loaded = make_opt(o, *m2);
+    torch::load(*loaded, path);
+    sib.fetch_state();
+    const auto want = state_tensors(*opt), got = state_tensors(*loaded);
+    ASSERT_EQ(want.size(), got.size());
+    int compared = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(want[i].defined(), got[i].defined()) << "tensor " << i;
+      if (!want[i].defined()) continue;
+      EXPECT_TRUE(torch::equal(want[i], got[i])) << "tensor " << i;
+      ++compared;
+    }
+    EXPECT_GT(compared, 0);
+    fs::remove(path);
+  }
+  // The store's files gone (as a full disk or a cleaner would leave it).
+  const std::string dir = fresh_dir("optim-save-failed");
+  const std::string path = dir + ".pt";
+  fs::remove(path);
+  auto m = wide_mlp();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
+  {
+    remat::StepInBackward sib(opt, remat::StepInBackwardOptions().state_offload(
+                                       remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0)));
+    const auto x = torch::randn({8, 512});
+    for (int k = 0; k < 2; ++k) m->forward(x).square().mean().backward();
+    for (const auto& f : fs::directory_iterator(dir)) fs::remove(f.path());
+    try {
+      torch::save(opt, path);
+      FAIL() << "expected an error";
+    } catch (const remat::Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.rfind("[remat::StepInBackward] saving the optimizer: the state of parameter #", 0), 0u) << what;
+      EXPECT_NE(what.find("Nothing was written; its file is kept for another try."), std::string::npos) << what;
+    }
+    EXPECT_FALSE(fs::exists(path)) << "nothing written";
+    try {
+      sib.fetch_state();
+    } catch (const remat::Error&) {  // the files are gone: the states cannot come back
+    }
+  }
+}

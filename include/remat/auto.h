@@ -359,7 +359,8 @@ class AutoCheckpoint {
    *  last), as StepInBackward::accumulate(). Empty without optimizers. */
   [[nodiscard]] std::vector<StepInBackward::Accumulating> accumulate();
   /** With optimizer_state_store: brings every optimizer state back from the
-   *  store (before saving or reading the optimizer); each goes again after
+   *  store (before reading the optimizer, or saving one of your own:
+   *  StepInBackward::fetch_state()); each goes again after
    *  its parameter's next update, as the plan says, so the steps until then
    *  hold it. */
   void fetch_optimizer_state();

@@ -213,10 +213,12 @@ class StepInBackward {
   /** Backward passes while the returned guard lives only accumulate. */
   [[nodiscard]] Accumulating accumulate();
 
-  /** Brings every offloaded state back into the optimizer (before saving
-   *  or reading it); each goes to the store again after its parameter's
-   *  next update. Throws remat::Error naming the parameter whose state
-   *  cannot be read; the others are brought back. */
+  /** Brings every offloaded state back into the optimizer (before reading
+   *  it, or saving an optimizer of your own; torch::save of LibTorch's
+   *  five writes the stored states as they are, read back for the write);
+   *  each goes to the store again after its parameter's next update.
+   *  Throws remat::Error naming the parameter whose state cannot be read;
+   *  the others are brought back. */
   void fetch_state();
   /** Blocks until every state write to the store is done (a failed write
    *  keeps its state in memory; stats() counts it). */

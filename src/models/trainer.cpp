@@ -954,9 +954,8 @@ void Trainer::save(const std::string& path) const {
   const auto& m = *impl_;
   torch::serialize::OutputArchive archive, model, optim;
   m.module->save(model);
-  // The state in a store comes back to be saved.
-  if (m.in_backward) m.in_backward->fetch_state();
-  if (impl_->auto_ck) impl_->auto_ck->fetch_optimizer_state();
+  // The state in a store is written as read back, and stays there (NOTE
+  // [saving stored state]: LibTorch's optimizers, which the trainer's are).
   m.optimizer->save(optim);
   archive.write("model", model);
   archive.write("optimizer", optim);

@@ -25,6 +25,15 @@
 // from that parameter's hook before its update: the parameters before it in
 // this backward were updated with their states, it and those after were not,
 // and every state is where it was (the file stays for another try).
+//
+// NOTE [saving stored state]: while a parameter's state is in the store,
+// the optimizer's slot for it is empty, and torch::save(optimizer) wrote
+// the moments as None without a word (a checkpoint that cannot resume). For
+// LibTorch's five optimizers the state object is swapped, while stored,
+// for Stored<T>, a T whose serialize() writes the state as read back from
+// the store (it stays there; the archive holds the copies until it is
+// written). A read that fails throws from torch::save before the file is
+// written. A user's own state type is not swapped: fetch_state() first.
 #include <remat/optim.h>
 
 #include <algorithm>
@@ -32,6 +41,7 @@
 #include <chrono>
 #include <mutex>
 #include <sstream>
+#include <typeinfo>
 #include <unordered_map>
 
 #include <torch/csrc/autograd/engine.h>
@@ -108,6 +118,11 @@ bool known_optimizer(const torch::optim::Optimizer& o) {
 }
 
 }  // namespace
+
+/** Marks a state object swapped in while its tensors are in the store. */
+struct StoredMark {
+  virtual ~StoredMark() = default;
+};
 
 struct StepInBackwardImpl {
   torch::optim::Optimizer& opt;
@@ -233,10 +248,38 @@ struct StepInBackwardImpl {
     return b;
   }
 
+  /** NOTE [saving stored state]: a copy of the state object `held` of
+   *  parameter `index` with its stored tensors read back (they stay in the
+   *  store). Takes mu. Throws naming the parameter when a read fails. */
+  template <class T>
+  T copy_for_save(size_t index, const T& held) {
+    std::lock_guard<std::mutex> lock(mu);
+    T copy(held);
+    Param& p = params[index];
+    if (p.state.empty() || p.stored_for != &held) return copy;
+    auto slots = state_tensors_of(copy);
+    for (size_t k = 0; k < p.state.size() && k < slots.size(); ++k) {
+      if (!p.had[k]) continue;
+      try {
+        *slots[k] = store->unpack(p.state[k]);
+      } catch (const std::exception& e) {
+        throw Error("[remat::StepInBackward] saving the optimizer: the state of " + describe_param(p.index, p.tensor) +
+                    " cannot be read back from its store: " + e.what() +
+                    " Nothing was written; its file is kept for another try.");
+      }
+    }
+    return copy;
+  }
+
+  /** The optimizer's state object for p, swapped for a Stored<T> when it is
+   *  one of LibTorch's (NOTE [saving stored state]). Call with mu held. */
+  torch::optim::OptimizerParamState* wrap_for_save(Param& p);
+
   /** Sends p's state to the store; call with mu held. */
   void put(Param& p) {
     auto* s = state_of(p);
     if (!s || !p.state.empty()) return;  // no state yet, or in the store already
+    s = wrap_for_save(p);
     p.stored_for = s;
     auto slots = state_tensors_of(*s);
     for (at::Tensor* t : slots) {
@@ -407,6 +450,54 @@ struct StepInBackwardImpl {
     p.tensor.mutable_grad() = at::Tensor();  // freed: the point of stepping here
   }
 };
+
+namespace {
+
+/** NOTE [saving stored state]: a T (one of LibTorch's param states) that
+ *  the optimizer holds while its tensors are in the store. */
+template <class T>
+struct Stored final : T, StoredMark {
+  Stored(T&& state, std::weak_ptr<StepInBackwardImpl> owner, size_t index)
+      : T(std::move(state)), owner_(std::move(owner)), index_(index) {}
+  void serialize(torch::serialize::OutputArchive& archive) const override {
+    if (auto impl = owner_.lock()) {
+      impl->copy_for_save<T>(index_, *this).serialize(archive);
+    } else {
+      T::serialize(archive);  // its StepInBackward brought every state back as it went
+    }
+  }
+  using T::serialize;  // the InputArchive overload
+  std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
+    if (auto impl = owner_.lock()) return std::make_unique<T>(impl->copy_for_save<T>(index_, *this));
+    return std::make_unique<T>(static_cast<const T&>(*this));
+  }
+
+ private:
+  std::weak_ptr<StepInBackwardImpl> owner_;
+  size_t index_;
+};
+
+template <class T>
+bool swap_in(std::unique_ptr<torch::optim::OptimizerParamState>& slot, const std::weak_ptr<StepInBackwardImpl>& owner,
+             size_t index) {
+  if (typeid(*slot) != typeid(T)) return false;
+  slot = std::make_unique<Stored<T>>(std::move(static_cast<T&>(*slot)), owner, index);
+  return true;
+}
+
+}  // namespace
+
+torch::optim::OptimizerParamState* StepInBackwardImpl::wrap_for_save(Param& p) {
+  using namespace torch::optim;
+  auto& slot = opt.state()[p.tensor.unsafeGetTensorImpl()];
+  if (dynamic_cast<StoredMark*>(slot.get()) == nullptr) {
+    const size_t index = static_cast<size_t>(&p - params.data());
+    (void)(swap_in<AdamParamState>(slot, self_weak, index) || swap_in<AdamWParamState>(slot, self_weak, index) ||
+           swap_in<SGDParamState>(slot, self_weak, index) || swap_in<RMSpropParamState>(slot, self_weak, index) ||
+           swap_in<AdagradParamState>(slot, self_weak, index));
+  }
+  return slot.get();
+}
 
 namespace {
 

@@ -682,6 +682,30 @@ TEST(Train, SaveThenResumeEqualsUninterruptedRun) {
     EXPECT_EQ(head, all) << base.model;
     expect_same_state(state_of(*b.module()), state_of(*whole.module()), base.model + " final state");
   }
+  // The optimizer's state in a disk store when saved: written as read back
+  // from the store (NOTE [saving stored state]), where it stays.
+  {
+    auto base = tiny_gpt();
+    base.steps = 6;
+    base.clip_norm = 0.0;  // refused with the step in backward
+    base.optimizer_in_backward = true;
+    base.optimizer_state = "disk";
+    rm::Trainer whole(base);
+    auto all = losses_of(whole.run());
+    const auto path = (dir / "gpt-stored.pt").string();
+    auto first = base;
+    first.steps = 3;
+    first.save_path = path;
+    rm::Trainer a(first);
+    auto head = losses_of(a.run());
+    auto second = base;
+    second.resume_path = path;
+    rm::Trainer b(second);
+    auto tail = losses_of(b.run());
+    head.insert(head.end(), tail.begin(), tail.end());
+    EXPECT_EQ(head, all) << "the state in a store";
+    expect_same_state(state_of(*b.module()), state_of(*whole.module()), "the state in a store: final state");
+  }
   // A checkpoint of another model is refused with both descriptions.
   auto other = tiny_gpt();
   other.layers = 2;
