@@ -386,9 +386,15 @@ int64_t saved_steps(const std::string& checkpoint_path) {
   torch::Tensor steps;
   try {
     archive.load_from(checkpoint_path);
-    archive.read("steps_done", steps);
   } catch (const std::exception& e) {
     unreadable_checkpoint(checkpoint_path, e);
+  }
+  if (!archive.try_read("steps_done", steps)) {
+    // A sharded run's --save: the model's weights, as torch::save of the module.
+    throw Error("[remat::train] '" + checkpoint_path +
+                "' holds a model's weights only (what --save writes in a --shard run), not a training checkpoint: "
+                "it has no optimizer state or step count to resume from. Pass a file that --save wrote without "
+                "--shard.");
   }
   return steps.item<int64_t>();
 }

@@ -1105,3 +1105,24 @@ TEST(Train, AutoWithCompressedStateKeepsOnePlan) {
     EXPECT_LE(static_cast<double>(peaks[i]), 1.01 * static_cast<double>(c.memory_budget_bytes));
   }
 }
+
+// What --save writes in a --shard run is the model's weights only (torch::
+// save of the module): --resume of it says so, where it said a key was
+// missing and to pass a file written by --save, which it was.
+TEST(Train, ResumingAModelOnlyFileSaysWhatItHolds) {
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("remat_weights_only_" + std::to_string(::getpid()) + ".pt")).string();
+  rm::Trainer t(tiny_gpt());
+  torch::save(t.module(), path);
+  try {
+    rm::saved_steps(path);
+    FAIL() << "expected remat::Error";
+  } catch (const remat::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[remat::train] '" + path +
+                  "' holds a model's weights only (what --save writes in a --shard run), not a training checkpoint: "
+                  "it has no optimizer state or step count to resume from. Pass a file that --save wrote without "
+                  "--shard.");
+  }
+  std::filesystem::remove(path);
+}

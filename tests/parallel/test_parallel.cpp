@@ -453,8 +453,10 @@ TEST(RematTrainNproc, BadFlagsAreClearErrors) {
     std::tie(rc, out) = train(dir, "--shard --rank 0 --world-size 1 --resume nowhere.pt --steps 1");
     EXPECT_EQ(rc, 2);
     EXPECT_EQ(out,
-              "remat-train: error: [remat::train] --resume does not combine with --shard (--save writes the full "
-              "model only, without the optimizer's state); resume without --shard.\n");
+              "remat-train: error: [remat::train] --resume does not combine with --shard: a sharded run's --save "
+              "writes the model's weights only, not the optimizer's state and step count a resume needs. Resume a "
+              "checkpoint that --save wrote without --shard (and train on without --shard), or start the sharded "
+              "run afresh.\n");
   }
   auto [rc, out] = train(dir, "--nproc 2 --master-port 70000 --steps 1");
   EXPECT_EQ(rc, 2);
@@ -498,8 +500,10 @@ TEST(RematTrainNproc, ConfigErrorsPrintOnceBeforeRanksStart) {
   std::tie(rc, out) = train(dir, "--nproc 2 --shard --resume nowhere.pt --steps 1");
   EXPECT_EQ(rc, 2);
   EXPECT_EQ(out,
-            "remat-train: error: [remat::train] --resume does not combine with --shard (--save writes the full "
-            "model only, without the optimizer's state); resume without --shard.\n");
+            "remat-train: error: [remat::train] --resume does not combine with --shard: a sharded run's --save "
+            "writes the model's weights only, not the optimizer's state and step count a resume needs. Resume a "
+            "checkpoint that --save wrote without --shard (and train on without --shard), or start the sharded "
+            "run afresh.\n");
 }
 
 /** A socket listening on a port of this machine (any address) while alive;

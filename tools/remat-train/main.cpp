@@ -249,8 +249,9 @@ void run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions
 void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init) {
   if (!cfg.resume_path.empty()) {
     throw remat::Error(
-        "[remat::train] --resume does not combine with --shard (--save writes the full model only, without the "
-        "optimizer's state); resume without --shard.");
+        "[remat::train] --resume does not combine with --shard: a sharded run's --save writes the model's "
+        "weights only, not the optimizer's state and step count a resume needs. Resume a checkpoint that "
+        "--save wrote without --shard (and train on without --shard), or start the sharded run afresh.");
   }
   cfg.data_rank = init.rank();
   cfg.data_world = init.world_size();
@@ -642,8 +643,9 @@ int main(int argc, char** argv) {
     }
     if (shard && !cfg.resume_path.empty()) {
       return fail(
-          "[remat::train] --resume does not combine with --shard (--save writes the full model only, without the "
-          "optimizer's state); resume without --shard.");
+          "[remat::train] --resume does not combine with --shard: a sharded run's --save writes the model's "
+          "weights only, not the optimizer's state and step count a resume needs. Resume a checkpoint that "
+          "--save wrote without --shard (and train on without --shard), or start the sharded run afresh.");
     }
     if (!cfg.resume_path.empty() && !fitting) {  // --max-*-under refuses --resume (check_fit)
       const int64_t saved = remat::models::saved_steps(cfg.resume_path);
