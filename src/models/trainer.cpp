@@ -1089,12 +1089,20 @@ std::string Trainer::describe_auto_budget() const {
     params += static_cast<int64_t>(p.nbytes());
     if (p.grad().defined()) grads += static_cast<int64_t>(p.grad().nbytes());
   }
-  const int64_t state = optimizer_state_bytes();
+  // The state in a store is part of the start as if kept (the step's start
+  // as the budget counts it); a compressed store's encoding is in memory.
+  const int64_t in_store = m.auto_ck->optimizer_state_in_store_bytes();
+  const int64_t state = optimizer_state_bytes() + in_store;
   const int64_t start = m.auto_start_bytes, other = start - params - grads - state;
+  const bool encoded = m.cfg.optimizer_state == "bf16" || m.cfg.optimizer_state == "int8";
   std::string parts =
       "parameters " + format_bytes(params) + ", their gradients " + format_bytes(grads) + ", " +
       (m.cfg.optimizer == "sgd" ? "no optimizer state (sgd)" : "the optimizer's state " + format_bytes(state));
-  if (other > 0) parts += ", the rest " + format_bytes(other) + " (the data, buffers)";
+  if (in_store > 0) parts += " (" + format_bytes(in_store) + " of it out of memory in its store, counted as kept)";
+  if (other > 0) {
+    parts += ", the rest " + format_bytes(other) + " (the data, buffers" +
+             (encoded && in_store > 0 ? ", the stored state's " + m.cfg.optimizer_state + " encoding" : "") + ")";
+  }
   if (m.cfg.memory_budget_whole_step) {
     return "auto: budget " + format_bytes(m.cfg.memory_budget_bytes) +
            " on the whole step (all tracked memory at its peak), applied to the planner as it is; " +
