@@ -941,11 +941,12 @@ StepStats Trainer::step(memory::Timeline* timeline) {
                    replanned};
 }
 
-std::vector<StepStats> Trainer::run(std::ostream* log) {
+std::vector<StepStats> Trainer::run(std::ostream* log, const std::function<bool()>& stop) {
   std::vector<StepStats> out;
   if (log) *log << summary() << "\n";
   const char* unit = impl_->gpt ? "tok" : "img";
   while (impl_->steps_done < impl_->cfg.steps) {
+    if (stop && stop()) return out;
     out.push_back(step());
     if (log) *log << format_step(out.back(), impl_->cfg.steps, unit) << std::endl;
   }

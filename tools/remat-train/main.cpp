@@ -751,12 +751,30 @@ int main(int argc, char** argv) {
       std::cout << remat::models::format_fit(r, cfg);
       return 0;
     }
-    remat::models::Trainer trainer(cfg, &std::cout);
-    if (explain_memory) {
-      std::cout << trainer.summary() << "\n" << trainer.explain_memory();
-      return 0;
+    int64_t done = 0;
+    {
+      remat::models::Trainer trainer(cfg, &std::cout);
+      if (explain_memory) {
+        std::cout << trainer.summary() << "\n" << trainer.explain_memory();
+        return 0;
+      }
+      // SIGINT, SIGTERM, SIGHUP end the run between steps, so that the
+      // trainer's stores remove their files as they go; a second one
+      // (SA_RESETHAND) ends it at once.
+      struct sigaction sa {};
+      sa.sa_handler = on_stop_signal;
+      sa.sa_flags = SA_RESETHAND | SA_RESTART;  // the stores' file I/O goes on through the first
+      sigemptyset(&sa.sa_mask);
+      for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+      trainer.run(&std::cout, [] { return g_stop_signal != 0; });
+      done = trainer.steps_done();
     }
-    trainer.run(&std::cout);
+    if (const int sig = g_stop_signal; sig != 0) {
+      std::cout << std::flush;
+      std::cerr << "remat-train: stopped by signal " << sig << " (" << strsignal(sig) << ") after step " << done
+                << " of " << cfg.steps << "; nothing saved, and the offload files are removed.\n";
+      return 128 + sig;
+    }
   } catch (const remat::Error& e) {
     return fail(e.what());
   } catch (const c10::Error& e) {

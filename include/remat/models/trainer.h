@@ -414,8 +414,10 @@ class Trainer {
    *  "forward", "backward" and "optimizer" spans to it. */
   StepStats step(memory::Timeline* timeline = nullptr);
   /** Steps until config.steps, printing a line per step to log (if not
-   *  null), then saves to config.save_path if set. Returns the steps taken. */
-  std::vector<StepStats> run(std::ostream* log = nullptr);
+   *  null), then saves to config.save_path if set. Returns the steps taken.
+   *  With `stop`, asks it before each step: true ends the run there,
+   *  without saving (remat-train's SIGINT and SIGTERM). */
+  std::vector<StepStats> run(std::ostream* log = nullptr, const std::function<bool()>& stop = {});
   /** Writes model, optimizer, step count and RNG states to path atomically
    *  (a temporary file in the same folder, then rename). */
   void save(const std::string& path) const;
