@@ -269,7 +269,8 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
   auto capped = [&](const StepPrediction& p) { return width ? p.whole_peak_bytes : p.peak_bytes; };
   std::map<int64_t, StepPrediction> predicted;
   std::map<int64_t, int64_t> measured, measured_start;
-  std::set<int64_t> no_plan;  // kAuto: values where no plan meets the cap (nothing measured)
+  std::set<int64_t> no_plan;   // kAuto: values where no plan meets the cap (nothing measured)
+  std::vector<FitProbe> made;  // every prediction, in order (FitResult::probes)
   // kOffload's "prediction" is a measured step (predict_step): the search
   // then measures, and verification reuses those steps.
   const bool by_measurement = config.checkpoint == Strategy::kOffload;
@@ -284,6 +285,7 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
            << (capped(p) <= options.cap_bytes ? " (fits)" : " (over)") << std::endl;
     }
     if (by_measurement) measured.emplace(v, p.peak_bytes);
+    made.push_back({v, capped(p)});  // the search's and the verification's, in order
     return predicted.emplace(v, p).first->second;
   };
   auto measure = [&](int64_t v) {
@@ -291,7 +293,10 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
     const StepPrediction& p = predict(v);
     if (config.checkpoint == Strategy::kAuto && capped(p) > options.cap_bytes) {
       // No auto plan meets the cap here (a run would refuse it): over, by the leanest plan's peak.
-      if (log) *log << "  measure " << what << " " << v << ": no auto plan fits (leanest predicted) " << std::endl;
+      if (log) {
+        *log << "  measure " << what << " " << v << ": no auto plan fits (its leanest plan is predicted to peak at "
+             << format_bytes(capped(p)) << "; not measured)" << std::endl;
+      }
       measured.emplace(v, capped(p));
       no_plan.insert(v);
       return capped(p);
@@ -339,7 +344,7 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
   r.cap_bytes = options.cap_bytes;
   r.step = step;
   r.value = largest_fitting(
-      options.cap_bytes, step, max_value, [&](int64_t v) { return capped(predict(v)); }, &r.probes);
+      options.cap_bytes, step, max_value, [&](int64_t v) { return capped(predict(v)); }, nullptr);
   if (r.value == 0) throw too_small(capped(predict(step)), by_measurement ? "measures a peak" : "is predicted to peak");
   r.predicted_value = r.value;
   if (options.verify) {
@@ -378,6 +383,7 @@ FitResult max_under(const TrainConfig& config, const FitOptions& options, std::o
     if (r.next_value > 0) r.next_parameters = predict(r.next_value).parameters;
     if (auto it = measured_start.find(r.value); it != measured_start.end()) r.start_bytes = it->second;
   }
+  r.probes = std::move(made);
   return r;
 }
 

@@ -223,9 +223,10 @@ constexpr double kTimeRel = 1e-12;
 // checked in integer bytes; where GLPK's is off, the program is solved
 // again "exactly": no presolve and an integer tolerance that hides under
 // 0.5 B per row (not below 1e-9: rows of GiBs may hide a byte or so).
-// solve_step's time program is exact from its first run: GLPK 5.0's
-// presolved LP of a 4-row near tie cycled in its primal simplex ("numerical
-// instability") until the time limit (fuzz/FINDINGS.md, item 12). An
+// solve_step's time program is exact from its first run on small
+// programs: GLPK 5.0's presolved LP of a 4-column near tie cycled in its
+// primal simplex ("numerical instability") until the time limit
+// (fuzz/FINDINGS.md, item 12). An
 // exact program that fails numerically is solved again with GLPK's
 // defaults, and its choice checked in bytes as any. A least peak is
 // proved only by an exact program that finds no choice a byte leaner:
@@ -678,6 +679,12 @@ Cut row_cut(const StepModel& m, const Row& r, const std::vector<int>& choice) {
 constexpr int kProofTries = 16;
 // Programs solve_within runs at most: the first, then one per round of cuts.
 constexpr int kFitTries = 16;
+// Columns up to which solve_within's first program is exact (no presolve).
+// Both forms take milliseconds there; beyond, the presolver saves time
+// (remat_step_solve, units called twice, 100 units, 500 columns, a quarter
+// of the way from the least peak: 2.7 s with it, 4.2 s without, one run
+// each on this 2-core machine).
+constexpr int64_t kExactFirstColumns = 100;
 bool prove_least_peak(const StepModel& m, const std::vector<Row>& rows, const Deadline& dl, StepPrediction* best,
                       double* bound_bytes, bool* timed_out) {
   lower_peak_one_at_a_time(m, best);
@@ -1560,6 +1567,9 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
   std::vector<Cut> cuts;
   bool timed_out = false;
   std::optional<double> bound;  // the highest optimum, ms, GLPK proved at the budget
+  int64_t columns = static_cast<int64_t>(pairs_of(m).size());
+  for (const StepUnit& u : m.units) columns += static_cast<int64_t>(u.options.size()) - 1;
+  const bool small = columns <= kExactFirstColumns;
   for (int attempt = 0; attempt < kFitTries; ++attempt) {
     MipResult r;
     bool found;
@@ -1569,11 +1579,12 @@ StepPlan step_detail::solve_within(const StepModel& m, int64_t budget_bytes, con
       r.optimal = true;
       found = true;
     } else {
-      // Exact from the first program: GLPK's presolved LP can cycle until
-      // the time limit (fuzz/FINDINGS.md, item 12: a 4-row program).
-      found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/true, cuts);
+      // A small program is exact from its first run: GLPK's presolved LP
+      // can cycle until the time limit (fuzz/FINDINGS.md, item 12: 4
+      // columns). A large one gains from the presolver (kExactFirstColumns).
+      found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/attempt > 0 || small, cuts);
       timed_out = timed_out || r.timed_out;
-      if (!found && !r.timed_out && !r.infeasible) {
+      if (!found && (attempt > 0 || small) && !r.timed_out && !r.infeasible) {
         // The exact program ran into numerical trouble: the same rows with
         // GLPK's defaults, whose choice is checked in bytes as any.
         found = solve_mip(m, rows, budget_bytes, Goal::kFastest, dl, &r, /*exact=*/false, cuts);

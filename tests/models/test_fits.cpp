@@ -450,6 +450,19 @@ TEST(FitsDModel, MaxDModelFitsTheWholeStepPerStrategy) {
     if (s != Strategy::kAuto) {
       EXPECT_FALSE(r.next_no_plan);
     }
+    // The summary counts every prediction the log shows, the verification's
+    // too (it counted the search's only: "5 predictions" under 6 lines).
+    size_t lines = 0;
+    for (size_t at = log.str().find("  predict --d-model "); at != std::string::npos;
+         at = log.str().find("  predict --d-model ", at + 1)) {
+      ++lines;
+    }
+    EXPECT_EQ(r.probes.size(), lines) << log.str();
+    EXPECT_NE(fit.find("  " + std::to_string(lines) + " predictions, widths in steps of 16"), std::string::npos) << fit;
+    if (r.next_no_plan) {  // the line that skips the measurement gives the prediction that skips it
+      EXPECT_NE(log.str().find(": no auto plan fits (its leanest plan is predicted to peak at "), std::string::npos)
+          << log.str();
+    }
   }
 }
 
