@@ -183,6 +183,11 @@ void check_fit(const TrainConfig& config, const FitOptions& options) {
     throw Error("[remat::train] " + flag + " trains fresh models, one per value it tries; drop --resume " +
                 config.resume_path + ".");
   }
+  if (!config.save_path.empty()) {
+    throw Error("[remat::train] " + flag +
+                " trains fresh models, one per value it tries, and keeps none; drop --save " + config.save_path +
+                " (train at the value it finds, with --save, afterwards).");
+  }
   if (dim != FitDimension::kDModel) return;
   if (config.heads < 1) {
     throw Error("[remat::train] --max-d-model-under searches multiples of --heads; got --heads " + str(config.heads) +
@@ -197,7 +202,7 @@ void check_fit(const TrainConfig& config, const FitOptions& options) {
   if (options.max_value > 0 && step > options.max_value) {
     throw Error("[remat::train] --max-d-model-under: the smallest width tried, lcm(--fit-step " + str(options.step) +
                 ", --heads " + str(config.heads) + ") = " + str(step) + ", is above the search's limit " +
-                str(options.max_value) + ". Lower --fit-step or --heads.");
+                str(options.max_value) + ". Lower --fit-step or --heads, or raise --fit-max.");
   }
 }
 

@@ -278,6 +278,12 @@ void check_config(const TrainConfig& config) {
       c.optimizer_state != "bf16" && c.optimizer_state != "int8") {
     throw Error("[remat::train] --optimizer-state '" + c.optimizer_state + "' is not one of disk, host, bf16, int8.");
   }
+  if (!c.optimizer_state.empty() && c.optimizer == "sgd") {
+    throw Error(
+        "[remat::train] --optimizer sgd is plain SGD (each update lr x the gradient): it keeps no state for "
+        "--optimizer-state " +
+        c.optimizer_state + " to move. Drop --optimizer-state, or use --optimizer adamw.");
+  }
   if (!c.optimizer_state.empty() && !c.optimizer_in_backward) {
     throw Error("[remat::train] --optimizer-state " + c.optimizer_state +
                 " moves each parameter's state between its updates inside backward; add --optimizer-in-backward.");
@@ -609,6 +615,20 @@ struct Trainer::Impl {
   /** Solves auto_ck again for --memory-budget above start_bytes (the bytes
    *  live at a step's start); a budget no plan meets throws, naming the
    *  smallest peak above the start that a plan reaches. */
+  /** The auto levers this run leaves off, as flags ("" when none): each
+   *  can lower what a plan reaches. */
+  std::string levers_off() const {
+    std::vector<std::string> off;
+    if (!cfg.optimizer_in_backward) off.push_back("--optimizer-in-backward");
+    if (cfg.optimizer_in_backward && cfg.optimizer_state.empty() && cfg.optimizer != "sgd")
+      off.push_back("--optimizer-state disk|bf16|int8");
+    if (!cfg.auto_offload) off.push_back("--auto-offload (with --offload-dir)");
+    if (gpt && !cfg.plan_loss_chunks) off.push_back("--loss-chunks auto");
+    std::string out;
+    for (size_t i = 0; i < off.size(); ++i) out += (i == 0 ? "" : i + 1 == off.size() ? " or " : ", ") + off[i];
+    return out.empty() ? out : " This run leaves off auto's levers " + out + ", which can plan lower.";
+  }
+
   void set_auto_budget(int64_t start_bytes) {
     if (cfg.memory_budget_whole_step) {
       // The budget bounds all tracked memory already: the planner's as it is.
@@ -618,7 +638,7 @@ struct Trainer::Impl {
                     " (all tracked memory at the step's peak) is below what any auto plan reaches: " +
                     format_bytes(leanest) + " (" + str(leanest) + " bytes), " + format_bytes(start_bytes) +
                     " of it live at the step's start. Raise the cap, or lower --d-model, --layers, --batch or " +
-                    (gpt ? "--seq-len." : "--image-size."));
+                    (gpt ? "--seq-len." : "--image-size.") + levers_off());
       }
       auto_ck->replan(cfg.memory_budget_bytes);
       auto_start_bytes = start_bytes;
@@ -630,7 +650,7 @@ struct Trainer::Impl {
                   " (the step's peak above its start) is below what any auto plan reaches: " + format_bytes(leanest) +
                   " (" + str(leanest) + " bytes) above the " + format_bytes(start_bytes) +
                   " live at the step's start. Raise --memory-budget to at least that, or lower --batch, " +
-                  (gpt ? "--seq-len, " : "--image-size, ") + "--d-model or --layers.");
+                  (gpt ? "--seq-len, " : "--image-size, ") + "--d-model or --layers." + levers_off());
     }
     auto_ck->replan(start_bytes + cfg.memory_budget_bytes);
     auto_start_bytes = start_bytes;

@@ -305,6 +305,11 @@ TEST(Fits, Errors) {
   resumed.resume_path = "/tmp/x.pt";
   EXPECT_EQ(error_of([&] { rm::max_under(resumed, o); }),
             "[remat::train] --max-batch-under trains fresh models, one per value it tries; drop --resume /tmp/x.pt.");
+  rm::TrainConfig saving = tiny_gpt(Strategy::kNone);
+  saving.save_path = "/tmp/x.pt";  // it wrote nothing and said nothing
+  EXPECT_EQ(error_of([&] { rm::max_under(saving, o); }),
+            "[remat::train] --max-batch-under trains fresh models, one per value it tries, and keeps none; drop "
+            "--save /tmp/x.pt (train at the value it finds, with --save, afterwards).");
   rm::TrainConfig resnet_block;
   resnet_block.model = "resnet";
   resnet_block.checkpoint = Strategy::kBlock;
@@ -561,7 +566,7 @@ TEST(FitsDModel, Errors) {
   o.max_value = 8;
   EXPECT_EQ(error_of([&] { rm::max_under(narrow_gpt(Strategy::kNone), o); }),
             "[remat::train] --max-d-model-under: the smallest width tried, lcm(--fit-step 16, --heads 2) = 16, is "
-            "above the search's limit 8. Lower --fit-step or --heads.");
+            "above the search's limit 8. Lower --fit-step or --heads, or raise --fit-max.");
 }
 
 TEST(FitsDModel, CliErrorsAndAnswer) {

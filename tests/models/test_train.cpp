@@ -611,6 +611,11 @@ TEST(Train, AutoRefusesABudgetNoPlanMeets) {
                         "--seq-len, --d-model or --layers."),
               std::string::npos)
         << what;
+    // The levers it leaves off, which can plan lower, are named.
+    EXPECT_NE(what.find(" This run leaves off auto's levers --optimizer-in-backward, --auto-offload (with "
+                        "--offload-dir) or --loss-chunks auto, which can plan lower."),
+              std::string::npos)
+        << what;
   }
 }
 
@@ -933,8 +938,16 @@ TEST(TrainCli, FlagsOfAnotherStrategyAreRefused) {
        "--policy picks what is kept by --checkpoint selective, and this run uses --checkpoint auto; add "
        "--checkpoint selective, or drop --policy."},
       {"--checkpoint block --offload-dir /tmp",
-       "--offload-dir is where the activations go under --checkpoint offload, and this run uses --checkpoint "
-       "block; add --checkpoint offload, or drop --offload-dir."},
+       "--offload-dir holds the files of --checkpoint offload (the activations), --checkpoint auto --auto-offload "
+       "(the plan's disk store) and --optimizer-state disk (the optimizer's state), and this run uses --checkpoint "
+       "block; add one of them, or drop --offload-dir."},
+      {"--optimizer-in-backward --optimizer-state bf16 --offload-dir /tmp",
+       "--offload-dir holds the files of --checkpoint offload (the activations), --checkpoint auto --auto-offload "
+       "(the plan's disk store) and --optimizer-state disk (the optimizer's state), and this run uses --checkpoint "
+       "none with --optimizer-state bf16; add one of them, or drop --offload-dir."},
+      {"--optimizer sgd --optimizer-in-backward --optimizer-state int8",
+       "--optimizer sgd is plain SGD (each update lr x the gradient): it keeps no state for --optimizer-state int8 "
+       "to move. Drop --optimizer-state, or use --optimizer adamw."},
   };
   for (const auto& [args, msg] : cases) {
     auto [code, out] = run_cli(args + " --steps 1");
@@ -1026,8 +1039,9 @@ TEST(TrainCli, AutoWithAnOffloadDirNamesItsDiskStore) {
   auto [c1, o1] = run_cli("--steps 1 --checkpoint auto --memory-budget 1MiB --offload-dir /tmp");
   EXPECT_EQ(c1, 2) << o1;
   EXPECT_EQ(o1,
-            "remat-train: error: [remat::train] --offload-dir is where the activations go under --checkpoint offload, "
-            "and this run uses --checkpoint auto; add --checkpoint offload, or drop --offload-dir.\n");
+            "remat-train: error: [remat::train] --offload-dir holds the files of --checkpoint offload (the "
+            "activations), --checkpoint auto --auto-offload (the plan's disk store) and --optimizer-state disk (the "
+            "optimizer's state), and this run uses --checkpoint auto; add one of them, or drop --offload-dir.\n");
   auto [code, out] = run_cli(
       "--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 3 --threads 1 --checkpoint auto "
       "--memory-budget 1MiB --auto-offload --offload-dir " +

@@ -566,8 +566,15 @@ int main(int argc, char** argv) {
     if (auto e = used_by("--policy", "selective", "picks what is kept by"); !e.empty()) return fail(e);
     // --offload-dir: where the activations go under offload (and auto with
     // --auto-offload), and where the optimizer's state goes.
-    if (cfg.optimizer_state != "disk" && !cfg.auto_offload) {
-      if (auto e = used_by("--offload-dir", "offload", "is where the activations go under"); !e.empty()) return fail(e);
+    if (cfg.optimizer_state != "disk" && !cfg.auto_offload && app.count("--offload-dir") > 0 &&
+        checkpoint != "offload") {
+      return fail(
+          "[remat::train] --offload-dir holds the files of --checkpoint offload (the activations), --checkpoint "
+          "auto --auto-offload (the plan's disk store) and --optimizer-state disk (the optimizer's state), and this "
+          "run uses --checkpoint " +
+          checkpoint +
+          (cfg.optimizer_state.empty() ? std::string() : " with --optimizer-state " + cfg.optimizer_state) +
+          "; add one of them, or drop --offload-dir.");
     }
     const bool distributed = nproc > 1 || world_size > 1 || rank >= 0;
     if (nproc < 1) return fail("[remat::train] --nproc must be at least 1, got " + std::to_string(nproc) + ".");
