@@ -612,14 +612,12 @@ struct Trainer::Impl {
     f();
   }
 
-  /** Solves auto_ck again for --memory-budget above start_bytes (the bytes
-   *  live at a step's start); a budget no plan meets throws, naming the
-   *  smallest peak above the start that a plan reaches. */
   /** The auto levers this run leaves off, as flags ("" when none): each
    *  can lower what a plan reaches. */
   std::string levers_off() const {
     std::vector<std::string> off;
-    if (!cfg.optimizer_in_backward) off.push_back("--optimizer-in-backward");
+    if (!cfg.optimizer_in_backward)
+      off.push_back(cfg.clip_norm > 0 ? "--optimizer-in-backward (with --clip-norm 0)" : "--optimizer-in-backward");
     if (cfg.optimizer_in_backward && cfg.optimizer_state.empty() && cfg.optimizer != "sgd")
       off.push_back("--optimizer-state disk|bf16|int8");
     if (!cfg.auto_offload) off.push_back("--auto-offload (with --offload-dir)");
@@ -629,6 +627,9 @@ struct Trainer::Impl {
     return out.empty() ? out : " This run leaves off auto's levers " + out + ", which can plan lower.";
   }
 
+  /** Solves auto_ck again for --memory-budget above start_bytes (the bytes
+   *  live at a step's start); a budget no plan meets throws, naming the
+   *  smallest peak above the start that a plan reaches. */
   void set_auto_budget(int64_t start_bytes) {
     if (cfg.memory_budget_whole_step) {
       // The budget bounds all tracked memory already: the planner's as it is.

@@ -78,7 +78,7 @@ const at::Tensor& int8_bounds() {
  *  inf or NaN (stored raw then). */
 bool encode_int8_block(const at::Tensor& dense, Encoded& e) {
   const int64_t n = dense.numel(), blocks = (n + kInt8BlockValues - 1) / kInt8BlockValues;
-  const float* src = dense.data_ptr<float>();  // its elements fill [src, src + n) (dense)
+  const float* src = dense.data_ptr<float>();  // its elements fill [src, src + n) (dense; negation resolved)
   // Finite first: a tensor with inf or NaN is stored raw.
   std::atomic<bool> finite{true};
   at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
@@ -150,6 +150,8 @@ Encoded encode(const at::Tensor& t, Codec codec, bool exact_size) {
   const bool lossy = (codec == Codec::kBFloat16 || codec == Codec::kFloat8 || codec == Codec::kInt8Block) &&
                      t.scalar_type() == at::kFloat;
   if (lossy && codec == Codec::kInt8Block) {
+    stage = stage.resolve_neg();  // the loops read raw memory (a no-op unless a negative view)
+    if (!stage.is_non_overlapping_and_dense()) stage = dense_cpu(stage);
     if (encode_int8_block(stage, e)) stage = e.data;
   } else if (lossy && codec == Codec::kBFloat16) {
     stage = stage.to(at::kBFloat16);  // keeps the strides of a dense tensor

@@ -34,6 +34,8 @@
 // the store (it stays there; the archive holds the copies until it is
 // written). A read that fails throws from torch::save before the file is
 // written. A user's own state type is not swapped: fetch_state() first.
+// The read back takes the updates' mutex: a save from inside an update
+// (an optimizer's step(), an on_update listener) is not supported.
 #include <remat/optim.h>
 
 #include <algorithm>
@@ -119,9 +121,12 @@ bool known_optimizer(const torch::optim::Optimizer& o) {
 
 }  // namespace
 
-/** Marks a state object swapped in while its tensors are in the store. */
+/** Marks a state object swapped in while its tensors are in the store;
+ *  rebind() hands it to another StepInBackward (a later one on the same
+ *  optimizer: its owner may be gone, and its index is the new one's). */
 struct StoredMark {
   virtual ~StoredMark() = default;
+  virtual void rebind(std::weak_ptr<StepInBackwardImpl> owner, size_t index) = 0;
 };
 
 struct StepInBackwardImpl {
@@ -265,7 +270,7 @@ struct StepInBackwardImpl {
       } catch (const std::exception& e) {
         throw Error("[remat::StepInBackward] saving the optimizer: the state of " + describe_param(p.index, p.tensor) +
                     " cannot be read back from its store: " + e.what() +
-                    " Nothing was written; its file is kept for another try.");
+                    " Nothing was written, and the state is left where it was.");
       }
     }
     return copy;
@@ -467,6 +472,10 @@ struct Stored final : T, StoredMark {
     }
   }
   using T::serialize;  // the InputArchive overload
+  void rebind(std::weak_ptr<StepInBackwardImpl> owner, size_t index) override {
+    owner_ = std::move(owner);
+    index_ = index;
+  }
   std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
     if (auto impl = owner_.lock()) return std::make_unique<T>(impl->copy_for_save<T>(index_, *this));
     return std::make_unique<T>(static_cast<const T&>(*this));
@@ -490,8 +499,10 @@ bool swap_in(std::unique_ptr<torch::optim::OptimizerParamState>& slot, const std
 torch::optim::OptimizerParamState* StepInBackwardImpl::wrap_for_save(Param& p) {
   using namespace torch::optim;
   auto& slot = opt.state()[p.tensor.unsafeGetTensorImpl()];
-  if (dynamic_cast<StoredMark*>(slot.get()) == nullptr) {
-    const size_t index = static_cast<size_t>(&p - params.data());
+  const size_t index = static_cast<size_t>(&p - params.data());
+  if (auto* mark = dynamic_cast<StoredMark*>(slot.get())) {
+    mark->rebind(self_weak, index);  // swapped in by an earlier StepInBackward on this optimizer
+  } else {
     (void)(swap_in<AdamParamState>(slot, self_weak, index) || swap_in<AdamWParamState>(slot, self_weak, index) ||
            swap_in<SGDParamState>(slot, self_weak, index) || swap_in<RMSpropParamState>(slot, self_weak, index) ||
            swap_in<AdagradParamState>(slot, self_weak, index));

@@ -229,7 +229,8 @@ constexpr double kTimeRel = 1e-12;
 // (fuzz/FINDINGS.md, item 12). An
 // exact program that fails numerically is solved again with GLPK's
 // defaults, and its choice checked in bytes as any. A least peak is
-// proved only by an exact program that finds no choice a byte leaner:
+// proved by a row no option lowers below it (least_bytes), or by an exact
+// program that finds no choice a byte leaner:
 // each tolerance lets more choices in, none keeps one out, so "none"
 // holds in bytes (prove_least_peak). Left: the same tolerance lets in a
 // choice bytes over a budget; then there is no proof (optimal false,

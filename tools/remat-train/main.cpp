@@ -776,7 +776,7 @@ int main(int argc, char** argv) {
       trainer.run(&std::cout, [] { return g_stop_signal != 0; });
       done = trainer.steps_done();
     }
-    if (const int sig = g_stop_signal; sig != 0) {
+    if (const int sig = g_stop_signal; sig != 0 && done < cfg.steps) {  // else the run ended, and saved
       std::cout << std::flush;
       std::cerr << "remat-train: stopped by signal " << sig << " (" << strsignal(sig) << ") after step " << done
                 << " of " << cfg.steps << "; nothing saved, and the offload files are removed.\n";
