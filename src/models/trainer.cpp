@@ -1427,6 +1427,8 @@ std::string Trainer::summary() const {
     if (!c.optimizer_state.empty())
       os << " (state between updates: " << c.optimizer_state
          << (c.optimizer_state == "disk" ? " in " + c.offload_dir : std::string())
+         << (c.optimizer_state == "host" ? ": pinned host memory for a GPU's state; on this CPU it stays where it is"
+                                         : "")
          << (c.checkpoint == Strategy::kAuto ? ", where the plan says" : "") << ")";
   }
   const int threads = torch::get_num_threads();

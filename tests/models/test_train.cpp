@@ -1166,3 +1166,18 @@ TEST(Train, ASignalEndsTheRunBetweenStepsAndRemovesTheFiles) {
   std::filesystem::remove_all(dir);
   std::filesystem::remove(err);
 }
+
+// --optimizer-state host moves a GPU's state to pinned host memory; the
+// trainer runs on the CPU, where it leaves the state in place: the summary
+// says so rather than name a move that does not happen.
+TEST(Train, HostStateOnTheCpuSaysItStaysPut) {
+  auto c = tiny_gpt();
+  c.clip_norm = 0.0;
+  c.optimizer_in_backward = true;
+  c.optimizer_state = "host";
+  rm::Trainer t(c);
+  EXPECT_NE(t.summary().find("(state between updates: host: pinned host memory for a GPU's state; on this CPU it "
+                             "stays where it is)"),
+            std::string::npos)
+      << t.summary();
+}
