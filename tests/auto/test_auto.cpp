@@ -1488,6 +1488,17 @@ double store_charge(const remat::AutoCheckpoint& planner) {
   return at == std::string::npos ? -1.0 : std::stod(e.substr(at + 5));
 }
 
+/** Warm-up and profiled steps, then the leanest plan (the state in the
+ *  store) and its first step, which prices nothing; step(extra) runs one. */
+template <class Step>
+void store_the_state(remat::AutoCheckpoint& planner, Step&& step) {
+  step(0);
+  step(0);  // warm-up, profiled
+  planner.replan(planner.leanest_peak_bytes());
+  ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
+  step(0);  // the placement's first step: it prices nothing
+}
+
 // NOTE [state priced by the step]: the state store is priced by what it
 // cost planned steps (from a placement's second step, the mean of the last
 // two: the step's time over its plan's prediction without the store, or
@@ -1522,11 +1533,7 @@ TEST(AutoModelState, TheStateStoreIsPricedByWhatItCostsThePlannedSteps) {
       planner.step([&] { w.step(k++ % kSteps); });
     };
     auto charged = [&] { return store_charge(planner); };
-    step(0);
-    step(0);  // warm-up, profiled
-    planner.replan(planner.leanest_peak_bytes());
-    ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
-    step(0);  // the placement's first step: it prices nothing
+    ASSERT_NO_FATAL_FAILURE(store_the_state(planner, step));
     EXPECT_NE(planner.explain().find("until planned steps measure what it costs them"), std::string::npos)
         << planner.explain();
     const double step_ms = planner.measured_time_ms();
@@ -1568,11 +1575,7 @@ TEST(AutoModelState, AStepThatRunsOverItsPredictionWithTheStateStoredPricesTheSt
       });
     };
     auto charged = [&] { return store_charge(planner); };
-    step(0);
-    step(0);  // warm-up, profiled
-    planner.replan(planner.leanest_peak_bytes());
-    ASSERT_GT(planner.optimizer_state_in_store_bytes(), 0) << planner.explain();
-    step(0);  // the placement's first step: it prices nothing
+    ASSERT_NO_FATAL_FAILURE(store_the_state(planner, step));
     const double step_ms = planner.measured_time_ms();
     const double extra_ms = 10 * step_ms + 200;
     double waited = 0;

@@ -96,6 +96,15 @@ volatile sig_atomic_t g_stop_signal = 0;
 
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
+/** on_stop_signal for SIGINT, SIGTERM and SIGHUP, with sigaction's flags. */
+void catch_stop_signals(int flags) {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sa.sa_flags = flags;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+}
+
 /** --nproc N: runs this program N times as ranks 0..N-1 on 127.0.0.1 (the
  *  same flags, plus --rank, --world-size and the master's address), waits
  *  for all, and returns the first failure's exit code. When a rank fails,
@@ -121,10 +130,7 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
   }
   base[0] = "/proc/self/exe";
   base.insert(base.end(), extra.begin(), extra.end());
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  catch_stop_signals(0);
   const pid_t launcher = ::getpid();
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
@@ -768,11 +774,7 @@ int main(int argc, char** argv) {
       // SIGINT, SIGTERM, SIGHUP end the run between steps, so that the
       // trainer's stores remove their files as they go; a second one
       // (SA_RESETHAND) ends it at once.
-      struct sigaction sa {};
-      sa.sa_handler = on_stop_signal;
-      sa.sa_flags = SA_RESETHAND | SA_RESTART;  // the stores' file I/O goes on through the first
-      sigemptyset(&sa.sa_mask);
-      for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+      catch_stop_signals(SA_RESETHAND | SA_RESTART);  // the stores' file I/O goes on through the first
       trainer.run(&std::cout, [] { return g_stop_signal != 0; });
       done = trainer.steps_done();
     }
