@@ -233,6 +233,11 @@ std::string format_step(const StepStats& s, int64_t total_steps, std::string_vie
     os << std::setprecision(1) << s.items_per_s;
   }
   os << " " << unit << "/s  " << std::setprecision(1) << s.step_ms << " ms  peak " << format_bytes(s.peak_bytes);
+  // The budget's start counts state in a store as kept, so a step whose
+  // activations are smaller than that state peaks under its start.
+  if (s.under_start_bytes > 0)
+    os << " (" << format_bytes(s.under_start_bytes)
+       << " under the step's start, which counts the optimizer state in a store as kept)";
   if (s.offloaded_bytes > 0) os << "  offloaded " << format_bytes(s.offloaded_bytes);
   if (s.phase == StepPhase::kWarmup) os << "  (auto: warm-up, a plain step)";
   if (s.phase == StepPhase::kProfiled)
@@ -947,7 +952,11 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   // wherever it lives, and its bytes read back are in it; a re-plan at
   // the step's start that moves state between memory and the store
   // changes neither.
-  if (start >= 0) peak_bytes = std::max<int64_t>(0, peak_abs - start);
+  int64_t under_start = 0;
+  if (start >= 0) {
+    peak_bytes = std::max<int64_t>(0, peak_abs - start);
+    under_start = std::max<int64_t>(0, start - peak_abs);
+  }
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
   return StepStats{++m.steps_done,
@@ -955,6 +964,7 @@ StepStats Trainer::step(memory::Timeline* timeline) {
                    ms,
                    items / (ms / 1e3),
                    peak_bytes,
+                   under_start,
                    m.offloaded_bytes,
                    phase,
                    whole.baseline_bytes(),

@@ -1089,6 +1089,47 @@ TEST(Train, AStepLineSaysWhenAutoPlannedAgainAfterIt) {
             "planned again for the next step)");
 }
 
+// A step whose activations are smaller than the optimizer state in its
+// store peaks under its start as auto's budget counts it (that start counts
+// the stored state as kept). The step line says so; it said "peak 0 B".
+TEST(Train, AStepUnderItsStartSaysByHowMuch) {
+  auto c = tiny_gpt();
+  c.clip_norm = 0.0;
+  c.grad_accum = 1;
+  c.dropout = 0.0;
+  c.layers = 2;
+  c.d_model = 256;
+  c.seq_len = 16;
+  c.batch = 1;
+  c.checkpoint = Strategy::kAuto;
+  c.optimizer_in_backward = true;
+  c.optimizer_state = "disk";
+  c.offload_dir = offload_dir();
+  c.steps = 5;
+  c.memory_budget_bytes = 1 << 20;
+  int under = 0;
+  std::vector<rm::StepStats> stats;
+  {
+    rm::Trainer t(c);
+    stats = t.run();
+    EXPECT_GT(offload_files(), 0u) << "the state is in its files while the trainer lives";
+  }
+  EXPECT_EQ(offload_files(), 0u);
+  for (const auto& s : stats) {
+    if (s.phase != rm::StepPhase::kNormal) continue;
+    // One of the two is 0; together they place the step's peak against its start.
+    EXPECT_TRUE(s.peak_bytes == 0 || s.under_start_bytes == 0) << "step " << s.step;
+    if (s.under_start_bytes == 0) continue;
+    ++under;
+    EXPECT_NE(rm::format_step(s, c.steps, "tok")
+                  .find(" ms  peak 0 B (" + remat::format_bytes(s.under_start_bytes) +
+                        " under the step's start, which counts the optimizer state in a store as kept)"),
+              std::string::npos)
+        << rm::format_step(s, c.steps, "tok");
+  }
+  EXPECT_GE(under, 1) << "no planned step stayed under its start: the test no longer covers the line";
+}
+
 // With compressed state (its encoding stays in memory) the step's start as
 // auto's budget counts it stays put whether the plan keeps the state or
 // stores it, so one plan runs step after step. Counting the whole state

@@ -347,8 +347,14 @@ struct StepStats {
   /** Peak CPU bytes above the step's start, over forward and backward (all
    *  micro-batches): activations, logits, loss, activation gradients and
    *  temporaries; from step 2 on not the parameter gradients, which stay
-   *  allocated between steps (step 1, or a step after prepare(), has them). */
+   *  allocated between steps (step 1, or a step after prepare(), has them).
+   *  kAuto: above the start as its budget counts it, the optimizer state
+   *  in a store counted as kept; 0 where the step stayed under that start
+   *  (under_start_bytes says by how much). */
   int64_t peak_bytes = 0;
+  /** kAuto: how far the step's highest tracked bytes stayed under its start
+   *  as the budget counts it (then peak_bytes is 0); else 0. */
+  int64_t under_start_bytes = 0;
   /** Strategy::kOffload: bytes of the saved tensors the blocks sent to disk
    *  (all micro-batches; OffloadStats::bytes_raw), else 0. */
   int64_t offloaded_bytes = 0;
