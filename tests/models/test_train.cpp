@@ -1208,6 +1208,41 @@ TEST(Train, ASignalEndsTheRunBetweenStepsAndRemovesTheFiles) {
   std::filesystem::remove(err);
 }
 
+// The same with --nproc: the launcher passes the signal to its ranks, which
+// all end after the same step (they agree between steps) and remove their
+// files; the launcher exits with 128 + the signal. The ranks used to die at
+// once and leave their files. Data parallel, sharded and a pipeline.
+TEST(Train, ASignalEndsEveryRankBetweenStepsAndRemovesTheFiles) {
+  const auto dir = std::filesystem::temp_directory_path() / ("remat_signal_ranks_" + std::to_string(::getpid()));
+  const auto err = dir.string() + ".err";
+  for (const std::string extra : {"", "--shard", "--pipeline 2"}) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    // 8 s: the ranks join their group and take steps well within it here.
+    const std::string cmd = "timeout --preserve-status -s TERM 8 " + std::string(REMAT_TRAIN_EXE) + " --nproc 2 " +
+                            extra +
+                            " --layers 2 --d-model 64 --seq-len 32 --batch 4 --threads 1 --steps 100000 --checkpoint "
+                            "offload --optimizer-in-backward --optimizer-state disk --offload-dir " +
+                            dir.string() + " >/dev/null 2>" + err;
+    const int status = std::system(cmd.c_str());
+    ASSERT_TRUE(WIFEXITED(status)) << extra;
+    EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << extra;
+    const std::string text = slurp(err);
+    EXPECT_EQ(text.rfind("remat-train: [rank 0/2] stopped by signal 15 (Terminated), every rank after step ", 0), 0u)
+        << extra << "\n"
+        << text;
+    EXPECT_NE(text.find(" of 100000; nothing saved, and the offload files are removed.\nremat-train: stopped by signal "
+                        "15 (Terminated); the ranks were stopped too\n"),
+              std::string::npos)
+        << extra << "\n"
+        << text;
+    EXPECT_EQ(text.find("killing"), std::string::npos) << extra << "\n" << text;
+    EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 0) << extra << ": files left in " << dir;
+  }
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(err);
+}
+
 // --optimizer-state host moves a GPU's state to pinned host memory; the
 // trainer runs on the CPU, where it leaves the state in place: the summary
 // says so rather than name a move that does not happen.

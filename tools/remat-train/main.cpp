@@ -14,11 +14,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <iostream>
 #include <optional>
@@ -90,19 +92,62 @@ int bindable_port(int port) {
   return got;
 }
 
-/** The signal the launcher was asked to stop with (SIGINT, SIGTERM,
+/** The signal this process was asked to stop with (SIGINT, SIGTERM,
  *  SIGHUP), 0 while none. */
 volatile sig_atomic_t g_stop_signal = 0;
+/** 1 once a second request to stop came, a second or more after the first. */
+volatile sig_atomic_t g_stop_again = 0;
+/** Whether a second request ends this process at once (all but the
+ *  launcher, which kills its ranks then). */
+volatile sig_atomic_t g_die_on_stop_again = 0;
+/** CLOCK_MONOTONIC of the first request, ms (lock-free: read in the handler). */
+std::atomic<int64_t> g_stop_first_ms{0};
 
-extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+extern "C" void on_stop_signal(int sig) {
+  timespec now{};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+  const int64_t ms = static_cast<int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
+  if (g_stop_signal == 0) {
+    g_stop_signal = sig;
+    g_stop_first_ms.store(ms);
+    return;
+  }
+  // The same request sent twice: a terminal's Ctrl-C and `timeout` signal
+  // the whole process group as well as the process, and the launcher
+  // forwards what it gets to its ranks.
+  if (ms - g_stop_first_ms.load() < 1000) return;
+  g_stop_again = 1;
+  if (g_die_on_stop_again) {
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    ::sigaction(sig, &dfl, nullptr);
+    ::raise(sig);
+  }
+}
 
-/** on_stop_signal for SIGINT, SIGTERM and SIGHUP, with sigaction's flags. */
-void catch_stop_signals(int flags) {
+/** on_stop_signal for SIGINT, SIGTERM and SIGHUP. The first request ends
+ *  the run between steps; a second one, a second or more later, ends this
+ *  process at once where die_on_again (else g_stop_again says it came).
+ *  SA_RESTART: the stores' file I/O goes on through the first. */
+void catch_stop_signals(bool die_on_again) {
+  static_assert(std::atomic<int64_t>::is_always_lock_free, "read in a signal handler");
+  g_die_on_stop_again = die_on_again ? 1 : 0;
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
-  sa.sa_flags = flags;
+  sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+}
+
+/** Whether any rank of `group` was asked to stop (g_stop_signal), asked of
+ *  every rank between steps: one all-reduce of one value per step, so that
+ *  all end after the same step. A rank that stopped alone would leave the
+ *  others waiting in the next step's collectives until they time out, and
+ *  be killed with its files. */
+bool any_rank_stopping(const remat::parallel::ProcessGroup& group) {
+  auto flag = torch::full({1}, g_stop_signal != 0 ? 1.0f : 0.0f);
+  group.all_reduce_sum(flag);
+  return flag.item<float>() > 0.0f;
 }
 
 /** --nproc N: runs this program N times as ranks 0..N-1 on 127.0.0.1 (the
@@ -113,11 +158,12 @@ void catch_stop_signals(int flags) {
  *  NOTE [ranks die with the launcher]: each rank asks the kernel for
  *  SIGKILL when the launcher dies (PR_SET_PDEATHSIG, set between fork and
  *  exec, so no rank outlives a launcher killed with SIGKILL); SIGINT,
- *  SIGTERM and SIGHUP sent to the launcher go to every rank, which get
- *  kStopGraceS to end before they are killed; the launcher then exits with
- *  128 + the signal. */
+ *  SIGTERM and SIGHUP sent to the launcher go to every rank, which end
+ *  together after their current step (any_rank_stopping), removing their
+ *  files; those still running kStopGraceS later, or at a second signal,
+ *  are killed. The launcher then exits with 128 + the signal. */
 int launch(int argc, char** argv, const std::vector<std::string>& extra, int nproc, int port, double grace_s) {
-  constexpr double kStopGraceS = 5.0;
+  constexpr double kStopGraceS = 60.0;  // a step of the reference models takes seconds on a CPU
   std::vector<std::string> base;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
@@ -130,7 +176,7 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
   }
   base[0] = "/proc/self/exe";
   base.insert(base.end(), extra.begin(), extra.end());
-  catch_stop_signals(0);
+  catch_stop_signals(/*die_on_again=*/false);
   const pid_t launcher = ::getpid();
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
@@ -190,12 +236,13 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
                                                           std::chrono::duration<double>(grace_s));
       }
     }
-    if (left > 0 && std::chrono::steady_clock::now() > deadline) {
+    if (left > 0 && (std::chrono::steady_clock::now() > deadline || g_stop_again != 0)) {
       for (size_t r = 0; r < pids.size(); ++r) {
         if (done[r]) continue;
         std::cerr << "remat-train: rank " << r
-                  << (forwarded != 0 ? " still running after the launcher was stopped"
-                                     : " still running after rank failure")
+                  << (g_stop_again != 0 ? " still running at a second signal"
+                      : forwarded != 0  ? " still running after the launcher was stopped"
+                                        : " still running after rank failure")
                   << "; killing it\n";
         ::kill(pids[r], SIGKILL);
         ::waitpid(pids[r], nullptr, 0);
@@ -215,8 +262,10 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
 
 /** One rank of a data-parallel run: joins the group, synchronises the
  *  gradients through remat::parallel::DataParallel, prints a line per step
- *  with this rank's throughput and the step's all-reduce. Rank 0 saves. */
-void run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init) {
+ *  with this rank's throughput and the step's all-reduce. Rank 0 saves.
+ *  Returns the steps done where the ranks were asked to stop before the
+ *  last (nothing saved), else nullopt; as do the other two kinds of rank. */
+std::optional<int64_t> run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init) {
   cfg.data_rank = init.rank();
   cfg.data_world = init.world_size();
   if (init.rank() != 0) cfg.save_path.clear();
@@ -235,6 +284,7 @@ void run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions
         " processes (Gloo), global batch " + std::to_string(cfg.batch * init.world_size()));
   const char* unit = cfg.model == "gpt" ? "tok" : "img";
   while (trainer.steps_done() < cfg.steps) {
+    if (any_rank_stopping(group)) return trainer.steps_done();
     const auto s = trainer.step();
     const auto c = ddp.last_stats();
     char comm[160];
@@ -246,13 +296,14 @@ void run_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions
     trainer.save(cfg.save_path);
     say(tag + "saved step " + std::to_string(trainer.steps_done()) + " to " + cfg.save_path);
   }
+  return std::nullopt;
 }
 
 /** One rank of a sharded run (--shard): remat::parallel::FullyShard over the
  *  model's blocks, the optimizer over this rank's shards; prints a line per
  *  step with the bytes this rank holds and the step's collectives. --save
  *  writes the full model (torch::save of the module, loadable unsharded). */
-void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init) {
+std::optional<int64_t> run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init) {
   if (!cfg.resume_path.empty()) {
     throw remat::Error(
         "[remat::train] --resume does not combine with --shard: a sharded run's --save writes the model's "
@@ -281,6 +332,7 @@ void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitO
   }
   const char* unit = cfg.model == "gpt" ? "tok" : "img";
   while (trainer.steps_done() < cfg.steps) {
+    if (any_rank_stopping(group)) return trainer.steps_done();
     fsdp.reset_stats();
     const auto s = trainer.step();
     const auto c = fsdp.stats();
@@ -303,6 +355,7 @@ void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitO
     if (init.rank() == 0)
       say(tag + "saved the full model (step " + std::to_string(trainer.steps_done()) + ") to " + save);
   }
+  return std::nullopt;
 }
 
 /** One stage of a pipeline (--pipeline P): the GPT's blocks cut into P
@@ -311,8 +364,8 @@ void run_shard_rank(remat::models::TrainConfig cfg, const remat::parallel::InitO
  *  rank keeps only its stage's parameters (and the embedding, tied to the
  *  head); prints a line per step with the stage's figures and, under
  *  --checkpoint auto, its plan at the end. */
-void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init, int stages,
-                       int microbatches, const std::string& schedule) {
+std::optional<int64_t> run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::InitOptions& init,
+                                         int stages, int microbatches, const std::string& schedule) {
   // Ranks are replica x stages + stage; replicas split the global batch.
   const int replicas = init.world_size() / stages;
   const int stage = init.rank() % stages, replica = init.rank() / stages;
@@ -382,6 +435,7 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
   say(tag + std::to_string(params) + " parameters; holds at most " + std::to_string(holds) +
       (holds == 1 ? " micro-batch" : " micro-batches") + " at once");
   while (trainer.steps_done() < cfg.steps) {
+    if (any_rank_stopping(world)) return trainer.steps_done();
     const auto s = trainer.step();
     const auto p = pipe.stats();
     char line[256];
@@ -395,6 +449,7 @@ void run_pipeline_rank(remat::models::TrainConfig cfg, const remat::parallel::In
     if (const std::string b = trainer.describe_auto_budget(); !b.empty()) say(tag + b);
     say(tag + pipe.explain(trainer.planner()));
   }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -713,14 +768,25 @@ int main(int argc, char** argv) {
                             .master_addr(master_addr)
                             .master_port(master_port)
                             .timeout(std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1e3)));
-      if (pipeline > 0) {
-        run_pipeline_rank(cfg, init, pipeline, microbatches, schedule);
-      } else if (shard) {
-        run_shard_rank(cfg, init);
-      } else {
-        run_rank(cfg, init);
+      // As in one process (below), a signal ends the run between steps;
+      // every rank ends after the same one (any_rank_stopping).
+      catch_stop_signals(/*die_on_again=*/true);
+      const std::optional<int64_t> stopped = pipeline > 0
+                                                 ? run_pipeline_rank(cfg, init, pipeline, microbatches, schedule)
+                                             : shard ? run_shard_rank(cfg, init)
+                                                     : run_rank(cfg, init);
+      if (!stopped) return 0;
+      std::cout << std::flush;
+      const int sig = g_stop_signal;
+      if (rank == 0) {  // one line, as rank 0 prints the run's
+        std::cerr << "remat-train: [rank 0/" + std::to_string(world_size) + "] " +
+                         (sig != 0 ? "stopped by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")"
+                                   : std::string("stopped with the ranks that got a signal")) +
+                         ", every rank after step " + std::to_string(*stopped) + " of " + std::to_string(cfg.steps) +
+                         "; nothing saved, and the offload files are removed.\n"
+                  << std::flush;
       }
-      return 0;
+      return sig != 0 ? 128 + sig : 1;
     }
     if (fitting) {
       std::vector<std::string> given;
@@ -772,9 +838,9 @@ int main(int argc, char** argv) {
         return 0;
       }
       // SIGINT, SIGTERM, SIGHUP end the run between steps, so that the
-      // trainer's stores remove their files as they go; a second one
-      // (SA_RESETHAND) ends it at once.
-      catch_stop_signals(SA_RESETHAND | SA_RESTART);  // the stores' file I/O goes on through the first
+      // trainer's stores remove their files as they go; a second one ends
+      // it at once.
+      catch_stop_signals(/*die_on_again=*/true);
       trainer.run(&std::cout, [] { return g_stop_signal != 0; });
       done = trainer.steps_done();
     }
