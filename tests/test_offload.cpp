@@ -439,6 +439,65 @@ TEST(Offload, Int8BlocksAllocateOnlyTheirResult) {
   EXPECT_TRUE(((back - t).abs() <= 0.075 * t.abs() + 0.0015 * t.abs().max()).all().item<bool>());
 }
 
+// The int8 codec's definition, written out in ATen ops here (the form it
+// had before its per-block loops): levels 0, 1 and, per decade 1e-6 .. 1
+// (e = 0 .. 6), 2^e levels of either sign at the middles of 2^e equal bins
+// of [0.1 d, d]; a block's scale is its largest magnitude (1 for an all-zero
+// block); a value's code is its nearest level (searchsorted on the
+// midpoints). The codec's stage (scales, then codes) and its decoded values
+// equal it bit for bit, on magnitudes over 10 decades, a transposed layout
+// and a last block that is not full.
+TEST(Offload, Int8BlocksEqualTheirDefinitionBitForBit) {
+  std::vector<float> v{0.0F, 1.0F};
+  for (int e = 0; e < 7; ++e) {
+    const int n = 1 << e;
+    const double decade = std::pow(10.0, e - 6);
+    for (int i = 0; i < n; ++i) {
+      const double lo = 0.1 + 0.9 * i / n, hi = 0.1 + 0.9 * (i + 1) / n;
+      v.push_back(static_cast<float>(decade * (lo + hi) / 2));
+      v.push_back(-static_cast<float>(decade * (lo + hi) / 2));
+    }
+  }
+  std::sort(v.begin(), v.end());
+  const auto levels = torch::tensor(v);
+  ASSERT_EQ(levels.numel(), 256);
+  const auto bounds = ((levels.narrow(0, 0, 255) + levels.narrow(0, 1, 255)) / 2).contiguous();
+  torch::manual_seed(11);
+  // 77 x 1000 values, stored transposed; magnitudes from 1e-8 to 1e2.
+  auto base = torch::randn({1000, 77}) * torch::pow(10.0, torch::rand({1000, 77}) * 10 - 8);
+  base.index_put_({torch::indexing::Slice(0, 8)}, 0.0);  // 616 zeros: block 1 is all zero (scale 1)
+  // Blocks 3, 4, 5: a scale, then every midpoint times it (ties, and the
+  // quotient's rounding, where the nearest level is decided).
+  for (int64_t k = 0; k < 3; ++k) {
+    const double s = std::vector<double>{1.0, 0.7, 3e-5}[k];
+    auto block = base.view({-1}).narrow(0, (3 + k) * 256, 256);
+    block[0] = s;
+    block.narrow(0, 1, 255).copy_(bounds * s);
+  }
+  const auto t = base.t();
+  ASSERT_FALSE(t.is_contiguous());
+  const int64_t n = t.numel(), blocks = (n + 255) / 256;
+  const auto memory_order = base.reshape({-1});  // t's elements in its memory order
+  auto padded = torch::zeros({blocks * 256});
+  padded.narrow(0, 0, n).copy_(memory_order);
+  const auto values = padded.view({blocks, 256});
+  const auto amax = values.abs().amax(1);
+  const auto scale = torch::where(amax > 0, amax, torch::ones_like(amax));
+  const auto codes =
+      torch::searchsorted(bounds, (values / scale.unsqueeze(1)).reshape({-1})).narrow(0, 0, n).to(torch::kUInt8);
+  const auto decoded = levels.index_select(0, codes.to(torch::kLong)) * scale.repeat_interleave(256).narrow(0, 0, n);
+
+  const auto e = remat::detail::encode(t, Codec::kInt8Block, /*exact_size=*/true);
+  ASSERT_EQ(e.block, 256);
+  const auto stage = e.data.reshape({-1});
+  ASSERT_EQ(stage.numel(), blocks * 4 + n);
+  EXPECT_TRUE(torch::equal(stage.narrow(0, 0, blocks * 4).view(torch::kFloat), scale)) << "scales";
+  EXPECT_TRUE(torch::equal(stage.narrow(0, blocks * 4, n), codes)) << "codes";
+  const auto back = remat::detail::finish(remat::detail::meta_of(t), e, e.data);
+  EXPECT_EQ(back.strides(), t.strides());
+  EXPECT_TRUE(torch::equal(back.t().reshape({-1}), decoded)) << "decoded values";
+}
+
 TEST(Offload, HostOnCpuIsANoOpAndSaysSo) {
   Gpt m;
   const auto ref = m.plain();
