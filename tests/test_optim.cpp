@@ -229,7 +229,8 @@ struct Trained {
 /** kSteps steps of Net under mode; in_backward: StepInBackward with
  *  options; the optimizer's own step() and zero_grad() follow every
  *  backward either way, as a user's loop keeps them. */
-Trained train(Opt o, Mode mode, std::optional<remat::StepInBackwardOptions> in_backward, bool scheduler = false) {
+Trained train(Opt o, Mode mode, std::optional<remat::StepInBackwardOptions> in_backward, bool scheduler = false,
+              bool set_to_none = true) {
   Net net(mode);
   auto opt = make_opt(o, *net.root);
   std::optional<torch::optim::StepLR> sched;
@@ -288,7 +289,7 @@ Trained train(Opt o, Mode mode, std::optional<remat::StepInBackwardOptions> in_b
       one(data[k], k);
     }
     opt->step();
-    opt->zero_grad();
+    opt->zero_grad(set_to_none);
     if (sched) sched->step();
     r.model.push_back(blobs(snapshot(*net.root)));
     // The state is compared after every step when it stays with the
@@ -343,6 +344,105 @@ TEST_P(EachOptimizer, BitwiseThePlainStepWithTiedFrozenTwiceCalledAndSometimesUn
 TEST_P(EachOptimizer, BitwiseUnderALearningRateScheduler) {
   expect_same(train(GetParam(), Mode::kPlain, std::nullopt, true),
               train(GetParam(), Mode::kPlain, remat::StepInBackwardOptions(), true), name_of(GetParam()));
+}
+
+// NOTE [unreached parameters]: in a loop that calls zero_grad(false), aux
+// (used on even steps only) keeps a zeroed gradient on odd steps and step()
+// still moves it (momentum, moments, weight decay). With
+// zero_grad_set_to_none(false) the step in backward does the same: bitwise.
+// It was not updated at all, without a word (Adam: the step-2 loss 49.56
+// plain against 22.97 in a new user's run).
+TEST_P(EachOptimizer, AZeroGradFalseLoopUpdatesAParameterABackwardDidNotReach) {
+  const Trained plain = train(GetParam(), Mode::kPlain, std::nullopt, false, /*set_to_none=*/false);
+  const Trained ib =
+      train(GetParam(), Mode::kPlain, remat::StepInBackwardOptions().zero_grad_set_to_none(false), false, false);
+  expect_same(plain, ib, name_of(GetParam()));
+  // With the state in a store: the zeroed gradient's state comes back for step().
+  const std::string dir = fresh_dir("optim-unreached");
+  const Trained stored = train(GetParam(), Mode::kPlain,
+                               remat::StepInBackwardOptions().zero_grad_set_to_none(false).state_offload(
+                                   remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0)),
+                               false, false);
+  expect_same(plain, stored, name_of(GetParam()) + ", state on disk");
+  EXPECT_EQ(files_in(dir), 0u);
+}
+
+// The same under accumulation (aux in the first micro-batch on even steps,
+// in neither on odd ones) and with auto_checkpoint's own step in backward
+// (AutoOptions::zero_grad_set_to_none), aux on even steps only there too.
+TEST(StepInBackward, AZeroGradFalseLoopUnderAccumulationAndAutoUpdatesAnUnreachedParameter) {
+  expect_same(
+      train(Opt::kAdamW, Mode::kAccumulate2, std::nullopt, false, false),
+      train(Opt::kAdamW, Mode::kAccumulate2, remat::StepInBackwardOptions().zero_grad_set_to_none(false), false, false),
+      "2 micro-batches");
+  auto run = [](bool planned) {
+    Net net(Mode::kPlain);
+    auto opt = make_opt(Opt::kAdam, *net.root);
+    std::optional<remat::AutoCheckpoint> planner;
+    if (planned) {
+      planner.emplace(remat::auto_checkpoint(*net.root, remat::AutoOptions()
+                                                            .memory_budget_fraction(1.0)
+                                                            .profile_repeats(1)
+                                                            .optimizers({opt.get()})
+                                                            .zero_grad_set_to_none(false)));
+    }
+    const auto data = batches(6);
+    std::vector<std::vector<Blob>> out;
+    for (int k = 0; k < 6; ++k) {
+      torch::manual_seed(100 + k);
+      auto body = [&] { net.loss(data[k].idx, data[k].targets, k, Mode::kPlain).backward(); };
+      if (planner) {
+        if (k == 3) planner->replan(planner->leanest_peak_bytes());
+        planner->step(body);
+      } else {
+        body();
+      }
+      opt->step();
+      opt->zero_grad(false);
+      out.push_back(blobs(snapshot(*net.root)));
+      out.push_back(blobs(state_tensors(*opt)));
+    }
+    return out;
+  };
+  const auto plain = run(false), planned = run(true);
+  ASSERT_EQ(plain.size(), planned.size());
+  for (size_t k = 0; k < plain.size(); ++k) {
+    ASSERT_EQ(plain[k].size(), planned[k].size()) << k;
+    for (size_t i = 0; i < plain[k].size(); ++i) EXPECT_TRUE(plain[k][i] == planned[k][i]) << k << " " << i;
+  }
+}
+
+// Unset, the step in backward acts as zero_grad() (set to none), and the
+// first parameter trained before that a backward does not reach says which
+// option covers the other style; set either way, it says nothing.
+TEST(StepInBackward, AnUnreachedParameterWarnsOnceUnlessTheLoopsStyleIsGiven) {
+  struct Capture : c10::WarningHandler {
+    std::vector<std::string> got;
+    void process(const c10::Warning& warning) override { got.push_back(warning.msg()); }
+  };
+  for (const std::optional<bool> style : {std::optional<bool>(), std::optional<bool>(true)}) {
+    Capture capture;
+    Trained ib;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&capture);
+      remat::StepInBackwardOptions o;
+      if (style) o.zero_grad_set_to_none(*style);
+      ib = train(Opt::kSgd, Mode::kPlain, o);
+    }
+    expect_same(train(Opt::kSgd, Mode::kPlain, std::nullopt), ib, "set to none");
+    if (style) {
+      EXPECT_TRUE(capture.got.empty()) << capture.got[0];
+      continue;
+    }
+    ASSERT_EQ(capture.got.size(), 1u);
+    EXPECT_EQ(capture.got[0],
+              "[remat::StepInBackward] parameter #14 (shape [32, 32]) was trained before, and this backward did not "
+              "reach it: it is not updated, as in a loop that calls zero_grad() (set_to_none). A loop that calls "
+              "zero_grad(false) keeps its zeroed gradient and updates it (momentum, weight decay): say which in "
+              "StepInBackwardOptions::zero_grad_set_to_none(true or false) (AutoOptions too), which also silences "
+              "this.")
+        << "aux.weight, on the first odd step";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, EachOptimizer,
@@ -648,7 +748,16 @@ TEST(StepInBackward, RefusesWhatCannotWork) {
     EXPECT_TRUE(remat::StepInBackward::steps_in_backward(m->parameters()[0]));
   }
   EXPECT_FALSE(remat::StepInBackward::steps_in_backward(m->parameters()[0]));
-  remat::StepInBackward fine(sgd);  // the first one gave its hooks back
+  { remat::StepInBackward fine(sgd); }  // the first one gave its hooks back
+  // A parameter listed twice (a tied weight, once per module that registers it).
+  auto params = m->parameters();
+  params.push_back(params[2]);
+  torch::optim::SGD listed_twice(params, torch::optim::SGDOptions(0.1));
+  EXPECT_EQ(error_of([&] { remat::StepInBackward s(listed_twice); }),
+            "[remat::StepInBackward] parameter #" + std::to_string(params.size() - 1) +
+                " (shape [512, 512]) is listed twice in the optimizer's param groups (model->parameters() lists a "
+                "parameter that two modules register, such as a tied weight, once per module); give each parameter "
+                "to the optimizer once.");
 }
 
 TEST(StepInBackward, StoresThatCannotHoldStateAreRefused) {

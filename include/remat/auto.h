@@ -205,6 +205,12 @@ struct AutoOptions {
    *  steps (optimizer_state_wait_ms()). Default none: the state stays with
    *  the optimizer. */
   TORCH_ARG(std::optional<OffloadOptions>, optimizer_state_store);
+  /** With optimizers: how the step function zeroes gradients
+   *  (StepInBackwardOptions::zero_grad_set_to_none): false for a step that
+   *  calls zero_grad(false), so that a parameter a step does not reach is
+   *  updated with its zero gradient as in plain training. Unset: as true,
+   *  with a warning at the first such parameter. */
+  TORCH_ARG(std::optional<bool>, zero_grad_set_to_none);
   /** Chunk counts (each >= 1) offered to every remat::chunked_cross_entropy
    *  and remat::chunked call of the step (a model's loss head: GptImpl::loss
    *  with any loss_chunks, 0 included): each such call outside a recompute

@@ -64,11 +64,30 @@ class StepInBackwardOptions {
   }
   /** The function set by state_tensors(StateTensors), or empty. */
   const StateTensors& state_tensors() const { return state_tensors_; }
+  /** How your training loop zeroes gradients (the optimizer's
+   *  zero_grad(set_to_none)), which decides what happens to a parameter
+   *  that was trained before and that a backward which updates does not
+   *  reach (a branch not taken this step). true (zero_grad(), LibTorch's
+   *  default): it has no gradient, and step() leaves it as it is. false
+   *  (zero_grad(false)): in plain training its zeroed gradient stays, and
+   *  step() still moves it (momentum, Adam's moments, weight decay); so
+   *  such a backward ends by giving each of them a zero gradient (and its
+   *  state back from the store) for the optimizer's step() after it, which
+   *  updates it as the plain loop would. Unset: as true, and the first such
+   *  parameter prints a warning naming this option, since with the other
+   *  style that parameter trains differently from the plain loop. */
+  StepInBackwardOptions& zero_grad_set_to_none(bool set_to_none) {
+    zero_grad_set_to_none_ = set_to_none;
+    return *this;
+  }
+  /** The loop's zero_grad style as given, or unset. */
+  const std::optional<bool>& zero_grad_set_to_none() const { return zero_grad_set_to_none_; }
 
  private:
   std::optional<OffloadOptions> state_offload_;
   int64_t state_prefetch_ = 2;
   StateTensors state_tensors_;
+  std::optional<bool> zero_grad_set_to_none_;
 };
 
 /** Counters of a StepInBackward since it was created. */
@@ -161,6 +180,9 @@ bool step_in_backward_now(const at::Tensor& p);
  *  regions): the update runs in the parameter's post-accumulate-grad hook,
  *  once per backward. A parameter that gets no gradient in a backward is not
  *  updated, as with zero_grad(set_to_none = true), LibTorch's default; a
+ *  loop that calls zero_grad(false) says so in
+ *  StepInBackwardOptions::zero_grad_set_to_none(false), and step() then
+ *  updates such a parameter with a zero gradient as plain training does; a
  *  gradient left by an accumulate() pass is stepped by the optimizer's own
  *  step(), which is why the loop above keeps calling it. The optimizer's
  *  options are read at each update, so learning-rate schedulers work.

@@ -139,6 +139,7 @@ void AutoCheckpoint::Impl::start_in_backward() {
     // changes which groups send their state (accumulate()'s guards stay
     // valid through replans).
     StepInBackwardOptions so;
+    if (options.zero_grad_set_to_none()) so.zero_grad_set_to_none(*options.zero_grad_set_to_none());
     if (options.optimizer_state_store()) {
       so.state_offload(store_options(*options.optimizer_state_store(), state_cap(*o))).state_prefetch(kStatePrefetch);
     }

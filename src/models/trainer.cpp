@@ -780,7 +780,7 @@ Trainer::Trainer(TrainConfig config, std::ostream* log) : impl_(std::make_unique
     // backward, and places the state (--optimizer-state) as its plan says.
     AutoOptions ao = AutoOptions().memory_budget_fraction(1.0).warmup_steps(kAutoWarmupSteps);
     if (c.optimizer_in_backward) {
-      ao.optimizers({m.optimizer.get()});
+      ao.optimizers({m.optimizer.get()}).zero_grad_set_to_none(false);  // step() zeroes in place
       if (auto store = state_store_options(c)) ao.optimizer_state_store(*store);
     }
     if (c.plan_loss_chunks) ao.chunk_counts(default_chunk_counts());
@@ -827,6 +827,7 @@ void Trainer::use_optimizer_parameters(std::vector<at::Tensor> parameters) {
   }
   if (c.optimizer_in_backward && c.checkpoint != Strategy::kAuto) {  // under auto, the planner makes it
     StepInBackwardOptions o;
+    o.zero_grad_set_to_none(false);  // step() zeroes gradients in place
     if (auto store = state_store_options(c)) o.state_offload(*store);
     m.in_backward = std::make_unique<StepInBackward>(*m.optimizer, o);
   }

@@ -26,6 +26,20 @@
 // this backward were updated with their states, it and those after were not,
 // and every state is where it was (the file stays for another try).
 //
+// NOTE [unreached parameters]: a parameter that a backward which updates
+// does not reach (a branch not taken this step) keeps no gradient here. In
+// plain training with zero_grad(false), a parameter that any backward
+// reached keeps a zeroed gradient for good, and step() updates it with it
+// (momentum, Adam's moments, weight decay move it). So with
+// zero_grad_set_to_none(false), such a backward ends (an engine callback)
+// by giving every parameter that was reached before and not now a zero
+// gradient (its state back from the store) for the optimizer's step()
+// after backward: that is the plain step's update, and the gradient stays,
+// as zero_grad(false) keeps it. An updating backward ends the step's
+// backward passes (earlier ones run under accumulate()), so a later one
+// does not reach them in the same step. Unset, the first such parameter
+// warns.
+//
 // NOTE [saving stored state]: while a parameter's state is in the store,
 // the optimizer's slot for it is empty, and torch::save(optimizer) wrote
 // the moments as None without a word (a checkpoint that cannot resume). For
@@ -144,7 +158,9 @@ struct StepInBackwardImpl {
      *  optimizer since then replaced it, and the stored copy is stale. */
     const torch::optim::OptimizerParamState* stored_for = nullptr;
     bool seen_this_pass = false;
-    bool pending = false;  // holds a gradient an accumulate() pass kept
+    bool pending = false;  // holds a gradient an accumulate() pass kept (or a zero one, NOTE [unreached parameters])
+    bool reached_before = false;  // some backward reached it (plain training gives it a gradient for good then)
+    int reached_in = -1;          // the graph task that last reached it
   };
   std::vector<Param> params;
   std::vector<char> group_offloaded;  // per param group: its state goes to the store (state_offload)
@@ -156,6 +172,8 @@ struct StepInBackwardImpl {
   std::string deferred_reason;  // the last DeferredGradients' why
   int queued_for = -1;          // the graph task fetch_pending is queued for
   int drained_for = -1;         // the graph task drain is queued for
+  int ended_for = -1;           // the graph task end_of_updates is queued for
+  bool warned_unreached = false;
   std::weak_ptr<StepInBackwardImpl> self_weak;
   // NOTE [state between updates]: the order of the last backward's updates.
   std::vector<size_t> order, last_order;
@@ -357,6 +375,9 @@ struct StepInBackwardImpl {
     auto it = by_impl.find(t.unsafeGetTensorImpl());
     if (it == by_impl.end()) return;
     Param& p = params[it->second];
+    const int task = torch::autograd::get_current_graph_task_id();
+    p.reached_before = true;
+    p.reached_in = task;
     if (!why.empty()) {
       st.deferred++;
       deferred_reason = why;
@@ -371,7 +392,12 @@ struct StepInBackwardImpl {
       p.pending = true;
       return;
     }
-    const int task = torch::autograd::get_current_graph_task_id();
+    // NOTE [unreached parameters]: once per backward that updates.
+    if (task != -1 && ended_for != task) {
+      ended_for = task;
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [self = self_weak.lock(), task] { self ? self->end_of_updates(task) : void(); });
+    }
     // Queued once per backward (a backward that threw never ran its
     // callback: the next one queues again).
     if (store && task != -1 && queued_for != task) {
@@ -432,6 +458,39 @@ struct StepInBackwardImpl {
       if (!q.pending) continue;
       try {
         fetch(q, /*count_miss=*/false);
+      } catch (const std::exception& e) {
+        TORCH_WARN("[remat::StepInBackward] ", e.what(), " Call fetch_state() before the optimizer's step().");
+      }
+    }
+  }
+
+  /** NOTE [unreached parameters]: the end of backward `task`, which
+   *  updated parameters. */
+  void end_of_updates(int task) {
+    std::lock_guard<std::mutex> lock(mu);
+    const Updating updating(in_updates);
+    ended_for = -1;
+    const std::optional<bool>& set_to_none = options.zero_grad_set_to_none();
+    for (auto& q : params) {
+      if (!q.reached_before || q.reached_in == task || q.tensor.grad().defined() || !q.tensor.requires_grad()) continue;
+      if (!set_to_none) {
+        if (!warned_unreached) {
+          warned_unreached = true;
+          TORCH_WARN("[remat::StepInBackward] ", describe_param(q.index, q.tensor),
+                     " was trained before, and this backward did not reach it: it is not updated, as in a loop "
+                     "that calls zero_grad() (set_to_none). A loop that calls zero_grad(false) keeps its zeroed "
+                     "gradient and updates it (momentum, weight decay): say which in "
+                     "StepInBackwardOptions::zero_grad_set_to_none(true or false) (AutoOptions too), which also "
+                     "silences this.");
+        }
+        return;
+      }
+      if (*set_to_none) return;
+      q.tensor.mutable_grad() = at::zeros_like(q.tensor);
+      q.pending = true;
+      if (!store) continue;
+      try {
+        fetch(q, /*count_miss=*/false);  // step() updates it
       } catch (const std::exception& e) {
         TORCH_WARN("[remat::StepInBackward] ", e.what(), " Call fetch_state() before the optimizer's step().");
       }
@@ -590,7 +649,9 @@ StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInB
       const void* key = t.unsafeGetTensorImpl();
       if (impl.by_impl.count(key)) {
         throw Error("[remat::StepInBackward] " + detail::describe_param(index, t) +
-                    " is in the optimizer twice (two param groups hold it); give each parameter to one group.");
+                    " is listed twice in the optimizer's param groups (model->parameters() lists a parameter "
+                    "that two modules register, such as a tied weight, once per module); give each parameter "
+                    "to the optimizer once.");
       }
       if (torch::autograd::impl::post_acc_grad_hooks(t) != nullptr) {
         throw Error("[remat::StepInBackward] " + detail::describe_param(index, t) +
