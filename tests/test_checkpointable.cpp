@@ -462,3 +462,120 @@ TEST(ModuleSwitch, NameAfterAnInPlaceWriteIsRefused) {
 }
 
 }  // namespace
+
+namespace {
+
+/** fc -> (training-only noise | BatchNorm | Dropout) -> tanh, through the switch. */
+struct FlagBlockImpl : torch::nn::Module, remat::Checkpointable {
+  explicit FlagBlockImpl(std::string layer)
+      : layer(std::move(layer)),
+        fc(register_module("fc", torch::nn::Linear(32, 32))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(32))),
+        drop(register_module("drop", torch::nn::Dropout(0.3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed(
+        [this](const torch::Tensor& h) {
+          auto z = fc(h);
+          if (layer == "noise") {
+            if (is_training()) z = z + 0.5 * torch::randn_like(z);  // a module's own training-only branch
+          } else {
+            z = layer == "bn" ? bn(z) : drop(z);
+          }
+          return torch::tanh(z);
+        },
+        x);
+  }
+  std::string layer;
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(FlagBlock);
+
+}  // namespace
+
+// An evaluation pass between forward and backward (eval(), a no-grad
+// forward, train() only after backward): the recompute runs with the
+// train/eval flags the forward ran with, so the gradients are the plain
+// step's. It ran in eval mode: a training-only branch silently gave other
+// gradients (a new user's fc.weight.grad sum 1.738 against 1.073), and
+// BatchNorm failed the determinism check, or with kNone crashed in its
+// backward. A module kept in eval while the block trains (frozen
+// statistics) keeps its own flag, and after backward every flag is the
+// one the user set.
+TEST(ModuleSwitch, ARecomputeAfterAnEvalPassRunsInTheForwardsMode) {
+  for (const std::string layer : {"noise", "bn", "dropout"}) {
+    for (const bool frozen_bn : {false, true}) {
+      std::vector<torch::Tensor> grads[3];
+      for (int variant = 0; variant < 3; ++variant) {
+        SCOPED_TRACE(layer + (frozen_bn ? ", BatchNorm frozen" : "") + ", variant " + std::to_string(variant));
+        torch::manual_seed(0);
+        FlagBlock b(layer);
+        if (variant == 1) b->set_checkpointing(remat::CheckpointOptions());
+        if (variant == 2) {
+          b->set_checkpointing(remat::CheckpointOptions().determinism_check(remat::DeterminismCheck::kNone));
+        }
+        if (frozen_bn) b->bn->eval();
+        const auto x = torch::randn({16, 32});
+        torch::manual_seed(1);
+        auto loss = b->forward(x).square().mean();
+        b->eval();
+        {
+          torch::NoGradGuard no_grad;
+          (void)b->forward(torch::randn({4, 32}));
+        }
+        loss.backward();
+        EXPECT_FALSE(b->is_training());
+        EXPECT_FALSE(b->bn->is_training());
+        EXPECT_FALSE(b->fc->is_training());
+        b->train();
+        if (frozen_bn) b->bn->eval();
+        for (auto& p : b->parameters())
+          grads[variant].push_back(p.grad().defined() ? p.grad().clone() : torch::zeros({0}));
+        for (auto& t : b->buffers()) grads[variant].push_back(t.clone());
+      }
+      expect_bitwise_equal(grads[0], grads[1]);
+      expect_bitwise_equal(grads[0], grads[2]);
+    }
+  }
+}
+
+// The same for CheckpointedSequential's stages, checkpoint_sequential over
+// modules and remat::checkpoint of a module holder: each re-runs with the
+// flags of its forward.
+TEST(ModuleSwitch, ChainStagesRecomputeAfterAnEvalPassInTheForwardsMode) {
+  auto make = [] {
+    torch::manual_seed(3);
+    return torch::nn::Sequential(torch::nn::Linear(32, 32), torch::nn::BatchNorm1d(32), torch::nn::Tanh(),
+                                 torch::nn::Dropout(0.3), torch::nn::Linear(32, 32), torch::nn::BatchNorm1d(32),
+                                 torch::nn::Tanh(), torch::nn::Dropout(0.3), torch::nn::Linear(32, 8));
+  };
+  const auto x = torch::randn({16, 32});
+  auto run = [&](int how) {
+    auto seq = make();
+    std::optional<remat::CheckpointedSequential> chain;
+    if (how == 1) chain.emplace(seq, remat::SequentialOptions().algorithm("sqrt"));
+    torch::manual_seed(1);
+    torch::Tensor y;
+    if (how == 0) y = seq->forward(x);
+    if (how == 1) y = (*chain)->forward(x);
+    if (how == 2) y = remat::checkpoint_sequential(seq, 3, x);
+    if (how == 3) y = remat::checkpoint(seq, x);  // a module holder as fn
+    auto loss = y.square().mean();
+    seq->eval();
+    {
+      torch::NoGradGuard no_grad;
+      (void)seq->forward(torch::randn({4, 32}));
+    }
+    loss.backward();
+    EXPECT_FALSE(seq->is_training());
+    std::vector<torch::Tensor> out;
+    for (auto& p : seq->parameters()) out.push_back(p.grad().clone());
+    for (auto& t : seq->buffers()) out.push_back(t.clone());
+    return out;
+  };
+  const auto plain = run(0);
+  expect_bitwise_equal(plain, run(1));
+  expect_bitwise_equal(plain, run(2));
+  expect_bitwise_equal(plain, run(3));
+}

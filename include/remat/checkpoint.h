@@ -125,12 +125,20 @@ struct Frame;
 using RecomputeFn = std::function<void(const std::vector<at::Tensor>&)>;
 
 /** What a checkpoint knows of a module fn: its parameters (version-checked
- *  before each recompute) and buffers (restored after it, so BatchNorm
- *  statistics are updated once per step as in a plain run). */
+ *  before each recompute), buffers (restored after it, so BatchNorm
+ *  statistics are updated once per step as in a plain run) and modules,
+ *  the module and its descendants in pre-order, whose train/eval flags the
+ *  recompute runs with as the forward did (an eval() between forward and
+ *  backward would change what it computes). Raw pointers: the recompute
+ *  calls the module, which must outlive it anyway. */
 struct ModuleState {
   std::vector<at::Tensor> parameters;
   std::vector<at::Tensor> buffers;
+  std::vector<torch::nn::Module*> modules;
 };
+/** m and its descendants in pre-order, for ModuleState::modules (m need not
+ *  be owned by a shared_ptr). */
+std::vector<torch::nn::Module*> module_tree(const torch::nn::Module& m);
 
 /** The process-wide lock of NOTE [RNG regions and threads] (replay.h),
  *  held by a region's first run from RNG capture to the end of its forward. */
@@ -199,14 +207,16 @@ decltype(auto) call(F& f, A&&... a) {
   }
 }
 
-/** A module holder's parameters and buffers; nothing for plain callables. */
+/** A module holder's parameters, buffers and module tree; nothing for
+ *  plain callables. */
 template <class F>
 ModuleState module_state_of(F& f) {
   if constexpr (requires {
                   f->buffers();
                   f->parameters();
+                  module_tree(*f);
                 }) {
-    return {f->parameters(), f->buffers()};
+    return {f->parameters(), f->buffers(), module_tree(*f)};
   } else {
     return {};
   }
@@ -298,7 +308,8 @@ at::Tensor checkpoint_sequential(const std::vector<H>& modules, int64_t segments
                                  const CheckpointOptions& options = CheckpointOptions()) {
   std::vector<detail::SequentialStage> stages;
   for (H m : modules) {
-    stages.push_back({[m](const at::Tensor& h) mutable { return m->forward(h); }, {m->parameters(), m->buffers()}});
+    stages.push_back({[m](const at::Tensor& h) mutable { return m->forward(h); },
+                      {m->parameters(), m->buffers(), detail::module_tree(*m)}});
   }
   return detail::checkpoint_stages(std::move(stages), segments, x, options, "modules");
 }
@@ -317,7 +328,8 @@ at::Tensor checkpoint_sequential(const torch::nn::ModuleList& list, int64_t segm
                   list->ptr(i)->name() + ", not a " + c10::demangle(typeid(M).name()) +
                   "; pass the modules' common type, or a std::vector of callables.");
     }
-    stages.push_back({[m](const at::Tensor& h) { return m->forward(h); }, {m->parameters(), m->buffers()}});
+    stages.push_back(
+        {[m](const at::Tensor& h) { return m->forward(h); }, {m->parameters(), m->buffers(), detail::module_tree(*m)}});
   }
   return detail::checkpoint_stages(std::move(stages), segments, x, options, "modules");
 }

@@ -68,8 +68,8 @@ Values run_stage_under(torch::nn::AnyModule& m, const Values& in, bool writes_in
     return y.ts;
   };
   const auto* module = m.ptr().get();
-  std::vector<at::Tensor> out =
-      checkpoint_impl(*lever->region, ModuleState{module->parameters(), module->buffers()}, fn, in.ts);
+  std::vector<at::Tensor> out = checkpoint_impl(
+      *lever->region, ModuleState{module->parameters(), module->buffers(), module_tree(*module)}, fn, in.ts);
   return Values(*kind, std::move(out));
 }
 

@@ -202,7 +202,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
     auto& m = *(seq->begin() + i);
     if (st.runs[i]++ == 0) {
       RngRegionLock rng_lock(preserve_rng);  // NOTE [RNG regions and threads]
-      first_run[i] = ReplayState::capture(preserve_rng, {device_of(in)}, m.ptr()->buffers());
+      first_run[i] = ReplayState::capture(preserve_rng, {device_of(in)}, m.ptr()->buffers(), module_tree(*m.ptr()));
       Values y = run_stage_under(m, in, writes_input[i], who(i), lever);
       out_meta[i].clear();
       for (const auto& t : y.ts) out_meta[i].push_back(t.defined() ? Meta{true, t.options(), t.sizes().vec()} : Meta{});

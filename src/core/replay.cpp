@@ -136,10 +136,20 @@ c10::Device memory_device(const std::vector<at::Tensor>& inputs, const std::vect
   return c10::Device(c10::kCPU);
 }
 
+namespace {
+/** Sets each module's flag, in pre-order: train() also sets the module's
+ *  descendants, which come after it and get their own. */
+void set_training(const std::vector<torch::nn::Module*>& modules, const std::vector<char>& on) {
+  for (size_t i = 0; i < modules.size(); ++i) modules[i]->train(on[i] != 0);
+}
+}  // namespace
+
 ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Device>& devices,
-                                 std::vector<at::Tensor> buffers) {
+                                 std::vector<at::Tensor> buffers, std::vector<torch::nn::Module*> modules) {
   ReplayState r;
   r.autocast = AutocastState::capture();
+  r.modules = std::move(modules);
+  for (const auto* m : r.modules) r.training.push_back(m->is_training() ? 1 : 0);
   r.buffers = std::move(buffers);
   for (const auto& b : r.buffers) r.buffer_values.push_back(b.detach().clone());
   if (!preserve_rng) return r;
@@ -175,6 +185,15 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
     gen.set_state(s);
   }
   state_.autocast.apply();
+  // A module switched to eval() (or back) between forward and backward
+  // recomputes as its forward ran: Dropout, BatchNorm and a module's own
+  // training-only branches read the flag.
+  std::vector<char> now;
+  for (const auto* m : state_.modules) now.push_back(m->is_training() ? 1 : 0);
+  if (now != state_.training) {
+    training_now_ = std::move(now);
+    set_training(state_.modules, state_.training);
+  }
   // Like torch.autocast's context: casts cached while the re-run is under
   // autocast are dropped when the outermost autocast region ends, else the
   // next forward would reuse casts of parameters the optimizer has since
@@ -196,6 +215,7 @@ ReplayGuard::~ReplayGuard() {
     // variable_data(): new version counter, so saved buffers stay valid.
     for (size_t i = 0; i < buffers_now_.size(); ++i) state_.buffers[i].variable_data().copy_(buffers_now_[i]);
   }
+  if (!training_now_.empty()) set_training(state_.modules, training_now_);
   autocast_now_.apply();
   // The autocast cache maps a parameter to its cast without checking its
   // version: left filled, it would hand the next step's forward (under the

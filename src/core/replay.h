@@ -13,6 +13,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/Stream.h>
 
+#include <torch/nn/module.h>
+
 #include "rng_lock.h"
 
 namespace remat::detail {
@@ -86,15 +88,20 @@ struct ReplayState {
   AutocastState autocast;
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> buffer_values;  // clones, taken at capture
-  /** Captures the generators of rng_devices(devices, cuda_devices_in_use()). */
+  /** Modules in pre-order and their is_training() at capture. */
+  std::vector<torch::nn::Module*> modules;
+  std::vector<char> training;
+  /** Captures the generators of rng_devices(devices, cuda_devices_in_use()),
+   *  the buffers' values and the modules' train/eval flags. */
   static ReplayState capture(bool preserve_rng, const std::vector<c10::Device>& devices,
-                             std::vector<at::Tensor> buffers);
+                             std::vector<at::Tensor> buffers, std::vector<torch::nn::Module*> modules = {});
 };
 
-/** For its lifetime: RNG, autocast and buffer values as captured (and grad
- *  mode on when asked: checkpoint re-runs must save), marks the thread as
- *  recomputing; then restores all and puts the buffers' current values back
- *  (without bumping their version counters). */
+/** For its lifetime: RNG, autocast, buffer values and the modules'
+ *  train/eval flags as captured (and grad mode on when asked: checkpoint
+ *  re-runs must save), marks the thread as recomputing; then restores all
+ *  and puts the buffers' current values back (without bumping their
+ *  version counters). */
 class ReplayGuard {
  public:
   ReplayGuard(const ReplayState& state, bool enable_grad);
@@ -120,6 +127,7 @@ class ReplayGuard {
   };
   std::vector<RngNow> rng_now_;
   std::vector<at::Tensor> buffers_now_;
+  std::vector<char> training_now_;  // the flags as found, when any differed from the capture's
 };
 
 }  // namespace remat::detail

@@ -650,7 +650,8 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
   for (const auto& t : inputs) {
     if (t.defined()) devices.push_back(t.device());
   }
-  f.replay = ReplayState::capture(options.preserve_rng_state(), devices, std::move(state.buffers));
+  f.replay =
+      ReplayState::capture(options.preserve_rng_state(), devices, std::move(state.buffers), std::move(state.modules));
   g_regions.fetch_add(1, std::memory_order_relaxed);
   scope_ = std::make_unique<ScopedHooks>(std::make_shared<ForwardFactory>(frame_));
   std::unique_ptr<dispatch::Interceptor> selective_run;

@@ -32,6 +32,7 @@ at::Tensor checkpoint_stages(std::vector<SequentialStage> stages, int64_t segmen
       const auto& s = (*shared)[i].state;
       state.parameters.insert(state.parameters.end(), s.parameters.begin(), s.parameters.end());
       state.buffers.insert(state.buffers.end(), s.buffers.begin(), s.buffers.end());
+      state.modules.insert(state.modules.end(), s.modules.begin(), s.modules.end());
     }
     h = checkpoint_impl(
         options, std::move(state), [run, start, end](const at::Tensor& in) { return run(start, end, in); }, h);
@@ -47,7 +48,7 @@ at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segme
   std::vector<detail::SequentialStage> stages;
   for (size_t i = 0; i < net->size(); ++i) {
     stages.push_back({[net, i](const at::Tensor& h) mutable { return (net->begin() + i)->forward<at::Tensor>(h); },
-                      {net->ptr(i)->parameters(), net->ptr(i)->buffers()}});
+                      {net->ptr(i)->parameters(), net->ptr(i)->buffers(), detail::module_tree(*net->ptr(i))}});
   }
   return detail::checkpoint_stages(std::move(stages), segments, x, options, "modules");
 }

@@ -28,10 +28,18 @@ OffloadCall::OffloadCall(const OffloadOptions& options) {
 OffloadCall::~OffloadCall() = default;
 }  // namespace detail
 
+namespace detail {
+std::vector<torch::nn::Module*> module_tree(const torch::nn::Module& m) {
+  std::vector<torch::nn::Module*> out{const_cast<torch::nn::Module*>(&m)};
+  for (const auto& c : m.modules(/*include_self=*/false)) out.push_back(c.get());  // pre-order
+  return out;
+}
+}  // namespace detail
+
 detail::ModuleState Checkpointable::state() const {
   const auto* m = dynamic_cast<const torch::nn::Module*>(this);
   if (m == nullptr) return {};
-  return {m->parameters(), m->buffers()};
+  return {m->parameters(), m->buffers(), detail::module_tree(*m)};
 }
 
 namespace {
