@@ -482,8 +482,10 @@ TEST(CheckpointErrors, ShapeChangesInRecompute) {
   } catch (const remat::Error& e) {
     EXPECT_EQ(std::string(e.what()),
               "[remat::checkpoint] saved tensor #0 differs between the forward and the recomputation: "
-              "shape [3] in forward vs [6] in recompute. The checkpointed function must be deterministic "
-              "(keep preserve_rng_state(true) for dropout); set determinism_check(kNone) to skip this check.");
+              "shape [3] in forward vs [6] in recompute. The checkpointed function must run as in its forward "
+              "(keep preserve_rng_state(true) for dropout; a lambda's recompute sees its modules' train/eval flags "
+              "as they are at backward: keep the mode until backward, or checkpoint the module itself); set "
+              "determinism_check(kNone) to skip this check only where the difference is intended.");
   }
 }
 

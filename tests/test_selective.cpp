@@ -584,8 +584,10 @@ TEST(CheckpointDebug, DeterminismErrorShowsTheOpSequencesAligned) {
   }
   EXPECT_EQ(what,
             "[remat::checkpoint] saved tensor #1 differs between the forward and the recomputation: shape [4, 3] in "
-            "forward vs [8, 3] in recompute. The checkpointed function must be deterministic (keep "
-            "preserve_rng_state(true) for dropout); set determinism_check(kNone) to skip this check.\n"
+            "forward vs [8, 3] in recompute. The checkpointed function must run as in its forward (keep "
+            "preserve_rng_state(true) for dropout; a lambda's recompute sees its modules' train/eval flags as they "
+            "are at backward: keep the mode until backward, or checkpoint the module itself); set "
+            "determinism_check(kNone) to skip this check only where the difference is intended.\n"
             "[debug] ops of the forward (2) and of the recomputation (2, up to the failure), first difference at "
             "op 1:\n"
             "     #  forward                         recompute\n"

@@ -33,6 +33,7 @@
 #include "internal.h"
 #include "measure.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 
@@ -337,6 +338,29 @@ CallPtr AutoCheckpoint::Impl::begin(CheckpointedSequentialImpl& chain, const std
   return begin_call(it->second, inputs, again, &menu);
 }
 
+namespace {
+/** Under autocast, the recomputes inside the isolated runs of a unit's
+ *  options do not clear the step's cache of casts as they end (a re-run's
+ *  autocast region clears it when the nesting falls to 0, and a C++ step's
+ *  autocast does not nest): a unit called twice then uses the same casts
+ *  of its weights in both calls, as plainly (their gradients are summed in
+ *  one cast's backward). It cleared the cache between the calls, and the
+ *  profiled step's gradients differed from plain's in the last bits (a
+ *  bias, 2.4e-4 in bfloat16). The runs use the cache as the step does, so
+ *  that they measure what it holds. */
+struct TrialAutocast {
+  bool on = at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::is_autocast_enabled(at::kCUDA);
+  TrialAutocast() {
+    if (on) at::autocast::increment_nesting();
+  }
+  ~TrialAutocast() {
+    if (on) at::autocast::decrement_nesting();
+  }
+  TrialAutocast(const TrialAutocast&) = delete;
+  TrialAutocast& operator=(const TrialAutocast&) = delete;
+};
+}  // namespace
+
 CallPtr AutoCheckpoint::Impl::begin_call(size_t unit, const std::vector<at::Tensor>& inputs, const RunOption& run,
                                          const detail::ChainMenu* menu) {
   Unit& u = units[unit];
@@ -363,6 +387,7 @@ CallPtr AutoCheckpoint::Impl::begin_call(size_t unit, const std::vector<at::Tens
   try {
     std::optional<ScopedHooks> quiet;
     if (!active.empty()) quiet.emplace(quiet_hooks());  // NOTE [units inside units]
+    const TrialAutocast autocast;
     measure(u, inputs, run, menu, *rec);
   } catch (...) {
     in_trial = false;
@@ -433,7 +458,17 @@ void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
   mem->enable();
   const int64_t start_bytes = mem->current_bytes();
   const Grads grads_start = grads_now();
-  timeline_owner = mem->record();
+  try {
+    timeline_owner = mem->record();
+  } catch (const Error& e) {
+    if (std::string(e.what()).find("already recording") == std::string::npos) throw;
+    throw Error(
+        "[remat::auto] the profiled step cannot start: the process's memory is being recorded already (another "
+        "auto_checkpoint planner profiling its step, on this thread or another, or a remat::memory::Timeline of "
+        "yours). A planner counts every tensor of the process, so planners profiling at once would measure each "
+        "other: let one planner reach planned() before another profiles (the steps of planners on one thread "
+        "take turns), or train the models in separate processes. The step did not run.");
+  }
   memory::Recording& tl = *timeline_owner;
   timeline = &tl;
   detail::UnitObserver* previous = detail::set_unit_observer(this);

@@ -213,7 +213,11 @@ void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t star
       const Unit& a = units[other != nullptr ? other->unit : 0];
       const auto pos =
           std::find_if(a.calls.begin(), a.calls.end(), [&](size_t ci2) { return calls[ci2].get() == other; });
-      if (other != nullptr && pos != a.calls.end()) {
+      // A unit applied to its own output (an RNN cell, b(b(x))) pairs with
+      // itself, which the step model does not take (one decision on both
+      // sides): without the credit, the prediction counts the input as held
+      // until this call's backward (it holds it then at most).
+      if (other != nullptr && pos != a.calls.end() && other->unit != c.unit) {
         sc.pair_unit = model_index[other->unit];
         sc.pair_call = pos - a.calls.begin();
         sc.pair_bytes = c.input_bytes[c.pair_slot];

@@ -364,9 +364,10 @@ struct Frame : std::enable_shared_from_this<Frame> {
     if (what.empty()) return;
     throw Error("[remat::checkpoint] saved tensor #" + std::to_string(k) +
                 " differs between the forward and the recomputation: " + what +
-                ". The checkpointed function must be deterministic (keep "
-                "preserve_rng_state(true) for dropout); set determinism_check(kNone) to skip "
-                "this check." +
+                ". The checkpointed function must run as in its forward (keep "
+                "preserve_rng_state(true) for dropout; a lambda's recompute sees its modules' train/eval flags "
+                "as they are at backward: keep the mode until backward, or checkpoint the module itself); set "
+                "determinism_check(kNone) to skip this check only where the difference is intended." +
                 debug_report());
   }
 

@@ -756,6 +756,117 @@ Make resnet_workload() {
   };
 }
 
+/** An RNN cell, a unit applied to its own output: h = tanh(W_o gelu(W_ih x +
+ *  W_hh h)), unrolled over 8 steps of (128, 128), then a linear head. tanh
+ *  saves its output, the next call's input; gelu's input and output are
+ *  what a recompute drops. */
+struct RnnCellImpl : torch::nn::Module, remat::Checkpointable {
+  RnnCellImpl()
+      : ih(register_module("ih", torch::nn::Linear(128, 128))),
+        hh(register_module("hh", torch::nn::Linear(128, 128))),
+        o(register_module("o", torch::nn::Linear(128, 128))) {}
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& h) {
+    return checkpointed(
+        [this](const torch::Tensor& x, const torch::Tensor& h) { return torch::tanh(o(torch::gelu(ih(x) + hh(h)))); },
+        x, h);
+  }
+  torch::nn::Linear ih, hh, o;
+};
+TORCH_MODULE(RnnCell);
+struct RnnImpl : torch::nn::Module {
+  RnnImpl() : cell(register_module("cell", RnnCell())), out(register_module("out", torch::nn::Linear(128, 10))) {}
+  torch::Tensor forward(const torch::Tensor& xs) {  // (T, B, 128)
+    auto h = torch::zeros({xs.size(1), xs.size(2)});
+    for (int64_t t = 0; t < xs.size(0); ++t) h = cell->forward(xs[t], h);
+    return out(h);
+  }
+  RnnCell cell;
+  torch::nn::Linear out;
+};
+TORCH_MODULE(Rnn);
+
+Make rnn_workload() {
+  return [](bool set_to_none) {
+    auto net = Rnn();
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    return classifier(net, opt, batches(kSteps, {8, 128, 128}), batches(kSteps, {128}, true, 10), set_to_none);
+  };
+}
+
+// A unit whose call takes its own previous call's output (an RNN cell):
+// the input both calls hold pairs the unit with itself, which the step
+// model does not take; such a pair is left uncredited. The planner threw
+// "[remat::plan] unit 0 ('cell') call 1 shares its inputs with unit 0 call
+// 0; give a call of another unit, or pair_unit -1 for none" at the profiled
+// step.
+TEST(Auto, AUnitAppliedToItsOwnOutputBitwiseAndWithinBudget) { check_workload(rnn_workload(), "RNN cell"); }
+
+// The RNN under CPU autocast to bfloat16 as a C++ loop turns it on (no
+// autocast nesting; the cache cleared after the step): its cell, called 8
+// times a step, uses the same casts of its weights in every call, in the
+// profiled step too, whose isolated runs of the cell's options cleared the
+// cache between the calls (its weights' gradients differed in the last bits).
+TEST(Auto, AUnitCalledSeveralTimesUnderBf16AutocastBitwise) {
+  const Make base = rnn_workload();
+  const Make under_autocast = [base](bool set_to_none) {
+    Workload w = base(set_to_none);
+    w.step = [inner = w.step](int k) {
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      inner(k);
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    };
+    return w;
+  };
+  // Its peak is not the cell's (bfloat16 halves what the cell saves): the
+  // run at the plain peak, whose step 2 is the profiled one, is the test.
+  for (bool set_to_none : {true, false}) {
+    const Result plain = run(under_autocast, set_to_none, std::nullopt);
+    const Result got = run(under_autocast, set_to_none, remat::AutoOptions().memory_budget_fraction(1.0));
+    expect_bitwise(plain, got, "RNN cell under bf16 autocast");
+  }
+}
+
+// Planners count every tensor of the process: one cannot profile while
+// another does (here inside the other's profiled step; two threads are the
+// same). The second is refused before its step runs, with the remedy, and
+// both go on: the first plans, the second profiles once the first is done.
+// It said "[remat::memory] a Timeline is already recording".
+TEST(Auto, APlannerProfilingWhileAnotherDoesIsRefusedAndBothGoOn) {
+  Workload w1 = rnn_workload()(true), w2 = rnn_workload()(true);
+  auto a = remat::auto_checkpoint(*w1.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  auto b = remat::auto_checkpoint(*w2.model, remat::AutoOptions().memory_budget_fraction(1.0).profile_repeats(1));
+  a.step([&] { w1.step(0); });  // warm-ups
+  b.step([&] { w2.step(0); });
+  std::string refused;
+  bool ran = false;
+  a.step([&] {
+    w1.step(1);
+    try {
+      b.step([&] {
+        ran = true;
+        w2.step(1);
+      });
+    } catch (const remat::Error& e) {
+      refused = e.what();
+    }
+  });
+  EXPECT_EQ(refused,
+            "[remat::auto] the profiled step cannot start: the process's memory is being recorded already (another "
+            "auto_checkpoint planner profiling its step, on this thread or another, or a remat::memory::Timeline of "
+            "yours). A planner counts every tensor of the process, so planners profiling at once would measure each "
+            "other: let one planner reach planned() before another profiles (the steps of planners on one thread "
+            "take turns), or train the models in separate processes. The step did not run.");
+  EXPECT_FALSE(ran);
+  EXPECT_TRUE(a.planned());
+  EXPECT_FALSE(b.planned());
+  b.step([&] { w2.step(1); });
+  EXPECT_TRUE(b.planned());
+  a.step([&] { w1.step(2); });
+  b.step([&] { w2.step(2); });
+}
+
 TEST(Auto, ResNetWithBatchNormBitwiseAndWithinBudget) {
   check_workload(resnet_workload(), "ResNet", remat::AutoOptions(), true);
 }
