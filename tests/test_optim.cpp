@@ -412,6 +412,47 @@ TEST(StepInBackward, AZeroGradFalseLoopUnderAccumulationAndAutoUpdatesAnUnreache
   }
 }
 
+// A CheckpointedSequential hands a stage's parameters a gradient they
+// already hold (kept by accumulate(), or a zeroed one) through a nested
+// graph task of its own: the end of that task is not the backward's, and
+// the parameters updated before it are not unreached (they got a second,
+// zero-gradient update). A frozen stage parameter (requires_grad off after
+// step 1) keeps its zeroed gradient and moves, as plainly.
+TEST(StepInBackward, AChainsNestedDeliveriesAndAFrozenParameterUpdateAsPlainWithZeroGradFalse) {
+  auto run = [](bool in_backward) {
+    torch::manual_seed(4);
+    auto seq = torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                     torch::nn::Tanh(), torch::nn::Linear(16, 4));
+    torch::optim::Adam opt(seq->parameters(), torch::optim::AdamOptions(1e-2).weight_decay(0.1));
+    remat::CheckpointedSequential chain(seq, remat::SequentialOptions().algorithm("sqrt"));
+    std::optional<remat::StepInBackward> sib;
+    if (in_backward) sib.emplace(opt, remat::StepInBackwardOptions().zero_grad_set_to_none(false));
+    torch::manual_seed(9);
+    std::vector<std::vector<Blob>> out;
+    for (int k = 0; k < 4; ++k) {
+      if (k == 1) seq[2]->as<torch::nn::Linear>()->weight.requires_grad_(false);  // frozen from step 2
+      {
+        std::optional<remat::StepInBackward::Accumulating> acc;
+        if (sib) acc.emplace(sib->accumulate());
+        chain->forward(torch::randn({8, 16})).square().mean().backward();
+      }
+      chain->forward(torch::randn({8, 16})).square().mean().backward();
+      opt.step();
+      opt.zero_grad(false);
+      out.push_back(blobs(snapshot(*seq)));
+      out.push_back(blobs(state_tensors(opt)));
+    }
+    return out;
+  };
+  const auto plain = run(false), ib = run(true);
+  ASSERT_EQ(plain.size(), ib.size());
+  for (size_t k = 0; k < plain.size(); ++k) {
+    ASSERT_EQ(plain[k].size(), ib[k].size()) << k;
+    for (size_t i = 0; i < plain[k].size(); ++i)
+      EXPECT_TRUE(plain[k][i] == ib[k][i]) << "snapshot " << k << " tensor " << i;
+  }
+}
+
 // Unset, the step in backward acts as zero_grad() (set to none), and the
 // first parameter trained before that a backward does not reach says which
 // option covers the other style; set either way, it says nothing.
@@ -436,9 +477,10 @@ TEST(StepInBackward, AnUnreachedParameterWarnsOnceUnlessTheLoopsStyleIsGiven) {
     }
     ASSERT_EQ(capture.got.size(), 1u);
     EXPECT_EQ(capture.got[0],
-              "[remat::StepInBackward] parameter #14 (shape [32, 32]) was trained before, and this backward did not "
-              "reach it: it is not updated, as in a loop that calls zero_grad() (set_to_none). A loop that calls "
-              "zero_grad(false) keeps its zeroed gradient and updates it (momentum, weight decay): say which in "
+              "[remat::StepInBackward] parameter #14 (shape [32, 32]) was trained before, and this backward, which "
+              "updated others, did not reach it: unless an earlier backward of this step did, it is not updated, as "
+              "in a loop that calls zero_grad() (set_to_none). A loop that calls zero_grad(false) keeps its zeroed "
+              "gradient and updates it (momentum, weight decay): say which in "
               "StepInBackwardOptions::zero_grad_set_to_none(true or false) (AutoOptions too), which also silences "
               "this.")
         << "aux.weight, on the first odd step";

@@ -214,9 +214,11 @@ ModuleState module_state_of(F& f) {
   if constexpr (requires {
                   f->buffers();
                   f->parameters();
-                  module_tree(*f);
                 }) {
-    return {f->parameters(), f->buffers(), module_tree(*f)};
+    ModuleState s{f->parameters(), f->buffers(), {}};
+    // A wrapper with operator-> only (no module to reach) keeps the rest.
+    if constexpr (requires { module_tree(*f); }) s.modules = module_tree(*f);
+    return s;
   } else {
     return {};
   }

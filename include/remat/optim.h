@@ -73,9 +73,12 @@ class StepInBackwardOptions {
    *  step() still moves it (momentum, Adam's moments, weight decay); so
    *  such a backward ends by giving each of them a zero gradient (and its
    *  state back from the store) for the optimizer's step() after it, which
-   *  updates it as the plain loop would. Unset: as true, and the first such
-   *  parameter prints a warning naming this option, since with the other
-   *  style that parameter trains differently from the plain loop. */
+   *  updates it as the plain loop would. With false, every backward of a
+   *  step but the last runs under accumulate() (a second backward that
+   *  updates would give the first one's parameters a second update). Unset:
+   *  as true, and the first such parameter prints a warning naming this
+   *  option, since with the other style that parameter trains differently
+   *  from the plain loop. */
   StepInBackwardOptions& zero_grad_set_to_none(bool set_to_none) {
     zero_grad_set_to_none_ = set_to_none;
     return *this;
@@ -162,6 +165,11 @@ bool is_deferred(const at::Tensor& p);
  *  is reduced; it never passes through an AccumulateGrad): false when no
  *  StepInBackward owns p or its gradient is undefined. */
 bool step_in_backward_now(const at::Tensor& p);
+
+/** Before a gradient reaches p through a nested Engine::execute (a chain's
+ *  early delivery): the StepInBackward that owns p, if any, ends its
+ *  updates at the end of the current (outer) graph task. */
+void queue_end_of_updates(const at::Tensor& p);
 }  // namespace detail
 
 /** Applies the optimizer's update to each parameter inside backward, as soon

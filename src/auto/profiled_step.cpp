@@ -461,7 +461,10 @@ void AutoCheckpoint::Impl::profile_fresh(const std::function<void()>& fn) {
   try {
     timeline_owner = mem->record();
   } catch (const Error& e) {
-    if (std::string(e.what()).find("already recording") == std::string::npos) throw;
+    const std::string what = e.what();
+    // The CPU's counter and a CUDA device's recording say it in their words.
+    if (what.find("already recording") == std::string::npos && what.find("already under way") == std::string::npos)
+      throw;
     throw Error(
         "[remat::auto] the profiled step cannot start: the process's memory is being recorded already (another "
         "auto_checkpoint planner profiling its step, on this thread or another, or a remat::memory::Timeline of "

@@ -9,6 +9,8 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <remat/optim.h>
+
 namespace remat::detail {
 
 torch::autograd::variable_list GradSink::apply(torch::autograd::variable_list&& in) {
@@ -95,6 +97,7 @@ Redirected redirect_gradient_edges(const std::vector<at::Tensor>& outs, const st
 
 void accumulate_into(const at::Tensor& leaf, const at::Tensor& g) {
   if (!g.defined()) return;
+  queue_end_of_updates(leaf);  // its hooks run in the nested task below
   torch::autograd::Engine::get_default_engine().execute({torch::autograd::impl::gradient_edge(leaf)}, {g},
                                                         /*keep_graph=*/false, /*create_graph=*/g.requires_grad(),
                                                         /*accumulate_grad=*/true);

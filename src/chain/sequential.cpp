@@ -402,6 +402,9 @@ struct Execution : std::enable_shared_from_this<Execution> {
         // becomes .grad as it is, and the engine may take it over only
         // from the node's outputs (here it would be copied: +1 gradient).
         if (deliver[i][k] && params[i][k].grad().defined()) {
+          // Its update runs in a nested graph task: its StepInBackward, if
+          // any, ends its updates with this (the outer) backward.
+          queue_end_of_updates(params[i][k]);
           DeliverHook* h = r.hooks[r.target_input[n_in + k]];
           h->target = params[i][k];
           armed.hooks.push_back(h);

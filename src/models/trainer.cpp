@@ -965,12 +965,12 @@ StepStats Trainer::step(memory::Timeline* timeline) {
                    ms,
                    items / (ms / 1e3),
                    peak_bytes,
-                   under_start,
                    m.offloaded_bytes,
                    phase,
                    whole.baseline_bytes(),
                    whole.baseline_bytes() + whole.peak_bytes(),
-                   replanned};
+                   replanned,
+                   under_start};
 }
 
 std::vector<StepStats> Trainer::run(std::ostream* log, const std::function<bool()>& stop) {

@@ -35,10 +35,17 @@
 // by giving every parameter that was reached before and not now a zero
 // gradient (its state back from the store) for the optimizer's step()
 // after backward: that is the plain step's update, and the gradient stays,
-// as zero_grad(false) keeps it. An updating backward ends the step's
-// backward passes (earlier ones run under accumulate()), so a later one
-// does not reach them in the same step. Unset, the first such parameter
-// warns.
+// as zero_grad(false) keeps it. Frozen parameters too (step() reads only
+// whether a gradient is defined). An updating backward ends the step's
+// backward passes (earlier ones run under accumulate(), as docs/training.md
+// asks of a step with several): a second updating backward in one step
+// would find the first one's parameters unreached and give them a second,
+// zero-gradient update. "This backward" is the outermost one: a nested
+// graph task's end (a chain's early delivery through Engine::execute inside
+// a node) does nothing, and its hooks count for the backward around it;
+// the delivery queues the end on that outer backward first
+// (queue_end_of_updates), since its hooks may all run in nested tasks.
+// Unset, the first such parameter warns.
 //
 // NOTE [saving stored state]: while a parameter's state is in the store,
 // the optimizer's slot for it is empty, and torch::save(optimizer) wrote
@@ -61,6 +68,7 @@
 #include <unordered_map>
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -160,7 +168,7 @@ struct StepInBackwardImpl {
     bool seen_this_pass = false;
     bool pending = false;  // holds a gradient an accumulate() pass kept (or a zero one, NOTE [unreached parameters])
     bool reached_before = false;  // some backward reached it (plain training gives it a gradient for good then)
-    int reached_in = -1;          // the graph task that last reached it
+    int64_t reached_gen = -1;     // the outermost backward (generation) that last reached it
   };
   std::vector<Param> params;
   std::vector<char> group_offloaded;  // per param group: its state goes to the store (state_offload)
@@ -169,10 +177,11 @@ struct StepInBackwardImpl {
   mutable std::mutex mu;
   int accumulating = 0;
   StepInBackwardStats st;
-  std::string deferred_reason;  // the last DeferredGradients' why
-  int queued_for = -1;          // the graph task fetch_pending is queued for
-  int drained_for = -1;         // the graph task drain is queued for
-  int ended_for = -1;           // the graph task end_of_updates is queued for
+  std::string deferred_reason;   // the last DeferredGradients' why
+  int queued_for = -1;           // the graph task fetch_pending is queued for
+  int drained_for = -1;          // the graph task drain is queued for
+  std::vector<int> ends_queued;  // graph tasks end_of_updates is queued for
+  int64_t generation = 0;        // outermost backward passes that updated, ended (NOTE [unreached parameters])
   bool warned_unreached = false;
   std::weak_ptr<StepInBackwardImpl> self_weak;
   // NOTE [state between updates]: the order of the last backward's updates.
@@ -377,7 +386,7 @@ struct StepInBackwardImpl {
     Param& p = params[it->second];
     const int task = torch::autograd::get_current_graph_task_id();
     p.reached_before = true;
-    p.reached_in = task;
+    p.reached_gen = generation;
     if (!why.empty()) {
       st.deferred++;
       deferred_reason = why;
@@ -392,12 +401,7 @@ struct StepInBackwardImpl {
       p.pending = true;
       return;
     }
-    // NOTE [unreached parameters]: once per backward that updates.
-    if (task != -1 && ended_for != task) {
-      ended_for = task;
-      torch::autograd::Engine::get_default_engine().queue_callback(
-          [self = self_weak.lock(), task] { self ? self->end_of_updates(task) : void(); });
-    }
+    queue_end(task);  // NOTE [unreached parameters]
     // Queued once per backward (a backward that threw never ran its
     // callback: the next one queues again).
     if (store && task != -1 && queued_for != task) {
@@ -464,24 +468,39 @@ struct StepInBackwardImpl {
     }
   }
 
-  /** NOTE [unreached parameters]: the end of backward `task`, which
-   *  updated parameters. */
+  /** NOTE [unreached parameters]: end_of_updates at the end of graph task
+   *  `task` (once), unless gradients are being accumulated. Call with mu held. */
+  void queue_end(int task) {
+    if (task == -1 || accumulating > 0 || g_accumulate_everywhere.load() > 0) return;
+    if (std::find(ends_queued.begin(), ends_queued.end(), task) != ends_queued.end()) return;
+    ends_queued.push_back(task);
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [self = self_weak.lock(), task] { self ? self->end_of_updates(task) : void(); });
+  }
+
+  /** NOTE [unreached parameters]: the end of graph task `task`, in a
+   *  backward that updates. */
   void end_of_updates(int task) {
     std::lock_guard<std::mutex> lock(mu);
     const Updating updating(in_updates);
-    ended_for = -1;
+    ends_queued.erase(std::remove(ends_queued.begin(), ends_queued.end(), task), ends_queued.end());
+    // A nested graph task (a chain's early delivery of a stage's gradient
+    // runs its own Engine::execute inside a node): the backward goes on.
+    if (torch::autograd::get_current_node() != nullptr) return;
+    const int64_t ended = generation++;
     const std::optional<bool>& set_to_none = options.zero_grad_set_to_none();
     for (auto& q : params) {
-      if (!q.reached_before || q.reached_in == task || q.tensor.grad().defined() || !q.tensor.requires_grad()) continue;
+      // Frozen ones too: step() reads only whether a gradient is defined.
+      if (!q.reached_before || q.reached_gen == ended || q.tensor.grad().defined()) continue;
       if (!set_to_none) {
         if (!warned_unreached) {
           warned_unreached = true;
           TORCH_WARN("[remat::StepInBackward] ", describe_param(q.index, q.tensor),
-                     " was trained before, and this backward did not reach it: it is not updated, as in a loop "
-                     "that calls zero_grad() (set_to_none). A loop that calls zero_grad(false) keeps its zeroed "
-                     "gradient and updates it (momentum, weight decay): say which in "
-                     "StepInBackwardOptions::zero_grad_set_to_none(true or false) (AutoOptions too), which also "
-                     "silences this.");
+                     " was trained before, and this backward, which updated others, did not reach it: unless an "
+                     "earlier backward of this step did, it is not updated, as in a loop that calls zero_grad() "
+                     "(set_to_none). A loop that calls zero_grad(false) keeps its zeroed gradient and updates it "
+                     "(momentum, weight decay): say which in StepInBackwardOptions::zero_grad_set_to_none(true or "
+                     "false) (AutoOptions too), which also silences this.");
         }
         return;
       }
@@ -600,6 +619,14 @@ bool is_deferred(const at::Tensor& p) { return p.defined() && !deferred_why(p).e
 
 AccumulateEverywhere::AccumulateEverywhere() { g_accumulate_everywhere++; }
 AccumulateEverywhere::~AccumulateEverywhere() { g_accumulate_everywhere--; }
+
+void queue_end_of_updates(const at::Tensor& p) {
+  if (!p.defined()) return;
+  auto* hook = dynamic_cast<Hook*>(torch::autograd::impl::post_acc_grad_hooks(p).get());
+  if (hook == nullptr) return;
+  std::lock_guard<std::mutex> lock(hook->impl->mu);
+  hook->impl->queue_end(torch::autograd::get_current_graph_task_id());
+}
 
 bool step_in_backward_now(const at::Tensor& p) {
   if (!p.defined() || !p.grad().defined()) return false;

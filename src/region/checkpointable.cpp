@@ -29,9 +29,16 @@ OffloadCall::~OffloadCall() = default;
 }  // namespace detail
 
 namespace detail {
+namespace {
+void add_tree(const torch::nn::Module& m, std::vector<torch::nn::Module*>& out) {
+  out.push_back(const_cast<torch::nn::Module*>(&m));
+  for (const auto& c : m.children()) add_tree(*c, out);  // pre-order; no qualified names built
+}
+}  // namespace
+
 std::vector<torch::nn::Module*> module_tree(const torch::nn::Module& m) {
-  std::vector<torch::nn::Module*> out{const_cast<torch::nn::Module*>(&m)};
-  for (const auto& c : m.modules(/*include_self=*/false)) out.push_back(c.get());  // pre-order
+  std::vector<torch::nn::Module*> out;
+  add_tree(m, out);
   return out;
 }
 }  // namespace detail

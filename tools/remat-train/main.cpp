@@ -108,8 +108,8 @@ extern "C" void on_stop_signal(int sig) {
   ::clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
   const int64_t ms = static_cast<int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
   if (g_stop_signal == 0) {
+    g_stop_first_ms.store(ms);  // first: a second request compares with it
     g_stop_signal = sig;
-    g_stop_first_ms.store(ms);
     return;
   }
   // The same request sent twice: a terminal's Ctrl-C and `timeout` signal
@@ -136,6 +136,7 @@ void catch_stop_signals(bool die_on_again) {
   sa.sa_handler = on_stop_signal;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&sa.sa_mask, sig);  // one handler at a time
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
 }
 
@@ -208,6 +209,7 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
     pids.push_back(pid);
   }
   int first_failure = 0;
+  bool all_finished = true;  // every rank exited 0 (a signal during the last step lets them finish)
   std::vector<bool> done(pids.size(), false);
   size_t left = pids.size();
   auto deadline = std::chrono::steady_clock::time_point::max();
@@ -229,6 +231,10 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
       done[r] = true;
       --left;
       const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      all_finished &= code == 0;
+      // A rank the signal killed (before its handler was set: loading, or
+      // joining the group) leaves its peers waiting for it: stop them now.
+      if (forwarded != 0 && WIFSIGNALED(st)) deadline = std::chrono::steady_clock::time_point::min();
       if (code != 0 && first_failure == 0 && forwarded == 0) {
         first_failure = code;
         std::cerr << "remat-train: rank " << r << " exited with status " << code << "\n";
@@ -252,7 +258,7 @@ int launch(int argc, char** argv, const std::vector<std::string>& extra, int npr
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (forwarded != 0) {
+  if (forwarded != 0 && !all_finished) {
     std::cerr << "remat-train: stopped by signal " << forwarded << " (" << strsignal(forwarded)
               << "); the ranks were stopped too\n";
     return 128 + forwarded;

@@ -352,9 +352,6 @@ struct StepStats {
    *  in a store counted as kept; 0 where the step stayed under that start
    *  (under_start_bytes says by how much). */
   int64_t peak_bytes = 0;
-  /** kAuto: how far the step's highest tracked bytes stayed under its start
-   *  as the budget counts it (then peak_bytes is 0); else 0. */
-  int64_t under_start_bytes = 0;
   /** Strategy::kOffload: bytes of the saved tensors the blocks sent to disk
    *  (all micro-batches; OffloadStats::bytes_raw), else 0. */
   int64_t offloaded_bytes = 0;
@@ -373,7 +370,9 @@ struct StepStats {
   /** kAuto: the step's peak was more than 1% over the budget and the
    *  planner solved again (AutoCheckpoint::replans() grew): the next step
    *  runs the new plan. When no plan fits, the planner warns instead. */
-  bool replanned = false;
+  bool replanned = false; /** kAuto: how far the step's highest tracked bytes stayed under its start
+                           *  as the budget counts it (then peak_bytes is 0); else 0. */
+  int64_t under_start_bytes = 0;
 };
 
 /** Refuses what Trainer's constructor would refuse before building anything,
