@@ -601,6 +601,29 @@ TEST(CheckpointErrors, ModuleParameterModifiedBeforeBackward) {
   }
 }
 
+// A callable that reaches its module through operator-> only (no operator*,
+// as remat-train's per-block entries): its parameters are still checked.
+TEST(CheckpointErrors, AModuleReachedThroughArrowOnlyIsCheckedToo) {
+  struct Entry {
+    torch::nn::Sequential m;
+    torch::nn::SequentialImpl* operator->() { return m.get(); }
+    torch::Tensor operator()(const torch::Tensor& x) { return m->forward(x); }
+  };
+  torch::nn::Linear lin(3, 3);
+  Entry entry{torch::nn::Sequential(lin, torch::nn::Tanh())};
+  auto z = remat::checkpoint(entry, torch::randn({2, 3})).sum();
+  {
+    torch::NoGradGuard g;
+    lin->bias.add_(1);
+  }
+  try {
+    z.backward();
+    FAIL();
+  } catch (const remat::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("was modified in place after the forward"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 
 namespace {
