@@ -97,7 +97,11 @@ Redirected redirect_gradient_edges(const std::vector<at::Tensor>& outs, const st
 
 void accumulate_into(const at::Tensor& leaf, const at::Tensor& g) {
   if (!g.defined()) return;
-  queue_end_of_updates(leaf);  // its hooks run in the nested task below
+  // Its hooks run in the nested task below. Called from a chain's node, the
+  // end of updates goes on the outer backward; from a DeliverHook (inside a
+  // stage's own backward) it lands on that nested task and does nothing,
+  // and the chain queued the outer one when it armed the hook.
+  queue_end_of_updates(leaf);
   torch::autograd::Engine::get_default_engine().execute({torch::autograd::impl::gradient_edge(leaf)}, {g},
                                                         /*keep_graph=*/false, /*create_graph=*/g.requires_grad(),
                                                         /*accumulate_grad=*/true);

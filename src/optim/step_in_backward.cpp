@@ -167,8 +167,9 @@ struct StepInBackwardImpl {
     const torch::optim::OptimizerParamState* stored_for = nullptr;
     bool seen_this_pass = false;
     bool pending = false;  // holds a gradient an accumulate() pass kept (or a zero one, NOTE [unreached parameters])
-    bool reached_before = false;  // some backward reached it (plain training gives it a gradient for good then)
-    int64_t reached_gen = -1;     // the outermost backward (generation) that last reached it
+    // The outermost backward (generation) that last reached it; -1: none
+    // yet (plain training gives a parameter a gradient for good once reached).
+    int64_t reached_gen = -1;
   };
   std::vector<Param> params;
   std::vector<char> group_offloaded;  // per param group: its state goes to the store (state_offload)
@@ -385,7 +386,6 @@ struct StepInBackwardImpl {
     if (it == by_impl.end()) return;
     Param& p = params[it->second];
     const int task = torch::autograd::get_current_graph_task_id();
-    p.reached_before = true;
     p.reached_gen = generation;
     if (!why.empty()) {
       st.deferred++;
@@ -491,7 +491,7 @@ struct StepInBackwardImpl {
     const std::optional<bool>& set_to_none = options.zero_grad_set_to_none();
     for (auto& q : params) {
       // Frozen ones too: step() reads only whether a gradient is defined.
-      if (!q.reached_before || q.reached_gen == ended || q.tensor.grad().defined()) continue;
+      if (q.reached_gen < 0 || q.reached_gen == ended || q.tensor.grad().defined()) continue;
       if (!set_to_none) {
         if (!warned_unreached) {
           warned_unreached = true;

@@ -90,6 +90,22 @@ rm::TrainConfig tiny_gpt() {
   return c;
 }
 
+/** tiny_gpt under auto with the updates in backward and the state in
+ *  `store` (or kept: ""): no clipping (refused then), one micro-batch, no
+ *  dropout. */
+rm::TrainConfig auto_gpt_with_state(const std::string& store, int64_t layers, int64_t d_model) {
+  auto c = tiny_gpt();
+  c.clip_norm = 0.0;
+  c.grad_accum = 1;
+  c.dropout = 0.0;
+  c.layers = layers;
+  c.d_model = d_model;
+  c.checkpoint = Strategy::kAuto;
+  c.optimizer_in_backward = true;
+  c.optimizer_state = store;
+  return c;
+}
+
 rm::TrainConfig tiny_resnet() {
   rm::TrainConfig c;
   c.model = "resnet";
@@ -441,15 +457,7 @@ TEST(Train, OptimizerInBackwardGivesBitwiseEqualLossesAndState) {
 TEST(Train, AutoWithTheStateInAStoreReportsThePeakItsBudgetBounds) {
   for (const char* store : {"disk", "bf16", "int8"}) {
     SCOPED_TRACE(store);
-    auto c = tiny_gpt();
-    c.clip_norm = 0.0;
-    c.grad_accum = 1;
-    c.dropout = 0.0;
-    c.layers = 2;
-    c.d_model = 64;  // state tensors of 16-64 KiB: the update's working memory shows
-    c.checkpoint = Strategy::kAuto;
-    c.optimizer_in_backward = true;
-    c.optimizer_state = store;
+    auto c = auto_gpt_with_state(store, 2, 64);  // state tensors of 16-64 KiB: the update's working memory shows
     c.steps = 6;
     c.memory_budget_bytes = int64_t{1} << 40;
     const int64_t leanest = rm::Trainer(c).predict_step(c.memory_budget_bytes).peak_bytes;
@@ -1093,18 +1101,9 @@ TEST(Train, AStepLineSaysWhenAutoPlannedAgainAfterIt) {
 // store peaks under its start as auto's budget counts it (that start counts
 // the stored state as kept). The step line says so; it said "peak 0 B".
 TEST(Train, AStepUnderItsStartSaysByHowMuch) {
-  auto c = tiny_gpt();
-  c.clip_norm = 0.0;
-  c.grad_accum = 1;
-  c.dropout = 0.0;
-  c.layers = 2;
-  c.d_model = 256;
+  auto c = auto_gpt_with_state("disk", 2, 256);
   c.seq_len = 16;
   c.batch = 1;
-  c.checkpoint = Strategy::kAuto;
-  c.optimizer_in_backward = true;
-  c.optimizer_state = "disk";
-  c.offload_dir = offload_dir();
   c.steps = 5;
   c.memory_budget_bytes = 1 << 20;
   int under = 0;
@@ -1137,16 +1136,8 @@ TEST(Train, AStepUnderItsStartSaysByHowMuch) {
 // the budget rose, the next plan kept the state, the start fell, and the
 // plans alternated (33 and 153 ms steps, peaks 2.73 and 2.31 MiB here).
 TEST(Train, AutoWithCompressedStateKeepsOnePlan) {
-  auto c = tiny_gpt();
-  c.clip_norm = 0.0;
-  c.grad_accum = 1;
-  c.dropout = 0.0;
-  c.layers = 4;
-  c.d_model = 128;
+  auto c = auto_gpt_with_state("int8", 4, 128);
   c.seq_len = 64;
-  c.checkpoint = Strategy::kAuto;
-  c.optimizer_in_backward = true;
-  c.optimizer_state = "int8";
   c.steps = 8;
   c.memory_budget_bytes = 2949928;  // the least this step's plans reach, as remat-train names it
   rm::Trainer t(c);

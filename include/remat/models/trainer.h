@@ -370,8 +370,9 @@ struct StepStats {
   /** kAuto: the step's peak was more than 1% over the budget and the
    *  planner solved again (AutoCheckpoint::replans() grew): the next step
    *  runs the new plan. When no plan fits, the planner warns instead. */
-  bool replanned = false; /** kAuto: how far the step's highest tracked bytes stayed under its start
-                           *  as the budget counts it (then peak_bytes is 0); else 0. */
+  bool replanned = false;
+  /** kAuto: how far the step's highest tracked bytes stayed under its start
+   *  as the budget counts it (then peak_bytes is 0); else 0. */
   int64_t under_start_bytes = 0;
 };
 
