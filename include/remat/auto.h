@@ -384,6 +384,10 @@ class AutoCheckpoint {
    *  profiled step, as if backward waited for all of it. 0 before a
    *  planned step or without a store. */
   double optimizer_state_wait_ms() const;
+  /** With AutoOptions::optimizers: each one's StepInBackward counters
+   *  (updates, the state store's bytes and waits, writes that failed and
+   *  kept their state in memory), in that order. Empty without. */
+  std::vector<StepInBackwardStats> optimizer_stats() const;
   /** Writes the profiled step's memory, the plan's predicted memory per
    *  segment and the units' windows as Chrome trace JSON (Perfetto). */
   void write_trace(const std::string& path) const;

@@ -266,14 +266,32 @@ class StepInBackward {
   std::vector<int64_t> largest_state_bytes_per_group() const;
   /** The counters so far (a snapshot). */
   StepInBackwardStats stats() const;
+  /** Each parameter's updates wait for the end of the backward (true) and
+   *  then run one after another, in the order the gradients became final,
+   *  each gradient freed after its update; or run as each gradient is
+   *  final (false, the default). The updates and their results are the
+   *  same either way. At the end, every gradient lives at once, as in plain
+   *  training, but the update's temporaries (Adam's: about two parameters'
+   *  bytes) come after the activations are gone instead of while backward
+   *  holds them: at tiny activations and large parameters that can peak
+   *  lower. remat::auto_checkpoint chooses this per plan. A gradient
+   *  reaching a parameter outside any backward is updated at once. */
+  void update_at_backward_end(bool on);
+  /** What update_at_backward_end() last set (false by default). */
+  bool updates_at_backward_end() const;
   /** What on_update() hears after each update inside backward. */
-  using UpdateListener = std::function<void(size_t group, int64_t state_bytes)>;
-  /** Calls fn after each parameter's update inside backward, with the
-   *  index of its param group and the bytes of optimizer state it has then
-   *  (wherever they go next); an empty fn stops. fn runs on the backward's
-   *  thread with this object locked: keep it short and do not call this
-   *  object from it. remat::auto_checkpoint uses it to learn when each
-   *  state is in use. */
+  struct UpdateEvent {
+    size_t group = 0;         ///< the parameter's param group
+    int64_t state_bytes = 0;  ///< its optimizer state's bytes after the update, wherever they go next
+    int64_t param_bytes = 0;  ///< its gradient's bytes, freed by the update
+    double update_ms = 0;     ///< how long the optimizer's update took (host wall time), store reads not included
+  };
+  using UpdateListener = std::function<void(const UpdateEvent&)>;
+  /** Calls fn after each parameter's update inside backward (an
+   *  UpdateEvent); an empty fn stops. fn runs on the backward's thread with
+   *  this object locked: keep it short and do not call this object from
+   *  it. remat::auto_checkpoint uses it to learn when each state is in use
+   *  and what each update holds. */
   void on_update(UpdateListener fn);
   /** What it does: the optimizer, the parameters, where the state lives,
    *  the counters. */

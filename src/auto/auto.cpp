@@ -259,6 +259,12 @@ int64_t AutoCheckpoint::optimizer_state_in_store_bytes() const {
 
 double AutoCheckpoint::optimizer_state_wait_ms() const { return impl_->state_wait_last_ms; }
 
+std::vector<StepInBackwardStats> AutoCheckpoint::optimizer_stats() const {
+  std::vector<StepInBackwardStats> out;
+  for (const auto& s : impl_->in_backward) out.push_back(s->stats());
+  return out;
+}
+
 void AutoCheckpoint::fetch_optimizer_state() {
   for (auto& s : impl_->in_backward) s->fetch_state();
 }

@@ -236,13 +236,15 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
   struct StateUpdate {
     size_t opt = 0, group = 0;
     int64_t bytes = 0;
-    double time_us = 0;   // on the profiled step's timeline
-    int64_t segment = 0;  // of the step model (measure_state)
+    double time_us = 0;      // its end, on the profiled step's timeline
+    double begin_us = 0;     // its start (the optimizer's update alone)
+    int64_t grad_bytes = 0;  // the gradient it freed
+    int64_t segment = 0;     // of the step model (measure_state)
   };
   std::mutex updates_mu;
   std::vector<StateUpdate> updates_trial;  // the profile under way's
   std::vector<StateUpdate> state_updates;  // as of the last profile, in order
-  void note_update(size_t opt, size_t group, int64_t bytes);
+  void note_update(size_t opt, const StepInBackward::UpdateEvent& e);
   void listen_to_updates(bool on);  // on_update of every in_backward, while profiling
   /** One placement of the state groups: which go to the store, the bytes
    *  that adds to each segment of the step (below 0: their state off, less
@@ -253,7 +255,9 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
     std::vector<int64_t> writes;  // of shift, the writes in flight (NOTE [state writes in flight])
     int64_t state_bytes = 0;      // of the groups in the store, what the store takes off
     double ms = 0;
+    bool at_end = false;  // the updates wait for the backward's end (NOTE [updates placed])
   };
+  Placement at_end_placement() const;  // NOTE [updates placed]
   std::vector<Placement> placements() const;
   Placement placement;               // of the plan in force
   std::vector<bool> state_in_force;  // per state_groups, as applied
@@ -341,6 +345,7 @@ struct AutoCheckpoint::Impl : detail::UnitObserver, detail::ChainObserver, detai
 
   // --- step_model.cpp: the step model, solved and repriced -----------------
   void build_model(const memory::Recording& tl, int64_t start_bytes, double begin_us, double end_us);
+  int64_t profile_start_bytes = 0;  // the bytes live as the profiled step began (build_model)
   bool inner_calls_inside(size_t i) const;
   /** Units of the step model, in model order, as indices into units. */
   std::vector<size_t> model_units() const { return modeled; }

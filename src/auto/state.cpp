@@ -47,6 +47,20 @@
 // step). A step's noise (a few percent of a step on a shared machine)
 // moves the price as much; the store is charged for it, not the units.
 
+// NOTE [updates placed]: the updates run inside backward as each gradient
+// is final, or all at the backward's end (StepInBackward::
+// update_at_backward_end), as a variant of the plan with every state kept.
+// The profiled step runs them inside backward and notes each one's window
+// on its timeline and the gradient it freed; the variant's segments are
+// the profiled samples with each window held at the level it began with
+// (no temporaries there) and every gradient freed so far added back, and
+// the segment where the last update ended also holds, after it, what the
+// step held then plus every gradient plus the largest update's
+// temporaries (the end's updates run one at a time, each freeing its
+// gradient). It costs no time: the same updates run. Listed last, so a
+// plan that is as fast either way keeps the updates inside backward, which
+// holds less wherever the activations are not tiny.
+
 // NOTE [state writes in flight]: of what a store holds in flight, the
 // states read ahead and being updated are there whatever the disk's pace;
 // the writes not yet on disk are there only while the disk is behind (a
@@ -153,15 +167,16 @@ void AutoCheckpoint::Impl::listen_to_updates(bool on) {
   // Only while the profiled step runs: planned steps' backward does no work for it.
   for (size_t k = 0; k < in_backward.size(); ++k) {
     in_backward[k]->on_update(
-        on ? StepInBackward::UpdateListener([this, k](size_t group, int64_t bytes) { note_update(k, group, bytes); })
+        on ? StepInBackward::UpdateListener([this, k](const StepInBackward::UpdateEvent& e) { note_update(k, e); })
            : StepInBackward::UpdateListener());
   }
 }
 
-void AutoCheckpoint::Impl::note_update(size_t opt, size_t group, int64_t bytes) {
+void AutoCheckpoint::Impl::note_update(size_t opt, const StepInBackward::UpdateEvent& e) {
   if (timeline == nullptr || in_trial) return;  // only the profiled step's own updates
+  const double end = timeline->now_us();
   std::lock_guard<std::mutex> lock(updates_mu);
-  updates_trial.push_back({opt, group, bytes, timeline->now_us(), 0});
+  updates_trial.push_back({opt, e.group, e.state_bytes, end, end - 1000.0 * e.update_ms, e.param_bytes, 0});
 }
 
 AutoCheckpoint::Impl::StateInflight AutoCheckpoint::Impl::state_inflight(const std::vector<bool>& in_store) const {
@@ -336,20 +351,88 @@ std::vector<AutoCheckpoint::Impl::Placement> AutoCheckpoint::Impl::placements() 
     out.push_back(std::move(p));
   };
   add(std::vector<bool>(n, false));
-  if (n == 0) return out;
   if (n > kMaxEnumeratedGroups) {
     add(std::vector<bool>(n, true));
-    return out;
+  } else if (n > 0) {
+    for (uint64_t mask = 1; mask < (uint64_t{1} << n); ++mask) {
+      std::vector<bool> in_store(n);
+      for (size_t g = 0; g < n; ++g) in_store[g] = (mask >> g) & 1;
+      add(std::move(in_store));
+    }
   }
-  for (uint64_t mask = 1; mask < (uint64_t{1} << n); ++mask) {
-    std::vector<bool> in_store(n);
-    for (size_t g = 0; g < n; ++g) in_store[g] = (mask >> g) & 1;
-    add(std::move(in_store));
+  // Last: among equally fast plans the updates stay inside backward.
+  if (!in_backward.empty() && !state_updates.empty() && !step_model.segment_peak_bytes.empty()) {
+    out.push_back(at_end_placement());
   }
   return out;
 }
 
+/** NOTE [updates placed]. */
+AutoCheckpoint::Impl::Placement AutoCheckpoint::Impl::at_end_placement() const {
+  Placement pl;
+  pl.in_store.assign(state_groups.size(), false);
+  pl.at_end = true;
+  const size_t segments = step_model.segment_peak_bytes.size();
+  std::vector<const StateUpdate*> ups;
+  for (const StateUpdate& u : state_updates) ups.push_back(&u);
+  std::stable_sort(ups.begin(), ups.end(),
+                   [](const StateUpdate* a, const StateUpdate* b) { return a->begin_us < b->begin_us; });
+  // Per segment, its peak as profiled (as build_model reads the samples)
+  // and with the updates at the end.
+  std::vector<int64_t> on(segments, 0), off(segments, 0);
+  int64_t level = profile_start_bytes, level_off = profile_start_bytes;
+  int64_t done = 0;                         // gradients the updates ended so far freed
+  int64_t base = -1;                        // the level as the update under way began (-1: none seen yet)
+  int64_t window_peak = 0;                  // the most its window held
+  int64_t temps = 0;                        // the most one update held above its start
+  int64_t end_level = profile_start_bytes;  // the level as the last update ended
+  size_t next = 0;                          // the first update not ended
+  auto close = [&] {
+    if (base < 0) base = level;  // no sample in its window
+    temps = std::max(temps, window_peak - base);
+    done += ups[next]->grad_bytes;
+    end_level = level;
+    base = -1;
+    window_peak = 0;
+    ++next;
+  };
+  size_t k = 0;
+  for (size_t s = 0; s < segments; ++s) {
+    int64_t peak = level, peak_off = level_off;
+    while (k < samples.size() && samples[k].time_us < points_us[s + 1]) {
+      const memory::Sample& x = samples[k];
+      while (next < ups.size() && x.time_us >= ups[next]->time_us) close();
+      int64_t v_off = x.bytes + done;
+      if (next < ups.size() && x.time_us >= ups[next]->begin_us) {  // inside an update: what it began with
+        if (base < 0) base = level;
+        window_peak = std::max(window_peak, x.bytes);
+        v_off = base + done;
+      }
+      if (x.time_us >= points_us[s]) {
+        peak = std::max(peak, x.bytes);
+        peak_off = std::max(peak_off, v_off);
+      }
+      level = x.bytes;
+      level_off = v_off;
+      ++k;
+    }
+    on[s] = peak;
+    off[s] = peak_off;
+  }
+  while (next < ups.size()) close();
+  // The updates at the backward's end: every gradient, and one update's
+  // temporaries at a time, over what the step held as the last one ended.
+  const double last_end = ups.empty() ? points_us.back() : ups.back()->time_us;
+  const auto at = std::upper_bound(points_us.begin(), points_us.end(), last_end) - points_us.begin() - 1;
+  const auto s_end = static_cast<size_t>(std::clamp<int64_t>(at, 0, static_cast<int64_t>(segments) - 1));
+  off[s_end] = std::max(off[s_end], end_level + done + temps);
+  pl.shift.resize(segments);
+  for (size_t s = 0; s < segments; ++s) pl.shift[s] = off[s] - on[s];
+  return pl;
+}
+
 void AutoCheckpoint::Impl::apply_state() {
+  for (auto& sib : in_backward) sib->update_at_backward_end(placement.at_end);  // NOTE [updates placed]
   std::vector<bool> want = placement.in_store;
   want.resize(state_groups.size(), false);
   if (!options.optimizer_state_store() || want == state_in_force) return;
@@ -368,8 +451,29 @@ void AutoCheckpoint::Impl::apply_state() {
 std::string AutoCheckpoint::Impl::explain_state() const {
   if (in_backward.empty()) return "";
   std::ostringstream os;
-  os << "model state: " << in_backward.size() << (in_backward.size() == 1 ? " optimizer" : " optimizers")
-     << " updating each parameter inside backward (its gradient freed then)";
+  os << "model state: " << in_backward.size() << (in_backward.size() == 1 ? " optimizer" : " optimizers");
+  // NOTE [updates placed]: the plan's own options under the other place
+  // of the updates (every state kept there), as predicted.
+  const std::vector<int>& choice = step_plan.prediction.choice;
+  auto peak_with = [&](const Placement& pl) {
+    plan::StepVariant x;
+    x.segment_shift_bytes = pl.shift;
+    return plan::simulate_step(plan::apply_variant(step_model, x), choice).peak_bytes;
+  };
+  const bool other =
+      !state_updates.empty() && !step_model.segment_peak_bytes.empty() && choice.size() == step_model.units.size();
+  auto compared = [&](const Placement& alt, const char* where) {
+    const int64_t d = peak_with(alt) - peak_with(placement);
+    os << "; " << where << ", this plan's options would peak " << plan::format_bytes(std::abs(d))
+       << (d >= 0 ? " higher" : " lower");
+  };
+  if (placement.at_end) {
+    os << " updating every parameter at the end of backward, one after another (each gradient freed then)";
+    if (other) compared(Placement{}, "updating inside backward, the updates' temporaries meet the activations");
+  } else {
+    os << " updating each parameter inside backward (its gradient freed then)";
+    if (other) compared(at_end_placement(), "updating at the end of backward, every gradient lives until then");
+  }
   if (!options.optimizer_state_store()) {
     os << "; state kept with the optimizer (no optimizer_state_store)\n";
     return os.str();

@@ -26,6 +26,7 @@ using detail::shown;
  *  and the earlier call it shares one with. */
 void AutoCheckpoint::Impl::build_model(const memory::Recording& tl, int64_t start_bytes, double begin_us,
                                        double end_us) {
+  profile_start_bytes = start_bytes;
   // Samples outside the isolated runs.
   samples.clear();
   size_t w = 0;

@@ -47,6 +47,15 @@
 // (queue_end_of_updates), since its hooks may all run in nested tasks.
 // Unset, the first such parameter warns.
 //
+// NOTE [updates at the backward's end]: with update_at_backward_end(true),
+// a final gradient is not stepped in its hook: the parameter joins a list,
+// and the end of the outermost backward (the same engine callback as above,
+// before the unreached parameters are looked at) updates the listed ones in
+// order, each as a hook would, and frees each gradient after its update.
+// The math is the same; what moves is when memory is held: every gradient
+// lives until the backward's end, and the updates' temporaries come after
+// the activations are gone. auto_checkpoint switches it per plan.
+//
 // NOTE [saving stored state]: while a parameter's state is in the store,
 // the optimizer's slot for it is empty, and torch::save(optimizer) wrote
 // the moments as None without a word (a checkpoint that cannot resume). For
@@ -189,6 +198,10 @@ struct StepInBackwardImpl {
   std::vector<size_t> order, last_order;
   std::vector<int64_t> pos_in_last;         // per parameter, its place in last_order or -1
   StepInBackward::UpdateListener listener;  // on_update()
+  // NOTE [updates at the backward's end]: update_at_backward_end(), and the
+  // parameters whose update waits for it, in the order they became final.
+  bool at_end = false;
+  std::vector<size_t> at_end_order;
 
   /** Inside a backward's updates (on_grad, fetch_pending; with mu held):
    *  the store calls there count as waits. fetch_state(), offload_groups()
@@ -250,7 +263,8 @@ struct StepInBackwardImpl {
         back[k] = waited([&] { return store->unpack(p.state[k]); });
       } catch (const std::exception& e) {
         throw Error(std::string("[remat::StepInBackward] the optimizer state of ") + describe_param(p.index, p.tensor) +
-                    " cannot be read back from its store: " + e.what() + " Its file is kept; " +
+                    " cannot be read back from its store: " + e.what() +
+                    " Its stored state stays where it is (a file that still exists is kept for another try); " +
                     std::to_string(st.updates) + " parameter updates were applied so far, each with its own state.");
       }
     }
@@ -401,6 +415,22 @@ struct StepInBackwardImpl {
       p.pending = true;
       return;
     }
+    // NOTE [updates at the backward's end]: the update waits for the end
+    // of the outermost backward (outside any backward: now).
+    if (at_end && task != -1) {
+      queue_end(task);
+      if (std::find(at_end_order.begin(), at_end_order.end(), it->second) == at_end_order.end()) {
+        at_end_order.push_back(it->second);
+      }
+      return;
+    }
+    update(p, task);
+  }
+
+  /** Updates p in backward: its state back from the store, the
+   *  optimizer's update, its gradient freed, the state sent again. Call
+   *  with mu held, in_updates set. */
+  void update(Param& p, int task) {
     queue_end(task);  // NOTE [unreached parameters]
     // Queued once per backward (a backward that threw never ran its
     // callback: the next one queues again).
@@ -423,13 +453,16 @@ struct StepInBackwardImpl {
             [self = self_weak.lock()] { self ? self->drain() : void(); });
       }
     }
+    const int64_t param_bytes = p.tensor.grad().defined() ? static_cast<int64_t>(p.tensor.grad().nbytes()) : 0;
+    const auto t0 = std::chrono::steady_clock::now();
     step_one(p);
+    const double update_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     p.pending = false;
     st.updates++;
-    if (listener) listener(p.group, state_bytes(p));
+    if (listener) listener(StepInBackward::UpdateEvent{p.group, state_bytes(p), param_bytes, update_ms});
     if (store) {
       p.seen_this_pass = true;
-      order.push_back(it->second);
+      order.push_back(static_cast<size_t>(&p - params.data()));
       if (group_offloaded[p.group]) put(p);
       read_ahead(p);
       st.state_write_failures = store->failures(&st.last_state_error);
@@ -487,6 +520,33 @@ struct StepInBackwardImpl {
     // A nested graph task (a chain's early delivery of a stage's gradient
     // runs its own Engine::execute inside a node): the backward goes on.
     if (torch::autograd::get_current_node() != nullptr) return;
+    // NOTE [updates at the backward's end]: in the order their gradients
+    // became final. A gradient gone since (an optimizer's step() and
+    // zero_grad() after a backward that threw) has nothing to update.
+    std::vector<size_t> due;
+    due.swap(at_end_order);
+    bool updated = false;
+    for (size_t i : due) {
+      Param& p = params[i];
+      if (!p.tensor.grad().defined() || accumulating > 0 || g_accumulate_everywhere.load() > 0) continue;
+      update(p, /*task=*/-1);  // queues nothing: this is the backward's end
+      updated = true;
+    }
+    if (updated && store) {
+      // What update() queues inside a backward, done here: the states of
+      // gradients kept by accumulate() passes come back for step(), and the
+      // writes end before the next forward.
+      for (auto& q : params) {
+        if (q.pending) fetch(q, /*count_miss=*/false);
+      }
+      waited([&] {
+        try {
+          store->wait();
+        } catch (const std::exception&) {  // a failed write keeps its state in memory; failures() counts it
+        }
+      });
+      st.state_write_failures = store->failures(&st.last_state_error);
+    }
     const int64_t ended = generation++;
     const std::optional<bool>& set_to_none = options.zero_grad_set_to_none();
     for (auto& q : params) {
@@ -621,7 +681,7 @@ AccumulateEverywhere::AccumulateEverywhere() { g_accumulate_everywhere++; }
 AccumulateEverywhere::~AccumulateEverywhere() { g_accumulate_everywhere--; }
 
 void queue_end_of_updates(const at::Tensor& p) {
-  if (!p.defined()) return;
+  if (!p.defined() || torch::autograd::impl::get_autograd_meta(p) == nullptr) return;
   auto* hook = dynamic_cast<Hook*>(torch::autograd::impl::post_acc_grad_hooks(p).get());
   if (hook == nullptr) return;
   std::lock_guard<std::mutex> lock(hook->impl->mu);
@@ -629,7 +689,7 @@ void queue_end_of_updates(const at::Tensor& p) {
 }
 
 bool step_in_backward_now(const at::Tensor& p) {
-  if (!p.defined() || !p.grad().defined()) return false;
+  if (!p.defined() || torch::autograd::impl::get_autograd_meta(p) == nullptr || !p.grad().defined()) return false;
   auto& slot = torch::autograd::impl::post_acc_grad_hooks(p);
   auto* hook = dynamic_cast<Hook*>(slot.get());
   if (!hook) return false;
@@ -680,6 +740,9 @@ StepInBackward::StepInBackward(torch::optim::Optimizer& optimizer, const StepInB
                     "that two modules register, such as a tied weight, once per module); give each parameter "
                     "to the optimizer once.");
       }
+      // A tensor made without requires_grad (FullyShard's frozen flat shard)
+      // has no autograd metadata to hold a hook (LibTorch asserts): made.
+      torch::autograd::impl::materialize_autograd_meta(t);
       if (torch::autograd::impl::post_acc_grad_hooks(t) != nullptr) {
         throw Error("[remat::StepInBackward] " + detail::describe_param(index, t) +
                     " already has a post-accumulate-grad hook (another StepInBackward on the same parameters?); "
@@ -758,6 +821,16 @@ void StepInBackward::fetch_state() {
     }
   }
   if (!first.empty()) throw Error(first);
+}
+
+void StepInBackward::update_at_backward_end(bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->at_end = on;
+}
+
+bool StepInBackward::updates_at_backward_end() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->at_end;
 }
 
 void StepInBackward::on_update(UpdateListener fn) {
