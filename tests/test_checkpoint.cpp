@@ -431,6 +431,42 @@ TEST(Checkpoint, AutocastStateReplayed) {
   expect_bitwise_equal(plain, ckpt);
 }
 
+namespace {
+struct SwapImpl : torch::nn::Module {
+  SwapImpl()
+      : fc(register_module("fc", torch::nn::Linear(16, 16))), drop(register_module("drop", torch::nn::Dropout(0.3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(drop(fc(x))); }
+  torch::nn::Linear fc;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(Swap);
+}  // namespace
+
+// A child replaced (replace_module) between forward and backward is freed:
+// the recompute's replay of the train/eval flags skips it, and the new
+// child, reached from its parent, runs with the parent's flag of the
+// forward. It wrote to the freed module (ASan: heap-use-after-free).
+TEST(Checkpoint, AChildReplacedBeforeBackwardIsSkippedByTheFlagReplay) {
+  const auto x = torch::randn({8, 16});
+  auto run = [&](bool ckpt) {
+    torch::manual_seed(0);
+    Swap m;
+    torch::manual_seed(1);
+    auto loss = (ckpt ? remat::checkpoint(m, x) : m->forward(x)).square().mean();
+    std::weak_ptr<torch::nn::Module> old = m->drop.ptr();
+    m->eval();
+    torch::nn::Dropout fresh(0.3);
+    fresh->eval();
+    m->drop = m->replace_module("drop", fresh);
+    EXPECT_TRUE(old.expired());
+    loss.backward();
+    EXPECT_FALSE(m->is_training());
+    EXPECT_FALSE(fresh->is_training());
+    return std::vector<torch::Tensor>{m->fc->weight.grad().clone(), m->fc->bias.grad().clone()};
+  };
+  expect_bitwise_equal(run(false), run(true));
+}
+
 TEST(CheckpointSequential, MatchesPlainForEverySegmentCount) {
   auto seq = make_mlp(4, 16);  // 8 modules
   auto x = torch::randn({3, 16}, torch::requires_grad());

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <future>
@@ -641,6 +642,29 @@ TEST(OffloadFaults, RealWriteFailureUnderAFileSizeLimit) {
   EXPECT_NE(error_of([&] { l.backward(); }).find("File too large"), std::string::npos);
   l = torch::Tensor();
   EXPECT_TRUE(dir.files().empty()) << joined(dir.files());
+}
+
+// The directory removed while a store writes there: the error says it is
+// gone, where it advised freeing space.
+TEST(OffloadFaults, ADirectoryRemovedWhileInUseIsNamedAsGone) {
+  TempDir dir;
+  auto x = torch::randn({128, 256}, torch::requires_grad());
+  torch::Tensor l;
+  std::string err;
+  try {
+    OffloadScope scope(disk(dir));
+    std::filesystem::remove_all(dir.path);
+    l = x.exp().sum();
+    scope.wait();
+  } catch (const remat::Error& e) {
+    err = e.what();
+  }
+  EXPECT_NE(err.find(" failed: No such file or directory. The directory is gone (removed since the store opened?): "
+                     "create it again, or pass another directory to OffloadOptions().directory()."),
+            std::string::npos)
+      << err;
+  l = torch::Tensor();
+  EXPECT_TRUE(dir.files().empty());
 }
 
 /** Runs forward under a disk scope, lets `tamper` at the files, then

@@ -124,21 +124,28 @@ namespace detail {
 struct Frame;
 using RecomputeFn = std::function<void(const std::vector<at::Tensor>&)>;
 
+/** A module whose train/eval flag a recompute replays. The callable's own
+ *  module by address (first): the recompute calls it, so it outlives the
+ *  graph anyway, and it need not be owned by a shared_ptr. A descendant by
+ *  weak_ptr (second; first null): one replaced between forward and
+ *  backward (replace_module) is freed and then skipped, and a strong
+ *  reference would keep a module that stores its outputs alive in a cycle
+ *  with its own graph. (The core's replay takes the same pair.) */
+using ModuleRef = std::pair<torch::nn::Module*, std::weak_ptr<torch::nn::Module>>;
+
 /** What a checkpoint knows of a module fn: its parameters (version-checked
  *  before each recompute), buffers (restored after it, so BatchNorm
  *  statistics are updated once per step as in a plain run) and modules,
  *  the module and its descendants in pre-order, whose train/eval flags the
  *  recompute runs with as the forward did (an eval() between forward and
- *  backward would change what it computes). Raw pointers: the recompute
- *  calls the module, which must outlive it anyway. */
+ *  backward would change what it computes). */
 struct ModuleState {
   std::vector<at::Tensor> parameters;
   std::vector<at::Tensor> buffers;
-  std::vector<torch::nn::Module*> modules;
+  std::vector<ModuleRef> modules;
 };
-/** m and its descendants in pre-order, for ModuleState::modules (m need not
- *  be owned by a shared_ptr). */
-std::vector<torch::nn::Module*> module_tree(const torch::nn::Module& m);
+/** m and its descendants in pre-order, for ModuleState::modules. */
+std::vector<ModuleRef> module_tree(const torch::nn::Module& m);
 
 /** The process-wide lock of NOTE [RNG regions and threads] (replay.h),
  *  held by a region's first run from RNG capture to the end of its forward. */

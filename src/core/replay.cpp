@@ -139,17 +139,25 @@ c10::Device memory_device(const std::vector<at::Tensor>& inputs, const std::vect
 namespace {
 /** Sets each module's flag, in pre-order: train() also sets the module's
  *  descendants, which come after it and get their own. */
-void set_training(const std::vector<torch::nn::Module*>& modules, const std::vector<char>& on) {
-  for (size_t i = 0; i < modules.size(); ++i) modules[i]->train(on[i] != 0);
+/** The module, or null once a descendant is freed; non-owning by address. */
+std::shared_ptr<torch::nn::Module> lock(const ModuleRef& m) {
+  return m.first != nullptr ? std::shared_ptr<torch::nn::Module>(std::shared_ptr<torch::nn::Module>(), m.first)
+                            : m.second.lock();
+}
+
+void set_training(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, const std::vector<char>& on) {
+  for (size_t i = 0; i < modules.size(); ++i) {
+    if (modules[i]) modules[i]->train(on[i] != 0);
+  }
 }
 }  // namespace
 
 ReplayState ReplayState::capture(bool preserve_rng, const std::vector<c10::Device>& devices,
-                                 std::vector<at::Tensor> buffers, std::vector<torch::nn::Module*> modules) {
+                                 std::vector<at::Tensor> buffers, std::vector<ModuleRef> modules) {
   ReplayState r;
   r.autocast = AutocastState::capture();
   r.modules = std::move(modules);
-  for (const auto* m : r.modules) r.training.push_back(m->is_training() ? 1 : 0);
+  for (const auto& m : r.modules) r.training.push_back(lock(m)->is_training() ? 1 : 0);
   r.buffers = std::move(buffers);
   for (const auto& b : r.buffers) r.buffer_values.push_back(b.detach().clone());
   if (!preserve_rng) return r;
@@ -170,7 +178,9 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
       state_(state),
       grad_(enable_grad || at::GradMode::is_enabled()),
       autocast_now_(AutocastState::capture()) {
-  ++t_recompute_depth;
+  // What may throw (copies that allocate) comes first, before anything is
+  // swapped: a constructor that throws runs no destructor, and would leave
+  // the thread with the first run's RNG, autocast and flags.
   for (auto [gen, s] : state_.rng) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     RngNow now;
@@ -182,18 +192,30 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
       now.state = gen.get_state();
     }
     rng_now_.push_back(std::move(now));
-    gen.set_state(s);
   }
-  state_.autocast.apply();
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& b : state_.buffers) buffers_now_.push_back(b.detach().clone());
+  }
   // A module switched to eval() (or back) between forward and backward
   // recomputes as its forward ran: Dropout, BatchNorm and a module's own
   // training-only branches read the flag.
   std::vector<char> now;
-  for (const auto* m : state_.modules) now.push_back(m->is_training() ? 1 : 0);
-  if (now != state_.training) {
-    training_now_ = std::move(now);
-    set_training(state_.modules, state_.training);
+  for (const auto& m : state_.modules) {
+    modules_.push_back(lock(m));
+    now.push_back(modules_.back() && modules_.back()->is_training() ? 1 : 0);
   }
+  bool differ = false;
+  for (size_t i = 0; i < now.size(); ++i) differ = differ || (modules_[i] && now[i] != state_.training[i]);
+  if (differ) training_now_ = std::move(now);
+
+  ++t_recompute_depth;
+  for (auto [gen, s] : state_.rng) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(s);
+  }
+  state_.autocast.apply();
+  if (!training_now_.empty()) set_training(modules_, state_.training);
   // Like torch.autocast's context: casts cached while the re-run is under
   // autocast are dropped when the outermost autocast region ends, else the
   // next forward would reuse casts of parameters the optimizer has since
@@ -201,11 +223,9 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
   if (state_.autocast.cpu_enabled || state_.autocast.cuda_enabled) at::autocast::increment_nesting();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < state_.buffers.size(); ++i) {
-    const at::Tensor& b = state_.buffers[i];
-    buffers_now_.push_back(b.detach().clone());
     // Rewind to the first run's values: a re-run must see what it saw
     // (BatchNorm saves its running statistics for backward).
-    b.variable_data().copy_(state_.buffer_values[i]);
+    state_.buffers[i].variable_data().copy_(state_.buffer_values[i]);
   }
 }
 
@@ -215,7 +235,7 @@ ReplayGuard::~ReplayGuard() {
     // variable_data(): new version counter, so saved buffers stay valid.
     for (size_t i = 0; i < buffers_now_.size(); ++i) state_.buffers[i].variable_data().copy_(buffers_now_[i]);
   }
-  if (!training_now_.empty()) set_training(state_.modules, training_now_);
+  if (!training_now_.empty()) set_training(modules_, training_now_);
   autocast_now_.apply();
   // The autocast cache maps a parameter to its cast without checking its
   // version: left filled, it would hand the next step's forward (under the

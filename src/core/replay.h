@@ -3,7 +3,9 @@
 // CheckpointedSequential, and the test for tensors that need no recompute.
 #pragma once
 
+#include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -83,18 +85,23 @@ c10::Device memory_device(const std::vector<at::Tensor>& inputs, const std::vect
  *  the previous capture on this thread when unchanged), autocast state, and
  *  the module buffers with their values before the first run (a re-run
  *  starts from those and puts the current ones back after). */
+/** A module whose train/eval flag a re-run replays: by address (first),
+ *  or, when first is null, by weak_ptr (a descendant, skipped once freed).
+ *  remat::detail::ModuleRef of checkpoint.h. */
+using ModuleRef = std::pair<torch::nn::Module*, std::weak_ptr<torch::nn::Module>>;
+
 struct ReplayState {
   std::vector<std::pair<at::Generator, at::Tensor>> rng;  // generator, state
   AutocastState autocast;
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> buffer_values;  // clones, taken at capture
   /** Modules in pre-order and their is_training() at capture. */
-  std::vector<torch::nn::Module*> modules;
+  std::vector<ModuleRef> modules;
   std::vector<char> training;
   /** Captures the generators of rng_devices(devices, cuda_devices_in_use()),
    *  the buffers' values and the modules' train/eval flags. */
   static ReplayState capture(bool preserve_rng, const std::vector<c10::Device>& devices,
-                             std::vector<at::Tensor> buffers, std::vector<torch::nn::Module*> modules = {});
+                             std::vector<at::Tensor> buffers, std::vector<ModuleRef> modules = {});
 };
 
 /** For its lifetime: RNG, autocast, buffer values and the modules'
@@ -127,7 +134,10 @@ class ReplayGuard {
   };
   std::vector<RngNow> rng_now_;
   std::vector<at::Tensor> buffers_now_;
-  std::vector<char> training_now_;  // the flags as found, when any differed from the capture's
+  /** The modules (null: freed since capture) and their flags as found,
+   *  when any differed from the capture's. */
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::vector<char> training_now_;
 };
 
 }  // namespace remat::detail

@@ -244,6 +244,11 @@ std::string format_step(const StepStats& s, int64_t total_steps, std::string_vie
     os << "  (auto: profiling, a plain step that also measured every unit's options: its time and peak are the "
           "profiling's; the plan runs from the next step)";
   if (s.replanned) os << "  (auto: more than 1% over the budget; planned again for the next step)";
+  if (s.state_write_failures > 0) {
+    os << "  (optimizer state: " << s.state_write_failures
+       << " writes to its store failed so far, each of those states kept in memory; the last: " << s.state_write_error
+       << ")";
+  }
   return os.str();
 }
 
@@ -960,6 +965,18 @@ StepStats Trainer::step(memory::Timeline* timeline) {
   }
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const double items = static_cast<double>(m.cfg.batch * m.cfg.grad_accum * (m.gpt ? m.cfg.seq_len : 1));
+  // A state store whose writes fail keeps those states in memory: the
+  // training is the same, the memory is not what the store promised.
+  int64_t write_failures = 0;
+  std::string write_error;
+  auto failed = [&](const StepInBackwardStats& st) {
+    write_failures += st.state_write_failures;
+    if (!st.last_state_error.empty()) write_error = st.last_state_error;
+  };
+  if (m.in_backward) failed(m.in_backward->stats());
+  if (m.auto_ck) {
+    for (const auto& st : m.auto_ck->optimizer_stats()) failed(st);
+  }
   return StepStats{++m.steps_done,
                    loss,
                    ms,
@@ -970,7 +987,9 @@ StepStats Trainer::step(memory::Timeline* timeline) {
                    whole.baseline_bytes(),
                    whole.baseline_bytes() + whole.peak_bytes(),
                    replanned,
-                   under_start};
+                   under_start,
+                   write_failures,
+                   write_error};
 }
 
 std::vector<StepStats> Trainer::run(std::ostream* log, const std::function<bool()>& stop) {

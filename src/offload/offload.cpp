@@ -580,8 +580,12 @@ void OffloadStore::writer_loop() {
       enc = encode(src, options_.codec(), /*exact_size=*/false);
       const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
       if (fd < 0) {
-        throw Error("[remat::offload] creating " + path + " failed: " + std::strerror(errno) +
-                    ". Free space there or pass another directory to OffloadOptions().directory().");
+        const int why = errno;
+        throw Error("[remat::offload] creating " + path + " failed: " + std::strerror(why) + ". " +
+                    (why == ENOENT   ? "The directory is gone (removed since the store opened?): create it again, or"
+                     : why == EACCES ? "The directory is not writable any more: make it writable, or"
+                                     : "Free space there, or") +
+                    " pass another directory to OffloadOptions().directory().");
       }
       created = true;
       struct Closer {

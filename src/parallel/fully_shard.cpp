@@ -413,11 +413,34 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     }
     // In the step's backward, a unit that got no gradient on this rank is
     // reduced as zeros: another rank's may have got one, and the ranks' lists
-    // of collectives must match.
+    // of collectives must match. NOTE [units no rank used]: one that no rank
+    // used is left without a gradient, as a plain step leaves a parameter its
+    // backward did not reach (a zero gradient would move it: momentum, Adam's
+    // moments, weight decay); which ones, the ranks learn from one small
+    // all-reduce of flags, every step's backward.
     if (reduced_units > 0) {
+      at::Tensor used = at::zeros({static_cast<int64_t>(units.size())}, at::kFloat);
+      for (size_t i = 0; i < units.size(); ++i) used[static_cast<int64_t>(i)] = units[i].reduced ? 1.0f : 0.0f;
+      for (const Unit& u : units) {
+        if (u.n_grad_params > 0) {
+          used = used.to(u.flats[kTrainable].flat.device());  // the backend's device (NCCL: CUDA)
+          break;
+        }
+      }
+      std::vector<at::Tensor> ts{used};
+      c10d::AllreduceOptions o;
+      o.timeout = group.timeout();
+      c10::intrusive_ptr<c10d::Work> work;
+      try {
+        work = group.c10d()->allreduce(ts, o);
+      } catch (const std::exception& e) {
+        collective_failed("all-reduce of the units each rank used", e);
+      }
+      wait(work, "all-reduce of the units each rank used");
+      const at::Tensor any = used.cpu();
       for (size_t i = 0; i < units.size(); ++i) {
         Unit& u = units[i];
-        if (u.n_grad_params == 0 || u.reduced) continue;
+        if (u.n_grad_params == 0 || u.reduced || any[static_cast<int64_t>(i)].item<float>() == 0.0f) continue;
         u.grad_flat = at::zeros({u.flats[kTrainable].padded}, u.flats[kTrainable].flat.options());
         reduce(i);
       }

@@ -506,6 +506,9 @@ void DataParallel::prepare_for_forward() {
 
 void DataParallel::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   auto& m = *impl_;
+  // A forward under no grad (an evaluation) has no backward to wait for:
+  // armed, the Reducer failed the next step's forward in rebuild_buckets.
+  if (!at::GradMode::is_enabled()) return;
   m.rec->begin();
   m.reducer->prepare_for_backward(m.options.find_unused_parameters() ? outputs : std::vector<at::Tensor>{});
   m.armed = true;

@@ -30,15 +30,17 @@ OffloadCall::~OffloadCall() = default;
 
 namespace detail {
 namespace {
-void add_tree(const torch::nn::Module& m, std::vector<torch::nn::Module*>& out) {
-  out.push_back(const_cast<torch::nn::Module*>(&m));
-  for (const auto& c : m.children()) add_tree(*c, out);  // pre-order; no qualified names built
+void add_descendants(const torch::nn::Module& m, std::vector<ModuleRef>& out) {
+  for (const auto& c : m.children()) {  // pre-order; no qualified names built
+    out.emplace_back(nullptr, c);
+    add_descendants(*c, out);
+  }
 }
 }  // namespace
 
-std::vector<torch::nn::Module*> module_tree(const torch::nn::Module& m) {
-  std::vector<torch::nn::Module*> out;
-  add_tree(m, out);
+std::vector<ModuleRef> module_tree(const torch::nn::Module& m) {
+  std::vector<ModuleRef> out{{const_cast<torch::nn::Module*>(&m), {}}};
+  add_descendants(m, out);
   return out;
 }
 }  // namespace detail

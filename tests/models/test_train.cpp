@@ -803,6 +803,30 @@ TEST(TrainCli, BadFlagExits2) {
       << out2;
 }
 
+// 0 is "the default" inside TrainConfig: given as a flag it trained 6 GPT
+// blocks for --layers 0, width 128 for --d-model 0 and one thread for
+// --threads 0, without a word. And a flag of the other model was ignored.
+TEST(TrainCli, ZeroSizesAndTheOtherModelsFlagsAreRefused) {
+  for (const auto& [args, flag, v] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--layers 0", "--layers", "0"}, {"--d-model 0", "--d-model", "0"}, {"--threads -1", "--threads", "-1"}}) {
+    auto [code, out] = run_cli(args + " --steps 1");
+    EXPECT_EQ(code, 2);
+    EXPECT_EQ(out, "remat-train: error: [remat::train] " + flag + " must be positive, got " + v +
+                       " (leave it out for the default).\n");
+  }
+  for (const std::string flag : {"--sdpa", "--loss-chunks 4", "--dropout 0.3", "--seq-len 64"}) {
+    auto [code, out] = run_cli("--model resnet --steps 1 " + flag);
+    EXPECT_EQ(code, 2);
+    EXPECT_EQ(out, "remat-train: error: [remat::train] " + flag.substr(0, flag.find(' ')) +
+                       " sets up the GPT, and this run trains --model resnet; drop it, or use --model gpt.\n");
+  }
+  auto [code, out] = run_cli("--steps 1 --image-size 64");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(out,
+            "remat-train: error: [remat::train] --image-size sets up the ResNet, and this run trains --model gpt; "
+            "drop it, or use --model resnet.\n");
+}
+
 TEST(TrainCli, OffloadNeedsAUsableDirectory) {
   auto [code, out] = run_cli("--layers 2 --d-model 32 --seq-len 32 --batch 2 --steps 1 --checkpoint offload");
   EXPECT_EQ(code, 2);
@@ -867,6 +891,30 @@ TEST(TrainCli, OptimizerInBackwardFlags) {
             std::string::npos)
       << out;
   EXPECT_NE(out.find("step 2/2  loss "), std::string::npos) << out;
+  EXPECT_EQ(offload_files(), 0u);
+}
+
+// A state store whose writes fail (a file-size limit, as a full disk) keeps
+// those states in memory and trains the same; the step lines say so. They
+// said nothing, and auto's line went on claiming the state was out of memory.
+TEST(TrainCli, FailedStateWritesAreReportedOnTheStepLines) {
+  const std::string args =
+      "--layers 2 --d-model 64 --seq-len 32 --batch 2 --steps 3 --threads 1 --optimizer-in-backward "
+      "--optimizer-state disk --offload-dir " +
+      offload_dir();
+  const auto out =
+      (std::filesystem::temp_directory_path() / ("remat_train_fsize_" + std::to_string(::getpid()))).string();
+  // 64 blocks of 512 bytes: a block's state (about 100 KiB) does not fit.
+  const std::string cmd =
+      "(ulimit -f 64; trap '' XFSZ; " + std::string(REMAT_TRAIN_EXE) + " " + args + ") >" + out + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  const std::string text = slurp(out);
+  std::filesystem::remove(out);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << text;
+  EXPECT_NE(text.find("step 3/3  loss "), std::string::npos) << text;
+  EXPECT_NE(text.find(" writes to its store failed so far, each of those states kept in memory; the last: "),
+            std::string::npos)
+      << text;
   EXPECT_EQ(offload_files(), 0u);
 }
 
@@ -1210,11 +1258,14 @@ TEST(Train, ASignalEndsEveryRankBetweenStepsAndRemovesTheFiles) {
     std::filesystem::remove_all(dir);
     std::filesystem::create_directories(dir);
     // 8 s: the ranks join their group and take steps well within it here.
+    // Data parallel ranks keep the optimizer's state (every update is left
+    // to step()): the files there are the activations'.
+    const std::string state = extra.empty() ? "" : " --optimizer-state disk";
     const std::string cmd = "timeout --preserve-status -s TERM 8 " + std::string(REMAT_TRAIN_EXE) + " --nproc 2 " +
                             extra +
                             " --layers 2 --d-model 64 --seq-len 32 --batch 4 --threads 1 --steps 100000 --checkpoint "
-                            "offload --optimizer-in-backward --optimizer-state disk --offload-dir " +
-                            dir.string() + " >/dev/null 2>" + err;
+                            "offload --optimizer-in-backward" +
+                            state + " --offload-dir " + dir.string() + " >/dev/null 2>" + err;
     const int status = std::system(cmd.c_str());
     ASSERT_TRUE(WIFEXITED(status)) << extra;
     EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << extra;

@@ -9,7 +9,8 @@
 // --model mlp: a small MLP with a frozen input layer and a branch that the
 // forward takes on some steps only (--branch-every N: steps 0, N, 2N...),
 // plain SGD on a global batch of world x --batch rows split by rank; options
-// --find-unused, --seed-by-rank (each rank initialises with its own seed;
+// --find-unused, --eval (after each step, a forward through
+// DataParallel::forward under no grad), --seed-by-rank (each rank initialises with its own seed;
 // rank 0's is the 1-process seed). Every rank writes its parameters (all,
 // frozen included, parameters() order) as initialised (--out
 // PREFIX.rankR.own), right after DataParallel's constructor (.init) and
@@ -85,6 +86,7 @@ void run_mlp(int argc, char** argv, int rank, int world, const remat::parallel::
   // averages at the end of backward, so the updates are left to opt.step()
   // and the result must not change.
   const bool in_bw = flag(argc, argv, "step-in-backward");
+  const bool eval = flag(argc, argv, "eval");
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr).momentum(in_bw ? 0.9 : 0.0));
   std::optional<remat::StepInBackward> in_backward;
   if (in_bw) in_backward.emplace(opt);
@@ -98,6 +100,10 @@ void run_mlp(int argc, char** argv, int rank, int world, const remat::parallel::
     auto loss = ddp.forward([&] { return (model->forward(x, branch) - t).square().mean(); });
     loss.backward();
     opt.step();
+    if (eval) {  // an evaluation through DataParallel's forward, under no grad
+      torch::NoGradGuard no_grad;
+      (void)ddp.forward([&] { return (model->forward(x, branch) - t).square().mean(); }).item<double>();
+    }
   }
   if (in_backward && (in_backward->stats().deferred == 0 || in_backward->stats().updates != 0)) {
     std::fprintf(stderr, "ddp_worker: DataParallel's parameters were not left to opt.step(): %s\n",

@@ -311,12 +311,10 @@ TEST(DataParallelProcesses, FindUnusedParametersWithABranchTakenOnSomeSteps) {
             << d0 << " (rank 0), " << d1 << " (rank 1)\n";
 }
 
-// With a StepInBackward, DataParallel's parameters are left to the
-// optimizer's step() (the Reducer averages at the end of backward): the
-// worker checks that, and the result is as without it (SGD with momentum).
-TEST(DataParallelProcesses, AStepInBackwardLeavesTheAveragedGradientsToTheOptimizer) {
+/** The MLP worker with args on 2 ranks and on 1: rank 0's parameters
+ *  within 1e-6 of the single process's, which moved. */
+void expect_two_mlp_ranks_equal_one(const std::vector<std::string>& args) {
   Dir dir;
-  const std::vector<std::string> args{"--steps", "3", "--step-in-backward"};
   auto two = run_mlp(dir, "two", 2, args);
   auto one = run_mlp(dir, "one", 1, args);
   for (const auto& p : two) ASSERT_EQ(p.status, 0) << read_file(p.err);
@@ -324,6 +322,22 @@ TEST(DataParallelProcesses, AStepInBackwardLeavesTheAveragedGradientsToTheOptimi
   const auto r0 = load_params(dir.path() / "two.rank0"), ref = load_params(dir.path() / "one.rank0");
   EXPECT_LE(max_abs_diff(r0, ref), 1e-6);
   EXPECT_GT(max_abs_diff(ref, load_params(dir.path() / "one.rank0.init")), 1e-3);
+}
+
+// With a StepInBackward, DataParallel's parameters are left to the
+// optimizer's step() (the Reducer averages at the end of backward): the
+// worker checks that, and the result is as without it (SGD with momentum).
+TEST(DataParallelProcesses, AStepInBackwardLeavesTheAveragedGradientsToTheOptimizer) {
+  expect_two_mlp_ranks_equal_one({"--steps", "3", "--step-in-backward"});
+}
+
+// An evaluation through DataParallel::forward under NoGradGuard between
+// steps: nothing is armed for a backward that never comes, and training
+// goes on as one process's. It armed the Reducer, and the next step's
+// forward threw c10d's "`initialize_buckets` must NOT be called during
+// autograd execution" on every rank.
+TEST(DataParallelProcesses, AnEvaluationUnderNoGradThroughForwardLeavesTrainingAsOneProcess) {
+  expect_two_mlp_ranks_equal_one({"--steps", "3", "--eval"});
 }
 
 // Python's DDP broadcasts every parameter, frozen ones included, and the
@@ -457,6 +471,17 @@ TEST(RematTrainNproc, BadFlagsAreClearErrors) {
               "writes the model's weights only, not the optimizer's state and step count a resume needs. Resume a "
               "checkpoint that --save wrote without --shard (and train on without --shard), or start the sharded "
               "run afresh.\n");
+  }
+  {
+    // Data parallel leaves every update to step(): a state store there would
+    // say it held the state and hold nothing (an int8 store, nothing lossy).
+    auto [rc, out] = train(dir, "--nproc 2 --optimizer-in-backward --optimizer-state int8 --steps 1");
+    EXPECT_EQ(rc, 2);
+    EXPECT_EQ(out,
+              "remat-train: error: [remat::train] --optimizer-state int8 with data parallel ranks that are not "
+              "sharded: DataParallel averages the gradients at the end of backward, so every update is left to the "
+              "optimizer's step() after it and the state never leaves the optimizer. Add --shard (each rank updates "
+              "and stores the state of its shard), or drop --optimizer-state.\n");
   }
   auto [rc, out] = train(dir, "--nproc 2 --master-port 70000 --steps 1");
   EXPECT_EQ(rc, 2);
@@ -906,6 +931,13 @@ TEST(FullyShardProcesses, TwoRanksEqualOneOffloadToDisk) {
 // each backward and the optimizer's step: as one process, frozen layers fixed.
 TEST(FullyShardProcesses, TwoRanksEqualOneWithFrozenLayersAndEvaluations) {
   expect_sharded_equals_plain(2, "block", {"--freeze", "--eval"});
+}
+// A block no rank uses on some steps gets no gradient then, as plainly:
+// AdamW leaves it where it is. It was reduced as zeros, and the zero
+// gradient moved it (weight decay, moments).
+TEST(FullyShardProcesses, ABlockNoRankUsesOnAStepIsLeftAsPlain) {
+  expect_sharded_equals_plain(2, "none", {"--skip-last-block-every", "2"});
+  expect_sharded_equals_plain(2, "block", {"--skip-last-block-every", "2"}, {"--step-in-backward"});
 }
 TEST(FullyShardProcesses, FourRanksEqualOnePerBlock) { expect_sharded_equals_plain(4, "block"); }
 TEST(FullyShardProcesses, FourRanksEqualOneNestedUnitsCheckpointed) {

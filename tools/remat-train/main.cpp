@@ -620,6 +620,30 @@ int main(int argc, char** argv) {
       }
     }
     cfg.token_cache_dir = token_cache == "none" ? "" : token_cache;
+    // 0 means "the default" inside TrainConfig; given on the command line it
+    // would silently train another size.
+    for (const auto& [flag, v] : {std::pair<const char*, int64_t>{"--layers", cfg.layers},
+                                  {"--d-model", cfg.d_model},
+                                  {"--threads", cfg.threads}}) {
+      if (app.count(flag) > 0 && v <= 0) {
+        return fail(std::string("[remat::train] ") + flag + " must be positive, got " + std::to_string(v) +
+                    " (leave it out for the default).");
+      }
+    }
+    // Flags that only one model reads: refused under the other rather than ignored.
+    const char* gpt_only[] = {"--heads",      "--seq-len", "--dropout",   "--sdpa",      "--loss-chunks",
+                              "--mlp-chunks", "--data",    "--tokenizer", "--vocab-size"};
+    for (const char* flag : gpt_only) {
+      if (cfg.model == "resnet" && app.count(flag) > 0) {
+        return fail(std::string("[remat::train] ") + flag +
+                    " sets up the GPT, and this run trains --model resnet; drop it, or use --model gpt.");
+      }
+    }
+    if (cfg.model == "gpt" && app.count("--image-size") > 0) {
+      return fail(
+          "[remat::train] --image-size sets up the ResNet, and this run trains --model gpt; drop it, or use --model "
+          "resnet.");
+    }
     // Flags that only one strategy reads: refused under the others rather than ignored.
     const auto used_by = [&](const char* flag, const char* strategy, const char* what) -> std::string {
       if (app.count(flag) == 0 || checkpoint == strategy) return "";
@@ -647,6 +671,13 @@ int main(int argc, char** argv) {
     if (nproc < 1) return fail("[remat::train] --nproc must be at least 1, got " + std::to_string(nproc) + ".");
     if (distributed && (!seq_cap.empty() || !batch_cap.empty() || explain_memory)) {
       return fail("[remat::train] --max-*-under and --explain-memory run in one process; drop --nproc/--rank.");
+    }
+    if (distributed && !shard && pipeline == 0 && !cfg.optimizer_state.empty()) {
+      return fail("[remat::train] --optimizer-state " + cfg.optimizer_state +
+                  " with data parallel ranks that are not sharded: DataParallel averages the gradients at the end of "
+                  "backward, so every update is left to the optimizer's step() after it and the state never leaves the "
+                  "optimizer. Add --shard (each rank updates and stores the state of its shard), or drop "
+                  "--optimizer-state.");
     }
     if (nproc > 1 && rank >= 0) {
       return fail(

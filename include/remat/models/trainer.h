@@ -374,6 +374,11 @@ struct StepStats {
   /** kAuto: how far the step's highest tracked bytes stayed under its start
    *  as the budget counts it (then peak_bytes is 0); else 0. */
   int64_t under_start_bytes = 0;
+  /** With a state store (TrainConfig::optimizer_state): writes of optimizer
+   *  state that failed so far (a full disk; each such state stayed in
+   *  memory and the training is the same), and the last one's error. */
+  int64_t state_write_failures = 0;
+  std::string state_write_error;
 };
 
 /** Refuses what Trainer's constructor would refuse before building anything,

@@ -168,7 +168,8 @@ class DataParallel {
    *  backward order after the first step, broadcasts buffers. */
   void prepare_for_forward();
   /** After that forward, before backward(): arms the Reducer's gradient
-   *  hooks for the next backward. outputs: with find_unused_parameters,
+   *  hooks for the next backward (nothing under no grad mode: an
+   *  evaluation has no backward). outputs: with find_unused_parameters,
    *  what the backward starts from. A backward without this call is not
    *  synchronised: its gradients accumulate locally (DDP's no_sync), and
    *  the next synchronised backward reduces their sum. */
