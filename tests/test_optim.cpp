@@ -11,6 +11,7 @@
 #include <optional>
 
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <remat/models/gpt.h>
 #include <remat/optim.h>
@@ -224,6 +225,9 @@ struct Trained {
   std::vector<std::vector<Blob>> model, state;  // after each step
   remat::StepInBackwardStats stats;
   int64_t auto_peak = 0, auto_budget = 0;  // Mode::kAuto: the last planned step
+  // Updates heard inside a node of the graph (a hook) and outside any (the
+  // backward's final callback: updates at its end).
+  int64_t updates_in_nodes = 0, updates_after_nodes = 0;
 };
 
 /** kSteps steps of Net under mode; in_backward: StepInBackward with
@@ -238,6 +242,12 @@ Trained train(Opt o, Mode mode, std::optional<remat::StepInBackwardOptions> in_b
   std::optional<remat::StepInBackward> sib;
   if (in_backward) sib.emplace(*opt, *in_backward);
   if (sib) sib->update_at_backward_end(at_end);
+  auto in_nodes = std::make_shared<std::pair<int64_t, int64_t>>();
+  if (sib) {
+    sib->on_update([in_nodes](const remat::StepInBackward::UpdateEvent&) {
+      (torch::autograd::get_current_node() != nullptr ? in_nodes->first : in_nodes->second)++;
+    });
+  }
   const auto data = batches(2 * kSteps);
   // auto: step 1 warms up, step 2 is profiled, steps 3 and 4 run its
   // leanest plan (the most recompute).
@@ -301,6 +311,8 @@ Trained train(Opt o, Mode mode, std::optional<remat::StepInBackwardOptions> in_b
     r.state.push_back(!stored || k + 1 == kSteps ? blobs(state_tensors(*opt)) : std::vector<Blob>());
   }
   if (sib) r.stats = sib->stats();
+  r.updates_in_nodes = in_nodes->first;
+  r.updates_after_nodes = in_nodes->second;
   if (planner) {
     EXPECT_TRUE(planner->planned());
     // A state store of the user's own is not auto's to bound: what it holds
@@ -357,6 +369,11 @@ TEST_P(EachOptimizer, UpdatesAtTheBackwardsEndAreBitwiseThePlainStep) {
   expect_same(plain, end, name_of(GetParam()));
   const Trained within = train(GetParam(), Mode::kPlain, remat::StepInBackwardOptions(), true);
   EXPECT_EQ(end.stats.updates, within.stats.updates) << "every update in backward, none left to step()";
+  // Where they ran: in each parameter's hook, or after the graph's nodes.
+  EXPECT_EQ(within.updates_after_nodes, 0);
+  EXPECT_EQ(within.updates_in_nodes, within.stats.updates);
+  EXPECT_EQ(end.updates_in_nodes, 0);
+  EXPECT_EQ(end.updates_after_nodes, end.stats.updates);
   const std::string dir = fresh_dir("optim-at-end");
   const Trained stored = train(GetParam(), Mode::kPlain,
                                remat::StepInBackwardOptions().zero_grad_set_to_none(false).state_offload(
@@ -715,64 +732,76 @@ TEST(StepInBackward, AStateReadThatFailsStopsBeforeThatParameterAndEachParameter
   // either stepped with its state (as plain's step 2) or neither (as plain's
   // step 1), the one whose read failed among the latter; the file is kept,
   // so fetch_state() brings everything back and nothing is lost.
-  const std::string dir = fresh_dir("optim-state-rfail");
-  auto m = wide_mlp();
-  auto m_ref = wide_mlp();
-  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
-  torch::optim::Adam ref(m_ref->parameters(), torch::optim::AdamOptions(1e-3));
-  remat::StepInBackward sib(
-      opt, remat::StepInBackwardOptions()
-               .state_offload(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0))
-               .state_prefetch(0));
-  const auto x = torch::randn({8, 512});
-  auto step = [&](torch::nn::Sequential& net, torch::optim::Optimizer& o) {
-    net->forward(x).square().mean().backward();
-    o.step();
-    o.zero_grad();
-  };
-  step(m, opt);
-  step(m_ref, ref);
-  const auto p1 = snapshot(*m_ref);
-  const auto s1 = cloned(state_tensors(ref));
-  step(m_ref, ref);
-  const auto p2 = snapshot(*m_ref);
-  const auto s2 = cloned(state_tensors(ref));
-
-  sib.wait();  // the writes are done: step 2 reads files
-  remat::detail::inject_offload_read_failure(3);
-  const std::string err = error_of([&] { m->forward(x).square().mean().backward(); });
-  remat::detail::inject_offload_read_failure(0);
-  // Reads 1 and 2 are the first updated parameter's two moments (no
-  // amsgrad); read 3 is the next one's first moment.
-  EXPECT_NE(err.find("[remat::StepInBackward] the optimizer state of parameter #"), std::string::npos) << err;
-  EXPECT_NE(err.find("cannot be read back from its store"), std::string::npos) << err;
-  EXPECT_NE(err.find("Its stored state stays where it is (a file that still exists is kept for another try); 17 "
-                     "parameter updates were applied so far, each with its own state."),
-            std::string::npos)
-      << err;
-  sib.fetch_state();
-  const auto p_now = snapshot(*m);
-  const auto s_now = state_tensors(opt);
-  int stepped = 0, not_stepped = 0;
-  for (size_t i = 0; i < p_now.size(); ++i) {
-    auto same = [&](const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& s) {
-      if (!torch::equal(p_now[i], p[i])) return false;
-      for (size_t k = 4 * i; k < 4 * i + 4; ++k) {
-        if (s_now[k].defined() != s[k].defined() || (s[k].defined() && !torch::equal(s_now[k], s[k]))) return false;
-      }
-      return true;
+  // With the updates at the backward's end too: the failure stops them
+  // there, and the parameters after it keep their gradients for step().
+  for (const bool at_end : {false, true}) {
+    SCOPED_TRACE(at_end ? "updates at the backward's end" : "updates as each gradient is final");
+    const std::string dir = fresh_dir("optim-state-rfail");
+    auto m = wide_mlp();
+    auto m_ref = wide_mlp();
+    torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-3));
+    torch::optim::Adam ref(m_ref->parameters(), torch::optim::AdamOptions(1e-3));
+    remat::StepInBackward sib(
+        opt, remat::StepInBackwardOptions()
+                 .state_offload(remat::OffloadOptions(remat::OffloadTarget::kDisk).directory(dir).min_bytes(0))
+                 .state_prefetch(0));
+    sib.update_at_backward_end(at_end);
+    const auto x = torch::randn({8, 512});
+    auto step = [&](torch::nn::Sequential& net, torch::optim::Optimizer& o) {
+      net->forward(x).square().mean().backward();
+      o.step();
+      o.zero_grad();
     };
-    if (same(p2, s2)) {
-      ++stepped;
-    } else if (same(p1, s1)) {
-      ++not_stepped;
-    } else {
-      ADD_FAILURE() << "parameter " << i << " matches neither its step-1 nor its step-2 value with its state";
+    step(m, opt);
+    step(m_ref, ref);
+    const auto p1 = snapshot(*m_ref);
+    const auto s1 = cloned(state_tensors(ref));
+    step(m_ref, ref);
+    const auto p2 = snapshot(*m_ref);
+    const auto s2 = cloned(state_tensors(ref));
+
+    sib.wait();  // the writes are done: step 2 reads files
+    remat::detail::inject_offload_read_failure(3);
+    const std::string err = error_of([&] { m->forward(x).square().mean().backward(); });
+    remat::detail::inject_offload_read_failure(0);
+    // Reads 1 and 2 are the first updated parameter's two moments (no
+    // amsgrad); read 3 is the next one's first moment.
+    EXPECT_NE(err.find("[remat::StepInBackward] the optimizer state of parameter #"), std::string::npos) << err;
+    EXPECT_NE(err.find("cannot be read back from its store"), std::string::npos) << err;
+    EXPECT_NE(err.find("Its stored state stays where it is (a file that still exists is kept for another try); 17 "
+                       "parameter updates were applied so far, each with its own state."),
+              std::string::npos)
+        << err;
+    sib.fetch_state();
+    const auto p_now = snapshot(*m);
+    const auto s_now = state_tensors(opt);
+    int stepped = 0, not_stepped = 0;
+    for (size_t i = 0; i < p_now.size(); ++i) {
+      auto same = [&](const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& s) {
+        if (!torch::equal(p_now[i], p[i])) return false;
+        for (size_t k = 4 * i; k < 4 * i + 4; ++k) {
+          if (s_now[k].defined() != s[k].defined() || (s[k].defined() && !torch::equal(s_now[k], s[k]))) return false;
+        }
+        return true;
+      };
+      if (same(p2, s2)) {
+        ++stepped;
+      } else if (same(p1, s1)) {
+        ++not_stepped;
+      } else {
+        ADD_FAILURE() << "parameter " << i << " matches neither its step-1 nor its step-2 value with its state";
+      }
     }
+    EXPECT_EQ(stepped, 1);
+    EXPECT_EQ(not_stepped, 15);
+    if (at_end) {
+      // Every gradient was there and is kept: step() applies the rest of step 2.
+      opt.step();
+      const auto p_after = snapshot(*m);
+      for (size_t i = 0; i < p_after.size(); ++i) EXPECT_TRUE(torch::equal(p_after[i], p2[i])) << i;
+    }
+    EXPECT_EQ(files_in(dir), 0u);
   }
-  EXPECT_EQ(stepped, 1);
-  EXPECT_EQ(not_stepped, 15);
-  EXPECT_EQ(files_in(dir), 0u);
 }
 
 // A leaf that chain stages use without registering it (closures) and that

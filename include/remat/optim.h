@@ -161,7 +161,7 @@ class AccumulateEverywhere {
 /** Whether a DeferredGradients leaves p to the optimizer's step(). */
 bool is_deferred(const at::Tensor& p);
 
-/** Updates p now, as its hook would (FullyShard, once the shard's gradient
+/** Updates p now, as its hook would, also under update_at_backward_end (FullyShard, once the shard's gradient
  *  is reduced; it never passes through an AccumulateGrad): false when no
  *  StepInBackward owns p or its gradient is undefined. */
 bool step_in_backward_now(const at::Tensor& p);

@@ -421,8 +421,11 @@ AutoCheckpoint::Impl::Placement AutoCheckpoint::Impl::at_end_placement() const {
   }
   while (next < ups.size()) close();
   // The updates at the backward's end: every gradient, and one update's
-  // temporaries at a time, over what the step held as the last one ended.
-  const double last_end = ups.empty() ? points_us.back() : ups.back()->time_us;
+  // temporaries at a time, over what the step held as the last one ended;
+  // in the segment after every unit's backward (no option of a unit moves
+  // what lives then).
+  double last_end = ups.empty() ? points_us.back() : ups.back()->time_us;
+  for (const auto& c : calls) last_end = std::max(last_end, c->backward_end_us);
   const auto at = std::upper_bound(points_us.begin(), points_us.end(), last_end) - points_us.begin() - 1;
   const auto s_end = static_cast<size_t>(std::clamp<int64_t>(at, 0, static_cast<int64_t>(segments) - 1));
   off[s_end] = std::max(off[s_end], end_level + done + temps);
@@ -462,17 +465,25 @@ std::string AutoCheckpoint::Impl::explain_state() const {
   };
   const bool other =
       !state_updates.empty() && !step_model.segment_peak_bytes.empty() && choice.size() == step_model.units.size();
-  auto compared = [&](const Placement& alt, const char* where) {
-    const int64_t d = peak_with(alt) - peak_with(placement);
+  // Both with every state kept: a store's saving is not the updates' place.
+  auto compared = [&](const Placement& alt, const Placement& here, const char* where) {
+    const int64_t d = peak_with(alt) - peak_with(here);
     os << "; " << where << ", this plan's options would peak " << plan::format_bytes(std::abs(d))
        << (d >= 0 ? " higher" : " lower");
   };
   if (placement.at_end) {
     os << " updating every parameter at the end of backward, one after another (each gradient freed then)";
-    if (other) compared(Placement{}, "updating inside backward, the updates' temporaries meet the activations");
+    if (other) {
+      compared(Placement{}, placement, "updating inside backward, the updates' temporaries meet the activations");
+    }
   } else {
     os << " updating each parameter inside backward (its gradient freed then)";
-    if (other) compared(at_end_placement(), "updating at the end of backward, every gradient lives until then");
+    if (other) {
+      compared(at_end_placement(), Placement{},
+               placement.state_bytes > 0
+                   ? "with every state kept, updating at the end of backward, every gradient lives until then"
+                   : "updating at the end of backward, every gradient lives until then");
+    }
   }
   if (!options.optimizer_state_store()) {
     os << "; state kept with the optimizer (no optimizer_state_store)\n";

@@ -209,7 +209,6 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
   for (size_t i = 0; i < now.size(); ++i) differ = differ || (modules_[i] && now[i] != state_.training[i]);
   if (differ) training_now_ = std::move(now);
 
-  ++t_recompute_depth;
   for (auto [gen, s] : state_.rng) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(s);
@@ -227,6 +226,7 @@ ReplayGuard::ReplayGuard(const ReplayState& state, bool enable_grad)
     // (BatchNorm saves its running statistics for backward).
     state_.buffers[i].variable_data().copy_(state_.buffer_values[i]);
   }
+  ++t_recompute_depth;  // last: the destructor, which takes it back, runs only after this
 }
 
 ReplayGuard::~ReplayGuard() {

@@ -383,7 +383,9 @@ struct StepInBackwardImpl {
     for (auto& q : params) q.seen_this_pass = false;
   }
 
-  void on_grad(const at::Tensor& t) {
+  /** A parameter's gradient is final (its hook; now: step_in_backward_now,
+   *  which updates at once even with update_at_backward_end). */
+  void on_grad(const at::Tensor& t, bool now = false) {
     if (at::GradMode::is_enabled()) {
       // A backward with create_graph runs its nodes with grad mode on. The
       // first hook throws, before any parameter changed.
@@ -417,7 +419,7 @@ struct StepInBackwardImpl {
     }
     // NOTE [updates at the backward's end]: the update waits for the end
     // of the outermost backward (outside any backward: now).
-    if (at_end && task != -1) {
+    if (at_end && !now && task != -1) {
       queue_end(task);
       if (std::find(at_end_order.begin(), at_end_order.end(), it->second) == at_end_order.end()) {
         at_end_order.push_back(it->second);
@@ -526,10 +528,26 @@ struct StepInBackwardImpl {
     std::vector<size_t> due;
     due.swap(at_end_order);
     bool updated = false;
-    for (size_t i : due) {
-      Param& p = params[i];
-      if (!p.tensor.grad().defined() || accumulating > 0 || g_accumulate_everywhere.load() > 0) continue;
-      update(p, /*task=*/-1);  // queues nothing: this is the backward's end
+    for (size_t k = 0; k < due.size(); ++k) {
+      Param& p = params[due[k]];
+      if (!p.tensor.grad().defined()) continue;
+      try {
+        update(p, /*task=*/-1);  // queues nothing: this is the backward's end
+      } catch (...) {
+        // A state that cannot be read back: this one and the ones after it
+        // keep their gradients for the optimizer's step(), their states back
+        // from the store where they can be, as an accumulated gradient's.
+        for (size_t r = k; r < due.size(); ++r) {
+          Param& q = params[due[r]];
+          q.pending = true;
+          try {
+            fetch(q, /*count_miss=*/false);
+          } catch (const std::exception&) {  // the first failure is the one thrown
+          }
+        }
+        ++generation;
+        throw;
+      }
       updated = true;
     }
     if (updated && store) {
@@ -693,7 +711,9 @@ bool step_in_backward_now(const at::Tensor& p) {
   auto& slot = torch::autograd::impl::post_acc_grad_hooks(p);
   auto* hook = dynamic_cast<Hook*>(slot.get());
   if (!hook) return false;
-  (*hook)(p);
+  // Now, in any mode: FullyShard calls this as its backward ends, maybe in a
+  // nested graph task's callback whose own end is not the backward's.
+  hook->impl->on_grad(p, /*now=*/true);
   return true;
 }
 

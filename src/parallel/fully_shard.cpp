@@ -116,7 +116,11 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor grad_flat, out;
     Clock::time_point start;
+    bool zeros_here = false;  // this rank's part was zeros (NOTE [units no rank used])
   };
+  /** Reduced units whose part here was zeros, their shard's sum held until
+   *  the ranks know whether any of them used the unit. */
+  std::vector<std::pair<size_t, at::Tensor>> held_zero;
 
   std::shared_ptr<torch::nn::Module> module;
   ProcessGroup group;
@@ -330,12 +334,13 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
 
   /** Reduce-scatters unit i's gradient (async; at most one in flight) and
    *  frees its parameters once nothing reads them. */
-  void reduce(size_t i) {
+  void reduce(size_t i, bool zeros_here = false) {
     Unit& u = units[i];
     const Flat& f = u.flats[kTrainable];
     complete_reductions();
     PendingReduce r;
     r.unit = i;
+    r.zeros_here = zeros_here;
     r.grad_flat = std::move(u.grad_flat);
     r.grad_flat.div_(world);
     r.start = Clock::now();
@@ -384,18 +389,29 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
                        u.name + "' gradients");
       stats.reduce_scatter_ms += ms_between(r.start, Clock::now());
       at::Tensor mine = r.out.defined() ? r.out : r.grad_flat.narrow(0, rank * f.shard_numel, f.shard_numel);
-      torch::NoGradGuard no_grad;
-      at::Tensor& g = f.shard.mutable_grad();
-      if (g.defined()) {
-        g.add_(mine);
+      if (r.zeros_here) {
+        held_zero.emplace_back(r.unit, mine);
       } else {
-        g = mine.clone();
+        give_shard(r.unit, mine);
       }
-      // The shard's gradient is final: a StepInBackward updates it now and
-      // frees it (no AccumulateGrad ever sees a shard).
-      remat::detail::step_in_backward_now(f.shard);
     }
     pending.clear();
+  }
+
+  /** Adds `mine`, unit i's reduced gradient of this rank's shard, to the
+   *  shard's gradient. */
+  void give_shard(size_t i, const at::Tensor& mine) {
+    Flat& f = units[i].flats[kTrainable];
+    torch::NoGradGuard no_grad;
+    at::Tensor& g = f.shard.mutable_grad();
+    if (g.defined()) {
+      g.add_(mine);
+    } else {
+      g = mine.clone();
+    }
+    // The shard's gradient is final: a StepInBackward updates it now and
+    // frees it (no AccumulateGrad ever sees a shard).
+    remat::detail::step_in_backward_now(f.shard);
   }
 
   /** A graph task's final callback (NOTE [the end of a backward]): reduces
@@ -413,14 +429,23 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     }
     // In the step's backward, a unit that got no gradient on this rank is
     // reduced as zeros: another rank's may have got one, and the ranks' lists
-    // of collectives must match. NOTE [units no rank used]: one that no rank
-    // used is left without a gradient, as a plain step leaves a parameter its
-    // backward did not reach (a zero gradient would move it: momentum, Adam's
-    // moments, weight decay); which ones, the ranks learn from one small
-    // all-reduce of flags, every step's backward.
+    // of collectives must match (which units get a gradient must not depend
+    // on the rank, but for the last ones reduced). NOTE [units no rank used]:
+    // one that no rank used is left without a gradient, as a plain step
+    // leaves a parameter its backward did not reach (a zero gradient would
+    // move it: momentum, Adam's moments, weight decay). The ranks learn which
+    // from one small all-reduce of flags, after every reduction, each step's
+    // backward; the sums of the units reduced as zeros wait for it.
     if (reduced_units > 0) {
+      held_zero.clear();  // a backward that failed after reducing left some
       at::Tensor used = at::zeros({static_cast<int64_t>(units.size())}, at::kFloat);
       for (size_t i = 0; i < units.size(); ++i) used[static_cast<int64_t>(i)] = units[i].reduced ? 1.0f : 0.0f;
+      for (size_t i = 0; i < units.size(); ++i) {
+        Unit& u = units[i];
+        if (u.n_grad_params == 0 || u.reduced) continue;
+        u.grad_flat = at::zeros({u.flats[kTrainable].padded}, u.flats[kTrainable].flat.options());
+        reduce(i, /*zeros_here=*/true);
+      }
       for (const Unit& u : units) {
         if (u.n_grad_params > 0) {
           used = used.to(u.flats[kTrainable].flat.device());  // the backend's device (NCCL: CUDA)
@@ -436,13 +461,13 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       } catch (const std::exception& e) {
         collective_failed("all-reduce of the units each rank used", e);
       }
+      complete_reductions();
       wait(work, "all-reduce of the units each rank used");
       const at::Tensor any = used.cpu();
-      for (size_t i = 0; i < units.size(); ++i) {
-        Unit& u = units[i];
-        if (u.n_grad_params == 0 || u.reduced || any[static_cast<int64_t>(i)].item<float>() == 0.0f) continue;
-        u.grad_flat = at::zeros({u.flats[kTrainable].padded}, u.flats[kTrainable].flat.options());
-        reduce(i);
+      std::vector<std::pair<size_t, at::Tensor>> held;
+      held.swap(held_zero);
+      for (const auto& [i, mine] : held) {
+        if (any[static_cast<int64_t>(i)].item<float>() > 0.0f) give_shard(i, mine);
       }
     }
     ending = false;

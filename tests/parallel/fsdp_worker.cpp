@@ -8,6 +8,7 @@
 //   model_state_bytes (remat::memory after the last step, less before the
 //   model) max_gathered_bytes largest_unit_bytes root_bytes units
 //   last_norm by_allreduce
+// --at-end: with --step-in-backward, StepInBackward::update_at_backward_end.
 // --skip-last-block-every N: on steps k with k % N == 1 the forward skips
 // the last block (no rank uses it then).
 // --freeze: the blocks' attention qkv and MLP fc layers are frozen (units of
@@ -130,6 +131,7 @@ int main(int argc, char** argv) {
     // (the optimizer's step() after it then finds nothing to do).
     std::optional<remat::StepInBackward> in_backward;
     if (flag(argc, argv, "step-in-backward")) in_backward.emplace(opt);
+    if (in_backward && flag(argc, argv, "at-end")) in_backward->update_at_backward_end(true);
     if (!plain && !arg(argc, argv, "load-sharded", "").empty()) fsdp->load_sharded(arg(argc, argv, "load-sharded", ""));
     double norm = 0;
     remat::parallel::ShardStats last;

@@ -923,6 +923,13 @@ TEST(FullyShardProcesses, TwoRanksEqualOneChain) { expect_sharded_equals_plain(2
 TEST(FullyShardProcesses, TwoRanksUpdatingInBackwardEqualOnePlain) {
   expect_sharded_equals_plain(2, "block", {}, {"--step-in-backward"});
 }
+// The same with the updates held for the backward's end: a shard's update
+// runs as its reduction completes, in the end of backward, also when that
+// end comes in a nested graph task (the blocks as a chain's stages).
+TEST(FullyShardProcesses, TwoRanksUpdatingAtTheBackwardsEndEqualOnePlain) {
+  expect_sharded_equals_plain(2, "block", {}, {"--step-in-backward", "--at-end"});
+  expect_sharded_equals_plain(2, "chain", {}, {"--step-in-backward", "--at-end"});
+}
 TEST(FullyShardProcesses, TwoRanksEqualOneOffloadToDisk) {
   Dir scratch;
   expect_sharded_equals_plain(2, "offload", {"--offload-dir", scratch.path().string()});
