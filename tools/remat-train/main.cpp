@@ -737,7 +737,13 @@ int main(int argc, char** argv) {
                     std::to_string(world_size) + ".");
       }
     }
-    if (!budget.empty()) cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
+    if (!budget.empty()) {
+      try {
+        cfg.memory_budget_bytes = remat::plan::parse_bytes(budget);
+      } catch (const remat::Error& e) {
+        return fail(std::string("[remat::train] --memory-budget: ") + e.what());
+      }
+    }
     // What every rank would refuse, refused here once, before any starts
     // (--max-*-under sets its budget itself, and checks in each probe).
     const bool fitting = !seq_cap.empty() || !batch_cap.empty() || !d_model_cap.empty();
