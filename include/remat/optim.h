@@ -286,6 +286,7 @@ class StepInBackward {
     int64_t param_bytes = 0;  ///< its gradient's bytes, freed by the update
     double update_ms = 0;     ///< how long the optimizer's update took (host wall time), store reads not included
   };
+  /** The function on_update() calls after each update. */
   using UpdateListener = std::function<void(const UpdateEvent&)>;
   /** Calls fn after each parameter's update inside backward (an
    *  UpdateEvent); an empty fn stops. fn runs on the backward's thread with

@@ -376,8 +376,9 @@ struct StepStats {
   int64_t under_start_bytes = 0;
   /** With a state store (TrainConfig::optimizer_state): writes of optimizer
    *  state that failed so far (a full disk; each such state stayed in
-   *  memory and the training is the same), and the last one's error. */
+   *  memory and the training is the same). */
   int64_t state_write_failures = 0;
+  /** The last failed write's error (with state_write_failures > 0). */
   std::string state_write_error;
 };
 
