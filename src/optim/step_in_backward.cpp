@@ -179,6 +179,7 @@ struct StepInBackwardImpl {
     // The outermost backward (generation) that last reached it; -1: none
     // yet (plain training gives a parameter a gradient for good once reached).
     int64_t reached_gen = -1;
+    bool waits_for_end = false;  // in at_end_order (NOTE [updates at the backward's end])
   };
   std::vector<Param> params;
   std::vector<char> group_offloaded;  // per param group: its state goes to the store (state_offload)
@@ -421,9 +422,8 @@ struct StepInBackwardImpl {
     // of the outermost backward (outside any backward: now).
     if (at_end && !now && task != -1) {
       queue_end(task);
-      if (std::find(at_end_order.begin(), at_end_order.end(), it->second) == at_end_order.end()) {
-        at_end_order.push_back(it->second);
-      }
+      if (!p.waits_for_end) at_end_order.push_back(it->second);
+      p.waits_for_end = true;
       return;
     }
     update(p, task);
@@ -455,13 +455,17 @@ struct StepInBackwardImpl {
             [self = self_weak.lock()] { self ? self->drain() : void(); });
       }
     }
-    const int64_t param_bytes = p.tensor.grad().defined() ? static_cast<int64_t>(p.tensor.grad().nbytes()) : 0;
-    const auto t0 = std::chrono::steady_clock::now();
+    // Measured for a listener only (auto's profiled step).
+    const int64_t param_bytes =
+        listener && p.tensor.grad().defined() ? static_cast<int64_t>(p.tensor.grad().nbytes()) : 0;
+    const auto t0 = listener ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     step_one(p);
-    const double update_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     p.pending = false;
     st.updates++;
-    if (listener) listener(StepInBackward::UpdateEvent{p.group, state_bytes(p), param_bytes, update_ms});
+    if (listener) {
+      const double update_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      listener(StepInBackward::UpdateEvent{p.group, state_bytes(p), param_bytes, update_ms});
+    }
     if (store) {
       p.seen_this_pass = true;
       order.push_back(static_cast<size_t>(&p - params.data()));
@@ -527,6 +531,7 @@ struct StepInBackwardImpl {
     // zero_grad() after a backward that threw) has nothing to update.
     std::vector<size_t> due;
     due.swap(at_end_order);
+    for (size_t i : due) params[i].waits_for_end = false;
     bool updated = false;
     for (size_t k = 0; k < due.size(); ++k) {
       Param& p = params[due[k]];
