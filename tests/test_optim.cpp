@@ -992,6 +992,11 @@ TEST(StepInBackward, ACompressedStoreCountsTheBytesItSaved) {
     EXPECT_GT(kept - stored, state / 3) << "the store saved memory";
     EXPECT_EQ(sib.stats().state_offloaded_bytes, kept - stored);
     EXPECT_EQ(sib.state_bytes_per_group()[0], state) << "a group's state, wherever it lives";
+    EXPECT_EQ(sib.stats().state_held_in_store_bytes, state - (kept - stored)) << "the encoding, in memory";
+    EXPECT_LT(sib.stats().state_held_in_store_bytes, state * 2 / 3);
+    sib.fetch_state();
+    EXPECT_EQ(sib.stats().state_held_in_store_bytes, 0) << "every state back with the optimizer";
+    EXPECT_EQ(sib.stats().state_offloaded_bytes, 0);
   }
 }
 

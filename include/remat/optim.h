@@ -108,6 +108,11 @@ struct StepInBackwardStats {
   /** Gradients left to the optimizer's step() because a parallel wrapper
    *  finishes them after backward (DataParallel). */
   int64_t deferred = 0;
+  /** Bytes of stored optimizer state the store holds in this process's
+   *  memory: a kMemory codec's encoding, and the tensors a store keeps as
+   *  they are (below its min_bytes; kHost from a CPU tensor). The state's
+   *  memory is then what the optimizer holds plus these bytes. */
+  int64_t state_held_in_store_bytes = 0;
   /** Highest state_offloaded_bytes. */
   int64_t peak_state_offloaded_bytes = 0;
   /** States read back when their update needed them (not read ahead). */

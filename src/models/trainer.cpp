@@ -853,6 +853,25 @@ int64_t Trainer::optimizer_state_bytes() const {
   return bytes;
 }
 
+std::string Trainer::describe_optimizer_state_memory() const {
+  const auto& m = *impl_;
+  int64_t in_memory = optimizer_state_bytes(), moved = 0;
+  auto add = [&](const StepInBackwardStats& s) {
+    in_memory += s.state_held_in_store_bytes;
+    moved += s.state_offloaded_bytes;
+  };
+  if (m.in_backward) add(m.in_backward->stats());
+  if (m.auto_ck) {
+    for (const auto& s : m.auto_ck->optimizer_stats()) add(s);
+  }
+  std::string d = format_bytes(in_memory);
+  if (moved == 0) return d;
+  const std::string& where = m.cfg.optimizer_state;
+  if (where == "disk") return d + " (+" + format_bytes(moved) + " in files)";
+  if (where == "host") return d + " (+" + format_bytes(moved) + " in pinned host memory)";
+  return d + " (" + where + "-encoded, " + format_bytes(moved) + " less than float32)";
+}
+
 StepStats Trainer::step(memory::Timeline* timeline) {
   auto& m = *impl_;
   // The whole step's tracked bytes (forward, backward, update, and auto's

@@ -171,6 +171,7 @@ struct StepInBackwardImpl {
     std::vector<char> had;                    // which state tensors were defined when stored
     int64_t state_bytes = 0;                  // of the stored state, the bytes that left memory (state_offloaded_bytes)
     int64_t state_total_bytes = 0;            // of the stored state, all its bytes (as the optimizer held them)
+    int64_t state_held_bytes = 0;             // of the stored state, the bytes the store holds in memory
     /** The state object the stored tensors came from: a load() into the
      *  optimizer since then replaced it, and the stored copy is stale. */
     const torch::optim::OptimizerParamState* stored_for = nullptr;
@@ -280,7 +281,9 @@ struct StepInBackwardImpl {
     p.state.clear();
     p.had.clear();
     st.state_offloaded_bytes -= p.state_bytes;
+    st.state_held_in_store_bytes -= p.state_held_bytes;
     p.state_bytes = 0;
+    p.state_held_bytes = 0;
     p.state_total_bytes = 0;
   }
 
@@ -352,6 +355,9 @@ struct StepInBackwardImpl {
         if (moved) {
           const int64_t kept = in_memory ? store->stats().bytes_stored - stored0 : 0;
           p.state_bytes += std::max<int64_t>(0, static_cast<int64_t>(t->nbytes()) - kept);
+          p.state_held_bytes += std::min<int64_t>(kept, static_cast<int64_t>(t->nbytes()));
+        } else {
+          p.state_held_bytes += static_cast<int64_t>(t->nbytes());
         }
         *t = at::Tensor();
       } else {
@@ -359,6 +365,7 @@ struct StepInBackwardImpl {
       }
     }
     st.state_offloaded_bytes += p.state_bytes;
+    st.state_held_in_store_bytes += p.state_held_bytes;
     st.peak_state_offloaded_bytes = std::max(st.peak_state_offloaded_bytes, st.state_offloaded_bytes);
   }
 

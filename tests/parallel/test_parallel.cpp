@@ -456,6 +456,22 @@ TEST(RematTrainNproc, ShardedTwoRanksTrainAsOneAtDoubleBatch) {
   EXPECT_GT(max_abs_diff(one, init), 1e-4) << "three SGD steps at lr 0.05 moved the parameters";
 }
 
+// The held line counts the optimizer state where it is: an int8 store's
+// encoding stays in memory (it said "optimizer 0 B" while it held it).
+TEST(RematTrainNproc, ShardedStateInAStoreIsShownWhereItIs) {
+  Dir dir;
+  auto [rc, out] = train(dir, "--nproc 2 --shard --master-port " + std::to_string(free_port()) +
+                                  " --batch 2 --layers 2 --d-model 32 --heads 2 --seq-len 32 --steps 2 --threads 1"
+                                  " --optimizer-in-backward --optimizer-state int8");
+  ASSERT_EQ(rc, 0) << out;
+  const auto at = out.find("[rank 0/2] step 2/2");
+  ASSERT_NE(at, std::string::npos) << out;
+  const std::string line = out.substr(at, out.find('\n', at) - at);
+  EXPECT_NE(line.find(" (int8-encoded, "), std::string::npos) << line;
+  EXPECT_NE(line.find(" less than float32)"), std::string::npos) << line;
+  EXPECT_EQ(line.find("optimizer 0 B"), std::string::npos) << "the encoding is in memory: " << line;
+}
+
 TEST(RematTrainNproc, BadFlagsAreClearErrors) {
   Dir dir;
   {

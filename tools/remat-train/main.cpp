@@ -344,13 +344,13 @@ std::optional<int64_t> run_shard_rank(remat::models::TrainConfig cfg, const rema
     const auto c = fsdp.stats();
     const auto mem = fsdp.memory();
     const double comm = c.allgather_ms + c.reduce_scatter_ms;
-    char line[320];
+    char line[512];
     std::snprintf(line, sizeof line,
                   "  held: params %s, grads %s, optimizer %s  all-gather %.1f ms (%lld), reduce-scatter %.1f ms "
                   "(%lld), %.1f ms exposed, %.0f%% overlapped",
                   remat::format_bytes(mem.shard_parameter_bytes).c_str(),
                   remat::format_bytes(mem.shard_gradient_bytes).c_str(),
-                  remat::format_bytes(trainer.optimizer_state_bytes()).c_str(), c.allgather_ms,
+                  trainer.describe_optimizer_state_memory().c_str(), c.allgather_ms,
                   static_cast<long long>(c.forward_allgathers + c.backward_allgathers), c.reduce_scatter_ms,
                   static_cast<long long>(c.reduce_scatters), c.exposed_ms,
                   comm > 0 ? 100.0 * std::max(0.0, 1.0 - c.exposed_ms / comm) : 0.0);

@@ -422,6 +422,12 @@ class Trainer {
   void use_optimizer_parameters(std::vector<at::Tensor> parameters);
   /** Bytes of the optimizer's state tensors (AdamW's moments; none for sgd). */
   int64_t optimizer_state_bytes() const;
+  /** The optimizer's state as a step line shows it: its bytes in memory
+   *  (the optimizer's tensors, and what a state store holds there: an
+   *  int8 or bf16 encoding), then what a store took out of memory, e.g.
+   *  "1.23 MiB (int8-encoded, 3.27 MiB less than float32)" or
+   *  "12.0 KiB (+4.50 MiB in files)". */
+  std::string describe_optimizer_state_memory() const;
   /** One optimizer step (grad_accum micro-batches). With a timeline, adds
    *  "forward", "backward" and "optimizer" spans to it. */
   StepStats step(memory::Timeline* timeline = nullptr);
