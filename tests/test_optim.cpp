@@ -11,6 +11,7 @@
 #include <optional>
 
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <remat/models/gpt.h>
@@ -839,6 +840,64 @@ TEST(StepInBackward, ALeafChainStagesUseWithoutRegisteringItIsUpdatedOnceWithIts
     return out;
   };
   expect_bitwise_equal(run(false), run(true));
+}
+
+/** Hands a gradient to `shard` from a final callback queued by its backward,
+ *  and calls step_in_backward_now, as FullyShard's end of backward does. */
+struct HandOff : torch::autograd::Function<HandOff> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, const torch::Tensor* shard) {
+    ctx->saved_data["shard"] = *shard;  // not an input: no AccumulateGrad of its own
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    torch::Tensor shard = ctx->saved_data["shard"].toTensor();
+    torch::Tensor part = torch::ones_like(shard) * g[0].detach().sum();
+    torch::autograd::Engine::get_default_engine().queue_callback([shard, part]() mutable {
+      torch::NoGradGuard no_grad;
+      torch::Tensor& grad = shard.mutable_grad();
+      grad = grad.defined() ? grad + part : part;
+      remat::detail::step_in_backward_now(shard);
+    });
+    return {g[0], torch::Tensor()};  // x's, and none for the pointer
+  }
+};
+
+// NOTE [after the end]: a parameter handed over by a final callback that runs
+// after the backward's end (FullyShard's, queued after an ordinary
+// parameter's update queued the end) queued a second end, which took every
+// parameter updated before it for unreached: with zero_grad(false) they got
+// a zero gradient and step() updated them again (Adam's step count 6 after 3
+// steps). Bitwise the plain loop, in both zero_grad styles and both places
+// of the updates.
+TEST(StepInBackward, AGradientHandedOverAfterTheBackwardsEndIsPartOfThatBackward) {
+  for (bool set_to_none : {true, false}) {
+    for (bool at_end : {false, true}) {
+      auto run = [&](bool in_backward) {
+        torch::manual_seed(3);
+        auto w = torch::randn({6, 6}).requires_grad_();
+        auto shard = torch::randn({6}).requires_grad_();
+        torch::optim::Adam opt(std::vector<torch::Tensor>{w, shard}, torch::optim::AdamOptions(1e-2));
+        std::optional<remat::StepInBackward> sib;
+        if (in_backward) {
+          sib.emplace(opt, remat::StepInBackwardOptions().zero_grad_set_to_none(set_to_none));
+          sib->update_at_backward_end(at_end);
+        }
+        const auto x = torch::randn({3, 6}).requires_grad_();  // so that HandOff's backward runs
+        for (int k = 0; k < 3; ++k) {
+          torch::tanh(HandOff::apply(x, &shard).mm(w)).pow(2).sum().backward();
+          opt.step();
+          opt.zero_grad(set_to_none);
+        }
+        if (sib) EXPECT_EQ(sib->stats().updates, 6) << sib->describe();
+        std::vector<torch::Tensor> out = cloned({w, shard});
+        for (const auto& t : state_tensors(opt)) out.push_back(t);
+        return out;
+      };
+      SCOPED_TRACE(std::string(set_to_none ? "zero_grad()" : "zero_grad(false)") + (at_end ? ", at the end" : ""));
+      expect_bitwise_equal(run(false), run(true));
+    }
+  }
 }
 
 // A tensor made without requires_grad has no autograd metadata (FullyShard's

@@ -191,7 +191,10 @@ void queue_end_of_updates(const at::Tensor& p);
  *  A parameter's gradient is final once the backward's engine has summed
  *  every use of it (tied weights, a module called twice, recomputed
  *  regions): the update runs in the parameter's post-accumulate-grad hook,
- *  once per backward. A parameter that gets no gradient in a backward is not
+ *  once per backward (one backward at a time: not one run inside another's
+ *  node, e.g. a reentrant checkpoint of your own, unless
+ *  update_at_backward_end(true); not two threads' at once). A parameter
+ *  that gets no gradient in a backward is not
  *  updated, as with zero_grad(set_to_none = true), LibTorch's default; a
  *  loop that calls zero_grad(false) says so in
  *  StepInBackwardOptions::zero_grad_set_to_none(false), and step() then
@@ -200,7 +203,10 @@ void queue_end_of_updates(const at::Tensor& p);
  *  step(), which is why the loop above keeps calling it. The optimizer's
  *  options are read at each update, so learning-rate schedulers work.
  *  Gradient accumulation: backward passes while accumulate()'s guard lives
- *  keep their gradients; the next one outside it updates.
+ *  keep their gradients; the next one outside it updates (with a state
+ *  store, call fetch_state() before a step() that follows only such
+ *  passes). A backward that reaches none of the parameters is not seen:
+ *  under zero_grad(false), the step() after it moves nothing.
  *
  *  Your own optimizer works if its step() updates each parameter of
  *  param_groups() that has a gradient from that parameter's gradient and
@@ -215,7 +221,7 @@ void queue_end_of_updates(const at::Tensor& p);
  *  and no state_tensors(). Global-norm clipping cannot work (it needs every
  *  gradient before any update); remat's own clip_grad_norm functions refuse
  *  parameters stepped in backward, and torch::nn::utils::clip_grad_norm_
- *  after backward sees no gradients. Not copyable or movable; destroying it
+ *  (or anything else reading .grad) after backward sees no gradients. Not copyable or movable; destroying it
  *  brings every offloaded state back into the optimizer and removes the
  *  hooks. */
 class StepInBackward {

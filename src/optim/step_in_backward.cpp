@@ -194,6 +194,10 @@ struct StepInBackwardImpl {
   int drained_for = -1;          // the graph task drain is queued for
   std::vector<int> ends_queued;  // graph tasks end_of_updates is queued for
   int64_t generation = 0;        // outermost backward passes that updated, ended (NOTE [unreached parameters])
+  // NOTE [after the end]: the outermost graph task whose end_of_updates ran
+  // last, and the generation it ended.
+  int ended_task = -1;
+  int64_t ended_generation = -1;
   bool warned_unreached = false;
   std::weak_ptr<StepInBackwardImpl> self_weak;
   // NOTE [state between updates]: the order of the last backward's updates.
@@ -410,7 +414,14 @@ struct StepInBackwardImpl {
     if (it == by_impl.end()) return;
     Param& p = params[it->second];
     const int task = torch::autograd::get_current_graph_task_id();
-    p.reached_gen = generation;
+    // NOTE [after the end]: a gradient handed over by a final callback that
+    // runs after this backward's end_of_updates (FullyShard's end of
+    // backward, queued after an ordinary parameter's update queued ours)
+    // belongs to the backward that ended: it is updated at once, and
+    // queues no second end, which would take every parameter updated
+    // before it for unreached (zero gradients for step(), a second update).
+    const bool after_end = task != -1 && task == ended_task && torch::autograd::get_current_node() == nullptr;
+    p.reached_gen = after_end ? ended_generation : generation;
     if (!why.empty()) {
       st.deferred++;
       deferred_reason = why;
@@ -427,20 +438,20 @@ struct StepInBackwardImpl {
     }
     // NOTE [updates at the backward's end]: the update waits for the end
     // of the outermost backward (outside any backward: now).
-    if (at_end && !now && task != -1) {
+    if (at_end && !now && task != -1 && !after_end) {
       queue_end(task);
       if (!p.waits_for_end) at_end_order.push_back(it->second);
       p.waits_for_end = true;
       return;
     }
-    update(p, task);
+    update(p, task, /*queue_the_end=*/!after_end);
   }
 
   /** Updates p in backward: its state back from the store, the
    *  optimizer's update, its gradient freed, the state sent again. Call
    *  with mu held, in_updates set. */
-  void update(Param& p, int task) {
-    queue_end(task);  // NOTE [unreached parameters]
+  void update(Param& p, int task, bool queue_the_end = true) {
+    if (queue_the_end) queue_end(task);  // NOTE [unreached parameters]
     // Queued once per backward (a backward that threw never ran its
     // callback: the next one queues again).
     if (store && task != -1 && queued_for != task) {
@@ -578,6 +589,8 @@ struct StepInBackwardImpl {
       st.state_write_failures = store->failures(&st.last_state_error);
     }
     const int64_t ended = generation++;
+    ended_task = task;
+    ended_generation = ended;
     const std::optional<bool>& set_to_none = options.zero_grad_set_to_none();
     for (auto& q : params) {
       // Frozen ones too: step() reads only whether a gradient is defined.
