@@ -292,6 +292,29 @@ TEST(ChunkedCrossEntropy, ZeroChunksIsLibTorchsCrossEntropyBitwise) {
   }
 }
 
+// float64 inputs are computed in float64 (they were rounded to float32:
+// the loss came back float32 and the gradients 1e-7 off a float64 loss).
+TEST(ChunkedCrossEntropy, Float64InputsKeepFloat64) {
+  CeCase c(2, 37, 24, 101, /*with_ignored=*/true);
+  for (auto* x : {&c.h, &c.w, &c.b}) *x = x->detach().to(torch::kDouble).requires_grad_();
+  auto ref = c.run([&] {
+    auto logits = torch::linear(c.h, c.w, c.b);
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), c.t.reshape({-1}));
+  });
+  ASSERT_EQ(ref[0].scalar_type(), torch::kDouble);
+  for (int64_t chunks : {0, 1, 5}) {
+    auto got = c.run(
+        [&] { return remat::chunked_cross_entropy(c.h, c.w, c.t, remat::ChunkedCrossEntropyOptions(chunks), c.b); });
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].scalar_type(), torch::kDouble) << "chunks " << chunks << " " << i;
+      EXPECT_LE(rel_err(got[i], ref[i]), 1e-12) << "chunks " << chunks << " " << i;
+    }
+    if (chunks == 0) {
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], ref[i])) << i;
+    }
+  }
+}
+
 TEST(ChunkedCrossEntropy, ScaledRetainedAndNoGradUses) {
   CeCase c(2, 16, 8, 33, true);
   auto opts = remat::ChunkedCrossEntropyOptions(3);

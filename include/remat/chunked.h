@@ -133,8 +133,8 @@ struct ChunkedCrossEntropyOptions {
   TORCH_ARG(LossReduction, reduction) = LossReduction::kMean;
 };
 
-/** cross_entropy(linear(hidden, weight, bias) as (rows, vocab) in float32,
- *  targets as (rows)) without ever holding the whole logits or their
+/** cross_entropy(linear(hidden, weight, bias) as (rows, vocab) in float32
+ *  (float64 for float64 inputs), targets as (rows)) without ever holding the whole logits or their
  *  gradient: hidden (..., C) and targets (...) are flattened to rows, and
  *  each slice of rows computes its logits (rows / chunks, vocab), its loss
  *  and, when a gradient is needed, at once its gradients with respect to
@@ -143,7 +143,7 @@ struct ChunkedCrossEntropyOptions {
  *  and bias held from forward to backward, plus one slice's logits (about
  *  two copies of rows / chunks x vocab floats) while it runs. The matrix
  *  products run in the autocast dtype when autocast is on, as linear()
- *  would; the softmax in float32. The gradient is not differentiable again:
+ *  would; the softmax in float32 (float64 for float64 inputs). The gradient is not differentiable again:
  *  a backward with create_graph throws remat::Error (no double backward).
  *  Equal to the unchunked loss up to floating-point
  *  reassociation. Under the whole-step planner (AutoOptions::chunk_counts)

@@ -141,6 +141,22 @@ struct Execution : std::enable_shared_from_this<Execution> {
   Values input;                                      // x as given (attached), for create_graph
   bool preserve_rng = true;
   std::vector<bool> input_requires_grad;  // per tensor of x
+  std::vector<int64_t> input_versions;    // per tensor of x, after the forward (-1: none to check)
+
+  /** A backward's re-run of stage 0 reads the chain's input: refused if it
+   *  was written in place since the forward (a plain run's saved tensors
+   *  raise LibTorch's version error; a re-run would compute other values
+   *  and wrong gradients without a word). */
+  void check_input_unchanged() const {
+    for (size_t k = 0; k < input_versions.size() && k < input.ts.size(); ++k) {
+      if (input_versions[k] < 0 || input.ts[k]._version() == input_versions[k]) continue;
+      throw Error("[remat::CheckpointedSequential] input " + std::to_string(k) +
+                  " of the chain was modified in place after the forward (version " +
+                  std::to_string(input_versions[k]) + " -> " + std::to_string(input.ts[k]._version()) +
+                  "); recomputing from it would give wrong gradients. Modify a clone instead, or keep the input "
+                  "unchanged until backward has run.");
+    }
+  }
   std::unique_ptr<memory::Probe> probe;
   int64_t input_bytes = 0;
   // The chain's own bytes (StepReport::chain_peak_bytes): summed over the
@@ -511,6 +527,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
     switch (op.kind) {
       case plan::OpKind::kForward: {
         need(!st.a[i].empty(), op, "its input is not live");
+        if (i == 0 && !in_forward_part) check_input_unchanged();
         Values y;
         {
           at::NoGradGuard no_grad;
@@ -521,6 +538,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
       }
       case plan::OpKind::kForwardSave: {
         need(!st.a[i].empty(), op, "its input is not live");
+        if (i == 0 && !in_forward_part) check_input_unchanged();
         c10::AutoGradMode grad_on(true);
         Values in = st.a[i].detached();
         for (size_t k = 0; k < in.size(); ++k) {
@@ -1506,6 +1524,9 @@ detail::Values CheckpointedSequentialImpl::run_planned(const detail::Values& x, 
   }
   exec->st.a[0] = x.detached();
   detail::Values y = exec->run_forward().detached();  // shares a_L's storages
+  for (const auto& t : x.ts) {
+    exec->input_versions.push_back(t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1);
+  }
 
   // One node per stage. Node i's first edges lead to node i-1, one per
   // tensor of a_i (node 0's to the tensors of x), then one per parameter.

@@ -174,6 +174,10 @@ at::Tensor chunked(const std::function<at::Tensor(const std::vector<at::Tensor>&
 
 namespace {
 
+/** The logits' and the loss's dtype: float32, or float64 for float64
+ *  inputs (never computed in less than the inputs' precision). */
+at::ScalarType loss_dtype(const at::Tensor& hidden) { return at::promote_types(hidden.scalar_type(), at::kFloat); }
+
 /** Per slice of rows: logits, loss sum and (when wanted) the gradients.
  *  scale multiplies the gradients (1 / counted targets for the mean). */
 struct CeWork {
@@ -188,12 +192,13 @@ at::Tensor ce_slices(const CeWork& w, double scale, at::Tensor* grad_h, at::Tens
   const int64_t N = w.h2.size(0), V = w.weight.size(0);
   const double eps = w.o.label_smoothing();
   const auto lengths = slice_lengths(N, w.k);
-  at::Tensor total = at::zeros({}, w.h2.options().dtype(at::kFloat));
+  const at::ScalarType acc = loss_dtype(w.h2);
+  at::Tensor total = at::zeros({}, w.h2.options().dtype(acc));
   int64_t s = 0;
   for (int64_t len : lengths) {
     auto hc = w.h2.narrow(0, s, len);                                 // (n, C)
     auto tc = w.t1.narrow(0, s, len);                                 // (n)
-    auto logits = at::linear(hc, w.weight, w.bias).to(at::kFloat);    // (n, V)
+    auto logits = at::linear(hc, w.weight, w.bias).to(acc);           // (n, V)
     auto valid = tc.ne(w.o.ignore_index());                           // (n)
     auto safe = tc.masked_fill(valid.logical_not(), 0).unsqueeze(1);  // (n, 1)
     auto lse = at::logsumexp(logits, {1}, /*keepdim=*/true);          // (n, 1)
@@ -207,7 +212,7 @@ at::Tensor ce_slices(const CeWork& w, double scale, at::Tensor* grad_h, at::Tens
       auto g = logits.sub_(lse).exp_();
       if (eps > 0) g.sub_(eps / V);
       g.scatter_add_(1, safe, at::full({len, 1}, -(1.0 - eps), g.options()));
-      g.mul_(valid.unsqueeze(1).to(at::kFloat) * scale);
+      g.mul_(valid.unsqueeze(1).to(acc) * scale);
       logits = at::Tensor();
       if (grad_h) grad_h->narrow(0, s, len).copy_(at::mm(g.to(w.h2.scalar_type()), w.weight.to(w.h2.scalar_type())));
       if (grad_w) grad_w->add_(at::mm(g.t().to(w.h2.scalar_type()), hc));
@@ -224,14 +229,16 @@ struct ChunkedCe : torch::autograd::Function<ChunkedCe> {
                             double loss_scale) {
     const bool gh = hidden.requires_grad(), gw = weight.requires_grad(),
                gb = work->bias.defined() && bias.requires_grad();
-    // Gradient accumulators in float32 (summed over slices), cast on return.
+    // Gradient accumulators in float32 (float64 for float64 inputs; summed
+    // over slices), cast on return.
+    const at::ScalarType acc = loss_dtype(work->h2);
     at::Tensor grad_h = gh ? at::empty(work->h2.sizes(), hidden.options()) : at::Tensor();
-    at::Tensor grad_w = gw ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat)) : at::Tensor();
-    at::Tensor grad_b = gb ? at::zeros(bias.sizes(), bias.options().dtype(at::kFloat)) : at::Tensor();
+    at::Tensor grad_w = gw ? at::zeros(weight.sizes(), weight.options().dtype(acc)) : at::Tensor();
+    at::Tensor grad_b = gb ? at::zeros(bias.sizes(), bias.options().dtype(acc)) : at::Tensor();
     auto total = ce_slices(*work, scale, gh ? &grad_h : nullptr, gw ? &grad_w : nullptr, gb ? &grad_b : nullptr);
     if (gh) grad_h = grad_h.view(hidden.sizes());
-    if (gw && weight.scalar_type() != at::kFloat) grad_w = grad_w.to(weight.scalar_type());
-    if (gb && bias.scalar_type() != at::kFloat) grad_b = grad_b.to(bias.scalar_type());
+    if (gw && weight.scalar_type() != acc) grad_w = grad_w.to(weight.scalar_type());
+    if (gb && bias.scalar_type() != acc) grad_b = grad_b.to(bias.scalar_type());
     ctx->save_for_backward({grad_h, grad_w, grad_b});
     (void)targets;
     return total * loss_scale;
@@ -246,7 +253,7 @@ struct ChunkedCe : torch::autograd::Function<ChunkedCe> {
           "(torch::nn::functional::cross_entropy on the logits) where a second derivative is needed.");
     }
     auto saved = ctx->get_saved_variables();
-    const auto& g = grad_out[0];  // () float32
+    const auto& g = grad_out[0];  // () float32 (float64 for float64 inputs)
     // loss.backward() passes exactly 1: hand the gradients over unscaled,
     // without a second (vocab, C) weight gradient (on a GPU the check costs
     // one synchronization per backward, as Liger's fused loss pays too).
@@ -279,10 +286,10 @@ at::Tensor run_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
     }
   }
   if (chunks == 0) {
-    // As a model computes it: the logits at hidden's shape, then flattened in float32.
+    // As a model computes it: the logits at hidden's shape, then flattened in float32 (float64 stays).
     auto logits = at::linear(hidden, weight, bias);
     return at::cross_entropy_loss(
-        logits.reshape({-1, logits.size(-1)}).to(at::kFloat), t1, {},
+        logits.reshape({-1, logits.size(-1)}).to(loss_dtype(hidden)), t1, {},
         options.reduction() == LossReduction::kMean ? at::Reduction::Mean : at::Reduction::Sum, options.ignore_index(),
         options.label_smoothing());
   }
