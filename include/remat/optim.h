@@ -193,7 +193,9 @@ void queue_end_of_updates(const at::Tensor& p);
  *  regions): the update runs in the parameter's post-accumulate-grad hook,
  *  once per backward (one backward at a time: not one run inside another's
  *  node, e.g. a reentrant checkpoint of your own, unless
- *  update_at_backward_end(true); not two threads' at once). A parameter
+ *  update_at_backward_end(true) — a parameter updated there and reached
+ *  again by the backward around it throws remat::Error; not two threads'
+ *  at once). A parameter
  *  that gets no gradient in a backward is not
  *  updated, as with zero_grad(set_to_none = true), LibTorch's default; a
  *  loop that calls zero_grad(false) says so in

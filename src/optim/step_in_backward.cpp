@@ -181,6 +181,8 @@ struct StepInBackwardImpl {
     // yet (plain training gives a parameter a gradient for good once reached).
     int64_t reached_gen = -1;
     bool waits_for_end = false;  // in at_end_order (NOTE [updates at the backward's end])
+    int updated_task = -1;       // the graph task of its last update in backward
+    int nested_task = -1;        // NOTE [backward inside a backward]: a nested task it was updated in
   };
   std::vector<Param> params;
   std::vector<char> group_offloaded;  // per param group: its state goes to the store (state_offload)
@@ -421,6 +423,26 @@ struct StepInBackwardImpl {
     // queues no second end, which would take every parameter updated
     // before it for unreached (zero gradients for step(), a second update).
     const bool after_end = task != -1 && task == ended_task && torch::autograd::get_current_node() == nullptr;
+    // NOTE [backward inside a backward]: a backward run inside a node of
+    // another (a reentrant checkpoint of the user's own) updated p with its
+    // part of the gradient; graph task ids grow, so a task older than that
+    // nested one that reaches p now is one around it, and p's gradient was
+    // not final then. Refused before a second update (the first one cannot
+    // be undone); update_at_backward_end(true) waits for the outermost end.
+    if (p.nested_task != -1 && task != -1) {
+      if (task < p.nested_task) {
+        const int nested = p.nested_task;
+        p.nested_task = -1;
+        throw Error("[remat::StepInBackward] " + describe_param(p.index, p.tensor) +
+                    " was updated in a backward run inside a node of another backward (graph task " +
+                    std::to_string(nested) +
+                    ": a reentrant checkpoint, or a custom function whose backward calls backward), and the "
+                    "backward around it reached it again: that update used only part of its gradient. Call "
+                    "update_at_backward_end(true), which updates once the outermost backward ends, or use "
+                    "remat::checkpoint (non-reentrant) for that region.");
+      }
+      p.nested_task = -1;  // a later backward: the mark is stale
+    }
     p.reached_gen = after_end ? ended_generation : generation;
     if (!why.empty()) {
       st.deferred++;
@@ -479,6 +501,7 @@ struct StepInBackwardImpl {
     const auto t0 = listener ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     step_one(p);
     p.pending = false;
+    p.updated_task = task;
     st.updates++;
     if (listener) {
       const double update_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -543,7 +566,13 @@ struct StepInBackwardImpl {
     ends_queued.erase(std::remove(ends_queued.begin(), ends_queued.end(), task), ends_queued.end());
     // A nested graph task (a chain's early delivery of a stage's gradient
     // runs its own Engine::execute inside a node): the backward goes on.
-    if (torch::autograd::get_current_node() != nullptr) return;
+    // NOTE [backward inside a backward]: the parameters it updated are marked.
+    if (torch::autograd::get_current_node() != nullptr) {
+      for (auto& q : params) {
+        if (q.updated_task == task) q.nested_task = task;
+      }
+      return;
+    }
     // NOTE [updates at the backward's end]: in the order their gradients
     // became final. A gradient gone since (an optimizer's step() and
     // zero_grad() after a backward that threw) has nothing to update.
