@@ -57,6 +57,14 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     at::Tensor shard;  // this rank's slice: a leaf, the optimizer's parameter
     c10::intrusive_ptr<c10d::Work> gather_work;
     uint32_t gathered_version = 0;  // shard._version() that the gathered values come from
+    bool outdated = false;          // NOTE [stale gathered values]: found changed by check_gathered
+    /** Notes what the gathered values come from. */
+    void stamp() {
+      gathered_version = shard._version();
+      outdated = false;
+    }
+    /** The shard changed since the gather, as far as known without reading it. */
+    bool stale() const { return outdated || shard._version() != gathered_version; }
     bool empty() const { return members.empty(); }
     int64_t bytes() const { return empty() ? 0 : padded * static_cast<int64_t>(flat.element_size()); }
   };
@@ -66,10 +74,11 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     Checkpointable* module = nullptr;  // null: the root unit
     std::vector<at::Tensor> params;    // the module's own tensors (views of a flat once sharded)
     std::vector<std::string> param_names;
-    std::vector<size_t> kind;      // per parameter: kTrainable or kFrozen, as at construction
-    std::vector<int64_t> offsets;  // per parameter: its first element in its flat
-    Flat flats[2];                 // [kTrainable], [kFrozen]
-    bool gathered = false;         // every non-empty flat holds values (maybe stale: fresh())
+    std::vector<uint32_t> param_versions;  // NOTE [writes into gathered parameters]: as gathered
+    std::vector<size_t> kind;              // per parameter: kTrainable or kFrozen, as at construction
+    std::vector<int64_t> offsets;          // per parameter: its first element in its flat
+    Flat flats[2];                         // [kTrainable], [kFrozen]
+    bool gathered = false;                 // every non-empty flat holds values (maybe stale: fresh())
     Clock::time_point gather_start;
     at::Tensor grad_flat;  // this backward's full gradient, until reduced
     std::vector<char> posted;
@@ -93,7 +102,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     bool fresh() const {
       if (!gathered) return false;
       for (const auto& f : flats) {
-        if (!f.empty() && f.gathered_version != f.shard._version()) return false;
+        if (!f.empty() && f.stale()) return false;
       }
       return true;
     }
@@ -141,6 +150,94 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
 
   std::string where() const { return "rank " + std::to_string(rank) + " of " + std::to_string(world); }
 
+  // NOTE [writes into gathered parameters]: a module's parameters are views
+  // of its unit's gathered buffer, which is freed again; an in-place write
+  // into one (Embedding's max_norm renormalising rows in forward, a write
+  // between steps while the root is gathered) never reaches the shard the
+  // optimizer holds, and was lost without a word. Each parameter's version
+  // is noted as its unit is gathered; a write is refused after the forward
+  // that made it, or at the next forward when the unit was freed first.
+  std::string lost_write;  // the error for a write found as a unit was freed
+
+  /** The error for a write into unit u's gathered parameters since its
+   *  gather; "" when none. */
+  std::string written(const Unit& u) const {
+    for (size_t k = 0; k < u.params.size() && k < u.param_versions.size(); ++k) {
+      if (u.params[k]._version() == u.param_versions[k]) continue;
+      return "[remat::parallel] FullyShard: parameter '" + u.param_names[k] + "' of unit '" + u.name +
+             "' was written in place while gathered (a module that changes its own weights in forward, as "
+             "Embedding's max_norm does, or a write between steps); the write went to the gathered copy, "
+             "which FullyShard frees, not to the shard the optimizer holds, so it would be lost. Drop the "
+             "in-place write (e.g. Embedding without max_norm), or write into the shards of "
+             "FullyShard::parameters().";
+    }
+    return "";
+  }
+
+  void note_versions(Unit& u) {
+    u.param_versions.clear();
+    for (const auto& p : u.params) u.param_versions.push_back(p._version());
+  }
+
+  /** NOTE [stale gathered values]: units still gathered as a forward begins
+   *  (reshard_after_forward(false), keep_gathered, or left by a forward
+   *  with gradient whose graph was dropped) may predate an optimizer's
+   *  step. The shard's version does not always tell: LibTorch's SGD writes
+   *  through p.data(), whose version counter is not the shard's. So each
+   *  rank compares its slice of the gathered values with its shard, and
+   *  one all-reduce (the ranks' gathered units are the same) makes a unit
+   *  changed on any rank outdated on all: the next use gathers it again. */
+  void check_gathered() {
+    std::vector<size_t> kept;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const Unit& u = units[i];
+      if (u.gathered && !u.in_flight() && u.active == 0) kept.push_back(i);
+    }
+    if (kept.empty()) return;
+    at::Tensor changed = at::zeros({static_cast<int64_t>(kept.size())}, at::kFloat);
+    c10::Device device = at::kCPU;
+    for (size_t k = 0; k < kept.size(); ++k) {
+      bool c = false;
+      for (const Flat& f : units[kept[k]].flats) {
+        if (f.empty()) continue;
+        device = f.flat.device();
+        c = c || f.stale() ||
+            !at::equal(f.flat.narrow(0, static_cast<int64_t>(rank) * f.shard_numel, f.shard_numel), f.shard.detach());
+      }
+      changed[static_cast<int64_t>(k)] = c ? 1.0f : 0.0f;
+    }
+    if (world > 1) {
+      std::vector<at::Tensor> ts{changed.to(device)};  // the backend's device (NCCL: CUDA)
+      c10d::AllreduceOptions o;
+      o.reduceOp = c10d::ReduceOp::MAX;
+      o.timeout = group.timeout();
+      c10::intrusive_ptr<c10d::Work> work;
+      try {
+        work = group.c10d()->allreduce(ts, o);
+      } catch (const std::exception& e) {
+        collective_failed("all-reduce of the gathered units' freshness", e);
+      }
+      wait(work, "all-reduce of the gathered units' freshness");
+      changed = ts[0].cpu();
+    }
+    for (size_t k = 0; k < kept.size(); ++k) {
+      if (changed[static_cast<int64_t>(k)].item<float>() == 0.0f) continue;
+      for (Flat& f : units[kept[k]].flats) f.outdated = !f.empty();
+    }
+  }
+
+  /** Throws the first write into gathered parameters found; the writes are
+   *  taken as seen (the next check looks for new ones). */
+  void check_writes() {
+    std::string e;
+    e.swap(lost_write);
+    for (auto& u : units) {
+      if (e.empty() && (u.gathered || u.in_flight())) e = written(u);
+      note_versions(u);
+    }
+    if (!e.empty()) throw Error(e);
+  }
+
   [[noreturn]] void collective_failed(const std::string& what, const std::exception& e) const {
     throw Error("[remat::parallel] " + where() + ": the " + what + " failed: " + message_of(e) +
                 ". A peer process probably exited or stopped answering (timeout " +
@@ -187,13 +284,14 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     Unit& u = units[i];
     if (u.held()) return;
     allocate(u);
+    note_versions(u);
     for (auto& f : u.flats) {
       if (f.empty()) continue;
       c10d::AllgatherOptions o;
       o.timeout = group.timeout();
       at::Tensor out = f.flat;
       at::Tensor in = f.shard.detach();
-      f.gathered_version = f.shard._version();
+      f.stamp();
       try {
         f.gather_work = group.c10d()->_allgather_base(out, in, o);
       } catch (const std::exception& e) {
@@ -233,6 +331,7 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     Unit& u = units[i];
     finish_gather(i);
     if (!u.gathered) return;
+    if (lost_write.empty()) lost_write = written(u);  // NOTE [writes into gathered parameters]
     release(u);
     u.gathered = false;
   }
@@ -322,6 +421,10 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
     Unit& u = units[i];
     if (!in_backward || u.active > 0 || u.until_end || u.pending_inputs > 0) return;
     if (u.n_grad_params > 0 && !u.reduced) return;
+    // The root's frozen parameters have no hook that says when backward is
+    // done with them (a frozen final norm after the blocks, read after the
+    // head's gradient reduced the root): it stays to the backward's end.
+    if (i == 0 && !u.flats[kFrozen].empty()) return;
     reshard(i);
   }
 
@@ -777,7 +880,7 @@ FullyShard::FullyShard(std::shared_ptr<torch::nn::Module> module, ProcessGroup g
       }
       f.shard = f.flat.narrow(0, static_cast<int64_t>(m.rank) * f.shard_numel, f.shard_numel).clone();
       f.shard.set_requires_grad(kind == Impl::kTrainable);
-      f.gathered_version = f.shard._version();
+      f.stamp();
     }
     u.gathered = true;
     m.reshard(i);
@@ -815,12 +918,16 @@ std::vector<at::Tensor> FullyShard::parameters() const {
   return out;
 }
 
+void FullyShard::check_forward_writes() { impl_->check_writes(); }
+
 void FullyShard::begin_forward() {
   Impl& m = *impl_;
+  if (!m.in_backward) m.check_writes();  // NOTE [writes into gathered parameters]
   if (m.in_backward) {
     throw Error(
         "[remat::parallel] FullyShard::forward ran before the last backward through it ended (it is still "
-        "running, or an error stopped it); finish the backward first, or shard the model again after an error.");
+        "running, or an error stopped it); finish the backward first. After an error in backward, rebuild the model, "
+        "load the last save_sharded() or save_full() into it and shard that: this model's parameters hold no data.");
   }
   // The flats were cut by requires_grad: a parameter frozen or unfrozen
   // since would get no update, or one its shard does not allow.
@@ -834,6 +941,7 @@ void FullyShard::begin_forward() {
           "unit's buffers and the optimizer's shards by it), or shard the model again.");
     }
   }
+  m.check_gathered();  // NOTE [stale gathered values]
   m.graph_pending_before = m.graph_pending;
   if (torch::autograd::GradMode::is_enabled()) m.graph_pending = true;
   if (!m.units[0].params.empty()) m.gather(0, /*backward=*/false);

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -130,22 +132,133 @@ TEST(FullyShardUse, FrozenParametersInACheckpointedUnitNeverMoveAndTheRestTrains
   expect_lora_trains_as_plain(true);
 }
 
+/** A root with a frozen embedding and a frozen layer after the units, a
+ *  trainable head; the units train. */
+struct FrozenRootNetImpl : torch::nn::Module {
+  FrozenRootNetImpl()
+      : emb(register_module("emb", torch::nn::Embedding(16, 32))),
+        l1(register_module("l1", Lora(32, 4))),
+        l2(register_module("l2", Lora(32, 4))),
+        mid(register_module("mid", torch::nn::Linear(32, 32))),
+        head(register_module("head", torch::nn::Linear(32, 8))) {
+    for (auto& p : emb->parameters()) p.set_requires_grad(false);
+    for (auto& p : mid->parameters()) p.set_requires_grad(false);
+  }
+  at::Tensor forward(const at::Tensor& ids) { return head(torch::tanh(mid(l2(l1(emb(ids)))))); }
+  torch::nn::Embedding emb;
+  Lora l1, l2;
+  torch::nn::Linear mid, head;
+};
+TORCH_MODULE(FrozenRootNet);
+
+// The root was freed once the head's gradient reduced its trainable part,
+// while the frozen layer after the units still had its backward to run
+// (c10's "out of bounds for storage of size 0" in backward). It stays to
+// the backward's end; three AdamW steps are bitwise plain's.
+TEST(FullyShardUse, AFrozenRootLayerAfterTheUnitsIsKeptForItsBackward) {
+  auto group = one_rank("frozen_root");
+  torch::manual_seed(9);
+  FrozenRootNet plain;
+  torch::manual_seed(9);
+  FrozenRootNet sharded;
+  FullyShard fsdp(sharded.ptr(), group);
+  const auto o = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  torch::optim::AdamW opt_plain(plain->parameters(), o), opt_sharded(fsdp.parameters(), o);
+  for (int step = 0; step < 3; ++step) {
+    const auto ids = torch::randint(16, {4, 5}, torch::kLong);
+    opt_plain.zero_grad();
+    opt_sharded.zero_grad();
+    plain->forward(ids).square().mean().backward();
+    fsdp.forward([&] { return sharded->forward(ids).square().mean(); }).backward();
+    opt_plain.step();
+    opt_sharded.step();
+  }
+  torch::NoGradGuard no_grad;
+  const auto ids = torch::randint(16, {4, 5}, torch::kLong);
+  EXPECT_TRUE(torch::equal(plain->forward(ids), fsdp.forward([&] { return sharded->forward(ids); })));
+}
+
+// NOTE [writes into gathered parameters]: Embedding's max_norm renormalises
+// the rows it reads in place; under FullyShard the write went to the
+// gathered copy and was lost (the embedding 3.05 off plain after one SGD
+// step). Refused after the forward that wrote, before its backward; the
+// next forward starts clean.
+TEST(FullyShardUse, AWriteIntoAGatheredParameterInForwardIsRefused) {
+  auto group = one_rank("max_norm");
+  torch::manual_seed(3);
+  auto emb = torch::nn::Embedding(torch::nn::EmbeddingOptions(16, 32).max_norm(0.5));
+  auto net = torch::nn::Sequential(emb, Lora(32, 4), torch::nn::Linear(32, 8));
+  FullyShard fsdp(net.ptr(), group);
+  const auto ids = torch::randint(16, {4, 5}, torch::kLong);
+  const std::string e = error_of([&] { fsdp.forward([&] { return net->forward(ids).square().mean(); }); });
+  EXPECT_NE(e.find("[remat::parallel] FullyShard: parameter '0.weight' of unit '"), std::string::npos) << e;
+  EXPECT_NE(e.find("' was written in place while gathered (a module that changes its own weights in forward, as "
+                   "Embedding's max_norm does, or a write between steps); the write went to the gathered copy, "
+                   "which FullyShard frees, not to the shard the optimizer holds, so it would be lost. Drop the "
+                   "in-place write (e.g. Embedding without max_norm), or write into the shards of "
+                   "FullyShard::parameters()."),
+            std::string::npos)
+      << e;
+  emb->options.max_norm(std::nullopt);
+  const auto loss = fsdp.forward([&] { return net->forward(ids).square().mean(); });
+  loss.backward();
+  EXPECT_TRUE(std::isfinite(loss.item<double>())) << "the next forward runs as usual";
+}
+
+/** Throws in its backward (a NaN check of the user's own). */
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw std::runtime_error("a NaN in the gradient");
+  }
+};
+
+// A backward that throws leaves the ranks' collectives where each stopped:
+// the next forward is refused with what to do (it advised sharding the
+// same model again, whose parameters hold no data: a crash).
+TEST(FullyShardUse, AForwardAfterABackwardThatThrewSaysHowToRecover) {
+  auto group = one_rank("threw_in_backward");
+  auto net = lora_net();
+  FullyShard fsdp(net.ptr(), group);
+  const auto x = torch::randn({4, 16});
+  const std::string first = error_of([&] {  // thrown after unit l2's backward began
+    fsdp.forward([&] { return net->head(net->l2(ThrowInBackward::apply(net->l1(net->first(x))))).square().mean(); })
+        .backward();
+  });
+  EXPECT_NE(first.find("a NaN in the gradient"), std::string::npos) << first;
+  EXPECT_EQ(error_of([&] { fsdp.forward([&] { return net->forward(x).sum(); }); }),
+            "[remat::parallel] FullyShard::forward ran before the last backward through it ended (it is still "
+            "running, or an error stopped it); finish the backward first. After an error in backward, rebuild the "
+            "model, load the last save_sharded() or save_full() into it and shard that: this model's parameters "
+            "hold no data.");
+}
+
 /** The GPT's loss on tokens tok, read under no gradient. */
 at::Tensor eval_loss(remat::models::Gpt& gpt, const at::Tensor& tok) {
   auto x = tok.slice(1, 0, 32), y = tok.slice(1, 1, 33);
   return gpt->loss(gpt->blocks->forward(gpt->embed(x)), y);
 }
 
+enum class Opt { kAdamW, kSgd, kSgdMomentum };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt o, const std::vector<at::Tensor>& params) {
+  if (o == Opt::kAdamW) return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2));
+  // SGD writes through p.data(), whose version counter is not the parameter's.
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(0.1).momentum(o == Opt::kSgdMomentum ? 0.9 : 0.0));
+}
+
 /** Steps where an evaluation forward runs between backward and the
  *  optimizer's step (without gradient, or with it and dropped), as plain:
  *  the evaluations read the current shards, and training matches bitwise. */
 void expect_evaluations_read_current_shards(const FullyShardOptions& options, bool eval_with_grad,
-                                            const std::string& tag) {
+                                            const std::string& tag, Opt kind = Opt::kAdamW) {
   auto group = one_rank(tag);
   auto plain = worker::fsdp_gpt(), sharded = worker::fsdp_gpt();
   FullyShard fsdp(sharded.ptr(), group, options);
-  const auto o = torch::optim::AdamWOptions(1e-2);
-  torch::optim::AdamW opt_plain(plain->parameters(), o), opt_sharded(fsdp.parameters(), o);
+  auto opt_plain_ptr = make_optimizer(kind, plain->parameters());
+  auto opt_sharded_ptr = make_optimizer(kind, fsdp.parameters());
+  torch::optim::Optimizer &opt_plain = *opt_plain_ptr, &opt_sharded = *opt_sharded_ptr;
   const auto eval_tok = torch::randint(64, {2, 33}, torch::kLong);
   for (int step = 0; step < 3; ++step) {
     auto tok = torch::randint(64, {2, 33}, torch::kLong);
@@ -158,7 +271,8 @@ void expect_evaluations_read_current_shards(const FullyShardOptions& options, bo
       if (!eval_with_grad) no_grad.emplace();
       const auto a = eval_loss(plain, eval_tok);
       const auto b = fsdp.forward([&] { return eval_loss(sharded, eval_tok); });
-      EXPECT_TRUE(torch::equal(a, b)) << "step " << step << ": " << a.item<double>() << " vs " << b.item<double>();
+      EXPECT_TRUE(torch::equal(a, b)) << tag << ", step " << step << ": " << a.item<double>() << " vs "
+                                      << b.item<double>();
     }
     if (!eval_with_grad) {
       EXPECT_EQ(fsdp.memory().gathered_bytes, 0) << "an evaluation leaves nothing gathered";
@@ -177,6 +291,16 @@ TEST(FullyShardUse, NoGradEvaluationBetweenBackwardAndStepReadsTheCurrentShards)
 }
 TEST(FullyShardUse, EvaluationWithGradientReadsTheCurrentShardsOfUnitsKeptGathered) {
   expect_evaluations_read_current_shards(FullyShardOptions().reshard_after_forward(false), true, "eval_grad");
+}
+// NOTE [stale gathered values]: LibTorch's SGD steps through p.data(), which
+// left the shard's version as it was: the units (and the root) an evaluation
+// with gradient left gathered served the values before the step (a loss of
+// 1.0037 for 1.0634 on two ranks).
+TEST(FullyShardUse, EvaluationWithGradientThenAnSgdStepReadsTheCurrentShards) {
+  expect_evaluations_read_current_shards(FullyShardOptions().reshard_after_forward(false), true, "eval_grad_sgd",
+                                         Opt::kSgdMomentum);
+  expect_evaluations_read_current_shards(FullyShardOptions(), true, "eval_grad_sgd0", Opt::kSgd);
+  expect_evaluations_read_current_shards(FullyShardOptions(), false, "eval_no_grad_sgd", Opt::kSgd);
 }
 
 TEST(FullyShardUse, LoadShardedAfterAnEvaluationReadsTheLoadedShards) {

@@ -121,14 +121,20 @@ struct ShardUnit {
  *  constructs it at the same point, on the same model). Rank 0's
  *  parameters and buffers are broadcast first, so every rank starts equal.
  *  Afterwards the module's parameters keep their shapes and names but hold
- *  data only while gathered: read them through save_full(), not directly.
+ *  data only while gathered: read them through save_full(), not directly
+ *  (an op on one that holds no data, a module.to(dtype) or an init, is
+ *  undefined behaviour: LibTorch's kernels read its null storage), and
+ *  write them through the shards of parameters(). Buffers (BatchNorm's
+ *  running statistics) are broadcast from rank 0 here only: each rank then
+ *  updates its own, as in PyTorch's FSDP.
  *  The module must outlive this object and its parameters must not be
  *  replaced; every forward whose parameters may be sharded runs inside
  *  forward(). Parameters must be dense, on the group's device, and share a
  *  dtype within a unit. Gradients are averaged over the ranks; every rank
  *  must run the same units in the same order (as c10d requires of
- *  collectives), and every parameter that requires grad gets a gradient in
- *  each backward (a unit that gets none is reduced as zeros). Under
+ *  collectives), and which units get a gradient must not depend on the
+ *  rank (a unit no rank used gets none; a parameter a used unit did not
+ *  use gets a zero gradient, which weight decay and momentum move). Under
  *  auto_checkpoint, units must be outermost checkpointable modules (a nested
  *  one is refused while it profiles). One thread drives the forward and
  *  backward, and every unit's outputs are on the group's device. */
@@ -164,15 +170,30 @@ class FullyShard {
       ~End() { f->end_forward(std::uncaught_exceptions() > unwinding); }
     } end{this};
     try {
-      return fn();
+      if constexpr (std::is_void_v<std::invoke_result_t<F&>>) {
+        fn();
+        check_forward_writes();
+      } else {
+        auto out = fn();
+        check_forward_writes();
+        return out;
+      }
     } catch (const c10::Error& e) {
       explain_failed_forward(e);  // throws remat::Error when it was a read of sharded parameters
       throw;
     }
   }
   /** What forward() does before fn: gathers the root unit (again, when the
-   *  optimizer changed its shard since). */
+   *  optimizer changed its shard since). Throws remat::Error for a write
+   *  into a unit's gathered parameters found as the unit was freed since the
+   *  last check (see check_forward_writes). */
   void begin_forward();
+  /** What forward() does after fn returns: throws remat::Error if a
+   *  parameter of a gathered unit was written in place (a module that
+   *  changes its own weights in forward, as Embedding's max_norm does): the
+   *  write would stay in the gathered copy, which is freed, and never reach
+   *  the shard the optimizer holds. */
+  void check_forward_writes();
   /** What forward() does after fn: frees the root after a forward without
    *  gradient, unless a backward still needs it; after fn threw (`failed`),
    *  frees what this forward gathered or prefetched, so that the next step
