@@ -102,6 +102,10 @@ void CallRecord::note_exclusive(double now) {
 void CallRecord::unpacked(double t) {
   for (CallRecord* r = this; r != nullptr; r = r->enclosing.get()) {
     std::lock_guard<std::mutex> lock(r->mu);
+    // An unpack while the call's forward runs is its forward's own (a unit
+    // whose forward calls autograd::grad, a gradient penalty): its backward
+    // comes after its forward.
+    if (r->forward_end_us < 0) continue;
     if (r->first_unpack_us < 0) {
       r->note_exclusive(t);
       r->first_unpack_us = t;
