@@ -141,6 +141,9 @@ struct AutoOptions {
    *  policies and checkpoint_options then have nothing to act on, and a
    *  chunked() region still checkpoints its slices as called. Needs a
    *  lever that is left: offload, chunk_counts or optimizer_state_store.
+   *  This is for the planned steps: the profiled step runs each unit's
+   *  forward again to measure its options with either value (tensors put
+   *  back; a C++ counter, a logging hook or I/O in the forward run again).
    *  Default true. */
   TORCH_ARG(bool, recompute) = true;
   /** A compressing store (a codec, on kMemory or kHost) holds as many bytes
