@@ -632,8 +632,9 @@ TEST(CheckpointErrors, ModuleParameterModifiedBeforeBackward) {
   } catch (const remat::Error& e) {
     EXPECT_EQ(std::string(e.what()),
               "[remat::checkpoint] parameter 1 of the checkpointed module was modified in place after the "
-              "forward (version 1 -> 2); recomputing with it would give wrong gradients. Run optimizer.step() "
-              "after backward, not between forward and backward.");
+              "forward began (version 1 -> 2): by an optimizer step between forward and backward, or by the "
+              "forward itself (a clamp of its own weight); recomputing with it would give wrong gradients. Run "
+              "optimizer.step() after backward, and write parameters outside the checkpointed forward.");
   }
 }
 

@@ -309,10 +309,11 @@ struct Frame : std::enable_shared_from_this<Frame> {
       const auto now = parameters[k].first._version();
       if (now != parameters[k].second) {
         throw Error("[remat::checkpoint] parameter " + std::to_string(k) +
-                    " of the checkpointed module was modified in place after the forward (version " +
+                    " of the checkpointed module was modified in place after the forward began (version " +
                     std::to_string(parameters[k].second) + " -> " + std::to_string(now) +
-                    "); recomputing with it would give wrong gradients. Run optimizer.step() after "
-                    "backward, not between forward and backward.");
+                    "): by an optimizer step between forward and backward, or by the forward itself (a clamp "
+                    "of its own weight); recomputing with it would give wrong gradients. Run optimizer.step() "
+                    "after backward, and write parameters outside the checkpointed forward.");
       }
     }
   }
