@@ -54,6 +54,12 @@ class WriteGuard {
   }
   /** Writes the copies back (last first); returns how many. */
   int64_t restore();
+  /** Hands over the copies (tensor, its values before the first write)
+   *  instead of writing them back. */
+  std::vector<std::pair<at::Tensor, at::Tensor>> take_copies() {
+    copied_.clear();
+    return std::move(copies_);
+  }
 
  private:
   std::unordered_set<const c10::StorageImpl*> made_;

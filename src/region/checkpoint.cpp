@@ -114,6 +114,9 @@ struct Frame : std::enable_shared_from_this<Frame> {
   ReplayState replay;                                       // RNG, autocast, buffers of the first run
   std::vector<std::pair<at::Tensor, uint32_t>> parameters;  // module fn: tensor, version
   std::vector<Slot> slots;
+  // NOTE [tensors the first run writes]: the values before the first run
+  // wrote them, of tensors that existed before it (not its inputs).
+  WriteGuard first_writes;
   std::vector<at::Tensor> pending_inputs;               // fetched for a recompute to come
   std::shared_ptr<SelectiveCache> selective;            // with a policy (NOTE [selective op cache])
   std::vector<std::string> forward_ops, recompute_ops;  // debug mode: op keys of each run
@@ -476,20 +479,24 @@ class FirstRunGuard final : public dispatch::Interceptor {
   void on_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
     const auto& schema = op.schema();
     if (op.hasTag(at::Tag::nondeterministic_seeded)) wait_rng_unlent();  // NOTE [RNG lock lent to awaited threads]
+    const size_t n = schema.arguments().size();
     if (schema.is_mutable()) {
       const auto& formals = schema.arguments();
-      const size_t n = formals.size();
       for (size_t a = 0; a < n; ++a) {
         const auto* alias = formals[a].alias_info();
         if (alias == nullptr || !alias->isWrite()) continue;
         for_each_tensor((*stack)[stack->size() - n + a], [&](const at::Tensor& t) { frame_->before_write(t); });
       }
     }
+    // NOTE [tensors the first run writes]
+    frame_->first_writes.before(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n));
     if (selective_) {
       selective_->on_op(op, ks, stack);
     } else {
       dispatch::run_below(op, ks, stack);
     }
+    const size_t nout = schema.returns().size();
+    frame_->first_writes.made(op, c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nout, nout));
   }
   void on_tag(const at::Tensor& t, const std::string& name) override {
     if (selective_) selective_->on_tag(t, name);
@@ -662,7 +669,10 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
     if (options.offload()) f.selective->set_offload(detail::OffloadStore::shared(*options.offload()));
     selective_run = f.selective->first_run();
   }
-  for (const auto& t : inputs) f.forward_inputs.push_back(t);
+  for (const auto& t : inputs) {
+    f.forward_inputs.push_back(t);
+    f.first_writes.adopt(t);  // NOTE [inputs written by the region] covers them
+  }
   interceptor_ = std::make_unique<FirstRunGuard>(frame_.get(), std::move(selective_run));
   dispatch_scope_ = std::make_unique<dispatch::Scope>(interceptor_.get(), options.debug() ? &f.forward_ops : nullptr);
 }
@@ -679,6 +689,21 @@ Region::~Region() {
     f.input_impls.clear();
     f.forward_inputs.clear();
     f.forward_done = true;
+    // NOTE [tensors the first run writes]: a tensor that existed before the
+    // region and that its forward wrote in place (an average kept on
+    // another module, updated in each block, then read) is replayed as a
+    // module buffer is: a re-run starts from its value before the forward,
+    // not from what later code left in it, and its current value is put
+    // back after. Parameters stay with the parameter check (a write into
+    // one is refused at backward); the module's own buffers are captured.
+    for (auto& [t, before] : f.first_writes.take_copies()) {
+      if (is_parameter_like(t)) continue;
+      bool known = false;
+      for (const auto& b : f.replay.buffers) known = known || b.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+      if (known) continue;
+      f.replay.buffers.push_back(t);
+      f.replay.buffer_values.push_back(std::move(before));
+    }
     // What re-runs inside the forward refilled (for fn's own grad) and that
     // grad did not consume is recomputed again in backward, not kept.
     for (auto& s : f.slots) {
