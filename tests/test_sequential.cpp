@@ -1082,6 +1082,20 @@ TEST(CheckpointedSequentialErrors, AnInputWrittenInPlaceBeforeBackwardIsRefused)
                 "the input unchanged until backward has run.");
     }
   }
+  // create_graph re-runs the whole chain from its input: refused alike.
+  auto seq = make_mlp(4, 8);
+  remat::CheckpointedSequential net(seq, remat::SequentialOptions().segments(2));
+  auto x = torch::randn({3, 8}, torch::requires_grad());
+  auto h = x * 1;
+  auto loss = net->forward(h).square().sum();
+  {
+    torch::NoGradGuard no_grad;
+    h.mul_(2);
+  }
+  EXPECT_EQ(error_of([&] { torch::autograd::grad({loss}, {x}, {}, true, /*create_graph=*/true); }),
+            "[remat::CheckpointedSequential] input 0 of the chain was modified in place after the forward "
+            "(version 0 -> 1); recomputing from it would give wrong gradients. Modify a clone instead, or keep "
+            "the input unchanged until backward has run.");
 }
 
 TEST(CheckpointedSequentialErrors, ExplicitScheduleThatDoesNotFit) {

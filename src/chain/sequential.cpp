@@ -697,6 +697,7 @@ struct Execution : std::enable_shared_from_this<Execution> {
    *  it is, for a later ordinary backward. */
   ta::variable_list higher_order_backward(ta::variable_list& grads_out) {
     const uint64_t seq0 = at::sequence_number::peek();
+    check_input_unchanged();  // the re-run below reads the input
     Values h = input;
     // Re-runs: their writes are undone when the execution ends (the graph
     // made here lives on in the returned gradients).

@@ -44,9 +44,15 @@ void WriteGuard::before(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue
 }
 
 void WriteGuard::made(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> outputs) {
-  if (op.schema().is_mutable() || is_view_like(op)) return;
-  for (const auto& o : outputs) {
-    tensors_of(o, [&](const at::Tensor& t) {
+  if (is_view_like(op)) return;
+  const auto& returns = op.schema().returns();
+  const bool mutable_op = op.schema().is_mutable();
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    // A mutable op's returns that alias an argument (in-place, out=) are
+    // not new; its other returns are (batch norm's output beside the
+    // running statistics it updates).
+    if (mutable_op && (r >= returns.size() || returns[r].alias_info() != nullptr)) continue;
+    tensors_of(outputs[r], [&](const at::Tensor& t) {
       if (t.has_storage()) made_.insert(t.storage().unsafeGetStorageImpl());
     });
   }

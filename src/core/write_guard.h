@@ -10,8 +10,9 @@
 // failed) it writes the copies back, last first. Storages made by the
 // recompute (op outputs, and outputs a selective policy hands back) are not
 // copied: the recompute's own tensors must keep what it computed. Cost:
-// one boxed call per op during recomputes only, and a copy per written
-// pre-existing tensor.
+// one boxed call per op during recomputes, and a copy per written
+// pre-existing tensor. A region's first run keeps such copies too (NOTE
+// [tensors the first run writes] in region/checkpoint.cpp).
 #pragma once
 
 #include "dispatch.h"

@@ -618,6 +618,8 @@ struct StepInBackwardImpl {
       st.state_write_failures = store->failures(&st.last_state_error);
     }
     const int64_t ended = generation++;
+    // NOTE [backward inside a backward]: the marks belong to this backward.
+    for (auto& q : params) q.nested_task = -1;
     ended_task = task;
     ended_generation = ended;
     const std::optional<bool>& set_to_none = options.zero_grad_set_to_none();

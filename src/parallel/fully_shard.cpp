@@ -1049,6 +1049,7 @@ void FullyShard::save_full(const std::string& path) {
   Impl& m = *impl_;
   if (m.in_backward)
     throw Error("[remat::parallel] FullyShard::save_full ran during a backward; call it between steps.");
+  m.check_gathered();  // NOTE [stale gathered values]: gathered before an optimizer's step
   // Units gathered already (the root between forward() and backward, kept
   // ones) stay so: a backward may still need them.
   std::vector<char> was_gathered;

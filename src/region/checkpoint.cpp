@@ -673,6 +673,9 @@ void Region::init(const CheckpointOptions& options, const std::vector<at::Tensor
     f.forward_inputs.push_back(t);
     f.first_writes.adopt(t);  // NOTE [inputs written by the region] covers them
   }
+  // The module's buffers are replayed already, its parameters checked.
+  for (const auto& b : f.replay.buffers) f.first_writes.adopt(b);
+  for (const auto& [p, version] : f.parameters) f.first_writes.adopt(p);
   interceptor_ = std::make_unique<FirstRunGuard>(frame_.get(), std::move(selective_run));
   dispatch_scope_ = std::make_unique<dispatch::Scope>(interceptor_.get(), options.debug() ? &f.forward_ops : nullptr);
 }

@@ -13,7 +13,11 @@
 // the last block (no rank uses it then).
 // --freeze: the blocks' attention qkv and MLP fc layers are frozen (units of
 // frozen and trainable parameters). --eval: after each step's backward, an
-// evaluation forward without gradient, before the optimizer's step.
+// evaluation forward without gradient, before the optimizer's step;
+// --eval-grad: that evaluation with gradient, its graph dropped (the root and
+// kept units stay gathered). --sgd: SGD with momentum 0.9 at lr 0.1 (its
+// step writes through p.data(), not bumping the shards' versions) instead
+// of AdamW.
 // Exit codes: 0 done, 3 an error (message on stderr), 7 killed itself on
 // purpose (--die-at-step, rank world-1, before that step's backward).
 //
@@ -33,6 +37,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 #include <torch/types.h>
 
@@ -68,7 +73,8 @@ int main(int argc, char** argv) {
   const std::string units = arg(argc, argv, "units", "blocks");
   const std::string out = arg(argc, argv, "out", "");
   const bool plain = flag(argc, argv, "plain");
-  const bool eval = flag(argc, argv, "eval");
+  const bool eval = flag(argc, argv, "eval") || flag(argc, argv, "eval-grad");
+  const bool eval_grad = flag(argc, argv, "eval-grad");
   const int skip_every = std::stoi(arg(argc, argv, "skip-last-block-every", "0"));
   try {
     torch::set_num_threads(1);
@@ -126,7 +132,14 @@ int main(int argc, char** argv) {
     std::optional<remat::AutoCheckpoint> planner;
     if (strategy == "auto")
       planner.emplace(remat::auto_checkpoint(gpt, remat::AutoOptions().memory_budget_fraction(1.0)));
-    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
+    std::unique_ptr<torch::optim::Optimizer> opt_ptr;
+    if (flag(argc, argv, "sgd")) {
+      opt_ptr = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+    } else {
+      opt_ptr =
+          std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2).eps(1e-3).weight_decay(0.01));
+    }
+    torch::optim::Optimizer& opt = *opt_ptr;
     // --step-in-backward: each shard updated once reduced, in backward's end
     // (the optimizer's step() after it then finds nothing to do).
     std::optional<remat::StepInBackward> in_backward;
@@ -164,7 +177,8 @@ int main(int argc, char** argv) {
         }
       }
       if (eval) {  // an evaluation between backward and the optimizer's step
-        torch::NoGradGuard no_grad;
+        std::optional<torch::NoGradGuard> no_grad;
+        if (!eval_grad) no_grad.emplace();
         auto gen = at::detail::createCPUGenerator(7);
         auto tok = torch::randint(cfg.vocab, {batch, cfg.seq_len + 1}, gen, torch::kLong);
         auto x = tok.slice(1, 0, cfg.seq_len), y = tok.slice(1, 1, cfg.seq_len + 1);

@@ -294,8 +294,8 @@ TEST(FullyShardUse, EvaluationWithGradientReadsTheCurrentShardsOfUnitsKeptGather
 }
 // NOTE [stale gathered values]: LibTorch's SGD steps through p.data(), which
 // left the shard's version as it was: the units (and the root) an evaluation
-// with gradient left gathered served the values before the step (a loss of
-// 1.0037 for 1.0634 on two ranks).
+// with gradient left gathered served the values before the step (4.1726 for
+// 4.1365 here). Two ranks: FullyShardProcesses.TwoRanksWithSgd...
 TEST(FullyShardUse, EvaluationWithGradientThenAnSgdStepReadsTheCurrentShards) {
   expect_evaluations_read_current_shards(FullyShardOptions().reshard_after_forward(false), true, "eval_grad_sgd",
                                          Opt::kSgdMomentum);

@@ -962,6 +962,14 @@ TEST(FullyShardProcesses, ABlockNoRankUsesOnAStepIsLeftAsPlain) {
   expect_sharded_equals_plain(2, "none", {"--skip-last-block-every", "2"});
   expect_sharded_equals_plain(2, "block", {"--skip-last-block-every", "2"}, {"--step-in-backward"});
 }
+// NOTE [stale gathered values] at two ranks: an evaluation with gradient
+// (graph dropped) leaves the root and every unit gathered (no reshard after
+// forward); SGD then steps through p.data(), which leaves the shards'
+// versions as they were. Each rank compares what it holds with its shards
+// and one all-reduce decides: the next step gathers again, as one process.
+TEST(FullyShardProcesses, TwoRanksWithSgdAndAnEvaluationWithGradientEqualOne) {
+  expect_sharded_equals_plain(2, "none", {"--sgd", "--eval-grad"}, {"--no-reshard"});
+}
 TEST(FullyShardProcesses, FourRanksEqualOnePerBlock) { expect_sharded_equals_plain(4, "block"); }
 TEST(FullyShardProcesses, FourRanksEqualOneNestedUnitsCheckpointed) {
   expect_sharded_equals_plain(4, "block", {"--units", "all"});
