@@ -1371,8 +1371,8 @@ TEST(Auto, PlannedStepsThatSendNothingAndAddLittleCalibrateThePlainTime) {
   EXPECT_EQ(choice(), kept);
   EXPECT_NE(planner.explain().find("plain as measured by planned steps since: "), std::string::npos)
       << planner.explain();
-  // Every unit recomputes: what that adds is over 10% of the plain step
-  // (a third of it or so), so its steps (slow ones here) leave the plain
+  // Every unit recomputes: what that adds (each unit's forward again) is
+  // over 10% of the plain step, so its steps (slow ones here) leave the plain
   // time. Not the leanest plan: it mixes keep and selective options, and
   // on a loaded machine it measured +9.1%, too near the line.
   const double plain = planner.plain_time_ms();
