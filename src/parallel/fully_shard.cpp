@@ -207,18 +207,10 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
       changed[static_cast<int64_t>(k)] = c ? 1.0f : 0.0f;
     }
     if (world > 1) {
-      std::vector<at::Tensor> ts{changed.to(device)};  // the backend's device (NCCL: CUDA)
-      c10d::AllreduceOptions o;
-      o.reduceOp = c10d::ReduceOp::MAX;
-      o.timeout = group.timeout();
-      c10::intrusive_ptr<c10d::Work> work;
-      try {
-        work = group.c10d()->allreduce(ts, o);
-      } catch (const std::exception& e) {
-        collective_failed("all-reduce of the gathered units' freshness", e);
-      }
-      wait(work, "all-reduce of the gathered units' freshness");
-      changed = ts[0].cpu();
+      at::Tensor flags = changed.to(device);  // the backend's device (NCCL: CUDA)
+      const std::string what = "all-reduce of the gathered units' freshness";
+      wait(start_allreduce(flags, c10d::ReduceOp::MAX, what), what);
+      changed = flags.cpu();
     }
     for (size_t k = 0; k < kept.size(); ++k) {
       if (changed[static_cast<int64_t>(k)].item<float>() == 0.0f) continue;
@@ -243,6 +235,19 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
                 ". A peer process probably exited or stopped answering (timeout " +
                 std::to_string(group.timeout().count() / 1000) +
                 " s); every rank must run the same units in the same order.");
+  }
+
+  /** Starts an all-reduce of t in place (op over the ranks). */
+  c10::intrusive_ptr<c10d::Work> start_allreduce(at::Tensor& t, c10d::ReduceOp::RedOpType op, const std::string& what) {
+    std::vector<at::Tensor> ts{t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op;
+    o.timeout = group.timeout();
+    try {
+      return group.c10d()->allreduce(ts, o);
+    } catch (const std::exception& e) {
+      collective_failed(what, e);
+    }
   }
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
@@ -555,17 +560,10 @@ struct FullyShard::Impl : std::enable_shared_from_this<FullyShard::Impl> {
           break;
         }
       }
-      std::vector<at::Tensor> ts{used};
-      c10d::AllreduceOptions o;
-      o.timeout = group.timeout();
-      c10::intrusive_ptr<c10d::Work> work;
-      try {
-        work = group.c10d()->allreduce(ts, o);
-      } catch (const std::exception& e) {
-        collective_failed("all-reduce of the units each rank used", e);
-      }
+      const std::string what = "all-reduce of the units each rank used";
+      auto work = start_allreduce(used, c10d::ReduceOp::SUM, what);
       complete_reductions();
-      wait(work, "all-reduce of the units each rank used");
+      wait(work, what);
       const at::Tensor any = used.cpu();
       std::vector<std::pair<size_t, at::Tensor>> held;
       held.swap(held_zero);
